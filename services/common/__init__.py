@@ -1,0 +1,1 @@
+"""Shared pieces of every llm-mesh service: bootstrap, errors, settings, metrics."""

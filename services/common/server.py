@@ -1,0 +1,305 @@
+"""The one server bootstrap every service uses.
+
+It owns what is the same everywhere: the gRPC server and its options, the error
+interceptor with its status-code table, health and reflection, the Prometheus
+endpoint, and graceful shutdown (NOT_SERVING first, then finish in-flight RPCs,
+then exit). A service plugs in through a small ``ServiceRuntime``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer as AsyncHealthServicer
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from services.common import errors
+from services.common.metrics import REQUEST_SECONDS, REQUESTS
+from services.common.settings import ServerOptions
+
+log = logging.getLogger("llmmesh.server")
+
+
+class HealthReporter:
+    """Sets the health status of the whole server and each of its services."""
+
+    def __init__(self, servicer: AsyncHealthServicer, names: Sequence[str]) -> None:
+        self._servicer = servicer
+        self._names = ["", *names]
+        self.serving = False
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        self.serving = serving
+        for name in self._names:
+            await self._servicer.set(name, status)
+
+
+class ServiceRuntime(Protocol):
+    """What a service gives the bootstrap."""
+
+    #: Full proto service names, e.g. ``["llmmesh.v1.Inference"]``.
+    service_names: Sequence[str]
+
+    def register(self, server: grpc.aio.Server) -> None:
+        """Add the servicers to the server."""
+
+    async def start(self, health: HealthReporter) -> None:
+        """Load what the service needs, then call ``health.set_serving(True)``."""
+
+    async def drain(self) -> None:
+        """Stop admitting new work (health is already NOT_SERVING)."""
+
+    async def close(self) -> None:
+        """Release resources after the server stopped."""
+
+
+def rich_status_trailers(
+    code: grpc.StatusCode, message: str, retry_after_s: float | None
+) -> tuple[tuple[str, bytes], ...]:
+    """Trailing metadata carrying a google.rpc.Status with RetryInfo, as clients expect."""
+    if retry_after_s is None:
+        return ()
+    seconds = int(retry_after_s)
+    info = error_details_pb2.RetryInfo(
+        retry_delay=duration_pb2.Duration(seconds=seconds, nanos=int((retry_after_s - seconds) * 1e9))
+    )
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    status = status_pb2.Status(code=code.value[0], message=message, details=[detail])
+    return (("grpc-status-details-bin", status.SerializeToString()),)
+
+
+async def abort_for(exc: BaseException, context: grpc.aio.ServicerContext[Any, Any], method: str) -> None:
+    """Abort the RPC with the status the error table gives ``exc``."""
+    code = errors.status_for(exc)
+    message = str(exc) or type(exc).__name__
+    trailing: tuple[tuple[str, Any], ...] = ()
+    if isinstance(exc, errors.Overloaded):
+        trailing = rich_status_trailers(code, message, exc.retry_after_s)
+    elif isinstance(exc, errors.Conflict):
+        trailing = exc.trailing
+    if code == grpc.StatusCode.INTERNAL:
+        # Logged once, here; the client only sees a short message.
+        log.error("%s failed", method, exc_info=exc)
+        message = f"internal error: {type(exc).__name__}: {exc}"
+    await context.abort(code, message, trailing_metadata=trailing)
+
+
+def _code_name(context: grpc.aio.ServicerContext[Any, Any], default: str) -> str:
+    code = context.code() if hasattr(context, "code") else None
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    return default
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps handler exceptions to status codes and counts every RPC by outcome."""
+
+    def __init__(self, service: str) -> None:
+        self._service = service
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        service = self._service
+
+        async def run_unary(behavior: Any, request: Any, context: Any) -> Any:
+            started = time.perf_counter()
+            code = "OK"
+            try:
+                return await behavior(request, context)
+            except asyncio.CancelledError:
+                code = "CANCELLED"
+                raise
+            except grpc.aio.AbortError:
+                code = _code_name(context, "UNKNOWN")
+                raise
+            except Exception as exc:  # the table decides; nothing escapes as UNKNOWN
+                code = errors.status_for(exc).name
+                await abort_for(exc, context, method)
+            finally:
+                REQUESTS.labels(service, method, code).inc()
+                REQUEST_SECONDS.labels(service, method).observe(time.perf_counter() - started)
+
+        async def run_stream(behavior: Any, request: Any, context: Any) -> AsyncIterator[Any]:
+            started = time.perf_counter()
+            code = "OK"
+            try:
+                result = behavior(request, context)
+                if inspect.isasyncgen(result):
+                    async for item in result:
+                        yield item
+                else:
+                    await result
+            except asyncio.CancelledError:
+                code = "CANCELLED"
+                raise
+            except grpc.aio.AbortError:
+                code = _code_name(context, "UNKNOWN")
+                raise
+            except Exception as exc:
+                code = errors.status_for(exc).name
+                await abort_for(exc, context, method)
+            finally:
+                REQUESTS.labels(service, method, code).inc()
+                REQUEST_SECONDS.labels(service, method).observe(time.perf_counter() - started)
+
+        if handler.unary_unary:
+            inner_uu = handler.unary_unary
+
+            async def uu(request: Any, context: Any) -> Any:
+                return await run_unary(inner_uu, request, context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                uu, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.stream_unary:
+            inner_su = handler.stream_unary
+
+            async def su(request_iterator: Any, context: Any) -> Any:
+                return await run_unary(inner_su, request_iterator, context)
+
+            return grpc.stream_unary_rpc_method_handler(
+                su, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream:
+            inner_us = handler.unary_stream
+
+            def us(request: Any, context: Any) -> AsyncIterator[Any]:
+                return run_stream(inner_us, request, context)
+
+            return grpc.unary_stream_rpc_method_handler(
+                us, handler.request_deserializer, handler.response_serializer
+            )
+        inner_ss = handler.stream_stream
+
+        def ss(request_iterator: Any, context: Any) -> AsyncIterator[Any]:
+            return run_stream(inner_ss, request_iterator, context)
+
+        return grpc.stream_stream_rpc_method_handler(
+            ss, handler.request_deserializer, handler.response_serializer
+        )
+
+
+def server_channel_options(options: ServerOptions) -> list[tuple[str, Any]]:
+    """gRPC core options: message bounds, keepalive policing, handshake timeout."""
+    return [
+        ("grpc.max_receive_message_length", options.max_message_bytes),
+        ("grpc.max_send_message_length", options.max_message_bytes),
+        ("grpc.server_handshake_timeout_ms", options.handshake_timeout_ms),
+        # Keepalive policing: clients may ping at most every 10 s; abusers get GOAWAY.
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_ping_strikes", 2),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def server_credentials(options: ServerOptions) -> grpc.ServerCredentials | None:
+    if options.tls_cert is None or options.tls_key is None:
+        return None
+    with open(options.tls_key, "rb") as f:
+        key = f.read()
+    with open(options.tls_cert, "rb") as f:
+        cert = f.read()
+    ca = None
+    if options.tls_client_ca:
+        with open(options.tls_client_ca, "rb") as f:
+            ca = f.read()
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+    )
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+async def serve(options: ServerOptions, runtime: ServiceRuntime) -> None:
+    """Serve until SIGTERM/SIGINT, then drain and stop gracefully."""
+    server = grpc.aio.server(
+        interceptors=[ErrorInterceptor(options.service)], options=server_channel_options(options)
+    )
+    runtime.register(server)
+    health_servicer = AsyncHealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = list(runtime.service_names)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    reporter = HealthReporter(health_servicer, names)
+    await reporter.set_serving(False)
+
+    address = f"{options.host}:{options.port}"
+    creds = server_credentials(options)
+    port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    await server.start()
+    # Tests and the launcher read this line to learn an ephemeral port.
+    print(f"llm-mesh {options.service} listening on {options.host}:{port}", flush=True)
+    if options.metrics_port is not None:
+        httpd, _ = start_http_server(options.metrics_port, addr=options.host)
+        print(f"llm-mesh {options.service} metrics on {options.host}:{httpd.server_port}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    start_task = asyncio.create_task(runtime.start(reporter))
+    stop_task = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({start_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    if start_task in done and start_task.exception() is not None:
+        log.error("%s failed to start", options.service, exc_info=start_task.exception())
+        await server.stop(0)
+        await runtime.close()
+        raise SystemExit(1)
+    if start_task in done:
+        log.info("%s ready on port %d", options.service, port)
+    await stop_task
+
+    log.info("%s draining", options.service)
+    await reporter.set_serving(False)
+    if not start_task.done():
+        start_task.cancel()
+    await runtime.drain()
+    if options.drain_seconds > 0:
+        await asyncio.sleep(options.drain_seconds)
+    await server.stop(options.grace_seconds)
+    await runtime.close()
+    log.info("%s stopped", options.service)
+
+
+def run(options: ServerOptions, runtime: ServiceRuntime) -> None:
+    """Entry point for a service's ``__main__``: logging, uvloop, serve."""
+    configure_logging(options.log_level)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover - uvloop is optional
+        pass
+    asyncio.run(serve(options, runtime))

@@ -1,0 +1,116 @@
+"""Run services as real processes on ephemeral ports, for integration and e2e tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+LISTEN_RE = re.compile(r"llm-mesh (\S+) listening on (\S+):(\d+)")
+METRICS_RE = re.compile(r"llm-mesh (\S+) metrics on (\S+):(\d+)")
+
+
+class ServiceProcess:
+    """One service started as ``python -m <module> --port 0 …``.
+
+    The bootstrap prints ``llm-mesh <service> listening on HOST:PORT``; we read
+    the port from there, so tests never race for a port.
+    """
+
+    def __init__(self, module: str, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.module = module
+        self.args = args
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+        self.proc: subprocess.Popen[str] | None = None
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self.lines: list[str] = []
+        self._port_seen = threading.Event()
+
+    @property
+    def address(self) -> str:
+        assert self.port is not None, "not started"
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 180.0, wait_serving: bool = True) -> ServiceProcess:
+        cmd = [sys.executable, "-m", self.module, *self.args]
+        if "--port" not in self.args:
+            cmd += ["--port", "0"]
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        threading.Thread(target=self._pump, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while not self._port_seen.wait(0.1):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.module} did not start:\n" + self.output())
+        if wait_serving:
+            self.wait_serving(max(1.0, deadline - time.monotonic()))
+        return self
+
+    def _pump(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if m := LISTEN_RE.search(line):
+                self.port = int(m.group(3))
+                self._port_seen.set()
+            if m := METRICS_RE.search(line):
+                self.metrics_port = int(m.group(3))
+
+    def output(self) -> str:
+        return "\n".join(self.lines[-200:])
+
+    def health(self, service: str = "", timeout: float = 2.0) -> int:
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
+
+    def wait_serving(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.module} exited:\n" + self.output())
+            try:
+                if self.health() == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.module} not SERVING after {timeout}s:\n" + self.output())
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+    def __enter__(self) -> ServiceProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
