@@ -25,7 +25,7 @@ from grpc_health.v1._async import HealthServicer as AsyncHealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from services.common import errors
+from services.common import errors, tracing
 from services.common.metrics import REQUEST_SECONDS, REQUESTS
 from services.common.settings import ServerOptions
 
@@ -243,8 +243,11 @@ def configure_logging(level: str) -> None:
 
 async def serve(options: ServerOptions, runtime: ServiceRuntime) -> None:
     """Serve until SIGTERM/SIGINT, then drain and stop gracefully."""
+    tracing.setup(options.service)
     server = grpc.aio.server(
-        interceptors=[ErrorInterceptor(options.service)], options=server_channel_options(options)
+        # Tracing outermost, so a span covers the error mapping too.
+        interceptors=[tracing.ServerTracingInterceptor(options.service), ErrorInterceptor(options.service)],
+        options=server_channel_options(options),
     )
     runtime.register(server)
     health_servicer = AsyncHealthServicer()
@@ -290,6 +293,7 @@ async def serve(options: ServerOptions, runtime: ServiceRuntime) -> None:
         await asyncio.sleep(options.drain_seconds)
     await server.stop(options.grace_seconds)
     await runtime.close()
+    tracing.shutdown()
     log.info("%s stopped", options.service)
 
 

@@ -1,0 +1,1 @@
+"""Terminal clients of the router: `llm-mesh chat`, `ask` and `status`."""

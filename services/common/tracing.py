@@ -1,0 +1,433 @@
+"""OpenTelemetry tracing for every service: exporter choice, W3C traceparent over gRPC metadata, stage spans.
+
+One trace per client request: the server interceptor continues the caller's
+trace from the ``traceparent`` metadata, and the client interceptors (installed
+on every ``grpc.aio`` channel made after :func:`setup`) pass the current span on
+to the next service. Where the time of a generation went (queue wait, prefill,
+decode) is already reported in the ``Timings`` of the final stream message, so
+those spans are rebuilt from it instead of threading a tracer through the engine.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.propagators.textmap import Getter, Setter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+log = logging.getLogger("llmmesh.tracing")
+
+TRACE_FILE_ENV = "LLMMESH_TRACE_FILE"
+TRACE_CONSOLE_ENV = "LLMMESH_TRACE_CONSOLE"
+OTLP_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
+
+# W3C trace context only: it is what every OpenTelemetry SDK and mesh proxy speaks.
+_PROPAGATOR = TraceContextTextMapPropagator()
+_TRACER_NAME = "llmmesh"
+
+# Client calls worth a named span of their own on the caller's side: the stages
+# a slow request is usually blamed on.
+CLIENT_STAGE_NAMES: dict[str, str] = {
+    "/llmmesh.v1.Retriever/Search": "retrieval",
+    "/llmmesh.v1.Retriever/CacheLookup": "semantic cache lookup",
+    "/llmmesh.v1.Session/GetSession": "session history",
+    "/llmmesh.v1.Session/AppendTurns": "session save",
+}
+
+_provider: TracerProvider | None = None
+_channel_patch_lock = threading.Lock()
+_channels_patched = False
+
+
+class JsonLinesSpanExporter(SpanExporter):
+    """Appends one JSON object per finished span to a file (debugging, and tests across processes)."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        lines = [json.dumps(span_record(span)) + "\n" for span in spans]
+        with self._lock, open(self._path, "a", encoding="utf-8") as f:
+            f.writelines(lines)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        return None
+
+
+def span_record(span: ReadableSpan) -> dict[str, Any]:
+    """A span as plain JSON: ids in the W3C hex form, so records from different processes join."""
+    ctx = span.get_span_context()
+    parent = span.parent
+    return {
+        "name": span.name,
+        "service": span.resource.attributes.get("service.name"),
+        "trace_id": format(ctx.trace_id, "032x") if ctx else None,
+        "span_id": format(ctx.span_id, "016x") if ctx else None,
+        "parent_span_id": format(parent.span_id, "016x") if parent else None,
+        "kind": span.kind.name,
+        "start_ns": span.start_time,
+        "end_ns": span.end_time,
+        "status": span.status.status_code.name,
+        "attributes": {k: _jsonable(v) for k, v in (span.attributes or {}).items()},
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def exporter_from_env() -> tuple[SpanExporter, bool] | None:
+    """The exporter the environment asks for, and whether to batch; None means export nothing."""
+    if os.environ.get(OTLP_ENDPOINT_ENV):
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        # The exporter reads the endpoint, headers and TLS settings from the OTEL_* variables itself.
+        return OTLPSpanExporter(), True
+    trace_file = os.environ.get(TRACE_FILE_ENV)
+    if trace_file:
+        # Unbatched: a debugging file should hold a span as soon as it ends, even if the process is killed.
+        return JsonLinesSpanExporter(trace_file), False
+    if os.environ.get(TRACE_CONSOLE_ENV, "").lower() in ("1", "true", "yes", "on"):
+        return ConsoleSpanExporter(), False
+    return None
+
+
+def setup(service_name: str, exporter: SpanExporter | None = None) -> TracerProvider:
+    """Install a tracer provider for this process and trace-propagating gRPC client channels.
+
+    ``exporter`` overrides the environment's choice (tests pass an in-memory one).
+    Without any exporter spans are still created, so trace ids propagate, but
+    nothing leaves the process.
+    """
+    global _provider
+    provider = TracerProvider(resource=Resource.create({"service.name": f"llm-mesh-{service_name}"}))
+    if exporter is not None:
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    else:
+        chosen = exporter_from_env()
+        if chosen is not None:
+            env_exporter, batched = chosen
+            processor = BatchSpanProcessor(env_exporter) if batched else SimpleSpanProcessor(env_exporter)
+            provider.add_span_processor(processor)
+    _provider = provider
+    install_channel_interceptors()
+    return provider
+
+
+def shutdown() -> None:
+    """Flush and stop the exporter (called once the server has stopped)."""
+    global _provider
+    if _provider is not None:
+        _provider.shutdown()
+        _provider = None
+
+
+def tracer() -> trace.Tracer:
+    """This process's tracer (a no-op one before :func:`setup`)."""
+    if _provider is not None:
+        return _provider.get_tracer(_TRACER_NAME)
+    return trace.get_tracer(_TRACER_NAME)
+
+
+@contextmanager
+def stage(name: str, **attributes: str | int | float | bool) -> Iterator[Span]:
+    """A child span of the current one for one stage of a request (e.g. ``cache lookup``)."""
+    with tracer().start_as_current_span(name, attributes=attributes) as span:
+        yield span
+
+
+class _MetadataGetter(Getter[dict[str, str]]):
+    def get(self, carrier: dict[str, str], key: str) -> list[str] | None:
+        value = carrier.get(key)
+        return [value] if value is not None else None
+
+    def keys(self, carrier: dict[str, str]) -> list[str]:
+        return list(carrier)
+
+
+class _MetadataSetter(Setter[list[tuple[str, str]]]):
+    def set(self, carrier: list[tuple[str, str]], key: str, value: str) -> None:
+        carrier.append((key, value))
+
+
+def extract_context(metadata: Sequence[tuple[str, str | bytes]] | None) -> otel_context.Context:
+    """The caller's trace context from gRPC invocation metadata."""
+    carrier = {k.lower(): v for k, v in (metadata or ()) if isinstance(v, str)}
+    return _PROPAGATOR.extract(carrier, getter=_MetadataGetter())
+
+
+def inject_metadata(metadata: Sequence[tuple[str, str | bytes]] | None) -> list[tuple[str, str | bytes]]:
+    """``metadata`` plus the current span's ``traceparent`` (any stale one replaced)."""
+    headers: list[tuple[str, str]] = []
+    _PROPAGATOR.inject(headers, setter=_MetadataSetter())
+    injected = {k for k, _ in headers}
+    kept = [(k, v) for k, v in (metadata or ()) if k.lower() not in injected]
+    return [*kept, *headers]
+
+
+def record_stage_spans(parent: Span, message: Any, end_ns: int) -> None:
+    """Child spans for queue wait, prefill and decode from a final message's ``Timings``.
+
+    Inference ends a stream with ``GenerationFinished`` and the router with
+    ``TurnEnd``; both carry the timings the engine measured, so the spans are
+    placed backwards from the moment that message was sent.
+    """
+    end = _final_event(message)
+    if end is None or not end.HasField("timings"):
+        return
+    timings = end.timings
+    stages = [
+        ("queue wait", timings.queue_ms),
+        ("prefill", timings.prefill_ms),
+        ("decode", timings.decode_ms),
+    ]
+    if not any(ms > 0 for _, ms in stages):
+        return
+    ctx = trace.set_span_in_context(parent)
+    cursor = end_ns - int(sum(max(ms, 0.0) for _, ms in stages) * 1e6)
+    for name, ms in stages:
+        duration = int(max(ms, 0.0) * 1e6)
+        span = tracer().start_span(name, context=ctx, start_time=cursor, attributes={"duration_ms": ms})
+        span.end(end_time=cursor + duration)
+        cursor += duration
+    if timings.ttft_ms > 0:
+        parent.set_attribute("llmmesh.ttft_ms", timings.ttft_ms)
+
+
+def _final_event(message: Any) -> Any | None:
+    """The ``finished`` / ``end`` part of a stream message, when it is the last one."""
+    which = getattr(message, "WhichOneof", None)
+    if which is None:
+        return None
+    try:
+        event = message.WhichOneof("event")
+    except ValueError:
+        return None
+    if event in ("finished", "end"):
+        return getattr(message, event)
+    return None
+
+
+class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
+    """Continues the caller's trace: one SERVER span per RPC, with stage spans from final timings."""
+
+    def __init__(self, service: str) -> None:
+        self._service = service
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        full_method = handler_call_details.method
+        # Health checks and reflection would drown every real trace.
+        if handler is None or full_method.startswith(("/grpc.health", "/grpc.reflection")):
+            return handler
+        metadata = tuple(handler_call_details.invocation_metadata or ())
+        name = full_method.lstrip("/")
+        attributes = {"rpc.system": "grpc", "rpc.method": name, "llmmesh.service": self._service}
+
+        def open_span() -> Span:
+            return tracer().start_span(
+                name, context=extract_context(metadata), kind=SpanKind.SERVER, attributes=attributes
+            )
+
+        async def run_unary(behavior: Any, request: Any, context: Any) -> Any:
+            span = open_span()
+            try:
+                with trace.use_span(
+                    span, end_on_exit=False, record_exception=False, set_status_on_exception=False
+                ):
+                    return await behavior(request, context)
+            except BaseException as exc:
+                _mark_failed(span, exc)
+                raise
+            finally:
+                span.end()
+
+        async def run_stream(behavior: Any, request: Any, context: Any) -> AsyncIterator[Any]:
+            span = open_span()
+            try:
+                with trace.use_span(
+                    span, end_on_exit=False, record_exception=False, set_status_on_exception=False
+                ):
+                    result = behavior(request, context)
+                    if inspect.isasyncgen(result):
+                        async for item in result:
+                            record_stage_spans(span, item, time.time_ns())
+                            yield item
+                    else:
+                        await result
+            except BaseException as exc:
+                _mark_failed(span, exc)
+                raise
+            finally:
+                span.end()
+
+        if handler.unary_unary:
+            inner_uu = handler.unary_unary
+
+            async def uu(request: Any, context: Any) -> Any:
+                return await run_unary(inner_uu, request, context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                uu, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.stream_unary:
+            inner_su = handler.stream_unary
+
+            async def su(request_iterator: Any, context: Any) -> Any:
+                return await run_unary(inner_su, request_iterator, context)
+
+            return grpc.stream_unary_rpc_method_handler(
+                su, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream:
+            inner_us = handler.unary_stream
+
+            # Async generator functions, not plain functions returning one: grpc.aio picks
+            # its threaded path for anything else.
+            async def us(request: Any, context: Any) -> AsyncIterator[Any]:
+                async for item in run_stream(inner_us, request, context):
+                    yield item
+
+            return grpc.unary_stream_rpc_method_handler(
+                us, handler.request_deserializer, handler.response_serializer
+            )
+        inner_ss = handler.stream_stream
+
+        async def ss(request_iterator: Any, context: Any) -> AsyncIterator[Any]:
+            async for item in run_stream(inner_ss, request_iterator, context):
+                yield item
+
+        return grpc.stream_stream_rpc_method_handler(
+            ss, handler.request_deserializer, handler.response_serializer
+        )
+
+
+def _mark_failed(span: Span, exc: BaseException) -> None:
+    if isinstance(exc, grpc.aio.AbortError | GeneratorExit):
+        # An abort already carries its status to the client; the span just says it failed.
+        span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+        return
+    span.record_exception(exc)
+    span.set_status(Status(StatusCode.ERROR, str(exc) or type(exc).__name__))
+
+
+def _with_traceparent(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+    metadata = inject_metadata(list(details.metadata or ()))
+    return grpc.aio.ClientCallDetails(
+        details.method,
+        details.timeout,
+        grpc.aio.Metadata(*metadata),
+        details.credentials,
+        details.wait_for_ready,
+    )
+
+
+def _method_name(details: grpc.aio.ClientCallDetails) -> str:
+    method = details.method
+    return method.decode() if isinstance(method, bytes) else str(method)
+
+
+class _UnaryUnaryTracing(grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        method = _method_name(client_call_details)
+        stage_name = CLIENT_STAGE_NAMES.get(method)
+        if stage_name is None:
+            return await continuation(_with_traceparent(client_call_details), request)
+        # A CLIENT span for the stages worth naming; the callee's SERVER span becomes its child.
+        with tracer().start_as_current_span(
+            stage_name, kind=SpanKind.CLIENT, attributes={"rpc.system": "grpc", "rpc.method": method}
+        ):
+            call = await continuation(_with_traceparent(client_call_details), request)
+            await call  # the span should cover the whole call, not just its start
+            return call
+
+
+class _UnaryStreamTracing(grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        return await continuation(_with_traceparent(client_call_details), request)
+
+
+class _StreamUnaryTracing(grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(
+        self, continuation: Any, client_call_details: Any, request_iterator: Any
+    ) -> Any:
+        return await continuation(_with_traceparent(client_call_details), request_iterator)
+
+
+class _StreamStreamTracing(grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(
+        self, continuation: Any, client_call_details: Any, request_iterator: Any
+    ) -> Any:
+        return await continuation(_with_traceparent(client_call_details), request_iterator)
+
+
+def client_interceptors() -> list[Any]:
+    """Interceptors that carry the current trace to the callee, for all four call shapes."""
+    return [_UnaryUnaryTracing(), _UnaryStreamTracing(), _StreamUnaryTracing(), _StreamStreamTracing()]
+
+
+def install_channel_interceptors() -> None:
+    """Make every later ``grpc.aio.insecure_channel`` / ``secure_channel`` propagate the trace.
+
+    The same approach as OpenTelemetry's own gRPC instrumentation: services
+    create channels in many places, and none of them should have to remember
+    to pass interceptors for a trace to hold together.
+    """
+    global _channels_patched
+    with _channel_patch_lock:
+        if _channels_patched:
+            return
+        _channels_patched = True
+        original_insecure = grpc.aio.insecure_channel
+        original_secure = grpc.aio.secure_channel
+
+        def insecure_channel(
+            target: str,
+            options: Any = None,
+            compression: Any = None,
+            interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
+        ) -> grpc.aio.Channel:
+            return original_insecure(
+                target, options, compression, [*(interceptors or ()), *client_interceptors()]
+            )
+
+        def secure_channel(
+            target: str,
+            credentials: grpc.ChannelCredentials,
+            options: Any = None,
+            compression: Any = None,
+            interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
+        ) -> grpc.aio.Channel:
+            return original_secure(
+                target, credentials, options, compression, [*(interceptors or ()), *client_interceptors()]
+            )
+
+        grpc.aio.insecure_channel = insecure_channel  # type: ignore[assignment]
+        grpc.aio.secure_channel = secure_channel  # type: ignore[assignment]

@@ -1,0 +1,155 @@
+"""Paged KV-cache bookkeeping: block tables, prefix reuse by chained block hash, refcounts, LRU eviction.
+
+Pure Python: it hands out block ids; the model runner owns the tensors they index.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from services.inference.sequence import Sequence
+
+
+@dataclass
+class Block:
+    """One fixed-size page of KV slots."""
+
+    block_id: int
+    ref_count: int = 0
+    # Set once the block is full and computed: the chained hash of its tokens and
+    # every token before it, and the tokens themselves (to rule out hash collisions).
+    block_hash: int | None = None
+    tokens: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class BlockUsage:
+    """A snapshot of the pool for load reports."""
+
+    used: int
+    cached: int
+    total: int
+
+
+def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    """Hash of a full block given its predecessor's hash, so equal hashes mean equal prefixes."""
+    return hash((parent, tokens))
+
+
+class BlockManager:
+    """Owns ``num_blocks`` blocks of ``block_size`` token slots each."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))
+        # Unreferenced blocks that still hold a reusable prefix, least recently used first.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._by_hash: dict[int, int] = {}
+        # Per sequence: hashes of its full, registered blocks (the chain so far).
+        self._seq_hashes: dict[str, list[int]] = {}
+
+    # -- queries -------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (free plus evictable)."""
+        return len(self._free) + len(self._evictable)
+
+    def usage(self) -> BlockUsage:
+        free = self.num_free_blocks
+        return BlockUsage(used=self.num_blocks - free, cached=len(self._evictable), total=self.num_blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return self.blocks_needed(num_tokens) <= self.num_blocks
+
+    # -- prefix cache ----------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> int:
+        """Attach cached blocks holding ``seq``'s prefix; returns how many tokens they cover.
+
+        Only whole blocks match, and never the last token: the model must run on at
+        least one token to produce logits.
+        """
+        assert not seq.block_table, "prefix matching is only for a sequence with no blocks"
+        hashes: list[int] = []
+        parent: int | None = None
+        limit = (seq.num_tokens - 1) // self.block_size
+        for i in range(limit):
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            h = chain_hash(parent, tokens)
+            block_id = self._by_hash.get(h)
+            if block_id is None or self.blocks[block_id].tokens != tokens:
+                break
+            self._take(block_id)
+            seq.block_table.append(block_id)
+            hashes.append(h)
+            parent = h
+        self._seq_hashes[seq.request_id] = hashes
+        return len(hashes) * self.block_size
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            self._evictable.pop(block_id, None)
+        block.ref_count += 1
+
+    def commit(self, seq: Sequence) -> None:
+        """Register ``seq``'s newly full and computed blocks for reuse by later requests."""
+        hashes = self._seq_hashes.setdefault(seq.request_id, [])
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        while len(hashes) < full:
+            i = len(hashes)
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            h = chain_hash(hashes[-1] if hashes else None, tokens)
+            hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if block.block_hash is None and h not in self._by_hash:
+                block.block_hash = h
+                block.tokens = tokens
+                self._by_hash[h] = block.block_id
+
+    # -- allocation ------------------------------------------------------------
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Give ``seq`` room for ``num_new_tokens`` more computed tokens; False (nothing taken) if no room."""
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if needed <= 0:
+            return True
+        if needed > self.num_free_blocks:
+            return False
+        for _ in range(needed):
+            seq.block_table.append(self._pop_free())
+        return True
+
+    def _pop_free(self) -> int:
+        if self._free:
+            block_id = self._free.popleft()
+        else:
+            # Evict the least recently used cached prefix.
+            block_id, _ = self._evictable.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None and self._by_hash.get(block.block_hash) == block_id:
+                del self._by_hash[block.block_hash]
+            block.block_hash = None
+            block.tokens = ()
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks; hashed ones stay cached (evictable) for prefix reuse."""
+        # Reverse order: a prefix's tail is evicted before its head, keeping heads reusable longer.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is not None:
+                    self._evictable[block_id] = None
+                else:
+                    self._free.append(block_id)
+        seq.block_table = []
+        self._seq_hashes.pop(seq.request_id, None)

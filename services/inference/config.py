@@ -1,0 +1,41 @@
+"""Engine configuration: one frozen dataclass, checked when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to load a model and size its batch and KV cache."""
+
+    model: str
+    model_id: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    # None: enough blocks for max_num_seqs full contexts, under a memory cap.
+    num_kv_blocks: int | None = None
+    max_queued_requests: int = 256
+    # None: the model's own context length, capped (see model_runner.MAX_MODEL_LEN_CAP).
+    max_model_len: int | None = None
+    # torch.compile the forward with bucketed batch sizes (slow warm-up, faster steps).
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be one of {DEVICES} or cuda:N, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_queued_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -1,0 +1,82 @@
+"""Incremental detokenization: emit only complete characters and never a stop string.
+
+Text is decoded over a short window of recent tokens (the vLLM/TGI offset
+scheme) and held back while the tail is a partial UTF-8 character (U+FFFD).
+Stop strings can span tokens, so up to len(longest stop) - 1 characters stay
+unreleased until it is clear they do not begin a stop string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class Decoder(Protocol):
+    """The part of a tokenizer detokenization needs."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+@dataclass
+class DetokenizerUpdate:
+    """What a new token adds: text safe to release now, and the stop string if one matched."""
+
+    text: str
+    matched_stop: str | None = None
+
+
+class IncrementalDetokenizer:
+    """Per-request text state. ``prime`` tokens (resumed output) are decoded but never re-emitted."""
+
+    def __init__(self, tokenizer: Decoder, stop: Seq[str] = (), prime: Seq[int] = ()) -> None:
+        self._tokenizer = tokenizer
+        self._stop = tuple(stop)
+        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._ids: list[int] = list(prime)
+        self._prefix_offset = max(0, len(self._ids) - 6)
+        self._read_offset = len(self._ids)
+        self.text = ""  # decoded text of generated (non-primed) tokens
+        self._emitted = 0
+        self._searched = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _decode_new(self) -> str:
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            return full[len(prefix) :]
+        return ""
+
+    def add(self, token_id: int) -> DetokenizerUpdate:
+        self._ids.append(token_id)
+        self.text += self._decode_new()
+        if self._stop:
+            # Only look where a new match could start.
+            start = max(0, self._searched - self._hold)
+            hit: tuple[int, str] | None = None
+            for s in self._stop:
+                pos = self.text.find(s, start)
+                if pos != -1 and (hit is None or pos < hit[0]):
+                    hit = (pos, s)
+            self._searched = len(self.text)
+            if hit is not None:
+                self.text = self.text[: hit[0]]
+                return DetokenizerUpdate(self._release(len(self.text)), matched_stop=hit[1])
+        return DetokenizerUpdate(self._release(len(self.text) - self._hold))
+
+    def _release(self, upto: int) -> str:
+        if upto <= self._emitted:
+            return ""
+        chunk = self.text[self._emitted : upto]
+        self._emitted = upto
+        return chunk
+
+    def flush(self) -> str:
+        """At the end of generation: whatever text is still held back."""
+        return self._release(len(self.text))

@@ -1,0 +1,309 @@
+"""The synchronous engine core: add requests, then ``step()`` until none are left.
+
+Each step reads as schedule -> execute -> update; aborts requested meanwhile
+(from any thread) are applied between execute and update.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from services.common import errors
+from services.inference.block_manager import BlockManager
+from services.inference.config import EngineConfig
+from services.inference.detokenizer import IncrementalDetokenizer
+from services.inference.model_runner import ModelRunner, load_tokenizer
+from services.inference.sampling import SamplingParams
+from services.inference.scheduler import Scheduler, SchedulerOutput
+from services.inference.sequence import FinishReason, Sequence, SequenceStatus
+
+# Tokens/s is averaged over this many recent seconds.
+THROUGHPUT_WINDOW_S = 5.0
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Milliseconds, as in the proto's Timings."""
+
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    ttft_ms: float = 0.0
+    total_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str
+    # Position in the completion of new_token_ids[0] (resumed tokens count).
+    index: int
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error: str = ""
+    matched_stop: str = ""
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    waiting: int
+    running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_blocks_cached: int
+    tokens_per_second: float
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    stop_ids: frozenset[int] = field(default_factory=frozenset)
+
+
+class LLMEngine:
+    """Continuous batching over one model on one device."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.tokenizer = load_tokenizer(config.model)
+        self.model_id = config.model_id or _model_name(config.model)
+        self.max_model_len = self.runner.max_model_len
+        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self._requests: dict[str, _Request] = {}
+        self._aborts: deque[str] = deque()
+        self._abort_lock = threading.Lock()
+        self._eos_ids = _eos_ids(self.runner.model, self.tokenizer)
+        self._recent: deque[tuple[float, int]] = deque()
+
+    # -- admission -----------------------------------------------------------
+    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, resume_token_ids: Seq[int] = ()) -> None:
+        """Raise ``InvalidArgument`` for a request this engine can never serve (no state touched)."""
+        total = len(prompt_token_ids) + len(resume_token_ids)
+        if not prompt_token_ids:
+            raise errors.InvalidArgument("prompt", "is empty after tokenization")
+        if total >= self.max_model_len:
+            raise errors.InvalidArgument(
+                "prompt",
+                f"{len(prompt_token_ids)} prompt tokens (+{len(resume_token_ids)} resumed) leave no room "
+                f"in the {self.max_model_len}-token context",
+            )
+        if len(resume_token_ids) >= params.max_tokens:
+            raise errors.InvalidArgument(
+                "resume_token_ids", f"{len(resume_token_ids)} resumed tokens already reach max_tokens"
+            )
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise errors.InvalidArgument(
+                "max_tokens",
+                f"{params.max_tokens} plus {len(prompt_token_ids)} prompt tokens exceed the "
+                f"{self.max_model_len}-token context",
+            )
+        vocab = self.runner.vocab_size
+        if any(not 0 <= t < vocab for t in (*prompt_token_ids, *resume_token_ids)):
+            raise errors.InvalidArgument("resume_token_ids", f"token ids must be in [0, {vocab})")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        resume_token_ids: Seq[int] = (),
+    ) -> None:
+        """Queue a request; ``Overloaded`` when the waiting queue is full."""
+        if request_id in self._requests:
+            raise errors.AlreadyExists(f"request {request_id!r} is already running")
+        self.validate(prompt_token_ids, params, resume_token_ids)
+        if len(self.scheduler.waiting) >= self.config.max_queued_requests:
+            raise errors.Overloaded(
+                f"waiting queue is full ({self.config.max_queued_requests} requests)", retry_after_s=1.0
+            )
+        seq = Sequence(
+            request_id=request_id,
+            token_ids=[*prompt_token_ids, *resume_token_ids],
+            num_prompt_tokens=len(prompt_token_ids),
+            num_resumed_tokens=len(resume_token_ids),
+            params=params,
+            seed=params.seed if params.seed is not None else random.getrandbits(63),
+        )
+        stop_ids = frozenset() if params.ignore_eos else self._eos_ids
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop, prime=resume_token_ids)
+        self._requests[request_id] = _Request(seq, detok, stop_ids)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Ask for the request to end at the next step (safe from any thread)."""
+        with self._abort_lock:
+            self._aborts.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborts)
+
+    # -- the loop ------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        sampled = self.runner.execute(plan.scheduled) if plan.scheduled else []
+        outputs = self._drain_aborts()
+        outputs += self._update(plan, sampled)
+        return outputs
+
+    def _drain_aborts(self) -> list[RequestOutput]:
+        with self._abort_lock:
+            ids = list(self._aborts)
+            self._aborts.clear()
+        outputs = []
+        for rid in ids:
+            req = self._requests.pop(rid, None)
+            if req is None:
+                continue
+            self.scheduler.finish(req.seq, SequenceStatus.FINISHED_ABORTED)
+            outputs.append(self._final(req, [], ""))
+        return outputs
+
+    def _update(self, plan: SchedulerOutput, sampled: list[int]) -> list[RequestOutput]:
+        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        for seq in plan.errored:
+            req = self._requests.pop(seq.request_id, None)
+            if req is not None:
+                outputs.append(self._final(req, [], ""))
+        drawn = iter(sampled)
+        generated = 0
+        for chunk in plan.scheduled:
+            seq = chunk.seq
+            token = next(drawn) if chunk.samples else None
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            self.scheduler.advance(chunk)
+            if seq.prefill_done_time is None and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                seq.prefill_done_time = now
+            if token is None:
+                continue
+            req = self._requests[seq.request_id]
+            index = seq.num_output_tokens
+            seq.token_ids.append(token)
+            generated += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            status = self._check_stop(req, token)
+            update = req.detokenizer.add(token)
+            if update.matched_stop is not None:
+                status = SequenceStatus.FINISHED_STOPPED
+            if status is None:
+                outputs.append(RequestOutput(seq.request_id, [token], update.text, index))
+                continue
+            self.scheduler.finish(seq, status)
+            del self._requests[seq.request_id]
+            text = update.text + ("" if update.matched_stop else req.detokenizer.flush())
+            outputs.append(self._final(req, [token], text, index, update.matched_stop or ""))
+        if generated:
+            self._recent.append((now, generated))
+        return outputs
+
+    def _check_stop(self, req: _Request, token: int) -> SequenceStatus | None:
+        seq = req.seq
+        if token in req.stop_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def _final(
+        self, req: _Request, tokens: list[int], text: str, index: int | None = None, matched_stop: str = ""
+    ) -> RequestOutput:
+        seq = req.seq
+        end = seq.finished_time or time.monotonic()
+        first = seq.first_scheduled_time
+        prefill_done = seq.prefill_done_time
+        timings = Timings(
+            queue_ms=_ms(seq.arrival_time, first or end),
+            prefill_ms=_ms(first, prefill_done) if first is not None and prefill_done is not None else 0.0,
+            decode_ms=_ms(prefill_done, end) if prefill_done is not None else 0.0,
+            ttft_ms=_ms(seq.arrival_time, seq.first_token_time) if seq.first_token_time is not None else 0.0,
+            total_ms=_ms(seq.arrival_time, end),
+        )
+        usage = Usage(
+            prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_generated_tokens,
+            cached_prompt_tokens=seq.num_cached_prompt_tokens,
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=tokens,
+            text=text,
+            index=seq.num_output_tokens if index is None else index,
+            finished=True,
+            finish_reason=seq.finish_reason,
+            usage=usage,
+            timings=timings,
+            error=seq.error,
+            matched_stop=matched_stop,
+        )
+
+    # -- reporting -----------------------------------------------------------
+    def load(self) -> EngineLoad:
+        usage = self.block_manager.usage()
+        now = time.monotonic()
+        while self._recent and self._recent[0][0] < now - THROUGHPUT_WINDOW_S:
+            self._recent.popleft()
+        tokens = sum(n for _, n in self._recent)
+        return EngineLoad(
+            waiting=len(self.scheduler.waiting),
+            running=len(self.scheduler.running),
+            kv_blocks_used=usage.used - usage.cached,
+            kv_blocks_total=usage.total,
+            kv_blocks_cached=usage.cached,
+            tokens_per_second=tokens / THROUGHPUT_WINDOW_S,
+        )
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Run ``prompts`` to completion together; returns each one's generated token ids."""
+        ids = [f"generate-{i}-{random.getrandbits(32):08x}" for i in range(len(prompts))]
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        for rid, prompt in zip(ids, prompts, strict=True):
+            self.add_request(rid, prompt, params)
+        while any(rid in self._requests for rid in ids):
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id].extend(out.new_token_ids)
+        return [results[rid] for rid in ids]
+
+
+def _ms(start: float, end: float) -> float:
+    return max(0.0, (end - start) * 1000.0)
+
+
+def _model_name(path: str) -> str:
+    from pathlib import Path
+
+    p = Path(path)
+    return p.stem if p.suffix == ".gguf" else p.name
+
+
+def _eos_ids(model: object, tokenizer: object) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(e for e in eos if isinstance(e, int))
+    return frozenset(ids)

@@ -1,0 +1,245 @@
+"""Owns torch: the weights, the paged KV tensors, and one forward per scheduled batch.
+
+The model definition comes from transformers; attention is ours. We register a
+paged attention function with transformers' ``AttentionInterface`` and hand it
+per-step metadata (slot mapping, gathered block slots, mask) through a module
+level forward context, so every decoder layer writes its new K/V into the paged
+cache and attends over the sequence's blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from services.inference.config import EngineConfig
+from services.inference.sampler import Sampler
+from services.inference.scheduler import ScheduledSequence
+
+log = logging.getLogger("llmmesh.inference.runner")
+
+ATTENTION_NAME = "llmmesh_paged"
+MAX_MODEL_LEN_CAP = 8192
+# Auto-sized KV caches stay under this many bytes on CPU (the host runs other services too).
+CPU_KV_MEMORY_CAP = 1 << 30
+# On CUDA, auto-sized KV caches take at most this share of the free memory after loading.
+CUDA_KV_MEMORY_SHARE = 0.5
+# Decode batches are padded up to one of these sizes when compiling, so few graphs cover all.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass
+class ForwardContext:
+    """Per-step attention metadata, shared by every layer of one forward."""
+
+    kv_caches: list[torch.Tensor]  # per layer: [2, num_slots + 1, kv_heads, head_dim]
+    slot_mapping: torch.Tensor  # [B * T] where each new token's K/V goes (pads -> the spare slot)
+    gather_slots: torch.Tensor  # [B, L] the cache slots each row attends over, in position order
+    attn_mask: torch.Tensor  # [B, 1, T, L] True where query t may see key l
+
+
+_context: ForwardContext | None = None
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Write this step's K/V into the paged cache, then attend over each row's blocks."""
+    ctx = _context
+    assert ctx is not None, "paged attention called outside ModelRunner.execute"
+    batch, kv_heads, steps, head_dim = key.shape
+    cache = ctx.kv_caches[module.layer_idx]  # type: ignore[index]
+    k_cache, v_cache = cache[0], cache[1]
+    k_cache.index_copy_(0, ctx.slot_mapping, key.transpose(1, 2).reshape(batch * steps, kv_heads, head_dim))
+    v_cache.index_copy_(0, ctx.slot_mapping, value.transpose(1, 2).reshape(batch * steps, kv_heads, head_dim))
+    keys = k_cache[ctx.gather_slots].transpose(1, 2)  # [B, kv_heads, L, D]
+    values = v_cache[ctx.gather_slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=ctx.attn_mask, scale=scaling, enable_gqa=True
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION_NAME, paged_attention)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_model(path: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A transformers causal LM from a local directory or a ``.gguf`` file, with our attention."""
+    p = Path(path)
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": ATTENTION_NAME}
+    if p.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    p = Path(path)
+    if p.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    return AutoTokenizer.from_pretrained(str(p))
+
+
+class ModelRunner:
+    """Loads the model, allocates the KV cache, and runs scheduled batches."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        started = time.perf_counter()
+        self.model = load_model(config.model, self.device, self.dtype)
+        log.info("loaded %s on %s as %s in %.1fs", config.model, self.device, self.dtype, time.perf_counter() - started)
+        mc = self.model.config
+        self.num_layers: int = mc.num_hidden_layers
+        self.num_kv_heads: int = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
+        self.head_dim: int = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        self.vocab_size: int = mc.vocab_size
+        model_len = getattr(mc, "max_position_embeddings", None) or MAX_MODEL_LEN_CAP
+        self.max_model_len = min(config.max_model_len or MAX_MODEL_LEN_CAP, model_len, MAX_MODEL_LEN_CAP)
+        self.block_size = config.block_size
+        self.num_blocks = config.num_kv_blocks or self._auto_num_blocks()
+        self.num_slots = self.num_blocks * self.block_size
+        # One spare slot at the end takes the K/V of padding tokens.
+        self.kv_caches = [
+            torch.zeros(2, self.num_slots + 1, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+            for _ in range(self.num_layers)
+        ]
+        self.decoder = self.model.base_model
+        self.lm_head = self.model.get_output_embeddings()
+        self.sampler = Sampler()
+        self._block_offsets = torch.arange(self.block_size, device=self.device)
+        self._forward = self._decoder_forward
+        if config.compile:
+            self._forward = self._compiled_forward()
+
+    def _bytes_per_block(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def _auto_num_blocks(self) -> int:
+        wanted = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            cap = int(free * CUDA_KV_MEMORY_SHARE)
+        else:
+            cap = CPU_KV_MEMORY_CAP
+        return max(2, min(wanted, cap // self._bytes_per_block()))
+
+    def _compiled_forward(self) -> Any:
+        import torch._inductor.config as inductor_config
+
+        # Freezing pre-packs weights for oneDNN/MKL (and AMX for bf16): the main CPU win.
+        inductor_config.freezing = True
+        return torch.compile(self._decoder_forward, dynamic=False)
+
+    def _decoder_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        out = self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        return out.last_hidden_state  # type: ignore[no-any-return]
+
+    @torch.inference_mode()
+    def execute(
+        self, scheduled: Seq[ScheduledSequence]
+    ) -> list[int]:
+        """Run one step; returns the drawn token of every chunk that reached its sequence's end, in order."""
+        global _context
+        decodes = [s for s in scheduled if s.num_tokens == 1]
+        prefills = [s for s in scheduled if s.num_tokens > 1]
+        rows: dict[int, torch.Tensor] = {}
+        try:
+            for group in (decodes, prefills):
+                if group:
+                    hidden = self._run_group(group)
+                    for s, h in zip(group, hidden, strict=True):
+                        if s.samples:
+                            rows[id(s)] = h
+        finally:
+            _context = None
+        sampling = [s for s in scheduled if s.samples]
+        if not sampling:
+            return []
+        logits = self.lm_head(torch.stack([rows[id(s)] for s in sampling]))
+        return self.sampler(
+            logits,
+            [s.seq.params for s in sampling],
+            [s.seq.seed for s in sampling],
+            [s.seq.num_output_tokens for s in sampling],
+            [s.seq.token_ids for s in sampling],
+        )
+
+    def _run_group(self, group: list[ScheduledSequence]) -> list[torch.Tensor]:
+        """One forward over rows padded to the longest chunk; returns each row's last hidden state."""
+        global _context
+        steps = max(s.num_tokens for s in group)
+        rows = len(group)
+        padded_rows = rows
+        if self.config.compile and steps == 1:
+            padded_rows = next((b for b in BATCH_BUCKETS if b >= rows), rows)
+        bs = self.block_size
+        pad_slot = self.num_slots
+        max_blocks = max(-(-(s.start + s.num_tokens) // bs) for s in group)
+        ids: list[list[int]] = []
+        positions: list[list[int]] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        for s in group:
+            n, start, table = s.num_tokens, s.start, s.seq.block_table
+            pos = list(range(start, start + n))
+            ids.append(s.seq.token_ids[start : start + n] + [0] * (steps - n))
+            # Pad queries sit at position 0: they see only key 0 and never produce NaN.
+            positions.append(pos + [0] * (steps - n))
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            slots.extend([pad_slot] * (steps - n))
+            tables.append(table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks])))
+        for _ in range(padded_rows - rows):
+            ids.append([0] * steps)
+            positions.append([0] * steps)
+            slots.extend([pad_slot] * steps)
+            tables.append([0] * max_blocks)
+        dev = self.device
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        position_ids = torch.tensor(positions, dtype=torch.long, device=dev)
+        block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
+        gather = (block_tables[:, :, None] * bs + self._block_offsets).reshape(padded_rows, max_blocks * bs)
+        key_pos = torch.arange(max_blocks * bs, device=dev)
+        mask = (key_pos[None, None, :] <= position_ids[:, :, None]).unsqueeze(1)
+        _context = ForwardContext(
+            kv_caches=self.kv_caches,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            gather_slots=gather,
+            attn_mask=mask,
+        )
+        hidden = self._forward(input_ids, position_ids)
+        last = torch.tensor([s.num_tokens - 1 for s in group], device=dev)
+        return list(hidden[torch.arange(rows, device=dev), last])
+
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self._bytes_per_block()

@@ -1,0 +1,158 @@
+"""Continuous-batching policy: each step picks who runs and how many tokens each computes.
+
+Pure Python (no torch). Running sequences go first (decodes and unfinished
+prefill chunks), then waiting ones are admitted while the token budget, the
+sequence cap and the KV blocks allow. A long prompt is split into chunks so it
+never stalls running decodes. When blocks run out, the most recently admitted
+running sequence is preempted (its KV is dropped and recomputed later).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.inference.block_manager import BlockManager
+from services.inference.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    """One sequence's share of a step: compute tokens [start, start + num_tokens)."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the sequence, so a token is drawn."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What one engine step runs, and what the scheduler decided on the side."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    # Sequences pushed back to waiting this step (their KV was dropped).
+    preempted: list[Sequence] = field(default_factory=list)
+    # Sequences the scheduler ended itself (e.g. can never fit in the KV cache).
+    errored: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Owns the waiting queue and the running batch."""
+
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        now = time.monotonic()
+
+        # 1. The running batch, oldest first. Decodes need one token, so they are
+        # never starved by a chunk of a long prompt further down the list.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.allocate(seq, n):
+                victim = self.running.pop()  # newest first: least work lost
+                if victim is seq and i == 0:
+                    # Alone and still no room: it can never grow in this cache.
+                    self._fail(seq, "ran out of KV-cache blocks with no other sequence to preempt")
+                    out.errored.append(seq)
+                    break
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, n))
+                budget -= n
+                i += 1
+                continue
+            break  # seq itself was preempted: nothing after it can run either
+
+        # 2. Admit waiting sequences, unless this step already had to preempt.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            seq = self.waiting[0]
+            if not self.block_manager.can_ever_fit(seq.num_tokens + 1):
+                self.waiting.popleft()
+                self._fail(
+                    seq,
+                    f"needs more KV-cache blocks than exist ({self.block_manager.num_blocks} "
+                    f"blocks of {self.block_manager.block_size} tokens)",
+                )
+                out.errored.append(seq)
+                continue
+            if not seq.block_table:
+                cached = self.block_manager.match_prefix(seq)
+                seq.num_computed_tokens = cached
+                if seq.num_preemptions == 0:
+                    seq.num_cached_prompt_tokens = cached
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.allocate(seq, n):
+                break  # keep its prefix blocks; it goes first next step
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, n))
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _fail(self, seq: Sequence, error: str) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED_ERROR
+        seq.error = error
+        seq.finished_time = time.monotonic()
+
+    def advance(self, scheduled: ScheduledSequence) -> None:
+        """Record that the runner computed this chunk; its full blocks become reusable."""
+        seq = scheduled.seq
+        seq.num_computed_tokens = scheduled.start + scheduled.num_tokens
+        self.block_manager.commit(seq)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End ``seq`` (running or waiting) and release its blocks."""
+        seq.status = status
+        seq.finished_time = time.monotonic()
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)

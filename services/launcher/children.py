@@ -1,0 +1,161 @@
+"""One child process of the launcher: its own process group, a log file, ports read from its output."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+LISTEN_RE = re.compile(r"llm-mesh (\S+) listening on (\S+):(\d+)")
+METRICS_RE = re.compile(r"llm-mesh (\S+) metrics on (\S+):(\d+)")
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: if the launcher is SIGKILLed, the kernel sends us SIGTERM.
+
+    Without it a killed launcher would leave the whole mesh running with nobody to stop it.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class ChildFailed(RuntimeError):
+    """A child exited or did not become ready in time."""
+
+
+class ChildProcess:
+    """A service (or Redis, or the gateway) started in a new session so that Ctrl-C reaches only the launcher.
+
+    The launcher decides the shutdown order, and a signal to the group also
+    reaches anything the child started itself (an engine worker, a tokenizer pool).
+    """
+
+    def __init__(self, name: str, command: list[str], log_path: Path, env: dict[str, str]) -> None:
+        self.name = name
+        self.command = command
+        self.log_path = log_path
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self.host = "127.0.0.1"
+        self._listening = threading.Event()
+        self._tail: list[str] = []
+
+    @property
+    def address(self) -> str:
+        if self.port is None:
+            raise ChildFailed(f"{self.name} has no known port yet")
+        return f"{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self) -> ChildProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            self.command,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,  # only prctl: safe between fork and exec
+        )
+        threading.Thread(target=self._pump, name=f"log-{self.name}", daemon=True).start()
+        return self
+
+    def _pump(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        with open(self.log_path, "ab") as log:
+            for raw in self.proc.stdout:
+                log.write(raw)
+                log.flush()
+                line = raw.decode(errors="replace").rstrip("\n")
+                self._tail = [*self._tail[-39:], line]
+                if m := LISTEN_RE.search(line):
+                    self.host, self.port = m.group(2), int(m.group(3))
+                    self._listening.set()
+                if m := METRICS_RE.search(line):
+                    self.metrics_port = int(m.group(3))
+
+    def tail(self) -> str:
+        """The last lines it printed, for an error message."""
+        return "\n".join(self._tail[-20:])
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _check_alive(self) -> None:
+        if not self.alive():
+            code = self.proc.returncode if self.proc else None
+            raise ChildFailed(f"{self.name} exited (code {code}); see {self.log_path}:\n{self.tail()}")
+
+    def wait_listening(self, deadline: float) -> None:
+        """Until the bootstrap printed its `listening on` line (which names an ephemeral port)."""
+        while not self._listening.wait(0.1):
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise ChildFailed(f"{self.name} did not start listening; see {self.log_path}")
+
+    def wait_serving(self, deadline: float) -> None:
+        """Until the gRPC health check answers SERVING (models loaded, stores connected)."""
+        self.wait_listening(deadline)
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                self._check_alive()
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise ChildFailed(f"{self.name} not SERVING in time; see {self.log_path}:\n{self.tail()}")
+                time.sleep(0.25)
+
+    def wait_port(self, host: str, port: int, deadline: float) -> None:
+        """Until something accepts TCP connections on host:port (Redis, the gateway)."""
+        while True:
+            self._check_alive()
+            with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+                self.host, self.port = host, port
+                return
+            if time.monotonic() > deadline:
+                raise ChildFailed(f"{self.name} not accepting connections on {host}:{port}")
+            time.sleep(0.1)
+
+    def terminate(self) -> None:
+        """SIGTERM to the whole group: the service drains (NOT_SERVING, finish in-flight, exit)."""
+        self._signal_group(signal.SIGTERM)
+
+    def wait_exit(self, timeout: float) -> None:
+        """Wait for a terminated child; SIGKILL its group if it takes longer than ``timeout``."""
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._signal_group(signal.SIGKILL)
+            self.proc.wait(10)
+        # Anything the child left behind in its group goes too.
+        self._signal_group(signal.SIGKILL)
+
+    def _signal_group(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)

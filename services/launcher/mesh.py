@@ -1,0 +1,229 @@
+"""The local mesh's plan (which processes, which flags) and its lifecycle (start in order, stop in reverse)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.launcher.children import ChildFailed, ChildProcess
+from services.launcher.redis_local import redis_command
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
+GATEWAY_BINARY = ROOT / "deploy" / "gateway" / "bin" / "llm-mesh-gateway"
+
+# The documented ports (DESIGN.md): replicas step by 10 so each can add neighbours later.
+ROUTER_PORT = 50051
+INFERENCE_BASE_PORT = 50052
+RETRIEVER_PORT = 50053
+SESSION_PORT = 50054
+REDIS_PORT = 6379
+GATEWAY_LISTEN = "127.0.0.1:8080"
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """What `llm-mesh up` runs. ``router_port == 0`` puts every service on a free port (tests)."""
+
+    data_dir: Path
+    model: Path = DEFAULT_MODEL
+    replicas: int = 1
+    host: str = "127.0.0.1"
+    router_port: int = ROUTER_PORT
+    redis_url: str | None = None
+    milvus_uri: str | None = None
+    gateway: bool = False
+    device: str = "auto"
+    startup_timeout_s: float = 600.0
+    stop_timeout_s: float = 45.0
+    python: str = sys.executable
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
+        if not 0 <= self.router_port <= 65535:
+            raise ValueError(f"--port must be in 0..65535, got {self.router_port}")
+
+    @property
+    def ephemeral(self) -> bool:
+        return self.router_port == 0
+
+    def port(self, fixed: int) -> int:
+        return 0 if self.ephemeral else fixed
+
+    def inference_port(self, index: int) -> int:
+        return self.port(INFERENCE_BASE_PORT + 10 * index)
+
+    @property
+    def milvus(self) -> str:
+        return self.milvus_uri or str(self.data_dir / "milvus.db")
+
+    def service_command(self, module: str, port: int, *flags: str) -> list[str]:
+        # Metrics on a free port: the ready block and the lock file say which.
+        return [
+            self.python,
+            "-m",
+            module,
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+            "--metrics-port",
+            "0",
+            *flags,
+        ]
+
+    def child_env(self) -> dict[str, str]:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **self.extra_env}
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        return env
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def port_taken(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+class LocalMesh:
+    """Starts Redis, session, retriever, the replicas, the router (and the gateway) and stops them in reverse.
+
+    Children are recorded the moment they are spawned, so a failure or a signal
+    halfway through start-up still stops exactly what was started.
+    """
+
+    def __init__(self, config: MeshConfig, say: Callable[[str], None] = print) -> None:
+        self.config = config
+        self.say = say
+        self.started: list[ChildProcess] = []
+        self.redis_url = config.redis_url
+        self.redis: ChildProcess | None = None
+        self.session: ChildProcess | None = None
+        self.retriever: ChildProcess | None = None
+        self.replicas: list[ChildProcess] = []
+        self.router: ChildProcess | None = None
+        self.gateway: ChildProcess | None = None
+
+    def _spawn(self, name: str, command: list[str]) -> ChildProcess:
+        log = self.config.data_dir / "logs" / f"{name}.log"
+        child = ChildProcess(name, command, log, self.config.child_env()).start()
+        self.started.append(child)
+        return child
+
+    def start(self) -> None:
+        cfg = self.config
+        deadline = time.monotonic() + cfg.startup_timeout_s
+        if self.redis_url is None:
+            self._start_redis(deadline)
+        assert self.redis_url is not None
+        self.session = self._spawn(
+            "session",
+            cfg.service_command("services.session", cfg.port(SESSION_PORT), "--redis-url", self.redis_url),
+        )
+        self.retriever = self._spawn(
+            "retriever",
+            cfg.service_command("services.retriever", cfg.port(RETRIEVER_PORT), "--milvus-uri", cfg.milvus),
+        )
+        for i in range(cfg.replicas):
+            command = cfg.service_command(
+                "services.inference",
+                cfg.inference_port(i),
+                "--model",
+                str(cfg.model),
+                "--device",
+                cfg.device,
+            )
+            self.replicas.append(self._spawn(f"inference-{i}", command))
+        # Everything the router depends on loads in parallel; the router starts once they all serve.
+        for child in [self.session, self.retriever, *self.replicas]:
+            self.say(f"  waiting for {child.name} …")
+            child.wait_serving(deadline)
+        self.router = self._spawn(
+            "router",
+            cfg.service_command(
+                "services.router",
+                cfg.router_port,
+                "--replicas",
+                ",".join(r.address for r in self.replicas),
+                "--session-addr",
+                self.session.address,
+                "--retriever-addr",
+                self.retriever.address,
+                "--redis-url",
+                self.redis_url,
+            ),
+        )
+        self.router.wait_serving(deadline)
+        if cfg.gateway:
+            self._start_gateway(deadline)
+
+    def _start_redis(self, deadline: float) -> None:
+        cfg = self.config
+        port = REDIS_PORT
+        if cfg.ephemeral or port_taken(cfg.host, port):
+            port = free_port(cfg.host)
+        redis_dir = cfg.data_dir / "redis"
+        redis_dir.mkdir(parents=True, exist_ok=True)
+        self.redis = self._spawn("redis", redis_command(redis_dir, cfg.host, port))
+        self.redis.wait_port(cfg.host, port, deadline)
+        self.redis_url = f"redis://{cfg.host}:{port}/0"
+
+    def _start_gateway(self, deadline: float) -> None:
+        if not os.access(GATEWAY_BINARY, os.X_OK):
+            self.say(
+                f"  gateway not built ({GATEWAY_BINARY} missing): run `make gateway`; continuing without it"
+            )
+            return
+        assert self.router is not None
+        host, port = GATEWAY_LISTEN.rsplit(":", 1)
+        self.gateway = self._spawn(
+            "gateway", [str(GATEWAY_BINARY), "--listen", GATEWAY_LISTEN, "--upstream", self.router.address]
+        )
+        self.gateway.wait_port(host, int(port), deadline)
+
+    def first_dead(self) -> ChildProcess | None:
+        """A child that exited on its own, if any (the launcher then stops the rest)."""
+        return next((c for c in self.started if not c.alive()), None)
+
+    def stop(self) -> None:
+        """Reverse start order; replicas of one tier drain together. Each tier gets the stop timeout."""
+        tiers: list[list[ChildProcess]] = []
+        for name in ("gateway", "router", "inference", "retriever", "session", "redis"):
+            tier = [c for c in self.started if c.name == name or c.name.startswith(f"{name}-")]
+            if tier:
+                tiers.append(tier)
+        for tier in tiers:
+            for child in tier:
+                child.terminate()
+            for child in tier:
+                child.wait_exit(self.config.stop_timeout_s)
+        self.started.clear()
+
+    def endpoints(self) -> dict[str, str]:
+        """name -> host:port of every gRPC service started, for the ready block and the lock file."""
+        found: dict[str, str] = {}
+        for child in self.started:
+            if child.port is not None:
+                found[child.name] = child.address
+        return found
+
+    def metrics_endpoints(self) -> dict[str, str]:
+        return {c.name: f"{c.host}:{c.metrics_port}" for c in self.started if c.metrics_port is not None}
+
+
+__all__ = ["ChildFailed", "LocalMesh", "MeshConfig"]

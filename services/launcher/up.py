@@ -1,0 +1,166 @@
+"""`llm-mesh up` (and `make up`): run the whole mesh locally until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+from services.launcher.children import ChildFailed
+from services.launcher.lock import AlreadyRunning, MeshLock, port_in_use
+from services.launcher.mesh import DEFAULT_MODEL, ROOT, ROUTER_PORT, LocalMesh, MeshConfig
+
+# Tests and scripts wait for this exact line.
+READY_LINE = "llm-mesh is up"
+
+
+class StopRequested(Exception):
+    """SIGINT or SIGTERM arrived: unwind whatever the launcher is doing and stop the mesh."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="inference replicas (ports 50052, 50062, …); default 1"
+    )
+    parser.add_argument(
+        "--port", type=int, default=ROUTER_PORT, help="router port (0 = every service on a free port)"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address every service listens on")
+    parser.add_argument("--data-dir", type=Path, default=ROOT / "data", help="Redis, Milvus Lite and logs")
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="model directory for inference")
+    parser.add_argument("--device", default="auto", help="inference device: auto, cpu or cuda")
+    parser.add_argument(
+        "--gateway", action="store_true", help="also start the REST gateway on 127.0.0.1:8080 (if built)"
+    )
+    parser.add_argument(
+        "--startup-timeout", type=float, default=600.0, help="seconds for every service to be SERVING"
+    )
+    parser.add_argument(
+        "--stop-timeout", type=float, default=45.0, help="seconds a service may drain before SIGKILL"
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> MeshConfig:
+    return MeshConfig(
+        data_dir=args.data_dir.resolve(),
+        model=args.model.resolve(),
+        replicas=args.replicas,
+        host=args.host,
+        router_port=args.port,
+        # An existing Redis / Milvus wins over the embedded ones, as in every deployment.
+        redis_url=os.environ.get("REDIS_URL") or None,
+        milvus_uri=os.environ.get("MILVUS_URI") or None,
+        gateway=args.gateway,
+        device=args.device,
+        startup_timeout_s=args.startup_timeout,
+        stop_timeout_s=args.stop_timeout,
+    )
+
+
+def ensure_model(model: Path) -> None:
+    """Fetch the default model on a fresh checkout; any other model must already be there."""
+    if (model / "config.json").exists():
+        return
+    if model != DEFAULT_MODEL.resolve():
+        raise FileNotFoundError(f"--model {model}: no config.json there")
+    print(f"fetching the default model into {model} (once) …", flush=True)
+    subprocess.run(
+        [sys.executable, "-m", "services.inference.fetch_model", "--out", str(model)], cwd=ROOT, check=True
+    )
+
+
+def ready_block(mesh: LocalMesh, config: MeshConfig) -> str:
+    endpoints = mesh.endpoints()
+    metrics = mesh.metrics_endpoints()
+    router = endpoints["router"]
+    lines = [READY_LINE]
+    for name, address in endpoints.items():
+        extra = f"   metrics http://{metrics[name]}/metrics" if name in metrics else ""
+        lines.append(f"  {name:<12} {address}{extra}")
+    lines.append(f"  {'redis':<12} {mesh.redis_url}" if mesh.redis is None else "")
+    lines.append(f"  {'milvus':<12} {config.milvus}")
+    lines.append(f"  {'logs':<12} {config.data_dir / 'logs'}")
+    lines += [
+        "try it:",
+        f'  grpcurl -plaintext -d \'{{"messages":[{{"role":"user","content":"What is llm-mesh?"}}],'
+        f'"sampling":{{"max_tokens":64}}}}\' {router} llmmesh.v1.Router/Complete',
+        f"  llm-mesh chat --router {router}",
+        f"  llm-mesh ingest examples/docs && llm-mesh ask --router {router} --rag 'How do I stop llm-mesh?'",
+        f"  llm-mesh status --router {router}",
+        f"stop: Ctrl-C here, or kill -TERM {os.getpid()}",
+    ]
+    return "\n".join(line for line in lines if line)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"llm-mesh up: {exc}", file=sys.stderr)
+        return 2
+    lock = MeshLock(config.data_dir)
+    try:
+        lock.acquire()
+    except AlreadyRunning as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    try:
+        if port_in_use(config.host, config.router_port):
+            print(
+                f"llm-mesh is already running, or something else listens on {config.host}:{config.router_port}; "
+                "stop it first or pass --port",
+                file=sys.stderr,
+            )
+            return 1
+        ensure_model(config.model)
+        return _run_mesh(config, lock)
+    finally:
+        lock.release()
+
+
+def _run_mesh(config: MeshConfig, lock: MeshLock) -> int:
+    mesh = LocalMesh(config, say=lambda line: print(line, flush=True))
+
+    def request_stop(signum: int, frame: FrameType | None) -> None:
+        # Later signals only repeat what is already under way.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise StopRequested(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    code = 0
+    try:
+        print(
+            f"llm-mesh starting ({config.replicas} inference replica(s), data in {config.data_dir}) …",
+            flush=True,
+        )
+        mesh.start()
+        lock.record(
+            router=mesh.endpoints()["router"], endpoints=mesh.endpoints(), metrics=mesh.metrics_endpoints()
+        )
+        print(ready_block(mesh, config), flush=True)
+        while True:
+            dead = mesh.first_dead()
+            if dead is not None:
+                print(f"llm-mesh: {dead.name} exited; see {dead.log_path}:\n{dead.tail()}", file=sys.stderr)
+                code = 1
+                break
+            time.sleep(0.5)
+    except StopRequested as stop:
+        print(f"llm-mesh stopping ({stop}) …", flush=True)
+    except ChildFailed as exc:
+        print(f"llm-mesh: {exc}", file=sys.stderr)
+        code = 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        mesh.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print("llm-mesh stopped", flush=True)
+    return code

@@ -1,0 +1,179 @@
+"""Turns an uploaded document's bytes into text sections that remember their heading and page."""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import PurePath
+
+from services.common.errors import InvalidArgument
+
+PLAIN_TEXT = "text/plain"
+MARKDOWN = "text/markdown"
+HTML = "text/html"
+PDF = "application/pdf"
+DOCX = "application/vnd.openxmlformats-officedocument.wordprocessingml.document"
+
+# File extensions the CLI and the service recognise when no MIME type is given.
+MIME_BY_EXTENSION: dict[str, str] = {
+    ".txt": PLAIN_TEXT,
+    ".text": PLAIN_TEXT,
+    ".md": MARKDOWN,
+    ".markdown": MARKDOWN,
+    ".html": HTML,
+    ".htm": HTML,
+    ".pdf": PDF,
+    ".docx": DOCX,
+}
+# Aliases clients commonly send for the same formats.
+_MIME_ALIASES = {"text/x-markdown": MARKDOWN, "application/xhtml+xml": HTML}
+
+_MD_HEADING = re.compile(r"^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
+_DOCX_HEADING = re.compile(r"^(heading \d|title)$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Section:
+    """A run of text under one heading (and, for PDFs, on one page)."""
+
+    text: str
+    heading: str = ""
+    page: int = 0
+
+
+def mime_type_for(path: str | PurePath) -> str | None:
+    """The MIME type a file name implies, or None when the extension is unknown."""
+    return MIME_BY_EXTENSION.get(PurePath(path).suffix.lower())
+
+
+def normalize_mime_type(mime_type: str, source: str = "") -> str:
+    """The supported MIME type meant by ``mime_type`` (or, when empty, by ``source``'s extension)."""
+    raw = mime_type.split(";", 1)[0].strip().lower()
+    if not raw and source:
+        raw = mime_type_for(source) or ""
+    raw = _MIME_ALIASES.get(raw, raw)
+    if raw not in _PARSERS:
+        supported = ", ".join(sorted(_PARSERS))
+        shown = mime_type or "(empty)"
+        raise InvalidArgument("header.mime_type", f"unsupported type {shown!r}; supported: {supported}")
+    return raw
+
+
+def parse_document(data: bytes, mime_type: str) -> list[Section]:
+    """Sections of non-empty text; raises InvalidArgument for unreadable or empty documents."""
+    if not data:
+        raise InvalidArgument("data", "document is empty (0 bytes)")
+    sections = [s for s in _PARSERS[mime_type](data) if s.text.strip()]
+    if not sections:
+        raise InvalidArgument("data", f"document has no extractable text ({mime_type})")
+    return sections
+
+
+def _decode_text(data: bytes) -> str:
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise InvalidArgument("data", f"text is not valid UTF-8 (byte {exc.start})") from exc
+
+
+def _parse_plain(data: bytes) -> list[Section]:
+    return [Section(_decode_text(data).strip())]
+
+
+def _parse_markdown(data: bytes) -> list[Section]:
+    sections: list[Section] = []
+    heading = ""
+    lines: list[str] = []
+    in_fence = False
+    for line in _decode_text(data).splitlines():
+        if line.lstrip().startswith(("```", "~~~")):
+            in_fence = not in_fence
+        match = None if in_fence else _MD_HEADING.match(line)
+        if match:
+            sections.append(Section("\n".join(lines).strip(), heading))
+            heading, lines = match.group(2), []
+        else:
+            lines.append(line)
+    sections.append(Section("\n".join(lines).strip(), heading))
+    return sections
+
+
+def _parse_html(data: bytes) -> list[Section]:
+    from bs4 import BeautifulSoup
+
+    soup = BeautifulSoup(data, "html.parser")
+    for tag in soup(["script", "style", "noscript", "template", "head"]):
+        tag.decompose()
+    sections: list[Section] = []
+    heading = ""
+    parts: list[str] = []
+    # Walk the block-level elements in document order; a heading closes the section before it.
+    for element in soup.find_all(["h1", "h2", "h3", "h4", "h5", "h6", "p", "li", "pre", "td", "th", "blockquote", "dt", "dd"]):
+        if element.find_parent(["p", "li", "pre", "td", "th", "blockquote", "dt", "dd"]) is not None:
+            continue  # already counted as part of its enclosing block
+        text = " ".join(element.get_text(" ").split())
+        if element.name in {"h1", "h2", "h3", "h4", "h5", "h6"}:
+            sections.append(Section("\n".join(parts), heading))
+            heading, parts = text, []
+        elif text:
+            parts.append(text)
+    sections.append(Section("\n".join(parts), heading))
+    if not any(s.text for s in sections) and soup.body is not None:
+        # No block elements at all: fall back to the body's bare text.
+        sections = [Section(" ".join(soup.body.get_text(" ").split()))]
+    return sections
+
+
+def _parse_pdf(data: bytes) -> list[Section]:
+    from pypdf import PdfReader
+    from pypdf.errors import PyPdfError
+
+    try:
+        reader = PdfReader(io.BytesIO(data), strict=False)
+        if reader.is_encrypted:
+            raise InvalidArgument("data", "PDF is encrypted")
+        pages = [page.extract_text() or "" for page in reader.pages]
+    except InvalidArgument:
+        raise
+    except (PyPdfError, ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
+        # pypdf reports damage through many exception types; all of them mean the same to a client.
+        raise InvalidArgument("data", f"not a readable PDF: {exc}") from exc
+    return [Section(text.strip(), page=number) for number, text in enumerate(pages, start=1)]
+
+
+def _parse_docx(data: bytes) -> list[Section]:
+    import zipfile
+
+    from docx import Document
+    from docx.opc.exceptions import PackageNotFoundError
+
+    try:
+        document = Document(io.BytesIO(data))
+    except (PackageNotFoundError, zipfile.BadZipFile, KeyError, ValueError) as exc:
+        raise InvalidArgument("data", f"not a readable DOCX file: {exc}") from exc
+    sections: list[Section] = []
+    heading = ""
+    lines: list[str] = []
+    for paragraph in document.paragraphs:
+        style = paragraph.style.name if paragraph.style is not None and paragraph.style.name else ""
+        if _DOCX_HEADING.match(style) and paragraph.text.strip():
+            sections.append(Section("\n".join(lines).strip(), heading))
+            heading, lines = paragraph.text.strip(), []
+        elif paragraph.text.strip():
+            lines.append(paragraph.text.strip())
+    for table in document.tables:
+        for row in table.rows:
+            lines.append(" | ".join(cell.text.strip() for cell in row.cells))
+    sections.append(Section("\n".join(lines).strip(), heading))
+    return sections
+
+
+_PARSERS: dict[str, Callable[[bytes], list[Section]]] = {
+    PLAIN_TEXT: _parse_plain,
+    MARKDOWN: _parse_markdown,
+    HTML: _parse_html,
+    PDF: _parse_pdf,
+    DOCX: _parse_docx,
+}

@@ -1,0 +1,156 @@
+"""Circuit breaker per dependency, so an outage costs one fast failure instead of a timeout per request."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+import redis.exceptions
+from prometheus_client import Gauge
+
+from services.common import errors
+
+log = logging.getLogger("llmmesh.router.breaker")
+
+T = TypeVar("T")
+
+BREAKER_STATE = Gauge(
+    "llmmesh_router_breaker_state",
+    "Circuit breaker state per dependency: 0 closed, 1 half-open, 2 open.",
+    ["dependency"],
+)
+
+# Status codes that mean the dependency itself is unwell; anything else (NOT_FOUND,
+# PERMISSION_DENIED, …) is a real answer and proves it is up.
+OUTAGE_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+    }
+)
+
+
+class BreakerState(enum.IntEnum):
+    """Closed lets calls through, open refuses them, half-open lets one probe through."""
+
+    CLOSED = 0
+    HALF_OPEN = 1
+    OPEN = 2
+
+
+def is_outage(exc: BaseException) -> bool:
+    """True when ``exc`` says the dependency could not answer (as opposed to answering no)."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code() in OUTAGE_CODES
+    if isinstance(exc, errors.DependencyUnavailable | errors.DeadlineExceeded):
+        return True
+    return isinstance(
+        exc,
+        ConnectionError
+        | TimeoutError
+        | OSError
+        | redis.exceptions.ConnectionError
+        | redis.exceptions.TimeoutError,
+    )
+
+
+class CircuitBreaker:
+    """Opens after ``failure_threshold`` consecutive outages; probes again after ``reset_timeout_s``."""
+
+    def __init__(
+        self,
+        name: str,
+        failure_threshold: int = 5,
+        reset_timeout_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if failure_threshold < 1:
+            raise ValueError("failure_threshold: must be >= 1")
+        if reset_timeout_s <= 0:
+            raise ValueError("reset_timeout_s: must be > 0")
+        self.name = name
+        self.failure_threshold = failure_threshold
+        self.reset_timeout_s = reset_timeout_s
+        self._clock = clock
+        self._state = BreakerState.CLOSED
+        self._failures = 0
+        self._opened_at = 0.0
+        self._probe_in_flight = False
+        BREAKER_STATE.labels(name).set(0)
+
+    @property
+    def state(self) -> BreakerState:
+        if self._state is BreakerState.OPEN and self._clock() - self._opened_at >= self.reset_timeout_s:
+            self._set(BreakerState.HALF_OPEN)
+        return self._state
+
+    @property
+    def retry_after_s(self) -> float:
+        """Seconds until an open breaker lets a probe through (0 when not open)."""
+        if self.state is not BreakerState.OPEN:
+            return 0.0
+        return max(0.0, self.reset_timeout_s - (self._clock() - self._opened_at))
+
+    def allow(self) -> bool:
+        """Whether a call may go out now; in half-open only one probe at a time does."""
+        state = self.state
+        if state is BreakerState.CLOSED:
+            return True
+        if state is BreakerState.HALF_OPEN and not self._probe_in_flight:
+            self._probe_in_flight = True
+            return True
+        return False
+
+    def record_success(self) -> None:
+        self._failures = 0
+        self._probe_in_flight = False
+        if self._state is not BreakerState.CLOSED:
+            log.info("circuit %s closed: dependency answered again", self.name)
+        self._set(BreakerState.CLOSED)
+
+    def record_failure(self) -> None:
+        self._probe_in_flight = False
+        self._failures += 1
+        # A failed probe reopens at once; a closed breaker waits for the threshold.
+        if self._state is BreakerState.HALF_OPEN or self._failures >= self.failure_threshold:
+            if self._state is not BreakerState.OPEN:
+                log.warning("circuit %s open after %d failures", self.name, self._failures)
+            self._opened_at = self._clock()
+            self._set(BreakerState.OPEN)
+
+    async def call(self, coro_factory: Callable[[], Awaitable[T]]) -> T:
+        """Run one call through the breaker; outages become ``DependencyUnavailable``."""
+        if not self.allow():
+            raise errors.DependencyUnavailable(
+                f"{self.name} unavailable (circuit open, next try in {self.retry_after_s:.1f}s)"
+            )
+        try:
+            result = await coro_factory()
+        except BaseException as exc:
+            if is_outage(exc):
+                self.record_failure()
+                raise errors.DependencyUnavailable(f"{self.name} unavailable: {_describe(exc)}") from exc
+            # Cancellation or a real answer ("not found"): the dependency is not to blame.
+            self._probe_in_flight = False
+            if isinstance(exc, Exception):
+                self.record_success()
+            raise
+        self.record_success()
+        return result
+
+    def _set(self, state: BreakerState) -> None:
+        self._state = state
+        BREAKER_STATE.labels(self.name).set(int(state))
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -1,0 +1,174 @@
+"""Manage API keys: ``python -m services.router.keys add|revoke|list`` (stores only SHA-256 hashes)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import sys
+import tempfile
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from services.router.auth import REDIS_KEYS_HASH, ApiKeyRecord, KeyLimits, hash_key, load_key_records
+
+KEY_PREFIX = "llmk_"
+
+
+def new_key() -> str:
+    """A fresh API key: 32 random bytes, URL-safe, with a prefix that makes leaks greppable."""
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def write_key_records(path: Path, records: list[ApiKeyRecord]) -> None:
+    """Write the keys file atomically (temp file + rename), so a router never reads half a file."""
+    doc = {"keys": [r.to_dict() for r in records]}
+    text = (
+        json.dumps(doc, indent=2) + "\n" if path.suffix == ".json" else yaml.safe_dump(doc, sort_keys=False)
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+def add_key(
+    path: Path, tenant: str, key_id: str | None = None, limits: KeyLimits | None = None
+) -> tuple[str, ApiKeyRecord]:
+    """Create a key for ``tenant`` in the keys file; returns (the key, its stored record)."""
+    records = load_key_records(path)
+    key_id = key_id or f"{tenant}-{secrets.token_hex(4)}"
+    if any(r.key_id == key_id for r in records):
+        raise ValueError(f"--id: key id {key_id!r} already exists in {path}")
+    key = new_key()
+    record = ApiKeyRecord(
+        key_id=key_id, tenant=tenant, key_sha256=hash_key(key), limits=limits or KeyLimits()
+    )
+    write_key_records(path, [*records, record])
+    return key, record
+
+
+def revoke_key(path: Path, key_id: str) -> ApiKeyRecord:
+    """Mark a key revoked (kept in the file so the id is not reused by mistake)."""
+    records = load_key_records(path)
+    for i, r in enumerate(records):
+        if r.key_id == key_id:
+            revoked = ApiKeyRecord(r.key_id, r.tenant, r.key_sha256, True, r.limits)
+            records[i] = revoked
+            write_key_records(path, records)
+            return revoked
+    raise ValueError(f"--id: no key {key_id!r} in {path}")
+
+
+async def _store_in_redis(url: str, record: ApiKeyRecord) -> None:
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(url)
+    try:
+        await client.hset(REDIS_KEYS_HASH, record.key_sha256, json.dumps(record.to_dict()))
+    finally:
+        await client.aclose()
+
+
+async def _revoke_in_redis(url: str, key_id: str) -> ApiKeyRecord:
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(url)
+    try:
+        for digest, value in (await client.hgetall(REDIS_KEYS_HASH)).items():
+            record = ApiKeyRecord.from_dict(json.loads(value))
+            if record.key_id == key_id:
+                revoked = ApiKeyRecord(record.key_id, record.tenant, record.key_sha256, True, record.limits)
+                await client.hset(REDIS_KEYS_HASH, digest, json.dumps(revoked.to_dict()))
+                return revoked
+    finally:
+        await client.aclose()
+    raise ValueError(f"--id: no key {key_id!r} in Redis")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True)
+    add = sub.add_parser("add", help="create a key; prints it once")
+    add.add_argument("--tenant", required=True, help="tenant the key acts for")
+    add.add_argument("--id", dest="key_id", help="key id (default: <tenant>-<random>)")
+    add.add_argument("--requests-per-second", type=float, help="request rate limit")
+    add.add_argument("--tokens-per-minute", type=float, help="token rate limit")
+    add.add_argument("--burst", type=int, help="requests allowed at once above the rate")
+    revoke = sub.add_parser("revoke", help="revoke a key by id")
+    revoke.add_argument("--id", dest="key_id", required=True, help="key id")
+    sub.add_parser("list", help="list key ids, tenants and limits (never keys)")
+    for p in sub.choices.values():
+        where = p.add_mutually_exclusive_group(required=True)
+        where.add_argument("--file", type=Path, help="keys file (YAML, or JSON by .json suffix)")
+        where.add_argument("--redis-url", help="store keys in Redis instead of a file")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.action == "add":
+            limits = KeyLimits(args.requests_per_second, args.tokens_per_minute, args.burst)
+            if args.file is not None:
+                key, record = add_key(args.file, args.tenant, args.key_id, limits)
+            else:
+                key = new_key()
+                record = ApiKeyRecord(
+                    args.key_id or f"{args.tenant}-{secrets.token_hex(4)}",
+                    args.tenant,
+                    hash_key(key),
+                    False,
+                    limits,
+                )
+                asyncio.run(_store_in_redis(args.redis_url, record))
+            # The key itself is shown exactly once; only its hash is kept.
+            print(key)
+            print(f"id={record.key_id} tenant={record.tenant} created={_now()}", file=sys.stderr)
+        elif args.action == "revoke":
+            if args.file is not None:
+                record = revoke_key(args.file, args.key_id)
+            else:
+                record = asyncio.run(_revoke_in_redis(args.redis_url, args.key_id))
+            print(f"revoked {record.key_id} (tenant {record.tenant})")
+        else:
+            records = (
+                load_key_records(args.file)
+                if args.file is not None
+                else asyncio.run(_list_redis(args.redis_url))
+            )
+            for r in records:
+                print(json.dumps({k: v for k, v in r.to_dict().items() if k != "sha256"}))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+async def _list_redis(url: str) -> list[ApiKeyRecord]:
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(url)
+    try:
+        values: dict[Any, Any] = await client.hgetall(REDIS_KEYS_HASH)
+    finally:
+        await client.aclose()
+    return [ApiKeyRecord.from_dict(json.loads(v)) for v in values.values()]
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.router.keys", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

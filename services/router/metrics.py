@@ -1,0 +1,37 @@
+"""Prometheus metrics of the router (names fixed by the router issue)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.common.metrics import LATENCY_BUCKETS
+
+# Inter-token gaps are short: finer buckets at the low end.
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+TTFT = Histogram(
+    "llmmesh_router_ttft_seconds",
+    "Time from a turn's arrival at the router to its first token leaving it.",
+    buckets=LATENCY_BUCKETS,
+)
+INTER_TOKEN = Histogram(
+    "llmmesh_router_inter_token_latency_seconds",
+    "Gap between consecutive token messages relayed to a client.",
+    buckets=ITL_BUCKETS,
+)
+E2E = Histogram(
+    "llmmesh_router_e2e_latency_seconds",
+    "Time from a turn's arrival to its TurnEnd.",
+    buckets=LATENCY_BUCKETS,
+)
+RETRIES = Counter("llmmesh_router_retries_total", "Attempts retried on another replica before the first token.")
+FAILOVERS = Counter(
+    "llmmesh_router_failovers_total", "Streams resumed on another replica after tokens had flowed."
+)
+EJECTIONS = Counter("llmmesh_router_replica_ejections_total", "Replicas ejected by outlier detection.")
+CACHE_HITS = Counter("llmmesh_router_cache_hits_total", "Turns answered from a response cache.", ["layer"])
+RATE_LIMITED = Counter("llmmesh_router_rate_limited_total", "Requests refused by a rate limit or in-flight cap.")
+TOKENS = Counter(
+    "llmmesh_router_tokens_total", "Tokens through the router: prompt in, completion out.", ["direction"]
+)
+IN_FLIGHT = Gauge("llmmesh_router_in_flight", "Turns this router is serving now.")

@@ -1,0 +1,273 @@
+"""The replica pool: one reused channel per replica, its stats, and where replicas come from.
+
+Replicas come from a static list, a DNS name re-resolved periodically (a
+Kubernetes headless Service), and/or a file watched for changes; the pool is
+the union. Each replica reports its model through GetModelInfo, which groups
+the pool by model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+
+from services.gen.llmmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2
+from services.router import metrics
+from services.router.health import EjectionConfig, FailureKind, OutlierDetector, may_eject
+from services.router.policies import LatencyEwma
+
+log = logging.getLogger("llmmesh.router.pool")
+
+# Keepalive finds a dead replica between requests; unlimited message size is not needed.
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.keepalive_time_ms", 15_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.enable_retries", 0),  # the relay retries itself, on another replica
+]
+
+
+def parse_address(raw: str) -> str:
+    """Validate ``host:port``; raises ValueError naming the flag's format."""
+    host, sep, port = raw.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"replica address {raw!r}: expected host:port")
+    return f"{host}:{int(port)}"
+
+
+def parse_address_list(text: str) -> list[str]:
+    """Addresses separated by commas, whitespace or newlines; ``#`` starts a comment."""
+    out: list[str] = []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0]
+        out.extend(parse_address(part) for part in line.replace(",", " ").split())
+    return out
+
+
+class Replica:
+    """One inference replica as this router sees it."""
+
+    def __init__(
+        self, address: str, ejection: EjectionConfig, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = inference_pb2_grpc.InferenceStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self.model: str | None = None
+        #: None until the first health check answers.
+        self.serving: bool | None = None
+        self.last_load = inference_pb2.LoadReport()
+        self.in_flight = 0
+        self.ttft = LatencyEwma(clock=clock)
+        self.itl = LatencyEwma(clock=clock)
+        self.outlier = OutlierDetector(ejection, clock)
+        self.last_probe = 0.0
+        self.weight = 1.0
+
+    @property
+    def queue_depth(self) -> int:
+        return self.last_load.waiting
+
+    @property
+    def ewma_ttft_s(self) -> float | None:
+        return self.ttft.value
+
+    @property
+    def ewma_itl_s(self) -> float | None:
+        return self.itl.value
+
+    @property
+    def eligible(self) -> bool:
+        return bool(self.serving) and not self.outlier.ejected and not self.last_load.draining
+
+    def predicted_wait_s(self) -> float:
+        """Time before this replica would start a new request: a TTFT per request queued ahead."""
+        ttft = self.ttft.value or 0.0
+        return ttft * self.last_load.waiting
+
+    def status(self, wall_now_ms: int, mono_now: float) -> router_pb2.ReplicaStatus:
+        if self.last_load.draining:
+            health = router_pb2.REPLICA_HEALTH_DRAINING
+        elif self.serving is None:
+            health = router_pb2.REPLICA_HEALTH_UNSPECIFIED
+        else:
+            health = router_pb2.REPLICA_HEALTH_SERVING if self.serving else router_pb2.REPLICA_HEALTH_NOT_SERVING
+        ejected = self.outlier.ejected
+        return router_pb2.ReplicaStatus(
+            address=self.address,
+            model=self.model or "",
+            health=health,
+            ejected=ejected,
+            ejected_until_ms=int(wall_now_ms + (self.outlier.ejected_until - mono_now) * 1000) if ejected else 0,
+            ejection_count=self.outlier.ejection_count,
+            ewma_ttft_ms=(self.ttft.value or 0.0) * 1000,
+            ewma_itl_ms=(self.itl.value or 0.0) * 1000,
+            in_flight=self.in_flight,
+            last_load=self.last_load,
+            weight=self.weight,
+        )
+
+
+class ReplicaPool:
+    """Every known replica, by address; candidates per model; outlier ejection."""
+
+    def __init__(self, ejection: EjectionConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ejection = ejection or EjectionConfig()
+        self._clock = clock
+        self.replicas: dict[str, Replica] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+        self.on_models_changed: list[Callable[[], None]] = []
+
+    def set_addresses(self, addresses: Iterable[str]) -> None:
+        """Make the pool exactly ``addresses``; a removed replica's channel closes after its streams."""
+        wanted = set(addresses)
+        for address in sorted(wanted - self.replicas.keys()):
+            log.info("replica %s added", address)
+            self.replicas[address] = Replica(address, self.ejection, self._clock)
+        for address in sorted(self.replicas.keys() - wanted):
+            log.info("replica %s removed", address)
+            replica = self.replicas.pop(address)
+            task = asyncio.get_running_loop().create_task(self._close_when_idle(replica))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        self.models_changed()
+
+    async def _close_when_idle(self, replica: Replica, limit_s: float = 600.0) -> None:
+        waited = 0.0
+        while replica.in_flight and waited < limit_s:
+            await asyncio.sleep(0.5)
+            waited += 0.5
+        await replica.channel.close()
+
+    def models_changed(self) -> None:
+        for callback in self.on_models_changed:
+            callback()
+
+    def models(self) -> set[str]:
+        return {r.model for r in self.replicas.values() if r.model}
+
+    def candidates(self, model: str) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.model == model and r.eligible]
+
+    def report_success(self, replica: Replica) -> None:
+        replica.outlier.record_success()
+
+    def report_failure(self, replica: Replica, kind: FailureKind) -> None:
+        if not replica.outlier.record_failure(kind):
+            return
+        ejected_now = sum(1 for r in self.replicas.values() if r.outlier.ejected)
+        if not may_eject(ejected_now, len(self.replicas), self.ejection.max_ejected_fraction):
+            log.warning("%s is failing (%s) but half the pool is already ejected", replica.address, kind.value)
+            return
+        duration = replica.outlier.eject()
+        metrics.EJECTIONS.inc()
+        log.warning("ejected %s for %.0f s after %s", replica.address, duration, kind.value)
+
+    def statuses(self) -> list[router_pb2.ReplicaStatus]:
+        wall_ms, mono = int(time.time() * 1000), time.monotonic()
+        return [r.status(wall_ms, mono) for r in sorted(self.replicas.values(), key=lambda r: r.address)]
+
+    async def close(self) -> None:
+        for task in list(self._closing):
+            task.cancel()
+        await asyncio.gather(*(r.channel.close() for r in self.replicas.values()), return_exceptions=True)
+        self.replicas.clear()
+
+
+class ReplicaDiscovery:
+    """Keeps the pool equal to static ∪ DNS ∪ file addresses."""
+
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        static: Iterable[str] = (),
+        dns: str | None = None,
+        file: str | None = None,
+        dns_interval_s: float = 10.0,
+        file_interval_s: float = 1.0,
+    ) -> None:
+        self.pool = pool
+        self.static = [parse_address(a) for a in static]
+        if dns is not None:
+            parse_address(dns)  # NAME:PORT, checked at start
+        self.dns = dns
+        self.file = Path(file) if file else None
+        self.dns_interval_s = dns_interval_s
+        self.file_interval_s = file_interval_s
+        self._dns_addresses: set[str] = set()
+        self._file_addresses: set[str] = set()
+        self._file_mtime: float | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def _apply(self) -> None:
+        self.pool.set_addresses({*self.static, *self._dns_addresses, *self._file_addresses})
+
+    async def resolve_dns(self) -> None:
+        assert self.dns is not None
+        name, _, port = self.dns.rpartition(":")
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(name, int(port), type=socket.SOCK_STREAM)
+        except OSError as exc:
+            # Keep the last answer: a DNS hiccup must not empty the pool.
+            log.warning("resolving %s failed: %s", self.dns, exc)
+            return
+        found = set()
+        for family, *_, sockaddr in infos:
+            host = f"[{sockaddr[0]}]" if family == socket.AF_INET6 else sockaddr[0]
+            found.add(f"{host}:{port}")
+        self._dns_addresses = found
+
+    def read_file(self) -> bool:
+        """Re-read the replicas file if it changed; True when it did."""
+        assert self.file is not None
+        try:
+            mtime = self.file.stat().st_mtime
+        except FileNotFoundError:
+            log.warning("--replicas-file %s is missing; keeping %d replicas", self.file, len(self._file_addresses))
+            return False
+        if mtime == self._file_mtime:
+            return False
+        self._file_mtime = mtime
+        try:
+            self._file_addresses = set(parse_address_list(self.file.read_text()))
+        except ValueError as exc:
+            log.error("--replicas-file %s: %s; keeping the previous list", self.file, exc)
+            return False
+        return True
+
+    async def start(self) -> None:
+        if self.dns:
+            await self.resolve_dns()
+            self._tasks.append(asyncio.create_task(self._dns_loop(), name="router-dns"))
+        if self.file:
+            self.read_file()
+            self._tasks.append(asyncio.create_task(self._file_loop(), name="router-replicas-file"))
+        self._apply()
+
+    async def _dns_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.dns_interval_s)
+            before = set(self._dns_addresses)
+            await self.resolve_dns()
+            if self._dns_addresses != before:
+                self._apply()
+
+    async def _file_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.file_interval_s)
+            if self.read_file():
+                self._apply()
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,1 @@
+"""The session service: conversation state in Redis with sliding TTLs and optimistic versions."""

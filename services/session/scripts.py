@@ -1,0 +1,117 @@
+"""Lua scripts that make each session operation atomic inside Redis.
+
+Every script touches the keys of one hash tag only (a session's meta and turns, or one
+owner's index), so each runs unchanged on a single Redis and on Redis Cluster. Replies
+start with a status word the store turns into a domain error.
+"""
+
+from __future__ import annotations
+
+# Shared prologue: the session must exist and belong to ARGV[1].
+_ACCESS = """
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if not owner then return {'missing'} end
+if owner ~= ARGV[1] then return {'denied'} end
+local ttl = redis.call('HGET', KEYS[1], 'ttl')
+"""
+
+# Sliding TTL: every read and write restarts the clock on both keys.
+_REFRESH = """
+redis.call('EXPIRE', KEYS[1], ttl)
+redis.call('EXPIRE', KEYS[2], ttl)
+"""
+
+# KEYS: meta, turns. ARGV: owner, system_prompt, metadata_json, ttl, now_ms.
+CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return {'exists'} end
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'system_prompt', ARGV[2], 'metadata', ARGV[3],
+  'version', '0', 'ttl', ARGV[4], 'created_at_ms', ARGV[5], 'updated_at_ms', ARGV[5])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return {'ok', redis.call('HGETALL', KEYS[1]), 0}
+"""
+
+# KEYS: meta, turns. ARGV: owner, max_turns (0 = all). Reads the newest turns, refreshes the TTL.
+GET = (
+    _ACCESS
+    + _REFRESH
+    + """
+local count = redis.call('LLEN', KEYS[2])
+local first = 0
+if tonumber(ARGV[2]) > 0 then first = -tonumber(ARGV[2]) end
+return {'ok', redis.call('HGETALL', KEYS[1]), count, redis.call('LRANGE', KEYS[2], first, -1)}
+"""
+)
+
+# KEYS: meta, turns. ARGV: owner, expected_version ('' = any), now_ms, max_turns, turn_json…
+# The version check, the limit check and the push happen in one step, so two writers
+# holding the same version cannot both succeed.
+APPEND = (
+    _ACCESS
+    + """
+local version = redis.call('HGET', KEYS[1], 'version')
+if ARGV[2] ~= '' and ARGV[2] ~= version then return {'conflict', version} end
+local count = redis.call('LLEN', KEYS[2])
+local adding = #ARGV - 4
+if count + adding > tonumber(ARGV[4]) then return {'full', count} end
+for i = 5, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
+redis.call('HINCRBY', KEYS[1], 'version', 1)
+redis.call('HSET', KEYS[1], 'updated_at_ms', ARGV[3])
+"""
+    + _REFRESH
+    + """
+return {'ok', redis.call('HGETALL', KEYS[1]), count + adding}
+"""
+)
+
+# KEYS: meta, turns. ARGV: owner.
+TOUCH = (
+    _ACCESS
+    + _REFRESH
+    + """
+return {'ok', redis.call('HGETALL', KEYS[1]), redis.call('LLEN', KEYS[2])}
+"""
+)
+
+# KEYS: meta, turns. ARGV: owner.
+DELETE = (
+    _ACCESS
+    + """
+redis.call('DEL', KEYS[1], KEYS[2])
+return {'ok'}
+"""
+)
+
+# KEYS: owner index. ARGV: session_id, now_ms, max_sessions. Reserves a slot in the owner's
+# index before the session is created, so the per-owner limit is checked and taken atomically.
+RESERVE = """
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
+  redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+  return 1
+end
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+return 1
+"""
+
+# KEYS: owner index. ARGV: after_score ('' = first page), after_member, count.
+# Returns up to count (member, score) pairs ordered by (score, member) after the cursor.
+PAGE = """
+local out = {}
+local min = '-inf'
+local ties = 0
+if ARGV[1] ~= '' then
+  min = ARGV[1]
+  ties = redis.call('ZCOUNT', KEYS[1], ARGV[1], ARGV[1])
+end
+local want = tonumber(ARGV[3])
+local rows = redis.call('ZRANGEBYSCORE', KEYS[1], min, '+inf', 'WITHSCORES', 'LIMIT', 0, want + ties)
+for i = 1, #rows, 2 do
+  if ARGV[1] == '' or tonumber(rows[i + 1]) > tonumber(ARGV[1]) or rows[i] > ARGV[2] then
+    out[#out + 1] = rows[i]
+    out[#out + 1] = rows[i + 1]
+    if #out >= 2 * want then break end
+  end
+end
+return out
+"""

@@ -1,0 +1,320 @@
+"""SessionStore: sessions in Redis (single node or Cluster) through atomic Lua scripts.
+
+Consistency across slots: a session's own keys share a hash tag, so every operation on one
+session is one atomic script. The owner's index (for ListSessions and the per-owner limit)
+lives in another slot and is updated by a separate call: a slot is reserved in the index
+*before* the session is created and released *after* it is deleted, so the index is always a
+superset of the owner's live sessions. Entries whose session has expired, failed to be
+created or belongs to someone else are skipped by listing and pruned lazily.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from redis import exceptions as redis_errors
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
+
+from services.common import errors
+from services.common.metadata import SESSION_VERSION_KEY
+from services.session import keys, scripts
+from services.session.limits import SessionLimits
+from services.session.metrics import REDIS_LATENCY
+from services.session.model import NewSession, SessionHeader, SessionPage, TurnRecord
+
+T = TypeVar("T")
+RedisClient = Redis | RedisCluster
+
+# What "Redis is down or slow" looks like from redis-py; all of it becomes UNAVAILABLE.
+UNREACHABLE = (
+    redis_errors.ConnectionError,  # includes BusyLoadingError while the AOF replays
+    redis_errors.TimeoutError,
+    redis_errors.ClusterDownError,
+    redis_errors.ClusterError,
+    redis_errors.RedisClusterException,
+    redis_errors.TryAgainError,
+    TimeoutError,
+    OSError,
+)
+
+# An index entry younger than this may belong to a create still in flight, so pruning
+# leaves it alone; far longer than any Redis round trip the timeout allows.
+PRUNE_GRACE_MS = 30_000
+
+
+def connect(url: str, *, cluster: bool, timeout_s: float, max_connections: int) -> RedisClient:
+    """A pooled asyncio client that fails within ``timeout_s`` instead of hanging.
+
+    No automatic retries: a script that ran but whose reply was lost must not run twice
+    (an append would be duplicated); the caller sees UNAVAILABLE and can retry with
+    expected_version.
+    """
+    common: dict[str, Any] = {
+        "decode_responses": True,
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "retry": Retry(NoBackoff(), 0),
+    }
+    if cluster:
+        return RedisCluster.from_url(url, max_connections=max_connections, **common)
+    pool = BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=timeout_s, **common
+    )
+    return Redis(connection_pool=pool, retry=Retry(NoBackoff(), 0))
+
+
+def _pairs(flat: Sequence[str]) -> dict[str, str]:
+    return dict(zip(flat[0::2], flat[1::2], strict=True))
+
+
+def encode_turn(turn: TurnRecord) -> str:
+    record: dict[str, Any] = {"role": turn.role, "content": turn.content, "at": turn.created_at_ms}
+    if turn.token_count is not None:
+        record["tokens"] = turn.token_count
+    if turn.metadata:
+        record["meta"] = dict(turn.metadata)
+    return json.dumps(record, ensure_ascii=False, separators=(",", ":"))
+
+
+def decode_turn(raw: str) -> TurnRecord:
+    record = json.loads(raw)
+    return TurnRecord(
+        role=record["role"],
+        content=record["content"],
+        token_count=record.get("tokens"),
+        created_at_ms=int(record.get("at", 0)),
+        metadata=record.get("meta", {}),
+    )
+
+
+def decode_header(session_id: str, fields: Mapping[str, str], turn_count: int) -> SessionHeader:
+    return SessionHeader(
+        session_id=session_id,
+        owner=fields["owner"],
+        system_prompt=fields.get("system_prompt", ""),
+        metadata=json.loads(fields.get("metadata") or "{}"),
+        version=int(fields.get("version", 0)),
+        turn_count=int(turn_count),
+        ttl_seconds=int(fields["ttl"]),
+        created_at_ms=int(fields.get("created_at_ms", 0)),
+        updated_at_ms=int(fields.get("updated_at_ms", 0)),
+    )
+
+
+def encode_page_token(score: str, session_id: str) -> str:
+    return base64.urlsafe_b64encode(f"{score}|{session_id}".encode()).decode()
+
+
+def decode_page_token(token: str) -> tuple[str, str]:
+    try:
+        score, session_id = base64.urlsafe_b64decode(token.encode()).decode().split("|", 1)
+        float(score)
+    except (ValueError, binascii.Error, UnicodeError) as exc:
+        raise errors.InvalidArgument("page_token", "is not a token from a previous response") from exc
+    return score, session_id
+
+
+class SessionStore:
+    """Conversation state for many owners, with sliding TTLs and optimistic versions."""
+
+    def __init__(
+        self,
+        client: RedisClient,
+        limits: SessionLimits,
+        timeout_s: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._client = client
+        self._limits = limits
+        self._timeout_s = timeout_s
+        self._clock = clock
+        register = client.register_script
+        self._create: AsyncScript = register(scripts.CREATE)
+        self._get: AsyncScript = register(scripts.GET)
+        self._append: AsyncScript = register(scripts.APPEND)
+        self._touch: AsyncScript = register(scripts.TOUCH)
+        self._delete: AsyncScript = register(scripts.DELETE)
+        self._reserve: AsyncScript = register(scripts.RESERVE)
+        self._page: AsyncScript = register(scripts.PAGE)
+
+    def _now_ms(self) -> int:
+        return int(self._clock() * 1000)
+
+    async def _redis(self, op: str, call: Callable[[], Awaitable[T]]) -> T:
+        """One bounded Redis round trip: UNAVAILABLE within the timeout if Redis is down or slow."""
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return await call()
+        except UNREACHABLE as exc:
+            raise errors.DependencyUnavailable(
+                f"session store unavailable during {op}: {type(exc).__name__}: {exc or 'timed out'}"
+            ) from exc
+        finally:
+            REDIS_LATENCY.labels(op).observe(time.perf_counter() - started)
+
+    async def _session_script(self, op: str, script: AsyncScript, session_id: str, *args: Any) -> list[Any]:
+        keys_ = [keys.meta_key(session_id), keys.turns_key(session_id)]
+        reply: list[Any] = await self._redis(op, lambda: script(keys=keys_, args=list(args)))
+        status = reply[0]
+        if status == "missing":
+            raise errors.NotFound(f"session {session_id!r} not found (never created, deleted or expired)")
+        if status == "denied":
+            raise errors.PermissionDenied(f"session {session_id!r} belongs to another owner")
+        return reply
+
+    async def ping(self) -> None:
+        await self._redis("ping", self._client.ping)
+
+    async def create(self, new: NewSession) -> SessionHeader:
+        await self._reserve_index_slot(new.owner, new.session_id)
+        reply = await self._session_script(
+            "create",
+            self._create,
+            new.session_id,
+            new.owner,
+            new.system_prompt,
+            json.dumps(dict(new.metadata), ensure_ascii=False),
+            new.ttl_seconds,
+            self._now_ms(),
+        )
+        if reply[0] == "exists":
+            await self._release_if_foreign(new.owner, new.session_id)
+            raise errors.AlreadyExists(f"session {new.session_id!r} already exists")
+        return decode_header(new.session_id, _pairs(reply[1]), reply[2])
+
+    async def get(self, owner: str, session_id: str, max_turns: int = 0) -> tuple[SessionHeader, list[TurnRecord]]:
+        """The header and the newest ``max_turns`` turns (all for 0); refreshes the TTL."""
+        reply = await self._session_script("get", self._get, session_id, owner, max_turns)
+        header = decode_header(session_id, _pairs(reply[1]), reply[2])
+        return header, [decode_turn(raw) for raw in reply[3]]
+
+    async def append(
+        self, owner: str, session_id: str, turns: Sequence[TurnRecord], expected_version: int | None
+    ) -> SessionHeader:
+        """Stores all ``turns`` or none; ABORTED when ``expected_version`` is stale."""
+        now = self._now_ms()
+        stamped = [encode_turn(TurnRecord(t.role, t.content, t.token_count, now, t.metadata)) for t in turns]
+        expected = "" if expected_version is None else str(expected_version)
+        reply = await self._session_script(
+            "append",
+            self._append,
+            session_id,
+            owner,
+            expected,
+            now,
+            self._limits.max_turns_per_session,
+            *stamped,
+        )
+        if reply[0] == "conflict":
+            current = reply[1]
+            raise errors.Conflict(
+                f"session {session_id!r} is at version {current}, not the expected {expected}",
+                trailing=((SESSION_VERSION_KEY, str(current)),),
+            )
+        if reply[0] == "full":
+            raise errors.LimitExceeded(
+                f"session {session_id!r} holds {reply[1]} turns; appending {len(turns)} would exceed "
+                f"the limit of {self._limits.max_turns_per_session}"
+            )
+        return decode_header(session_id, _pairs(reply[1]), reply[2])
+
+    async def touch(self, owner: str, session_id: str) -> SessionHeader:
+        reply = await self._session_script("touch", self._touch, session_id, owner)
+        return decode_header(session_id, _pairs(reply[1]), reply[2])
+
+    async def delete(self, owner: str, session_id: str) -> None:
+        await self._session_script("delete", self._delete, session_id, owner)
+        index = keys.owner_index_key(owner)
+        await self._redis("index_release", lambda: self._client.zrem(index, session_id))
+
+    async def list(self, owner: str, page_size: int, page_token: str) -> SessionPage:
+        """The owner's live sessions in creation order, one page at a time."""
+        after_score, after_id = decode_page_token(page_token) if page_token else ("", "")
+        index = keys.owner_index_key(owner)
+        # One row more than asked tells whether another page follows.
+        flat: list[str] = await self._redis(
+            "index_page", lambda: self._page(keys=[index], args=[after_score, after_id, page_size + 1])
+        )
+        rows = list(zip(flat[0::2], flat[1::2], strict=True))
+        page, more = rows[:page_size], len(rows) > page_size
+        headers = await self._headers([session_id for session_id, _ in page])
+        live: list[SessionHeader] = []
+        stale: list[str] = []
+        cutoff = self._now_ms() - PRUNE_GRACE_MS
+        for (session_id, score), header in zip(page, headers, strict=True):
+            if header is not None and header.owner == owner:
+                live.append(header)
+            elif float(score) < cutoff:
+                stale.append(session_id)
+        if stale:
+            await self._redis("index_prune", lambda: self._client.zrem(index, *stale))
+        token = encode_page_token(page[-1][1], page[-1][0]) if more else ""
+        return SessionPage(tuple(live), token)
+
+    async def _headers(self, session_ids: Sequence[str]) -> list[SessionHeader | None]:
+        """Headers of many sessions (any slots) in one pipelined round trip; None where gone."""
+        if not session_ids:
+            return []
+
+        async def fetch() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for session_id in session_ids:
+                pipe.hgetall(keys.meta_key(session_id))
+                pipe.llen(keys.turns_key(session_id))
+            return list(await pipe.execute())
+
+        replies = await self._redis("headers", fetch)
+        headers: list[SessionHeader | None] = []
+        for i, session_id in enumerate(session_ids):
+            fields, count = replies[2 * i], replies[2 * i + 1]
+            headers.append(decode_header(session_id, fields, count) if fields else None)
+        return headers
+
+    async def _reserve_index_slot(self, owner: str, session_id: str) -> None:
+        index = keys.owner_index_key(owner)
+        limit = self._limits.max_sessions_per_owner
+
+        async def reserve() -> bool:
+            return bool(await self._reserve(keys=[index], args=[session_id, self._now_ms(), limit]))
+
+        if await self._redis("index_reserve", reserve):
+            return
+        # Full: expired sessions may still hold entries, so prune them and try once more.
+        await self._prune(owner)
+        if not await self._redis("index_reserve", reserve):
+            raise errors.LimitExceeded(f"owner already holds the maximum of {limit} sessions")
+
+    async def _prune(self, owner: str) -> None:
+        index = keys.owner_index_key(owner)
+        rows: list[tuple[str, float]] = await self._redis(
+            "index_scan", lambda: self._client.zrange(index, 0, -1, withscores=True)
+        )
+        cutoff = self._now_ms() - PRUNE_GRACE_MS
+        old = [session_id for session_id, score in rows if score < cutoff]
+        headers = await self._headers(old)
+        stale = [sid for sid, header in zip(old, headers, strict=True) if header is None or header.owner != owner]
+        if stale:
+            await self._redis("index_prune", lambda: self._client.zrem(index, *stale))
+
+    async def _release_if_foreign(self, owner: str, session_id: str) -> None:
+        """Undo a reservation made for an id that turned out to be another owner's."""
+        stored_owner = await self._redis(
+            "owner_check", lambda: self._client.hget(keys.meta_key(session_id), "owner")
+        )
+        if stored_owner != owner:
+            index = keys.owner_index_key(owner)
+            await self._redis("index_release", lambda: self._client.zrem(index, session_id))
+
+    async def close(self) -> None:
+        await self._client.aclose()

@@ -1,0 +1,88 @@
+"""A small in-process TCP proxy for fault injection: added latency and blackholes.
+
+`tc netem` is not available here, so tests put this between a client and a
+server to slow a replica down or make it stop answering without killing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+
+
+class FaultProxy:
+    """Forwards 127.0.0.1:<port> to an upstream address, with injectable faults.
+
+    - ``delay_s``: added before forwarding each chunk upstream→client (a slow replica).
+    - ``blackhole``: accept connections and swallow bytes without answering.
+    Runs its own event loop in a daemon thread so sync and async tests can use it.
+    """
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.rsplit(":", 1)
+        self.upstream = (host, int(port))
+        self.delay_s = 0.0
+        self.blackhole = False
+        self.connections = 0
+        self._loop = asyncio.new_event_loop()
+        self._server: asyncio.AbstractServer | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = int(s.getsockname()[1])
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> FaultProxy:
+        self._thread.start()
+        self._ready.wait(5)
+        return self
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(
+            asyncio.start_server(self._handle, "127.0.0.1", self.port)
+        )
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delayed: bool) -> None:
+        try:
+            while data := await reader.read(65536):
+                if self.blackhole:
+                    continue
+                if delayed and self.delay_s > 0:
+                    await asyncio.sleep(self.delay_s)
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            with contextlib.suppress(Exception):
+                writer.close()
+
+    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            up_r, up_w = await asyncio.open_connection(*self.upstream)
+        except OSError:
+            client_w.close()
+            return
+        await asyncio.gather(self._pipe(client_r, up_w, False), self._pipe(up_r, client_w, True))
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._loop.call_soon_threadsafe(self._server.close)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    def __enter__(self) -> FaultProxy:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

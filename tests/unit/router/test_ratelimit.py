@@ -1,0 +1,129 @@
+"""Rate limits in real Redis: a bursting key is refused with a retry-after, other keys are not touched."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from services.common import errors
+from services.router.auth import KeyLimits, Principal
+from services.router.ratelimit import InflightLimiter, RateLimiter
+from tests.support.redis import RedisServer
+
+BURSTY = Principal("acme", "acme-1", KeyLimits(requests_per_second=1, burst=3))
+QUIET = Principal("acme", "acme-2", KeyLimits(requests_per_second=1, burst=3))
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture()
+async def redis_client(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.from_url(redis_server.url)
+    yield client
+    await client.aclose()
+
+
+async def test_bursting_key_is_refused_with_retry_after_and_another_key_is_not(
+    redis_client: aioredis.Redis,
+) -> None:
+    limiter = RateLimiter(redis_client)
+    for _ in range(3):
+        await limiter.admit_request(BURSTY)
+    with pytest.raises(errors.Overloaded, match="rate limit exceeded for API key acme-1") as refused:
+        await limiter.admit_request(BURSTY)
+    assert 0 < refused.value.retry_after_s <= 1.0
+    for _ in range(3):
+        await limiter.admit_request(QUIET)
+
+
+async def test_buckets_are_shared_by_routers_and_updated_atomically(redis_client: aioredis.Redis) -> None:
+    # Two limiters on one Redis stand for two router instances racing for the same key.
+    routers = [RateLimiter(redis_client), RateLimiter(redis_client)]
+    key = Principal("acme", "shared", KeyLimits(requests_per_second=0.01, burst=10))
+    outcomes = await asyncio.gather(
+        *(routers[i % 2].admit_request(key) for i in range(40)), return_exceptions=True
+    )
+    assert sum(o is None for o in outcomes) == 10
+    assert all(isinstance(o, errors.Overloaded) for o in outcomes if o is not None)
+
+
+async def test_bucket_refills_at_the_configured_rate(redis_client: aioredis.Redis) -> None:
+    clock = FakeClock()
+    limiter = RateLimiter(redis_client, clock=clock, use_redis_time=False)
+    key = Principal("acme", "refill", KeyLimits(requests_per_second=2, burst=2))
+    await limiter.admit_request(key)
+    await limiter.admit_request(key)
+    with pytest.raises(errors.Overloaded) as refused:
+        await limiter.admit_request(key)
+    assert refused.value.retry_after_s == pytest.approx(0.5, abs=0.01)
+    clock.now += 0.5
+    await limiter.admit_request(key)
+    with pytest.raises(errors.Overloaded):
+        await limiter.admit_request(key)
+
+
+async def test_token_debt_refuses_the_next_request_until_refilled(redis_client: aioredis.Redis) -> None:
+    clock = FakeClock()
+    limiter = RateLimiter(redis_client, clock=clock, use_redis_time=False)
+    key = Principal("acme", "tokens", KeyLimits(tokens_per_minute=600))  # 10 tokens/s
+    await limiter.admit_request(key)
+    await limiter.record_tokens(key, 700)  # a long answer is charged in full: 100 tokens of debt
+    with pytest.raises(errors.Overloaded, match="600 tokens/min") as refused:
+        await limiter.admit_request(key)
+    assert refused.value.retry_after_s == pytest.approx(10.1, abs=0.05)
+    with pytest.raises(errors.Overloaded):
+        await limiter.charge_tokens(key, 1)
+    clock.now += 10.1
+    await limiter.admit_request(key)
+
+
+async def test_keys_without_limits_get_the_defaults_and_unlimited_keys_pass() -> None:
+    limiter = RateLimiter(default_limits=KeyLimits(requests_per_second=1, burst=1))
+    anonymous = Principal("default", "anonymous")
+    await limiter.admit_request(anonymous)
+    with pytest.raises(errors.Overloaded):
+        await limiter.admit_request(anonymous)
+    unlimited = RateLimiter()
+    for _ in range(100):
+        await unlimited.admit_request(anonymous)
+
+
+async def test_redis_outage_falls_back_to_local_buckets(redis_server: RedisServer) -> None:
+    client = aioredis.from_url(redis_server.url, socket_connect_timeout=0.5)
+    try:
+        limiter = RateLimiter(client)
+        await limiter.admit_request(BURSTY)
+        redis_server.kill()
+        for _ in range(3):
+            await limiter.admit_request(BURSTY)
+        with pytest.raises(errors.Overloaded):
+            await limiter.admit_request(BURSTY)
+    finally:
+        await client.aclose()
+
+
+async def test_inflight_cap_refuses_at_once_and_frees_slots() -> None:
+    limiter = InflightLimiter(2)
+    async with limiter.slot(), limiter.slot():
+        with pytest.raises(errors.Overloaded, match="2 requests in flight"):
+            async with limiter.slot():
+                pass
+    assert limiter.in_flight == 0
+    async with limiter.slot():
+        assert limiter.in_flight == 1
+
+
+def test_invalid_limits_name_the_field() -> None:
+    with pytest.raises(ValueError, match="requests_per_second: must be > 0"):
+        KeyLimits(requests_per_second=0)
+    with pytest.raises(ValueError, match="max-in-flight"):
+        InflightLimiter(0)
