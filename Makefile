@@ -49,6 +49,10 @@ test: setup lint
 up: setup
 	$(PY) -m services.cli up $(ARGS)
 
+## gateway: build the REST gateway sidecar into deploy/gateway/bin/ (apt-installs Debian's Go toolchain if missing)
+gateway:
+	bash deploy/gateway/build.sh
+
 ## bench-engine: engine throughput vs HF peers (uniform workload)
 bench-engine: setup
 	$(PY) -m bench.engine --workload uniform --json bench/results/engine-uniform.json

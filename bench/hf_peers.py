@@ -35,7 +35,9 @@ class StepClock(StoppingCriteria):
     def __init__(self) -> None:
         self.times: list[float] = []
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
+    def __call__(
+        self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any
+    ) -> torch.BoolTensor:
         self.times.append(time.perf_counter())
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]
 
@@ -59,7 +61,11 @@ def _sleep_until(deadline: float) -> None:
 
 @torch.inference_mode()
 def run_naive(
-    model: Any, workload: Workload, pad_token_id: int, sample: int | None = None, log: Callable[[str], None] = print
+    model: Any,
+    workload: Workload,
+    pad_token_id: int,
+    sample: int | None = None,
+    log: Callable[[str], None] = print,
 ) -> MethodRun:
     """`model.generate` one request at a time, first come first served.
 
@@ -227,12 +233,16 @@ def run_continuous(model: Any, workload: Workload, pad_token_id: int, page_size:
             result = manager.get_result(timeout=max(0.001, wait))
             if result is None:
                 if not manager.is_running():
-                    raise RuntimeError("transformers continuous batching stopped before finishing the workload")
+                    raise RuntimeError(
+                        "transformers continuous batching stopped before finishing the workload"
+                    )
                 continue
             if not result.is_finished():
                 continue
             if result.error is not None:
-                raise RuntimeError(f"transformers continuous batching failed {result.request_id}: {result.error}")
+                raise RuntimeError(
+                    f"transformers continuous batching failed {result.request_id}: {result.error}"
+                )
             stamps = result.timestamps or [time.perf_counter()]
             arrival = t0 + next(r.arrival_s for r in requests if r.request_id == result.request_id)
             timings[result.request_id] = RequestTiming(

@@ -92,7 +92,11 @@ def targets(workload: str, ratio_table: dict[str, dict[str, float]]) -> dict[str
                 verdicts[f"tok_s_vs_{peer}"] = {"ratio": got, "target": goal, "met": got >= goal}
     elif workload == "mixed" and "hf_static" in ratio_table:
         got = ratio_table["hf_static"]["ttft_p50"]
-        verdicts["ttft_p50_vs_hf_static"] = {"ratio": got, "target": MIXED_TTFT_TARGET, "met": got >= MIXED_TTFT_TARGET}
+        verdicts["ttft_p50_vs_hf_static"] = {
+            "ratio": got,
+            "target": MIXED_TTFT_TARGET,
+            "met": got >= MIXED_TTFT_TARGET,
+        }
     return verdicts
 
 
@@ -118,7 +122,11 @@ def print_report(
     ratio_table = document.get("ratios", {})
     for method, summary in results.items():
         speedup = ratio_table.get(method, {}).get("tok_s")
-        differing = "ref" if method == check.reference else f"{check.mismatches.get(method, 0)}/{check.compared.get(method, 0)}"
+        differing = (
+            "ref"
+            if method == check.reference
+            else f"{check.mismatches.get(method, 0)}/{check.compared.get(method, 0)}"
+        )
         table.add_row(
             method,
             f"{summary.tok_s:.1f}",

@@ -10,13 +10,13 @@ UNIFORM_PROMPT = "Write a short story about a robot named R{i} who learns to pai
 
 # Ordinary English words for the mixed workload's prompts: real text tokenizes the way
 # user prompts do (a few characters per token), unlike random token ids.
-_WORDS = (
+_WORD_LIST = (
     "the a robot paints river mountain city light colour quiet morning evening storm garden "
     "learns remembers brush canvas window market friend old young engineer artist machine "
     "slowly quickly because although every never always story chapter music bridge harbour "
     "winter summer autumn spring train station letter museum lantern forest shadow signal "
     "question answer reason careful bright dark warm cold gentle sudden distant near"
-).split()
+)
 
 
 class ChatTokenizer(Protocol):
@@ -96,8 +96,9 @@ def mixed(
     if arrival_rate <= 0:
         raise ValueError("arrival_rate must be > 0 requests per second")
     rng = random.Random(seed)
+    words = _WORD_LIST.split()
     longest = prompt_tokens[1]
-    text = " ".join(rng.choice(_WORDS) for _ in range(longest * 3))
+    text = " ".join(rng.choice(words) for _ in range(longest * 3))
     corpus = tokenizer.encode(text, add_special_tokens=False)
     if len(corpus) < longest * 2:
         raise ValueError("tokenizer produced too few tokens for the mixed workload's prompts")

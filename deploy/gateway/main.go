@@ -27,10 +27,13 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/golang/protobuf/jsonpb"
+	"github.com/golang/protobuf/proto"
 	"github.com/golang/protobuf/ptypes"
 	"github.com/grpc-ecosystem/grpc-gateway/runtime"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
@@ -89,40 +92,18 @@ func main() {
 	log.SetFlags(log.LstdFlags | log.LUTC)
 	cfg := parseFlags()
 
-	creds := grpc.WithInsecure()
-	if cfg.upstreamCA != "" {
-		tlsCreds, err := credentials.NewClientTLSFromFile(cfg.upstreamCA, "")
-		if err != nil {
-			log.Fatalf("--upstream-ca: %v", err)
-		}
-		creds = grpc.WithTransportCredentials(tlsCreds)
-	}
-	// Non-blocking dial: the gateway starts before the router is up, and
-	// /healthz reports the difference.
-	conn, err := grpc.Dial(cfg.upstream, creds)
+	conn, err := dialRouter(cfg)
 	if err != nil {
 		log.Fatalf("dial %s: %v", cfg.upstream, err)
 	}
 	defer conn.Close()
-
-	gateway := runtime.NewServeMux(
-		runtime.WithMarshalerOption(runtime.MIMEWildcard, &runtime.JSONPb{OrigName: true, EmitDefaults: true}),
-		runtime.WithIncomingHeaderMatcher(incomingHeader),
-	)
-	runtime.HTTPError = httpError
-	// A misspelt field ("max_token") is a 400 naming it, not a silently ignored option.
-	runtime.DisallowUnknownFields()
-	if err := llmmeshv1.RegisterRouterHandler(context.Background(), gateway, conn); err != nil {
+	handler, err := newHandler(cfg, conn)
+	if err != nil {
 		log.Fatalf("register routes: %v", err)
 	}
 
-	routes := http.NewServeMux()
-	routes.HandleFunc("/healthz", healthz(healthpb.NewHealthClient(conn), cfg))
-	routes.HandleFunc("/openapi.json", serveSpec)
-	routes.Handle("/", limitBody(cfg.maxBodyBytes, gateway))
-
 	server := &http.Server{
-		Handler:           routes,
+		Handler:           handler,
 		ReadHeaderTimeout: cfg.readHeaderTimeout,
 		IdleTimeout:       cfg.idleTimeout,
 		// No WriteTimeout: a streamed answer lasts as long as generation does;
@@ -146,11 +127,48 @@ func main() {
 	case sig := <-stop:
 		log.Printf("%s: draining for up to %s", sig, cfg.shutdownGrace)
 	}
+	// Shutdown closes the listener at once and waits for requests in flight,
+	// streams included, to finish.
 	ctx, cancel := context.WithTimeout(context.Background(), cfg.shutdownGrace)
 	defer cancel()
 	if err := server.Shutdown(ctx); err != nil {
 		log.Printf("shutdown: %v", err)
 	}
+}
+
+// dialRouter opens the connection every request shares. The dial does not
+// block: the gateway may start before the router, and /healthz tells.
+func dialRouter(cfg config) (*grpc.ClientConn, error) {
+	creds := grpc.WithInsecure()
+	if cfg.upstreamCA != "" {
+		tlsCreds, err := credentials.NewClientTLSFromFile(cfg.upstreamCA, "")
+		if err != nil {
+			return nil, fmt.Errorf("--upstream-ca: %w", err)
+		}
+		creds = grpc.WithTransportCredentials(tlsCreds)
+	}
+	return grpc.Dial(cfg.upstream, creds)
+}
+
+// newHandler routes /healthz and /openapi.json here and every other path to
+// the generated REST handlers, behind the body limit.
+func newHandler(cfg config, conn *grpc.ClientConn) (http.Handler, error) {
+	gateway := runtime.NewServeMux(
+		runtime.WithMarshalerOption(runtime.MIMEWildcard, strictJSON{&runtime.JSONPb{OrigName: true, EmitDefaults: true}}),
+		runtime.WithIncomingHeaderMatcher(incomingHeader),
+		runtime.WithOutgoingHeaderMatcher(outgoingHeader),
+	)
+	// This grpc-gateway release takes its error writers as package variables.
+	runtime.HTTPError = httpError
+	runtime.OtherErrorHandler = routingError
+	if err := llmmeshv1.RegisterRouterHandler(context.Background(), gateway, conn); err != nil {
+		return nil, err
+	}
+	routes := http.NewServeMux()
+	routes.HandleFunc("/healthz", healthz(healthpb.NewHealthClient(conn), cfg))
+	routes.HandleFunc("/openapi.json", serveSpec)
+	routes.Handle("/", limitBody(cfg.maxBodyBytes, gateway))
+	return routes, nil
 }
 
 // incomingHeader forwards `Grpc-Metadata-*` headers as metadata, except the
@@ -166,6 +184,34 @@ func incomingHeader(key string) (string, bool) {
 		return "", false
 	}
 	return name, true
+}
+
+// strictJSON is the runtime's JSON marshaler with a decoder that refuses
+// unknown fields: a misspelt "max_token" is a 400 naming it, not an option
+// silently ignored (this grpc-gateway release always allows them).
+type strictJSON struct{ *runtime.JSONPb }
+
+func (strictJSON) NewDecoder(r io.Reader) runtime.Decoder {
+	d := json.NewDecoder(r)
+	return runtime.DecoderFunc(func(v interface{}) error {
+		msg, ok := v.(proto.Message)
+		if !ok {
+			// A body bound to a scalar field keeps the runtime's rules.
+			return runtime.DecoderWrapper{Decoder: d}.Decode(v)
+		}
+		return (&jsonpb.Unmarshaler{AllowUnknownFields: false}).UnmarshalNext(d, msg)
+	})
+}
+
+// outgoingHeader passes the router's response metadata on as
+// `Grpc-Metadata-*` headers, minus the transport's own (content-type, grpc-*),
+// which mean nothing to an HTTP client.
+func outgoingHeader(key string) (string, bool) {
+	key = strings.ToLower(key)
+	if key == "content-type" || strings.HasPrefix(key, "grpc-") {
+		return "", false
+	}
+	return runtime.MetadataHeaderPrefix + key, true
 }
 
 // httpError is the runtime's default error reply (HTTP status from the gRPC
@@ -187,6 +233,19 @@ func httpError(ctx context.Context, mux *runtime.ServeMux, m runtime.Marshaler, 
 	runtime.DefaultHTTPError(ctx, mux, m, w, r, err)
 }
 
+// routingError answers unknown paths (404) and wrong methods (405) in the same
+// JSON shape as every other error, instead of the runtime's plain text.
+func routingError(w http.ResponseWriter, _ *http.Request, msg string, httpStatus int) {
+	code := int32(codes.InvalidArgument)
+	switch httpStatus {
+	case http.StatusNotFound:
+		code = int32(codes.NotFound)
+	case http.StatusMethodNotAllowed:
+		code = int32(codes.Unimplemented)
+	}
+	writeJSONError(w, httpStatus, code, msg)
+}
+
 // limitBody reads at most limit bytes of the body before the gateway sees it:
 // an oversized request gets 413 and never reaches the router. Buffering also
 // lets net/http notice a client that hangs up mid-stream (it watches the
@@ -199,7 +258,7 @@ func limitBody(limit int64, next http.Handler) http.Handler {
 		}
 		body, err := io.ReadAll(io.LimitReader(r.Body, limit+1))
 		if err != nil {
-			writeJSONError(w, http.StatusBadRequest, 3, fmt.Sprintf("reading request body: %v", err))
+			writeJSONError(w, http.StatusBadRequest, int32(codes.InvalidArgument), fmt.Sprintf("reading request body: %v", err))
 			return
 		}
 		if int64(len(body)) > limit {
@@ -214,7 +273,7 @@ func limitBody(limit int64, next http.Handler) http.Handler {
 func tooLarge(w http.ResponseWriter, limit int64) {
 	// Closing the connection spares reading the rest of a body we refused.
 	w.Header().Set("Connection", "close")
-	writeJSONError(w, http.StatusRequestEntityTooLarge, 3, fmt.Sprintf("request body larger than %d bytes", limit))
+	writeJSONError(w, http.StatusRequestEntityTooLarge, int32(codes.InvalidArgument), fmt.Sprintf("request body larger than %d bytes", limit))
 }
 
 // writeJSONError answers in the runtime's error shape, so clients parse one format.
@@ -226,7 +285,7 @@ func writeJSONError(w http.ResponseWriter, httpStatus int, grpcCode int32, messa
 
 func serveSpec(w http.ResponseWriter, r *http.Request) {
 	if r.Method != http.MethodGet && r.Method != http.MethodHead {
-		writeJSONError(w, http.StatusMethodNotAllowed, 12, "only GET")
+		writeJSONError(w, http.StatusMethodNotAllowed, int32(codes.Unimplemented), "only GET")
 		return
 	}
 	w.Header().Set("Content-Type", "application/json")

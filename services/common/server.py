@@ -186,16 +186,19 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_stream:
             inner_us = handler.unary_stream
 
-            def us(request: Any, context: Any) -> AsyncIterator[Any]:
-                return run_stream(inner_us, request, context)
+            # Must itself be an async generator function: grpc.aio only streams from those.
+            async def us(request: Any, context: Any) -> AsyncIterator[Any]:
+                async for item in run_stream(inner_us, request, context):
+                    yield item
 
             return grpc.unary_stream_rpc_method_handler(
                 us, handler.request_deserializer, handler.response_serializer
             )
         inner_ss = handler.stream_stream
 
-        def ss(request_iterator: Any, context: Any) -> AsyncIterator[Any]:
-            return run_stream(inner_ss, request_iterator, context)
+        async def ss(request_iterator: Any, context: Any) -> AsyncIterator[Any]:
+            async for item in run_stream(inner_ss, request_iterator, context):
+                yield item
 
         return grpc.stream_stream_rpc_method_handler(
             ss, handler.request_deserializer, handler.response_serializer

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class Decoder(Protocol):
     """The part of a tokenizer detokenization needs."""
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+    def decode(self, token_ids: Any, skip_special_tokens: bool = ...) -> Any: ...
 
 
 @dataclass
@@ -42,7 +42,7 @@ class IncrementalDetokenizer:
         self._searched = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+        return str(self._tokenizer.decode(ids, skip_special_tokens=True))
 
     def _decode_new(self) -> str:
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])

@@ -96,7 +96,9 @@ class LLMEngine:
         self._recent: deque[tuple[float, int]] = deque()
 
     # -- admission -----------------------------------------------------------
-    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, resume_token_ids: Seq[int] = ()) -> None:
+    def validate(
+        self, prompt_token_ids: Seq[int], params: SamplingParams, resume_token_ids: Seq[int] = ()
+    ) -> None:
         """Raise ``InvalidArgument`` for a request this engine can never serve (no state touched)."""
         total = len(prompt_token_ids) + len(resume_token_ids)
         if not prompt_token_ids:
@@ -268,7 +270,7 @@ class LLMEngine:
         return EngineLoad(
             waiting=len(self.scheduler.waiting),
             running=len(self.scheduler.running),
-            kv_blocks_used=usage.used - usage.cached,
+            kv_blocks_used=usage.used,
             kv_blocks_total=usage.total,
             kv_blocks_cached=usage.cached,
             tokens_per_second=tokens / THROUGHPUT_WINDOW_S,

@@ -90,10 +90,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def load_model(path: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+def load_model(path: str, device: torch.device, dtype: torch.dtype) -> Any:
     """A transformers causal LM from a local directory or a ``.gguf`` file, with our attention."""
     p = Path(path)
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": ATTENTION_NAME}
+    model: Any
     if p.suffix == ".gguf":
         model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, **kwargs)
     else:
@@ -116,9 +117,15 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         started = time.perf_counter()
-        self.model = load_model(config.model, self.device, self.dtype)
-        log.info("loaded %s on %s as %s in %.1fs", config.model, self.device, self.dtype, time.perf_counter() - started)
-        mc = self.model.config
+        self.model: Any = load_model(config.model, self.device, self.dtype)
+        log.info(
+            "loaded %s on %s as %s in %.1fs",
+            config.model,
+            self.device,
+            self.dtype,
+            time.perf_counter() - started,
+        )
+        mc: Any = self.model.config
         self.num_layers: int = mc.num_hidden_layers
         self.num_kv_heads: int = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
         self.head_dim: int = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
@@ -130,11 +137,13 @@ class ModelRunner:
         self.num_slots = self.num_blocks * self.block_size
         # One spare slot at the end takes the K/V of padding tokens.
         self.kv_caches = [
-            torch.zeros(2, self.num_slots + 1, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+            torch.zeros(
+                2, self.num_slots + 1, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device
+            )
             for _ in range(self.num_layers)
         ]
-        self.decoder = self.model.base_model
-        self.lm_head = self.model.get_output_embeddings()
+        self.decoder: Any = self.model.base_model
+        self.lm_head: Any = self.model.get_output_embeddings()
         self.sampler = Sampler()
         self._block_offsets = torch.arange(self.block_size, device=self.device)
         self._forward = self._decoder_forward
@@ -166,9 +175,7 @@ class ModelRunner:
         return out.last_hidden_state  # type: ignore[no-any-return]
 
     @torch.inference_mode()
-    def execute(
-        self, scheduled: Seq[ScheduledSequence]
-    ) -> list[int]:
+    def execute(self, scheduled: Seq[ScheduledSequence]) -> list[int]:
         """Run one step; returns the drawn token of every chunk that reached its sequence's end, in order."""
         global _context
         decodes = [s for s in scheduled if s.num_tokens == 1]

@@ -35,7 +35,9 @@ class SamplingParams:
             or math.isinf(self.repetition_penalty)
             or self.repetition_penalty <= 0
         ):
-            raise InvalidArgument("repetition_penalty", f"must be finite and > 0, got {self.repetition_penalty}")
+            raise InvalidArgument(
+                "repetition_penalty", f"must be finite and > 0, got {self.repetition_penalty}"
+            )
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise InvalidArgument("seed", f"must fit in 64 unsigned bits, got {self.seed}")
         if any(not s for s in self.stop):

@@ -53,9 +53,7 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting queue and the running batch."""
 
-    def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
-    ) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.block_manager = block_manager

@@ -32,9 +32,7 @@ class ChunkingPolicy:
         if self.max_tokens < 8:
             raise ValueError(f"chunk max_tokens must be >= 8, got {self.max_tokens}")
         if not 0 <= self.overlap_tokens < self.max_tokens // 2 + 1:
-            raise ValueError(
-                f"chunk overlap_tokens must be in [0, max_tokens/2], got {self.overlap_tokens}"
-            )
+            raise ValueError(f"chunk overlap_tokens must be in [0, max_tokens/2], got {self.overlap_tokens}")
 
 
 class TokenChunker:

@@ -64,11 +64,13 @@ class Embedder:
         if native is None:
             raise ValueError(f"embedding model {self.model_name!r} does not report its dimension")
         if dimension is not None and not 1 <= dimension <= native:
-            raise ValueError(f"--embedding-dimension must be in 1..{native} for {self.model_name}, got {dimension}")
+            raise ValueError(
+                f"--embedding-dimension must be in 1..{native} for {self.model_name}, got {dimension}"
+            )
         # A smaller dimension truncates (Matryoshka-style) and re-normalizes.
         self.dimension = dimension or native
         self.batch_size = batch_size
-        self.max_tokens = int(self._model.max_seq_length)
+        self.max_tokens = int(self._model.max_seq_length or 512)
         self._tokenizer = self._model.tokenizer
 
     def embed(self, texts: Sequence[str]) -> Vectors:

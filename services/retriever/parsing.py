@@ -31,6 +31,8 @@ MIME_BY_EXTENSION: dict[str, str] = {
 _MIME_ALIASES = {"text/x-markdown": MARKDOWN, "application/xhtml+xml": HTML}
 
 _MD_HEADING = re.compile(r"^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
+# get_text(" ") separates inline tags with spaces; undo the ones it puts before punctuation.
+_SPACE_BEFORE_PUNCTUATION = re.compile(r"\s+([.,;:!?)])")
 _DOCX_HEADING = re.compile(r"^(heading \d|title)$", re.IGNORECASE)
 
 
@@ -110,10 +112,12 @@ def _parse_html(data: bytes) -> list[Section]:
     heading = ""
     parts: list[str] = []
     # Walk the block-level elements in document order; a heading closes the section before it.
-    for element in soup.find_all(["h1", "h2", "h3", "h4", "h5", "h6", "p", "li", "pre", "td", "th", "blockquote", "dt", "dd"]):
+    for element in soup.find_all(
+        ["h1", "h2", "h3", "h4", "h5", "h6", "p", "li", "pre", "td", "th", "blockquote", "dt", "dd"]
+    ):
         if element.find_parent(["p", "li", "pre", "td", "th", "blockquote", "dt", "dd"]) is not None:
             continue  # already counted as part of its enclosing block
-        text = " ".join(element.get_text(" ").split())
+        text = _SPACE_BEFORE_PUNCTUATION.sub(r"\1", " ".join(element.get_text(" ").split()))
         if element.name in {"h1", "h2", "h3", "h4", "h5", "h6"}:
             sections.append(Section("\n".join(parts), heading))
             heading, parts = text, []

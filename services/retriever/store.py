@@ -9,6 +9,7 @@ appear in a filter (metadata values) are JSON-quoted.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -147,7 +148,9 @@ def check_milvus_uri(uri: str) -> str:
     """The URI if usable: a ``*.db`` path (Milvus Lite) or an http(s)/tcp/unix URL."""
     if is_lite_uri(uri) or uri.startswith(("http://", "https://", "tcp://", "unix:")):
         return uri
-    raise ValueError(f"--milvus-uri must be a path ending in .db (Milvus Lite) or http(s)://host:port, got {uri!r}")
+    raise ValueError(
+        f"--milvus-uri must be a path ending in .db (Milvus Lite) or http(s)://host:port, got {uri!r}"
+    )
 
 
 class MilvusStore:
@@ -305,7 +308,7 @@ class MilvusStore:
     def _upsert(self, collection: str, rows: list[dict[str, Any]]) -> None:
         for start in range(0, len(rows), _WRITE_BATCH):
             batch = rows[start : start + _WRITE_BATCH]
-            self._call(lambda batch=batch: self._client.upsert(collection, batch, timeout=self._timeout))
+            self._call(functools.partial(self._client.upsert, collection, batch, timeout=self._timeout))
 
     def _delete(self, collection: str, filter_: str) -> None:
         self._call(lambda: self._client.delete(collection, filter=filter_, timeout=self._timeout))
@@ -382,9 +385,7 @@ class MilvusStore:
 
     # -- chunks ----------------------------------------------------------
 
-    def write_chunks(
-        self, record: DocumentRecord, chunks: Sequence[ChunkRow], vectors: Vectors
-    ) -> None:
+    def write_chunks(self, record: DocumentRecord, chunks: Sequence[ChunkRow], vectors: Vectors) -> None:
         """Stores ``chunks`` under ``record.version``; invisible until that version is made current."""
         self._require_model()
         document_key = digest(record.tenant, record.document_id)
@@ -436,7 +437,17 @@ class MilvusStore:
         condition = f'tenant_key == "{digest(tenant)}"'
         if metadata_filter:
             condition += " and " + metadata_condition(metadata_filter)
-        fields = ["document_key", "document_id", "title", "text", "position", "page", "heading", "metadata", "version"]
+        fields = [
+            "document_key",
+            "document_id",
+            "title",
+            "text",
+            "position",
+            "page",
+            "heading",
+            "metadata",
+            "version",
+        ]
         if with_vectors:
             fields.append("vector")
         result = self._call(

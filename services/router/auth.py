@@ -155,7 +155,8 @@ def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | No
 
 def strip_internal(metadata: Iterable[tuple[str, str | bytes]] | None) -> list[tuple[str, str]]:
     """Client metadata that may travel downstream: no ``x-llmmesh-*`` (the router sets
-    those itself) and no ``authorization`` (a client's secret stays at the front door)."""
+    those itself), no ``authorization`` (a client's secret stays at the front door), and no
+    binary ``-bin`` entries (only text metadata is forwarded)."""
     kept: list[tuple[str, str]] = []
     for k, v in metadata or ():
         key = k.lower()
@@ -222,9 +223,9 @@ class Authenticator:
 
     def authenticate(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Principal:
         """The caller's principal; ``Unauthenticated`` when the key is missing, unknown or revoked."""
-        token = bearer_token(metadata)
         if self.open_tenant is not None:
             return Principal(self.open_tenant, ANONYMOUS_KEY_ID)
+        token = bearer_token(metadata)
         if token is None:
             raise errors.Unauthenticated("missing API key: send metadata 'authorization: Bearer <api key>'")
         self._reload_file_if_changed()

@@ -25,12 +25,11 @@ BREAKER_STATE = Gauge(
 )
 
 # Status codes that mean the dependency itself is unwell; anything else (NOT_FOUND,
-# PERMISSION_DENIED, …) is a real answer and proves it is up.
+# PERMISSION_DENIED, a quota's RESOURCE_EXHAUSTED, …) is a real answer and proves it is up.
 OUTAGE_CODES = frozenset(
     {
         grpc.StatusCode.UNAVAILABLE,
         grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
         grpc.StatusCode.INTERNAL,
         grpc.StatusCode.UNKNOWN,
     }

@@ -127,22 +127,30 @@ class ActiveHealthChecker:
 
     async def check(self, replica: Replica) -> None:
         try:
-            response = await replica.health_stub.Check(health_pb2.HealthCheckRequest(), timeout=self.timeout_s)
-            replica.serving = response.status == health_pb2.HealthCheckResponse.SERVING
+            response = await replica.health_stub.Check(
+                health_pb2.HealthCheckRequest(), timeout=self.timeout_s
+            )
+            serving = response.status == health_pb2.HealthCheckResponse.SERVING
             if replica.model is None:
                 info = await replica.stub.GetModelInfo(
                     inference_pb2.GetModelInfoRequest(), timeout=self.timeout_s
                 )
                 replica.model = info.model_id
                 self.pool.models_changed()
-            replica.last_load = await replica.stub.GetLoad(inference_pb2.GetLoadRequest(), timeout=self.timeout_s)
-            if replica.last_load.draining:
-                replica.serving = False
-            if self.probe_every_s and time.monotonic() - replica.last_probe >= self.probe_every_s:
-                await self.probe(replica)
         except grpc.aio.AioRpcError as exc:
             replica.serving = False
             log.debug("health check of %s failed: %s", replica.address, exc.code().name)
+            return
+        replica.serving = serving
+        try:
+            replica.last_load = await replica.stub.GetLoad(
+                inference_pb2.GetLoadRequest(), timeout=self.timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            # A broken load report is not a dead replica: balance on what this router sees.
+            log.warning("GetLoad of %s failed: %s %s", replica.address, exc.code().name, exc.details())
+        if serving and self.probe_every_s and time.monotonic() - replica.last_probe >= self.probe_every_s:
+            await self.probe(replica)
 
     async def probe(self, replica: Replica) -> None:
         """One-token generation: health SERVING does not prove the engine loop is alive."""
@@ -152,7 +160,7 @@ class ActiveHealthChecker:
             prompt="ping",
             sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0),
         )
-        call = replica.stub.Generate(timeout=self.timeout_s * 5)
+        call = replica.stub.Generate(timeout=self.timeout_s * 5)  # type: ignore[call-arg]
         try:
             await call.write(inference_pb2.GenerateRequest(start=start))
             async for response in call:

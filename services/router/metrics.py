@@ -24,13 +24,15 @@ E2E = Histogram(
     "Time from a turn's arrival to its TurnEnd.",
     buckets=LATENCY_BUCKETS,
 )
-RETRIES = Counter("llmmesh_router_retries_total", "Attempts retried on another replica before the first token.")
+RETRIES = Counter(
+    "llmmesh_router_retries_total", "Attempts retried on another replica before the first token."
+)
 FAILOVERS = Counter(
     "llmmesh_router_failovers_total", "Streams resumed on another replica after tokens had flowed."
 )
 EJECTIONS = Counter("llmmesh_router_replica_ejections_total", "Replicas ejected by outlier detection.")
 CACHE_HITS = Counter("llmmesh_router_cache_hits_total", "Turns answered from a response cache.", ["layer"])
-RATE_LIMITED = Counter("llmmesh_router_rate_limited_total", "Requests refused by a rate limit or in-flight cap.")
+# llmmesh_router_rate_limited_total{reason} lives in ratelimit.py, next to the limiter that counts it.
 TOKENS = Counter(
     "llmmesh_router_tokens_total", "Tokens through the router: prompt in, completion out.", ["direction"]
 )

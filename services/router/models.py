@@ -90,5 +90,7 @@ class ModelCatalog:
             i += 1
         if not any(m in known for m in order):
             served = ", ".join(sorted(known))
-            raise errors.InvalidArgument("model", f"unknown model {requested!r}; this router serves: {served}")
+            raise errors.InvalidArgument(
+                "model", f"unknown model {requested!r}; this router serves: {served}"
+            )
         return order

@@ -14,7 +14,7 @@ import socket
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -23,6 +23,9 @@ from services.gen.llmmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb
 from services.router import metrics
 from services.router.health import EjectionConfig, FailureKind, OutlierDetector, may_eject
 from services.router.policies import LatencyEwma
+
+if TYPE_CHECKING:
+    from services.gen.llmmesh.v1.inference_pb2_grpc import InferenceAsyncStub
 
 log = logging.getLogger("llmmesh.router.pool")
 
@@ -60,7 +63,7 @@ class Replica:
     ) -> None:
         self.address = address
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self.stub = inference_pb2_grpc.InferenceStub(self.channel)
+        self.stub: InferenceAsyncStub = inference_pb2_grpc.InferenceStub(self.channel)  # type: ignore[assignment]
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.model: str | None = None
         #: None until the first health check answers.
@@ -100,14 +103,18 @@ class Replica:
         elif self.serving is None:
             health = router_pb2.REPLICA_HEALTH_UNSPECIFIED
         else:
-            health = router_pb2.REPLICA_HEALTH_SERVING if self.serving else router_pb2.REPLICA_HEALTH_NOT_SERVING
+            health = (
+                router_pb2.REPLICA_HEALTH_SERVING if self.serving else router_pb2.REPLICA_HEALTH_NOT_SERVING
+            )
         ejected = self.outlier.ejected
         return router_pb2.ReplicaStatus(
             address=self.address,
             model=self.model or "",
             health=health,
             ejected=ejected,
-            ejected_until_ms=int(wall_now_ms + (self.outlier.ejected_until - mono_now) * 1000) if ejected else 0,
+            ejected_until_ms=int(wall_now_ms + (self.outlier.ejected_until - mono_now) * 1000)
+            if ejected
+            else 0,
             ejection_count=self.outlier.ejection_count,
             ewma_ttft_ms=(self.ttft.value or 0.0) * 1000,
             ewma_itl_ms=(self.itl.value or 0.0) * 1000,
@@ -120,7 +127,9 @@ class Replica:
 class ReplicaPool:
     """Every known replica, by address; candidates per model; outlier ejection."""
 
-    def __init__(self, ejection: EjectionConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, ejection: EjectionConfig | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.ejection = ejection or EjectionConfig()
         self._clock = clock
         self.replicas: dict[str, Replica] = {}
@@ -146,7 +155,7 @@ class ReplicaPool:
         while replica.in_flight and waited < limit_s:
             await asyncio.sleep(0.5)
             waited += 0.5
-        await replica.channel.close()
+        await replica.channel.close(None)
 
     def models_changed(self) -> None:
         for callback in self.on_models_changed:
@@ -166,7 +175,9 @@ class ReplicaPool:
             return
         ejected_now = sum(1 for r in self.replicas.values() if r.outlier.ejected)
         if not may_eject(ejected_now, len(self.replicas), self.ejection.max_ejected_fraction):
-            log.warning("%s is failing (%s) but half the pool is already ejected", replica.address, kind.value)
+            log.warning(
+                "%s is failing (%s) but half the pool is already ejected", replica.address, kind.value
+            )
             return
         duration = replica.outlier.eject()
         metrics.EJECTIONS.inc()
@@ -179,7 +190,7 @@ class ReplicaPool:
     async def close(self) -> None:
         for task in list(self._closing):
             task.cancel()
-        await asyncio.gather(*(r.channel.close() for r in self.replicas.values()), return_exceptions=True)
+        await asyncio.gather(*(r.channel.close(None) for r in self.replicas.values()), return_exceptions=True)
         self.replicas.clear()
 
 
@@ -232,7 +243,9 @@ class ReplicaDiscovery:
         try:
             mtime = self.file.stat().st_mtime
         except FileNotFoundError:
-            log.warning("--replicas-file %s is missing; keeping %d replicas", self.file, len(self._file_addresses))
+            log.warning(
+                "--replicas-file %s is missing; keeping %d replicas", self.file, len(self._file_addresses)
+            )
             return False
         if mtime == self._file_mtime:
             return False

@@ -60,10 +60,7 @@ class SyntheticConfig:
 
 def prompt_key(start: inference_pb2.GenerateStart) -> bytes:
     """What the token stream depends on: the prompt and the sampling seed."""
-    if start.prompt:
-        text = start.prompt
-    else:
-        text = "\n".join(f"{m.role}:{m.content}" for m in start.messages)
+    text = start.prompt or "\n".join(f"{m.role}:{m.content}" for m in start.messages)
     seed = start.sampling.seed if start.sampling.HasField("seed") else 0
     return hashlib.blake2b(f"{seed}|{text}".encode(), digest_size=16).digest()
 
@@ -105,7 +102,9 @@ class SyntheticInference(inference_pb2_grpc.InferenceServicer):
         start = first.start
         if self.config.fail_rate and self._rng.random() < self.config.fail_rate:
             raise errors.DependencyUnavailable("synthetic failure injected (--fail-rate)")
-        max_tokens = start.sampling.max_tokens if start.sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+        max_tokens = (
+            start.sampling.max_tokens if start.sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+        )
         if max_tokens < 1:
             raise errors.InvalidArgument("sampling.max_tokens", f"must be >= 1, got {max_tokens}")
         cancelled = asyncio.Event()
@@ -231,8 +230,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens-per-second", type=float, default=0.0, help="per stream; 0 = unpaced")
     parser.add_argument("--ttft-ms", type=float, default=0.0, help="delay before the first token")
     parser.add_argument("--tokens-per-chunk", type=int, default=1, help="tokens per chunk message")
-    parser.add_argument("--exit-after-tokens", type=int, default=0, help="die after this many tokens (0 = never)")
-    parser.add_argument("--fail-rate", type=float, default=0.0, help="share of calls refused with UNAVAILABLE")
+    parser.add_argument(
+        "--exit-after-tokens", type=int, default=0, help="die after this many tokens (0 = never)"
+    )
+    parser.add_argument(
+        "--fail-rate", type=float, default=0.0, help="share of calls refused with UNAVAILABLE"
+    )
     return parser.parse_args(argv)
 
 

@@ -16,7 +16,7 @@ import binascii
 import json
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from redis import exceptions as redis_errors
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -43,6 +43,7 @@ UNREACHABLE = (
     redis_errors.ClusterError,
     redis_errors.RedisClusterException,
     redis_errors.TryAgainError,
+    redis_errors.ReadOnlyError,  # a replica promoted mid-failover still refuses writes
     TimeoutError,
     OSError,
 )
@@ -67,9 +68,7 @@ def connect(url: str, *, cluster: bool, timeout_s: float, max_connections: int) 
     }
     if cluster:
         return RedisCluster.from_url(url, max_connections=max_connections, **common)
-    pool = BlockingConnectionPool.from_url(
-        url, max_connections=max_connections, timeout=timeout_s, **common
-    )
+    pool = BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=timeout_s, **common)
     return Redis(connection_pool=pool, retry=Retry(NoBackoff(), 0))
 
 
@@ -112,13 +111,15 @@ def decode_header(session_id: str, fields: Mapping[str, str], turn_count: int) -
 
 
 def encode_page_token(score: str, session_id: str) -> str:
-    return base64.urlsafe_b64encode(f"{score}|{session_id}".encode()).decode()
+    """The cursor after (creation ms, id); scores are whole milliseconds."""
+    return base64.urlsafe_b64encode(f"{int(float(score))}|{session_id}".encode()).decode()
 
 
 def decode_page_token(token: str) -> tuple[str, str]:
     try:
         score, session_id = base64.urlsafe_b64decode(token.encode()).decode().split("|", 1)
-        float(score)
+        if not score.isdigit():
+            raise ValueError(score)
     except (ValueError, binascii.Error, UnicodeError) as exc:
         raise errors.InvalidArgument("page_token", "is not a token from a previous response") from exc
     return score, session_id
@@ -174,7 +175,12 @@ class SessionStore:
         return reply
 
     async def ping(self) -> None:
-        await self._redis("ping", self._client.ping)
+        """Raises DependencyUnavailable unless Redis (every primary, on a cluster) answers."""
+        client = self._client
+        if isinstance(client, RedisCluster):
+            await self._redis("ping", lambda: client.ping(target_nodes=RedisCluster.PRIMARIES))
+        else:
+            await self._redis("ping", client.ping)
 
     async def create(self, new: NewSession) -> SessionHeader:
         await self._reserve_index_slot(new.owner, new.session_id)
@@ -193,7 +199,9 @@ class SessionStore:
             raise errors.AlreadyExists(f"session {new.session_id!r} already exists")
         return decode_header(new.session_id, _pairs(reply[1]), reply[2])
 
-    async def get(self, owner: str, session_id: str, max_turns: int = 0) -> tuple[SessionHeader, list[TurnRecord]]:
+    async def get(
+        self, owner: str, session_id: str, max_turns: int = 0
+    ) -> tuple[SessionHeader, list[TurnRecord]]:
         """The header and the newest ``max_turns`` turns (all for 0); refreshes the TTL."""
         reply = await self._session_script("get", self._get, session_id, owner, max_turns)
         header = decode_header(session_id, _pairs(reply[1]), reply[2])
@@ -238,7 +246,7 @@ class SessionStore:
         index = keys.owner_index_key(owner)
         await self._redis("index_release", lambda: self._client.zrem(index, session_id))
 
-    async def list(self, owner: str, page_size: int, page_token: str) -> SessionPage:
+    async def list_owned(self, owner: str, page_size: int, page_token: str) -> SessionPage:
         """The owner's live sessions in creation order, one page at a time."""
         after_score, after_id = decode_page_token(page_token) if page_token else ("", "")
         index = keys.owner_index_key(owner)
@@ -297,13 +305,16 @@ class SessionStore:
 
     async def _prune(self, owner: str) -> None:
         index = keys.owner_index_key(owner)
-        rows: list[tuple[str, float]] = await self._redis(
-            "index_scan", lambda: self._client.zrange(index, 0, -1, withscores=True)
+        rows = cast(
+            list[tuple[str, float]],
+            await self._redis("index_scan", lambda: self._client.zrange(index, 0, -1, withscores=True)),
         )
         cutoff = self._now_ms() - PRUNE_GRACE_MS
         old = [session_id for session_id, score in rows if score < cutoff]
         headers = await self._headers(old)
-        stale = [sid for sid, header in zip(old, headers, strict=True) if header is None or header.owner != owner]
+        stale = [
+            sid for sid, header in zip(old, headers, strict=True) if header is None or header.owner != owner
+        ]
         if stale:
             await self._redis("index_prune", lambda: self._client.zrem(index, *stale))
 

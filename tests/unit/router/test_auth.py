@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -107,7 +108,8 @@ def test_client_cannot_smuggle_internal_metadata() -> None:
 
 
 async def test_keys_added_to_redis_are_accepted_after_refresh(redis_server: RedisServer) -> None:
-    proc = subprocess.run(
+    proc = await asyncio.to_thread(
+        subprocess.run,
         [
             sys.executable,
             "-m",

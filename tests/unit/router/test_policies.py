@@ -54,7 +54,11 @@ def test_round_robin_visits_each_replica_in_turn() -> None:
 
 
 def test_least_outstanding_picks_the_idlest_counting_reported_queue() -> None:
-    replicas = [FakeReplica("a", in_flight=3), FakeReplica("b", in_flight=1, queue_depth=4), FakeReplica("c", 2)]
+    replicas = [
+        FakeReplica("a", in_flight=3),
+        FakeReplica("b", in_flight=1, queue_depth=4),
+        FakeReplica("c", 2),
+    ]
     chosen = LeastOutstandingPolicy(random.Random(1)).choose(replicas)
     assert chosen is not None and chosen.address == "c"
 

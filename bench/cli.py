@@ -1,0 +1,46 @@
+"""`llm-mesh bench <name>`: dispatch to one benchmark module, imported only when chosen."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). Each module exposes add_arguments(parser) and run(args).
+BENCHES: dict[str, tuple[str, str]] = {
+    "engine": ("bench.engine", "the llm-mesh engine vs naive, static and continuous HF generation"),
+    "router": ("bench.router", "the router's overhead and balancing under load"),
+    "retriever": ("bench.retriever", "ingest and search throughput of the retriever"),
+    "load": ("bench.load", "the whole mesh under many concurrent clients"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    listing = "; ".join(f"{name}: {text}" for name, (_, text) in BENCHES.items())
+    parser.add_argument("name", choices=sorted(BENCHES), metavar="NAME", help=f"which benchmark ({listing})")
+    # Everything after NAME belongs to that benchmark's own parser, built only once it is imported.
+    parser.add_argument(
+        "bench_args", nargs=argparse.REMAINDER, help="the benchmark's own flags (try NAME --help)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    module_name = BENCHES[args.name][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        print(
+            f"llm-mesh bench {args.name}: not available in this checkout ({module_name} is missing)",
+            file=sys.stderr,
+        )
+        return 2
+    if not (hasattr(module, "add_arguments") and hasattr(module, "run")):
+        print(
+            f"llm-mesh bench {args.name}: {module_name} has no add_arguments/run entry point", file=sys.stderr
+        )
+        return 2
+    parser = argparse.ArgumentParser(prog=f"llm-mesh bench {args.name}", description=BENCHES[args.name][1])
+    module.add_arguments(parser)
+    return int(module.run(parser.parse_args(args.bench_args)))

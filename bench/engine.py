@@ -1,0 +1,254 @@
+"""Engine benchmark: the llm-mesh engine against naive, static and continuous-batching HF generation.
+
+    python -m bench.engine --workload uniform --json bench/results/engine-uniform.json
+    llm-mesh bench engine --workload mixed --only llm_mesh,hf_static
+
+Methods run in the same process on the same model, dtype and prompts, interleaved round
+by round (the order rotates each round) because this machine's speed drifts up to 2×
+within minutes; the table and JSON give per-method medians over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.timings import MethodRun, Summary, median_summary, summarize
+from bench.workloads import Workload
+
+METHODS = ("llm_mesh", "naive", "hf_static", "hf_continuous")
+DEFAULT_MODEL = "models/SmolLM2-135M-Instruct"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", choices=("uniform", "mixed"), default="uniform")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="local model directory (default: %(default)s)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument(
+        "--only", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="write the results document here")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds; medians are reported")
+    parser.add_argument("--num-requests", type=int, default=None, help="default: 64 uniform, 128 mixed")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="uniform: tokens per request (64); mixed: upper bound (256)",
+    )
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument(
+        "--naive-requests",
+        type=int,
+        default=8,
+        help="time naive on this many requests and extrapolate the rest (0 = run them all)",
+    )
+    parser.add_argument("--arrival-rate", type=float, default=2.0, help="mixed: Poisson arrivals per second")
+    parser.add_argument("--seed", type=int, default=0, help="mixed: seed for arrivals and lengths")
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="torch.compile the llm-mesh engine (slow warm-up, faster steps)",
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=64, help="llm-mesh running batch and static wave size"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="llm-mesh per-step token budget"
+    )
+    parser.add_argument("--cb-page-size", type=int, default=256, help="transformers CB tokens per KV page")
+
+
+def parse_methods(only: str) -> list[str]:
+    """The requested methods in the canonical order; unknown names are a usage error."""
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(METHODS))
+    if unknown:
+        raise ValueError(f"--only: unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    if not names:
+        raise ValueError("--only: name at least one method")
+    return [m for m in METHODS if m in names]
+
+
+def build_workload(args: argparse.Namespace, tokenizer: Any) -> Workload:
+    from bench import workloads
+
+    if args.workload == "uniform":
+        return workloads.uniform(tokenizer, args.num_requests or 64, args.max_tokens or 64)
+    top = args.max_tokens or 256
+    return workloads.mixed(
+        tokenizer,
+        args.num_requests or 128,
+        arrival_rate=args.arrival_rate,
+        max_tokens=(min(16, top), top),
+        seed=args.seed,
+    )
+
+
+def warmup_workload(workload: Workload) -> Workload:
+    """Two short requests at once: pays one-time costs (allocator, kernels) off the clock."""
+    from bench.workloads import BenchRequest
+
+    picked = [BenchRequest(f"warm{r.request_id}", r.prompt_token_ids, 2, 0.0) for r in workload.requests[:2]]
+    return Workload("warmup", picked)
+
+
+def machine_description() -> str:
+    """CPU model and core count (or the GPU), recorded with every result."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            model = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{model}, {os.cpu_count()} CPU(s), {platform.system()} {platform.release()}"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; 1 when fp32 tokens differ between methods (they must not), 2 on bad usage."""
+    try:
+        methods = parse_methods(args.only)
+        if args.rounds < 1:
+            raise ValueError("--rounds must be >= 1")
+    except ValueError as exc:
+        print(f"bench engine: {exc}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    import torch
+    import transformers
+    from rich.console import Console
+
+    from bench import hf_peers, mesh_method, report
+
+    # Piped into a file or CI log, rich would wrap the table at 80 columns.
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    if not (Path(args.model) / "config.json").exists():
+        print(f"bench engine: no model at {args.model} (run `make model`)", file=sys.stderr)
+        return 2
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
+    pad_token_id = int(
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    )
+    workload = build_workload(args, tokenizer)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    runners: dict[str, Callable[[Workload], MethodRun]] = {}
+    if any(m != "llm_mesh" for m in methods):
+        console.print(f"loading HF model ({args.dtype}) …")
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+            args.model, dtype=getattr(torch, args.dtype)
+        ).to(device)
+        hf_model.eval()
+        sample = args.naive_requests or None
+        runners["naive"] = lambda w: hf_peers.run_naive(
+            hf_model, w, pad_token_id, sample if w is workload else None
+        )
+        runners["hf_static"] = lambda w: hf_peers.run_static(hf_model, w, pad_token_id, args.max_num_seqs)
+        runners["hf_continuous"] = lambda w: hf_peers.run_continuous(
+            hf_model, w, pad_token_id, args.cb_page_size
+        )
+    if "llm_mesh" in methods:
+        console.print(f"building llm-mesh engine ({args.dtype}, compile={args.compile}) …")
+        engine = mesh_method.build_engine(
+            args.model,
+            args.dtype,
+            device,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            compile_model=args.compile,
+        )
+        runners["llm_mesh"] = lambda w: mesh_method.run_llm_mesh(engine, w)
+
+    warm = warmup_workload(workload)
+    for method in methods:
+        console.print(f"warming up {method} …")
+        runners[method](warm)
+
+    per_round: list[dict[str, Summary]] = []
+    last_runs: dict[str, MethodRun] = {}
+    notes: list[str] = []
+    for index in range(args.rounds):
+        # Rotate the order so no method always runs first (or right after another).
+        order = methods[index % len(methods) :] + methods[: index % len(methods)]
+        summaries: dict[str, Summary] = {}
+        for method in order:
+            console.print(f"round {index + 1}/{args.rounds}: {method} …")
+            method_run = runners[method](workload)
+            summaries[method] = summarize(method_run)
+            last_runs[method] = method_run
+            if method_run.note and method_run.note not in notes:
+                notes.append(method_run.note)
+            console.print(f"  {method}: {summaries[method].tok_s:.1f} tok/s")
+        per_round.append(summaries)
+
+    results = {m: median_summary([r[m] for r in per_round]) for m in methods}
+    check = report.check_tokens({m: last_runs[m] for m in methods})
+    ratio_table = report.ratios(results)
+    if args.dtype != "float32" and check.total_mismatches:
+        notes.append(
+            "bf16 greedy tokens drift between methods after a few dozen tokens; compare tokens in fp32"
+        )
+    document: dict[str, Any] = {
+        "workload": workload.name,
+        "model": args.model,
+        "device": device,
+        "dtype": args.dtype,
+        "results": {m: results[m].as_dict() for m in methods},
+        "ratios": ratio_table,
+        "targets": report.targets(workload.name, ratio_table),
+        "token_check": check.as_dict(),
+        "rounds": args.rounds,
+        "per_round": [{m: s.as_dict() for m, s in r.items()} for r in per_round],
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine_description(),
+        "threads": args.threads,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "settings": {
+            "num_requests": len(workload.requests),
+            "total_tokens": workload.total_tokens,
+            "compile": args.compile,
+            "max_num_seqs": args.max_num_seqs,
+            "naive_requests": args.naive_requests,
+            "arrival_rate": args.arrival_rate if workload.name == "mixed" else None,
+            "seed": args.seed if workload.name == "mixed" else None,
+            "cb_num_blocks": hf_peers.CB_NUM_BLOCKS,
+            "cb_page_size": args.cb_page_size,
+        },
+        "notes": notes,
+    }
+    report.print_report(console, document, results, check, notes)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(document, indent=2) + "\n")
+        console.print(f"wrote {args.json}")
+    if args.dtype == "float32" and check.total_mismatches:
+        console.print("[red]fp32 greedy tokens differ between methods: a correctness bug, not noise[/red]")
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

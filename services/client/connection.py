@@ -1,0 +1,88 @@
+"""How the terminal clients reach the router: address, API key, and errors a person can act on."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import grpc
+
+from services.common.metadata import AUTHORIZATION_KEY
+from services.gen.llmmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+DEFAULT_ROUTER = "127.0.0.1:50051"
+
+
+def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--router",
+        default=os.environ.get("LLMMESH_ROUTER", DEFAULT_ROUTER),
+        help="router host:port [env LLMMESH_ROUTER]",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("LLMMESH_API_KEY"),
+        help="API key sent as `authorization: Bearer KEY` [env LLMMESH_API_KEY]",
+    )
+
+
+def add_turn_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of one turn, shared by `chat` and `ask`."""
+    parser.add_argument("--session", default="", help="session id: the router keeps the history")
+    parser.add_argument("--rag", action="store_true", help="answer from the ingested documents")
+    parser.add_argument("--model", default="", help="model name or alias (default: the router's)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="most tokens per answer")
+    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    parser.add_argument(
+        "--ignore-eos", action="store_true", help="generate exactly --max-tokens tokens (demos, benchmarks)"
+    )
+
+
+def sampling_from_args(args: argparse.Namespace) -> common_pb2.SamplingParams:
+    sampling = common_pb2.SamplingParams(ignore_eos=args.ignore_eos)
+    if args.max_tokens is not None:
+        sampling.max_tokens = args.max_tokens
+    if args.temperature is not None:
+        sampling.temperature = args.temperature
+    return sampling
+
+
+def turn_request(args: argparse.Namespace, messages: list[common_pb2.ChatMessage]) -> router_pb2.ChatRequest:
+    return router_pb2.ChatRequest(
+        messages=messages,
+        model=args.model,
+        sampling=sampling_from_args(args),
+        session_id=args.session,
+        rag=router_pb2.RagOptions(enabled=args.rag),
+    )
+
+
+def call_metadata(api_key: str | None) -> tuple[tuple[str, str | bytes], ...]:
+    return ((AUTHORIZATION_KEY, f"Bearer {api_key}"),) if api_key else ()
+
+
+def open_router(address: str) -> tuple[grpc.Channel, router_pb2_grpc.RouterStub]:
+    channel = grpc.insecure_channel(address)
+    return channel, router_pb2_grpc.RouterStub(channel)
+
+
+def describe_error(error: grpc.RpcError, address: str) -> str:
+    """One line for a failed call, with the likely fix when the mesh is simply not running."""
+    code = error.code() if isinstance(error, grpc.Call) else None
+    details = error.details() if isinstance(error, grpc.Call) else str(error)
+    name = code.name if code is not None else "ERROR"
+    hint = ""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        hint = f" (is the mesh up at {address}? start it with `llm-mesh up`)"
+    elif code == grpc.StatusCode.UNAUTHENTICATED:
+        hint = " (pass --api-key or set LLMMESH_API_KEY)"
+    return f"error: {name}: {details}{hint}"
+
+
+def format_citations(citations: list[router_pb2.Citation]) -> list[str]:
+    """`[1] title (document id, chunk n, score)` lines, in the order the model saw the chunks."""
+    lines = []
+    for i, c in enumerate(citations, start=1):
+        title = c.title or c.document_id
+        lines.append(f"[{i}] {title} ({c.document_id}, chunk {c.position}, score {c.score:.2f})")
+    return lines

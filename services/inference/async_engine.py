@@ -1,0 +1,193 @@
+"""Runs the engine loop in its own thread and streams each request's outputs to asyncio.
+
+The event loop never waits on torch: requests and aborts are handed to the
+engine thread through locked queues, and outputs come back with
+``call_soon_threadsafe``. When idle, the engine thread sleeps on a condition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncGenerator
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from services.common import errors
+from services.inference import metrics
+from services.inference.engine import EngineLoad, LLMEngine, RequestOutput
+from services.inference.sampling import SamplingParams
+from services.inference.sequence import FinishReason
+
+log = logging.getLogger("llmmesh.inference.engine")
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    resume_token_ids: Seq[int]
+    sink: asyncio.Queue[RequestOutput | BaseException]
+    loop: asyncio.AbstractEventLoop
+
+
+class AsyncEngine:
+    """Thread-backed front of ``LLMEngine`` for asyncio servicers."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._pending: list[_Pending] = []
+        self._sinks: dict[str, _Pending] = {}
+        self._stopped = False
+        self.draining = False
+        self._load = engine.load()
+        self._thread = threading.Thread(target=self._run, name="llmmesh-engine", daemon=True)
+        self._thread.start()
+
+    # -- asyncio side ----------------------------------------------------------
+    def load(self) -> EngineLoad:
+        """The load as of the last engine step (never blocks on the engine)."""
+        return self._load
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        resume_token_ids: Seq[int] = (),
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream one request's outputs; leaving early (cancel, error, client gone) aborts it."""
+        if self.draining:
+            raise errors.DependencyUnavailable("replica is shutting down; send work elsewhere")
+        # Validation needs no engine slot and reads only immutable engine state.
+        self.engine.validate(prompt_token_ids, params, resume_token_ids)
+        sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        pending = _Pending(
+            request_id, prompt_token_ids, params, resume_token_ids, sink, asyncio.get_running_loop()
+        )
+        with self._cond:
+            if request_id in self._sinks:
+                raise errors.AlreadyExists(f"request {request_id!r} is already running")
+            if len(self._pending) + self._load.waiting >= self.engine.config.max_queued_requests:
+                raise errors.Overloaded(
+                    f"waiting queue is full ({self.engine.config.max_queued_requests} requests); retry later",
+                    retry_after_s=1.0,
+                )
+            self._pending.append(pending)
+            self._sinks[request_id] = pending
+            self._cond.notify()
+        finished = False
+        last_token_at: float | None = None
+        try:
+            while True:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.new_token_ids:
+                    now = time.monotonic()
+                    if last_token_at is not None:
+                        metrics.INTER_TOKEN_LATENCY.observe(now - last_token_at)
+                    last_token_at = now
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            # Not yet handed to the engine: just drop it.
+            for p in self._pending:
+                if p.request_id == request_id:
+                    self._pending.remove(p)
+                    self._sinks.pop(request_id, None)
+                    return
+            self.engine.abort_request(request_id)
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+    # -- engine thread ---------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cond:
+                while not (self._stopped or self._pending or engine.has_unfinished_requests()):
+                    self._cond.wait()
+                if self._stopped:
+                    break
+                pending, self._pending = self._pending, []
+            for p in pending:
+                try:
+                    engine.add_request(p.request_id, p.prompt_token_ids, p.params, p.resume_token_ids)
+                except Exception as exc:  # admission raced the bound; tell that caller only
+                    self._forget(p.request_id)
+                    p.loop.call_soon_threadsafe(p.sink.put_nowait, exc)
+            try:
+                outputs = engine.step()
+            except Exception:
+                log.exception("engine step failed; failing every request in flight")
+                self._fail_all(engine)
+                continue
+            for out in outputs:
+                self._deliver(out)
+            self._publish_load()
+        self._fail_all(engine)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._cond:
+            target = self._sinks.get(out.request_id)
+            if out.finished:
+                self._sinks.pop(out.request_id, None)
+        if out.finished:
+            _record_finished(out)
+        if target is not None:
+            target.loop.call_soon_threadsafe(target.sink.put_nowait, out)
+
+    def _forget(self, request_id: str) -> None:
+        with self._cond:
+            self._sinks.pop(request_id, None)
+
+    def _fail_all(self, engine: LLMEngine) -> None:
+        with self._cond:
+            sinks, self._sinks = self._sinks, {}
+        for rid, target in sinks.items():
+            engine.abort_request(rid)
+            target.loop.call_soon_threadsafe(
+                target.sink.put_nowait, errors.DependencyUnavailable("the inference engine failed")
+            )
+        try:
+            engine.step()
+        except Exception:
+            log.exception("engine could not release aborted requests")
+        self._publish_load()
+
+    def _publish_load(self) -> None:
+        load = self.engine.load()
+        self._load = load
+        metrics.QUEUE_DEPTH.set(load.waiting)
+        metrics.RUNNING_BATCH.set(load.running)
+        metrics.KV_CACHE_USAGE.set(load.kv_blocks_used / max(1, load.kv_blocks_total))
+
+
+def _record_finished(out: RequestOutput) -> None:
+    reason = out.finish_reason or FinishReason.ERROR
+    metrics.REQUESTS.labels(reason.value).inc()
+    if out.usage is not None:
+        metrics.PROMPT_TOKENS.inc(out.usage.prompt_tokens)
+        metrics.GENERATION_TOKENS.inc(out.usage.completion_tokens)
+        metrics.PREFIX_CACHE_HIT_TOKENS.inc(out.usage.cached_prompt_tokens)
+    if out.timings is not None:
+        if out.timings.ttft_ms > 0:
+            metrics.TIME_TO_FIRST_TOKEN.observe(out.timings.ttft_ms / 1000.0)
+        metrics.E2E_LATENCY.observe(out.timings.total_ms / 1000.0)

@@ -1,0 +1,37 @@
+"""Turns a client's chat messages or raw prompt into prompt token ids, validating them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from services.common.errors import InvalidArgument
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+
+def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, messages: Seq[Message], prompt: str) -> list[int]:
+    """Chat-templated ``messages`` (generation prompt appended) or the raw ``prompt``; exactly one of them."""
+    if messages and prompt:
+        raise InvalidArgument("prompt", "set either messages or prompt, not both")
+    if prompt:
+        return list(tokenizer.encode(prompt))
+    if not messages:
+        raise InvalidArgument("messages", "give at least one chat message (or a raw prompt)")
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise InvalidArgument(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {m.role!r}")
+    text = tokenizer.apply_chat_template(
+        [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=False
+    )
+    assert isinstance(text, str)
+    # The template already wrote the special tokens it wants.
+    return list(tokenizer.encode(text, add_special_tokens=False))

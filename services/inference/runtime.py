@@ -1,0 +1,55 @@
+"""The inference service's plug-in for the shared server bootstrap: load, warm up, serve, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence as Seq
+
+import grpc
+
+from services.common.server import HealthReporter
+from services.inference.async_engine import AsyncEngine
+from services.inference.config import EngineConfig
+from services.inference.engine import LLMEngine
+from services.inference.sampling import SamplingParams
+from services.inference.servicer import InferenceServicer, add_to_server
+
+log = logging.getLogger("llmmesh.inference")
+
+# How long `drain` waits for in-flight generations before the server's own grace period.
+DRAIN_POLL_S = 0.1
+
+
+class InferenceRuntime:
+    """Loads the engine off the event loop and reports SERVING after one real generation."""
+
+    service_names: Seq[str] = ("llmmesh.v1.Inference",)
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.servicer = InferenceServicer()
+        self.engine: AsyncEngine | None = None
+
+    def register(self, server: grpc.aio.Server) -> None:
+        add_to_server(self.servicer, server)
+
+    async def start(self, health: HealthReporter) -> None:
+        core = await asyncio.to_thread(LLMEngine, self.config)
+        # Warm-up: one real generation, so the first client does not pay for lazy init.
+        warm = await asyncio.to_thread(
+            core.generate, [core.tokenizer.encode("Hello")], SamplingParams(max_tokens=2, temperature=0.0)
+        )
+        log.info("warm-up generated %d tokens", len(warm[0]))
+        self.engine = AsyncEngine(core)
+        self.servicer.engine = self.engine
+        await health.set_serving(True)
+
+    async def drain(self) -> None:
+        # New Generate calls are refused; the server's grace period lets in-flight ones finish.
+        if self.engine is not None:
+            self.engine.draining = True
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.close)

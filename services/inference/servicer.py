@@ -1,0 +1,175 @@
+"""The gRPC face of the inference engine: protobuf in, dataclasses to the engine, protobuf out."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.common.errors import InvalidArgument
+from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services.inference.async_engine import AsyncEngine
+from services.inference.engine import RequestOutput
+from services.inference.prompts import Message, prompt_token_ids
+from services.inference.sampling import SamplingParams
+from services.inference.sequence import FinishReason
+
+DEFAULT_MAX_TOKENS = 256
+
+FINISH_REASONS_PB = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
+    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
+}
+
+
+def sampling_from_pb(pb: common_pb2.SamplingParams, prompt_len: int, max_model_len: int) -> SamplingParams:
+    """Proto sampling fields to ``SamplingParams``; unset optional fields take the defaults."""
+    if pb.HasField("max_tokens"):
+        max_tokens = pb.max_tokens
+    else:
+        max_tokens = max(1, min(DEFAULT_MAX_TOKENS, max_model_len - prompt_len))
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=pb.temperature if pb.HasField("temperature") else 1.0,
+        top_p=pb.top_p if pb.HasField("top_p") else 1.0,
+        top_k=pb.top_k if pb.HasField("top_k") else 0,
+        seed=pb.seed if pb.HasField("seed") else None,
+        stop=tuple(pb.stop),
+        repetition_penalty=pb.repetition_penalty if pb.HasField("repetition_penalty") else 1.0,
+        ignore_eos=pb.ignore_eos,
+    )
+
+
+def response_from_output(out: RequestOutput) -> list[inference_pb2.GenerateResponse]:
+    """A chunk for new tokens or text, then the final message when the request ended."""
+    responses = []
+    if out.new_token_ids or out.text:
+        chunk = inference_pb2.TokenChunk(text=out.text, token_ids=out.new_token_ids, index=out.index)
+        responses.append(inference_pb2.GenerateResponse(chunk=chunk))
+    if out.finished:
+        usage = out.usage
+        timings = out.timings
+        finished = inference_pb2.GenerationFinished(
+            finish_reason=FINISH_REASONS_PB[out.finish_reason or FinishReason.ERROR],
+            usage=common_pb2.Usage(
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                cached_prompt_tokens=usage.cached_prompt_tokens,
+            )
+            if usage
+            else None,
+            timings=common_pb2.Timings(
+                queue_ms=timings.queue_ms,
+                prefill_ms=timings.prefill_ms,
+                decode_ms=timings.decode_ms,
+                ttft_ms=timings.ttft_ms,
+                total_ms=timings.total_ms,
+            )
+            if timings
+            else None,
+            error_message=out.error,
+            matched_stop=out.matched_stop,
+        )
+        responses.append(inference_pb2.GenerateResponse(finished=finished))
+    return responses
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    """Streams generations from the engine; the engine is set once the model is loaded."""
+
+    def __init__(self) -> None:
+        self.engine: AsyncEngine | None = None
+
+    def _engine(self) -> AsyncEngine:
+        if self.engine is None:
+            from services.common.errors import DependencyUnavailable
+
+            raise DependencyUnavailable("model is still loading")
+        return self.engine
+
+    async def Generate(
+        self,
+        request_iterator: AsyncIterator[inference_pb2.GenerateRequest],
+        context: grpc.aio.ServicerContext[inference_pb2.GenerateRequest, inference_pb2.GenerateResponse],
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        engine = self._engine()
+        try:
+            first = await anext(aiter(request_iterator))
+        except StopAsyncIteration:
+            raise InvalidArgument("start", "the stream ended before a start message") from None
+        if first.WhichOneof("action") != "start":
+            raise InvalidArgument("start", "the first message must be `start`")
+        start = first.start
+        request_id = start.request_id or uuid.uuid4().hex
+        prompt_ids = prompt_token_ids(
+            engine.engine.tokenizer,
+            [Message(m.role, m.content) for m in start.messages],
+            start.prompt,
+        )
+        params = sampling_from_pb(start.sampling, len(prompt_ids), engine.engine.max_model_len)
+        stream = engine.generate(request_id, prompt_ids, params, list(start.resume_token_ids))
+        watcher = asyncio.create_task(_watch_for_cancel(request_iterator, engine, request_id))
+        try:
+            async for out in stream:
+                for response in response_from_output(out):
+                    yield response
+        finally:
+            watcher.cancel()
+            await stream.aclose()
+
+    async def GetLoad(
+        self,
+        request: inference_pb2.GetLoadRequest,
+        context: grpc.aio.ServicerContext[inference_pb2.GetLoadRequest, inference_pb2.LoadReport],
+    ) -> inference_pb2.LoadReport:
+        engine = self._engine()
+        load = engine.load()
+        return inference_pb2.LoadReport(
+            waiting=load.waiting,
+            running=load.running,
+            kv_blocks_used=load.kv_blocks_used,
+            kv_blocks_total=load.kv_blocks_total,
+            kv_blocks_cached=load.kv_blocks_cached,
+            tokens_per_second=load.tokens_per_second,
+            max_queued_requests=engine.engine.config.max_queued_requests,
+            draining=engine.draining,
+        )
+
+    async def GetModelInfo(
+        self,
+        request: inference_pb2.GetModelInfoRequest,
+        context: grpc.aio.ServicerContext[inference_pb2.GetModelInfoRequest, inference_pb2.ModelInfo],
+    ) -> inference_pb2.ModelInfo:
+        core = self._engine().engine
+        runner = core.runner
+        return inference_pb2.ModelInfo(
+            model_id=core.model_id,
+            max_context_tokens=core.max_model_len,
+            dtype=str(runner.dtype).removeprefix("torch."),
+            device=str(runner.device),
+            kv_block_size=runner.block_size,
+            kv_blocks_total=runner.num_blocks,
+            vocab_size=runner.vocab_size,
+        )
+
+
+async def _watch_for_cancel(
+    request_iterator: AsyncIterator[inference_pb2.GenerateRequest], engine: AsyncEngine, request_id: str
+) -> None:
+    """A later `cancel` message ends the generation (the stream then reports CANCELLED)."""
+    try:
+        async for message in request_iterator:
+            if message.WhichOneof("action") == "cancel":
+                engine.abort(request_id)
+                return
+    except grpc.RpcError:
+        # The client went away; the handler's own cancellation aborts the request.
+        return
+
+
+def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
+    inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]

@@ -1,0 +1,46 @@
+"""The retriever's settings, validated once at startup."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.retriever.embedder import DEFAULT_EMBEDDING_MODEL
+from services.retriever.semantic_cache import DEFAULT_THRESHOLD, DEFAULT_TTL_SECONDS, MAX_TTL_SECONDS
+from services.retriever.store import check_milvus_uri
+
+
+@dataclass(frozen=True)
+class RetrieverConfig:
+    milvus_uri: str = "data/milvus.db"
+    embedding_model: str = DEFAULT_EMBEDDING_MODEL
+    # None keeps the model's own dimension; smaller truncates the vectors.
+    embedding_dimension: int | None = None
+    device: str = "cpu"
+    collection_prefix: str = "llmmesh"
+    max_document_bytes: int = 20 * 1024 * 1024
+    chunk_tokens: int = 200
+    chunk_overlap_tokens: int = 40
+    cache_threshold: float = DEFAULT_THRESHOLD
+    cache_ttl_seconds: int = DEFAULT_TTL_SECONDS
+    milvus_timeout_seconds: float = 10.0
+
+    def __post_init__(self) -> None:
+        check_milvus_uri(self.milvus_uri)
+        if not self.collection_prefix.replace("_", "").isalnum() or not self.collection_prefix[0].isalpha():
+            raise ValueError(
+                f"--collection-prefix must be letters, digits and '_', got {self.collection_prefix!r}"
+            )
+        if self.embedding_dimension is not None and self.embedding_dimension < 1:
+            raise ValueError(f"--embedding-dimension must be >= 1, got {self.embedding_dimension}")
+        if self.max_document_bytes < 1:
+            raise ValueError(f"--max-document-bytes must be >= 1, got {self.max_document_bytes}")
+        if not -1.0 <= self.cache_threshold <= 1.0:
+            raise ValueError(f"--cache-threshold must be in [-1, 1], got {self.cache_threshold}")
+        if not 1 <= self.cache_ttl_seconds <= MAX_TTL_SECONDS:
+            raise ValueError(
+                f"--cache-ttl-seconds must be in 1..{MAX_TTL_SECONDS}, got {self.cache_ttl_seconds}"
+            )
+        if self.milvus_timeout_seconds <= 0:
+            raise ValueError(f"--milvus-timeout-seconds must be > 0, got {self.milvus_timeout_seconds}")
+        if self.device not in {"auto", "cpu", "cuda"} and not self.device.startswith("cuda:"):
+            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")

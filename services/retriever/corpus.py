@@ -1,0 +1,271 @@
+"""A tenant's documents: ingest (parse → chunk → embed → versioned write), search, delete, list.
+
+Atomic replace: new chunks are written under the next document version while
+the document record still names the old one, then the record is flipped to the
+new version (one upsert of one row), then the old version's chunks are deleted.
+Search keeps only chunks whose version is the one their document record names
+at read time, so a reader sees the old chunks or the new ones, never a mix, and
+a crash at any step leaves either version whole (the leftovers are invisible
+and are cleaned up by the next ingest of that document).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import math
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from services.common.errors import InvalidArgument, NotFound
+from services.retriever.chunking import Chunk, TokenChunker
+from services.retriever.embedder import Vectors
+from services.retriever.parsing import normalize_mime_type, parse_document
+from services.retriever.rerank import maximal_marginal_relevance
+from services.retriever.store import (
+    MAX_QUERY_WINDOW,
+    METADATA_KEY_RE,
+    ChunkHit,
+    ChunkRow,
+    DocumentRecord,
+    MilvusStore,
+    digest,
+)
+
+DEFAULT_TOP_K = 5
+MAX_TOP_K = 100
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
+MAX_DOCUMENT_ID_CHARS = 256
+MAX_TITLE_CHARS = 512
+MAX_METADATA_ENTRIES = 64
+MAX_METADATA_VALUE_CHARS = 1024
+MAX_QUERY_CHARS = 8192
+# Candidates fetched per result: room for stale versions dropped and for MMR to choose from.
+_OVERFETCH = 4
+
+
+class TextEmbedder(Protocol):
+    """What the corpus needs from the embedding model."""
+
+    model_name: str
+    dimension: int
+
+    def embed(self, texts: Sequence[str]) -> Vectors: ...
+
+
+@dataclass(frozen=True)
+class DocumentUpload:
+    """A complete document as received from a client."""
+
+    document_id: str
+    data: bytes
+    mime_type: str = ""
+    title: str = ""
+    source: str = ""
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    document_id: str
+    chunks: int
+    unchanged: bool
+    content_hash: str
+    version: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class SearchQuery:
+    """A validated search; ``top_k`` 0 means the default."""
+
+    text: str
+    top_k: int = 0
+    min_score: float | None = None
+    metadata_filter: Mapping[str, str] = field(default_factory=dict)
+    rerank: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.text.strip():
+            raise InvalidArgument("query", "must not be empty")
+        if len(self.text) > MAX_QUERY_CHARS:
+            raise InvalidArgument("query", f"must be at most {MAX_QUERY_CHARS} characters")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise InvalidArgument(
+                "top_k", f"must be in 1..{MAX_TOP_K} (0 = {DEFAULT_TOP_K}), got {self.top_k}"
+            )
+        if self.min_score is not None and not (
+            math.isfinite(self.min_score) and -1.0 <= self.min_score <= 1.0
+        ):
+            raise InvalidArgument(
+                "min_score", f"must be a cosine similarity in [-1, 1], got {self.min_score}"
+            )
+        check_metadata(self.metadata_filter, "metadata_filter")
+
+    @property
+    def limit(self) -> int:
+        return self.top_k or DEFAULT_TOP_K
+
+
+def check_metadata(metadata: Mapping[str, str], field_name: str) -> None:
+    if len(metadata) > MAX_METADATA_ENTRIES:
+        raise InvalidArgument(field_name, f"at most {MAX_METADATA_ENTRIES} entries")
+    for key, value in metadata.items():
+        if not METADATA_KEY_RE.match(key):
+            raise InvalidArgument(field_name, f"key {key!r} must be 1-64 of letters, digits, '_', '.', '-'")
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise InvalidArgument(field_name, f"value of {key!r} is longer than {MAX_METADATA_VALUE_CHARS}")
+
+
+def check_document_id(document_id: str, field_name: str = "document_id") -> None:
+    if not 1 <= len(document_id) <= MAX_DOCUMENT_ID_CHARS:
+        raise InvalidArgument(field_name, f"must be 1-{MAX_DOCUMENT_ID_CHARS} characters")
+    if any(ord(c) < 32 or ord(c) == 127 for c in document_id):
+        raise InvalidArgument(field_name, "must not contain control characters")
+
+
+def embedding_text(title: str, chunk: Chunk) -> str:
+    """What gets embedded: the chunk with its title and heading, which often name its topic."""
+    return "\n".join(part for part in (title, chunk.heading, chunk.text) if part)
+
+
+def encode_page_token(last_document_id: str) -> str:
+    return base64.urlsafe_b64encode(last_document_id.encode()).decode()
+
+
+def decode_page_token(token: str) -> str:
+    if not token:
+        return ""
+    try:
+        return base64.urlsafe_b64decode(token.encode()).decode()
+    except (binascii.Error, UnicodeDecodeError, ValueError) as exc:
+        raise InvalidArgument("page_token", "not a token from a previous ListDocuments response") from exc
+
+
+class Corpus:
+    """Documents, chunks and search over one store. Blocking: call from worker threads."""
+
+    def __init__(
+        self,
+        store: MilvusStore,
+        embedder: TextEmbedder,
+        chunker: TokenChunker,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._store = store
+        self._embedder = embedder
+        self._chunker = chunker
+        self._clock = clock
+        # One writer per document in this process; see docs/retriever.md for several replicas.
+        self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
+        self._locks_guard = threading.Lock()
+
+    def _lock_for(self, tenant: str, document_id: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks[digest(tenant, document_id)]
+
+    def ingest(self, tenant: str, upload: DocumentUpload) -> IngestResult:
+        """Stores the document unless identical content is already stored."""
+        check_document_id(upload.document_id, "header.document_id")
+        check_metadata(upload.metadata, "header.metadata")
+        if len(upload.title) > MAX_TITLE_CHARS:
+            raise InvalidArgument("header.title", f"must be at most {MAX_TITLE_CHARS} characters")
+        mime_type = normalize_mime_type(upload.mime_type, upload.source)
+        content_hash = hashlib.sha256(upload.data).hexdigest()
+        title = (
+            upload.title or (upload.source.rsplit("/", 1)[-1] if upload.source else "") or upload.document_id
+        )
+        metadata = dict(upload.metadata)
+
+        with self._lock_for(tenant, upload.document_id):
+            current = self._store.get_document(tenant, upload.document_id)
+            if (
+                current is not None
+                and current.content_hash == content_hash
+                and (current.title, current.mime_type, current.metadata) == (title, mime_type, metadata)
+            ):
+                return IngestResult(
+                    upload.document_id, current.chunks, True, content_hash, current.version, len(upload.data)
+                )
+
+            # Everything that can reject the input happens before the first write.
+            chunks = self._chunker.chunk(parse_document(upload.data, mime_type))
+            if not chunks:
+                raise InvalidArgument("data", "document has no text to index")
+            vectors = self._embedder.embed([embedding_text(title, c) for c in chunks])
+
+            version = current.version + 1 if current is not None else 1
+            record = DocumentRecord(
+                tenant=tenant,
+                document_id=upload.document_id,
+                title=title,
+                mime_type=mime_type,
+                source=upload.source,
+                metadata=metadata,
+                content_hash=content_hash,
+                version=version,
+                chunks=len(chunks),
+                updated_at_ms=int(self._clock() * 1000),
+            )
+            # Leftovers of an interrupted earlier ingest (never made current) must not share our version.
+            self._store.delete_chunks(
+                tenant, upload.document_id, keep_version=current.version if current else None
+            )
+            rows = [ChunkRow(c.position, c.text, c.heading, c.page) for c in chunks]
+            self._store.write_chunks(record, rows, vectors)
+            self._store.put_document(record)  # the flip: readers now see version `version`
+            self._store.delete_chunks(tenant, upload.document_id, keep_version=version)
+        return IngestResult(upload.document_id, len(chunks), False, content_hash, version, len(upload.data))
+
+    def search(self, tenant: str, query: SearchQuery) -> list[ChunkHit]:
+        vector = self._embedder.embed([query.text])[0]
+        wanted = query.limit
+        fetch = min(MAX_QUERY_WINDOW, max(wanted * _OVERFETCH, 20))
+        while True:
+            candidates = self._store.search_chunks(
+                tenant, vector, fetch, query.metadata_filter, with_vectors=query.rerank
+            )
+            current = self._store.current_versions(tenant, (h.document_key for h in candidates))
+            # A chunk counts only if its document still names its version: no mixes during a replace.
+            visible = [h for h in candidates if current.get(h.document_key) == h.document_version]
+            # Short because stale chunks took places: look further down the list.
+            short = len(visible) < wanted and len(candidates) == fetch and fetch < MAX_QUERY_WINDOW
+            if not short:
+                break
+            fetch = min(MAX_QUERY_WINDOW, fetch * 4)
+        if query.min_score is not None:
+            visible = [h for h in visible if h.score >= query.min_score]
+        if query.rerank and len(visible) > 1:
+            matrix = np.stack([h.vector for h in visible if h.vector is not None])
+            order = maximal_marginal_relevance(vector, matrix, wanted)
+            visible = [visible[i] for i in order]
+        return visible[:wanted]
+
+    def delete(self, tenant: str, document_id: str) -> int:
+        check_document_id(document_id)
+        with self._lock_for(tenant, document_id):
+            if self._store.get_document(tenant, document_id) is None:
+                raise NotFound(f"document {document_id!r} not found")
+            # Record first: from this instant no search returns the document's chunks.
+            self._store.delete_document_record(tenant, document_id)
+            return self._store.delete_chunks(tenant, document_id)
+
+    def list(self, tenant: str, page_size: int, page_token: str) -> tuple[list[DocumentRecord], str]:
+        if not 0 <= page_size <= MAX_PAGE_SIZE:
+            raise InvalidArgument("page_size", f"must be in 1..{MAX_PAGE_SIZE} (0 = {DEFAULT_PAGE_SIZE})")
+        size = page_size or DEFAULT_PAGE_SIZE
+        after = decode_page_token(page_token)
+        records = self._store.list_documents(tenant, after, size + 1)
+        next_token = encode_page_token(records[size - 1].document_id) if len(records) > size else ""
+        return records[:size], next_token
+
+    def document(self, tenant: str, document_id: str) -> DocumentRecord | None:
+        return self._store.get_document(tenant, document_id)

@@ -1,0 +1,154 @@
+"""`llm-mesh ingest PATH…`: walks files and folders, streams each document to the retriever, summarizes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+from services.common.metadata import TENANT_KEY
+from services.gen.llmmesh.v1 import retriever_pb2, retriever_pb2_grpc
+from services.retriever.parsing import mime_type_for
+
+PIECE_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class PlannedDocument:
+    path: Path
+    document_id: str
+
+
+@dataclass
+class IngestReport:
+    """What the command did, for the summary and the exit status."""
+
+    ingested: int = 0
+    unchanged: int = 0
+    chunks: int = 0
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    rejected: list[tuple[str, str]] = field(default_factory=list)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("paths", nargs="+", type=Path, help="files or folders to ingest")
+    parser.add_argument(
+        "--retriever-addr",
+        default=os.environ.get("LLMMESH_RETRIEVER_ADDR", "127.0.0.1:50053"),
+        help="retriever host:port [env LLMMESH_RETRIEVER_ADDR]",
+    )
+    parser.add_argument(
+        "--tenant",
+        default=os.environ.get("LLMMESH_TENANT", "default"),
+        help="tenant that will own the documents [env LLMMESH_TENANT]",
+    )
+    parser.add_argument(
+        "--metadata", action="append", default=[], metavar="KEY=VALUE", help="metadata for every document"
+    )
+    parser.add_argument("--id-prefix", default="", help="prepended to every document id")
+    parser.add_argument("--timeout-seconds", type=float, default=300.0, help="limit per document")
+
+
+def plan(paths: list[Path], id_prefix: str = "") -> tuple[list[PlannedDocument], list[tuple[str, str]]]:
+    """Documents to send (id = path relative to the folder given) and files skipped, with reasons."""
+    planned: list[PlannedDocument] = []
+    skipped: list[tuple[str, str]] = []
+    for root in paths:
+        if root.is_dir():
+            files = sorted(
+                p
+                for p in root.rglob("*")
+                if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
+            )
+            pairs = [(p, p.relative_to(root).as_posix()) for p in files]
+        elif root.is_file():
+            pairs = [(root, root.name)]
+        else:
+            skipped.append((str(root), "no such file or folder"))
+            continue
+        for path, relative in pairs:
+            if mime_type_for(path) is None:
+                skipped.append((str(path), f"unsupported type {path.suffix or '(no extension)'}"))
+            else:
+                planned.append(PlannedDocument(path, id_prefix + relative))
+    return planned, skipped
+
+
+def parse_metadata(pairs: list[str]) -> dict[str, str]:
+    metadata = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--metadata wants KEY=VALUE, got {pair!r}")
+        metadata[key] = value
+    return metadata
+
+
+def upload_messages(
+    document: PlannedDocument, metadata: dict[str, str]
+) -> Iterator[retriever_pb2.IngestRequest]:
+    mime_type = mime_type_for(document.path) or ""
+    header = retriever_pb2.DocumentHeader(
+        document_id=document.document_id,
+        title=document.path.stem,
+        mime_type=mime_type,
+        metadata=metadata,
+        source=str(document.path),
+    )
+    yield retriever_pb2.IngestRequest(header=header)
+    with document.path.open("rb") as f:
+        while piece := f.read(PIECE_BYTES):
+            yield retriever_pb2.IngestRequest(data=piece)
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(stderr=True)
+    planned, skipped = plan(args.paths, args.id_prefix)
+    metadata = parse_metadata(args.metadata)
+    report = IngestReport(skipped=skipped)
+    call_metadata = ((TENANT_KEY, args.tenant),)
+    with grpc.insecure_channel(args.retriever_addr) as channel:
+        stub = retriever_pb2_grpc.RetrieverStub(channel)
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+        with Progress(*columns, console=console, transient=True) as progress:
+            task = progress.add_task("ingesting", total=len(planned))
+            for document in planned:
+                progress.update(task, description=f"ingesting {document.document_id}")
+                try:
+                    summary = stub.Ingest(
+                        upload_messages(document, metadata),
+                        timeout=args.timeout_seconds,
+                        metadata=call_metadata,
+                    )
+                except grpc.RpcError as exc:
+                    code = exc.code()
+                    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        console.print(
+                            f"[red]retriever at {args.retriever_addr}: {code.name}: {exc.details()}"
+                        )
+                        return 2
+                    report.rejected.append((str(document.path), f"{code.name}: {exc.details()}"))
+                else:
+                    if summary.unchanged:
+                        report.unchanged += 1
+                    else:
+                        report.ingested += 1
+                    report.chunks += summary.chunks
+                progress.advance(task)
+    print_summary(report)
+    return 1 if report.rejected else 0
+
+
+def print_summary(report: IngestReport) -> None:
+    print(
+        f"ingested {report.ingested} documents ({report.unchanged} unchanged), {report.chunks} chunks; "
+        f"skipped {len(report.skipped) + len(report.rejected)}"
+    )
+    for path, reason in report.skipped + report.rejected:
+        print(f"  skipped {path}: {reason}")

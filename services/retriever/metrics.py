@@ -1,0 +1,27 @@
+"""Prometheus metrics of the retriever: ingest and search latency, chunks written, cache outcomes."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+from services.common.metrics import LATENCY_BUCKETS
+
+INGEST_SECONDS = Histogram(
+    "llmmesh_retriever_ingest_seconds",
+    "Time to ingest one document (receive, parse, chunk, embed, write).",
+    buckets=LATENCY_BUCKETS,
+)
+SEARCH_SECONDS = Histogram(
+    "llmmesh_retriever_search_seconds",
+    "Time to answer one Search (embed the query, search Milvus, filter, rerank).",
+    buckets=LATENCY_BUCKETS,
+)
+CHUNKS = Counter(
+    "llmmesh_retriever_chunks_total",
+    "Chunks written to Milvus by ingests.",
+)
+CACHE_LOOKUPS = Counter(
+    "llmmesh_semantic_cache_lookups_total",
+    "Semantic-cache look-ups by result (hit or miss).",
+    ["result"],
+)

@@ -1,0 +1,94 @@
+"""Startup and shutdown of the retriever: load the embedding model, open Milvus, then report SERVING."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import grpc
+
+from services.common.errors import DependencyUnavailable
+from services.common.server import HealthReporter
+from services.gen.llmmesh.v1 import retriever_pb2_grpc
+from services.retriever.chunking import ChunkingPolicy, TokenChunker
+from services.retriever.config import RetrieverConfig
+from services.retriever.corpus import Corpus
+from services.retriever.embedder import Embedder
+from services.retriever.semantic_cache import SemanticCache
+from services.retriever.servicer import Backends, RetrieverServicer
+from services.retriever.store import CollectionNames, MilvusStore
+
+log = logging.getLogger("llmmesh.retriever")
+# Between attempts to reach Milvus while starting; health stays NOT_SERVING meanwhile.
+_RETRY_SECONDS = (0.5, 1.0, 2.0, 5.0)
+
+
+class RetrieverRuntime:
+    """The ServiceRuntime the shared bootstrap drives."""
+
+    service_names: Sequence[str] = ("llmmesh.v1.Retriever",)
+
+    def __init__(self, config: RetrieverConfig) -> None:
+        self.config = config
+        self.servicer = RetrieverServicer(config.max_document_bytes)
+        self._store: MilvusStore | None = None
+
+    def register(self, server: grpc.aio.Server) -> None:
+        retriever_pb2_grpc.add_RetrieverServicer_to_server(self.servicer, server)
+
+    async def start(self, health: HealthReporter) -> None:
+        config = self.config
+        device = config.device
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        embedder = await asyncio.to_thread(
+            Embedder, config.embedding_model, config.embedding_dimension, device
+        )
+        policy = ChunkingPolicy(config.chunk_tokens, config.chunk_overlap_tokens)
+        if policy.max_tokens > embedder.max_tokens:
+            raise ValueError(
+                f"--chunk-tokens {policy.max_tokens} exceeds the model's {embedder.max_tokens}-token input"
+            )
+        self._store = await self._open_store(embedder)
+        if self._store.mismatch:
+            log.error("%s", self._store.mismatch)
+        chunker = TokenChunker(embedder.token_spans, policy)
+        self.servicer.set_ready(
+            Backends(
+                corpus=Corpus(self._store, embedder, chunker),
+                cache=SemanticCache(self._store, embedder, config.cache_threshold, config.cache_ttl_seconds),
+            )
+        )
+        await health.set_serving(True)
+
+    async def _open_store(self, embedder: Embedder) -> MilvusStore:
+        names = CollectionNames.with_prefix(self.config.collection_prefix)
+        attempt = 0
+        while True:
+            try:
+                return await asyncio.to_thread(
+                    MilvusStore,
+                    self.config.milvus_uri,
+                    embedder.model_name,
+                    embedder.dimension,
+                    names,
+                    self.config.milvus_timeout_seconds,
+                )
+            except DependencyUnavailable as exc:
+                # Keep trying (NOT_SERVING); calls meanwhile get UNAVAILABLE with this reason.
+                self.servicer.not_ready_reason = str(exc)
+                delay = _RETRY_SECONDS[min(attempt, len(_RETRY_SECONDS) - 1)]
+                log.warning("%s; retrying in %.1fs", exc, delay)
+                attempt += 1
+                await asyncio.sleep(delay)
+
+    async def drain(self) -> None:
+        """Nothing to refuse early: in-flight RPCs finish within the server's grace period."""
+
+    async def close(self) -> None:
+        if self._store is not None:
+            await asyncio.to_thread(self._store.close)
+            self._store = None

@@ -1,0 +1,202 @@
+"""The gRPC face of the retriever: protobuf in, corpus and cache calls on worker threads, protobuf out."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from services.common.errors import DependencyUnavailable, InvalidArgument
+from services.common.metadata import TENANT_KEY, metadata_value
+from services.gen.llmmesh.v1 import retriever_pb2, retriever_pb2_grpc
+from services.retriever import metrics
+from services.retriever.corpus import Corpus, DocumentUpload, SearchQuery
+from services.retriever.semantic_cache import CacheScope, SemanticCache
+from services.retriever.store import DocumentRecord
+
+Context = grpc.aio.ServicerContext[Any, Any]
+MAX_TENANT_CHARS = 256
+
+
+@dataclass(frozen=True)
+class Backends:
+    """What the servicer needs once startup finished."""
+
+    corpus: Corpus
+    cache: SemanticCache
+
+
+def tenant_of(context: Context) -> str:
+    tenant = metadata_value(context.invocation_metadata(), TENANT_KEY)
+    if not tenant:
+        raise InvalidArgument(TENANT_KEY, "metadata is required (the router sets it)")
+    if len(tenant) > MAX_TENANT_CHARS:
+        raise InvalidArgument(TENANT_KEY, f"must be at most {MAX_TENANT_CHARS} characters")
+    return tenant
+
+
+def document_info(record: DocumentRecord) -> retriever_pb2.DocumentInfo:
+    return retriever_pb2.DocumentInfo(
+        document_id=record.document_id,
+        title=record.title,
+        mime_type=record.mime_type,
+        chunks=record.chunks,
+        content_hash=record.content_hash,
+        version=record.version,
+        metadata=record.metadata,
+        updated_at_ms=record.updated_at_ms,
+    )
+
+
+class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
+    """Thin handlers; every blocking call (embedding, Milvus) runs off the event loop."""
+
+    def __init__(self, max_document_bytes: int) -> None:
+        self._max_document_bytes = max_document_bytes
+        self._backends: Backends | None = None
+        # Why we are not ready yet, for the UNAVAILABLE message.
+        self.not_ready_reason = "the retriever is starting (loading the embedding model, opening Milvus)"
+
+    def set_ready(self, backends: Backends) -> None:
+        self._backends = backends
+
+    @property
+    def backends(self) -> Backends:
+        if self._backends is None:
+            raise DependencyUnavailable(self.not_ready_reason)
+        return self._backends
+
+    async def _receive_upload(
+        self, request_iterator: AsyncIterator[retriever_pb2.IngestRequest]
+    ) -> DocumentUpload:
+        header: retriever_pb2.DocumentHeader | None = None
+        pieces: list[bytes] = []
+        size = 0
+        async for message in request_iterator:
+            part = message.WhichOneof("part")
+            if part == "header":
+                if header is not None:
+                    raise InvalidArgument("header", "only the first message may carry a header")
+                header = message.header
+            elif part == "data":
+                if header is None:
+                    raise InvalidArgument("header", "the first message must be the document header")
+                size += len(message.data)
+                if size > self._max_document_bytes:
+                    # Stop reading at once: an over-size upload is refused, not buffered.
+                    raise InvalidArgument(
+                        "data", f"document exceeds the {self._max_document_bytes}-byte limit"
+                    )
+                pieces.append(message.data)
+        if header is None:
+            raise InvalidArgument("header", "the stream carried no document header")
+        return DocumentUpload(
+            document_id=header.document_id,
+            data=b"".join(pieces),
+            mime_type=header.mime_type,
+            title=header.title,
+            source=header.source,
+            metadata=dict(header.metadata),
+        )
+
+    async def Ingest(  # type: ignore[override]
+        self, request_iterator: AsyncIterator[retriever_pb2.IngestRequest], context: Context
+    ) -> retriever_pb2.IngestSummary:
+        started = time.perf_counter()
+        tenant = tenant_of(context)
+        corpus = self.backends.corpus
+        upload = await self._receive_upload(request_iterator)
+        result = await asyncio.to_thread(corpus.ingest, tenant, upload)
+        metrics.INGEST_SECONDS.observe(time.perf_counter() - started)
+        if not result.unchanged:
+            metrics.CHUNKS.inc(result.chunks)
+        return retriever_pb2.IngestSummary(
+            document_id=result.document_id,
+            chunks=result.chunks,
+            unchanged=result.unchanged,
+            content_hash=result.content_hash,
+            version=result.version,
+            bytes=result.bytes,
+        )
+
+    async def Search(  # type: ignore[override]
+        self, request: retriever_pb2.SearchRequest, context: Context
+    ) -> retriever_pb2.SearchResponse:
+        started = time.perf_counter()
+        tenant = tenant_of(context)
+        query = SearchQuery(
+            text=request.query,
+            top_k=request.top_k,
+            min_score=request.min_score if request.HasField("min_score") else None,
+            metadata_filter=dict(request.metadata_filter),
+            rerank=request.rerank,
+        )
+        hits = await asyncio.to_thread(self.backends.corpus.search, tenant, query)
+        metrics.SEARCH_SECONDS.observe(time.perf_counter() - started)
+        return retriever_pb2.SearchResponse(
+            chunks=[
+                retriever_pb2.RetrievedChunk(
+                    chunk_id=hit.chunk_id,
+                    document_id=hit.document_id,
+                    title=hit.title,
+                    text=hit.text,
+                    score=hit.score,
+                    position=hit.position,
+                    page=hit.page,
+                    heading=hit.heading,
+                    metadata=hit.metadata,
+                    document_version=hit.document_version,
+                )
+                for hit in hits
+            ]
+        )
+
+    async def DeleteDocument(  # type: ignore[override]
+        self, request: retriever_pb2.DeleteDocumentRequest, context: Context
+    ) -> retriever_pb2.DeleteDocumentResponse:
+        tenant = tenant_of(context)
+        deleted = await asyncio.to_thread(self.backends.corpus.delete, tenant, request.document_id)
+        return retriever_pb2.DeleteDocumentResponse(chunks_deleted=deleted)
+
+    async def ListDocuments(  # type: ignore[override]
+        self, request: retriever_pb2.ListDocumentsRequest, context: Context
+    ) -> retriever_pb2.ListDocumentsResponse:
+        tenant = tenant_of(context)
+        records, next_token = await asyncio.to_thread(
+            self.backends.corpus.list, tenant, request.page_size, request.page_token
+        )
+        return retriever_pb2.ListDocumentsResponse(
+            documents=[document_info(r) for r in records], next_page_token=next_token
+        )
+
+    async def CacheLookup(  # type: ignore[override]
+        self, request: retriever_pb2.CacheLookupRequest, context: Context
+    ) -> retriever_pb2.CacheLookupResponse:
+        scope = CacheScope(tenant_of(context), request.model, request.params_fingerprint)
+        threshold = request.threshold if request.HasField("threshold") else None
+        hit = await asyncio.to_thread(self.backends.cache.lookup, scope, request.prompt, threshold)
+        metrics.CACHE_LOOKUPS.labels("hit" if hit else "miss").inc()
+        if hit is None:
+            return retriever_pb2.CacheLookupResponse(hit=False)
+        return retriever_pb2.CacheLookupResponse(
+            hit=True,
+            answer=hit.answer,
+            similarity=hit.similarity,
+            cached_prompt=hit.cached_prompt,
+            entry_id=hit.entry_id,
+            age_seconds=hit.age_seconds,
+        )
+
+    async def CacheStore(  # type: ignore[override]
+        self, request: retriever_pb2.CacheStoreRequest, context: Context
+    ) -> retriever_pb2.CacheStoreResponse:
+        scope = CacheScope(tenant_of(context), request.model, request.params_fingerprint)
+        cited = [(c.document_id, c.version) for c in request.cited]
+        entry_id = await asyncio.to_thread(
+            self.backends.cache.store, scope, request.prompt, request.answer, request.ttl_seconds, cited
+        )
+        return retriever_pb2.CacheStoreResponse(entry_id=entry_id)

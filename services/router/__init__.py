@@ -1,0 +1,1 @@
+"""The router: the public front door of llm-mesh (auth, balancing, failover, caches, tasks)."""

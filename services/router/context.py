@@ -1,0 +1,269 @@
+"""Conversation context for a turn: session history, retrieved chunks, the prompt built from both, the saved turn."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import grpc
+
+from services.common import errors
+from services.common.metadata import TENANT_KEY
+from services.gen.llmmesh.v1 import retriever_pb2, router_pb2, session_pb2
+from services.router.breaker import CircuitBreaker
+
+if TYPE_CHECKING:
+    from services.gen.llmmesh.v1.retriever_pb2_grpc import RetrieverAsyncStub
+    from services.gen.llmmesh.v1.session_pb2_grpc import SessionAsyncStub
+
+DEFAULT_RAG_TOP_K = 4
+MAX_RAG_TOP_K = 20
+SNIPPET_CHARS = 200
+SOURCES_PREAMBLE = (
+    "Answer using the numbered sources below when they are relevant, and cite them as [1], [2], …. "
+    "If they do not contain the answer, say so."
+)
+
+
+class HasRoleAndContent(Protocol):
+    role: str
+    content: str
+
+
+Message = tuple[str, str] | HasRoleAndContent
+
+
+@dataclass(frozen=True)
+class SessionHistory:
+    """A session's window of turns as the router needs it."""
+
+    session_id: str
+    system_prompt: str = ""
+    turns: list[tuple[str, str]] = field(default_factory=list)
+    # The version to pass as expected_version when saving this turn; 0 for a new session.
+    version: int = 0
+    exists: bool = False
+    omitted_turns: int = 0
+
+    @property
+    def messages(self) -> list[tuple[str, str]]:
+        """System prompt (when set) then the turns, oldest first."""
+        head = [("system", self.system_prompt)] if self.system_prompt else []
+        return head + self.turns
+
+
+def as_pair(message: Message) -> tuple[str, str]:
+    if isinstance(message, tuple):
+        return message
+    return (message.role, message.content)
+
+
+def format_sources(chunks: Sequence[retriever_pb2.RetrievedChunk]) -> str:
+    """The context block: numbered sources the answer can cite, matching the citations' order."""
+    parts = [SOURCES_PREAMBLE]
+    for n, chunk in enumerate(chunks, start=1):
+        title = chunk.title or chunk.document_id
+        where = f"{chunk.document_id}, part {chunk.position + 1}" + (
+            f", page {chunk.page}" if chunk.page else ""
+        )
+        parts.append(f"[{n}] {title} ({where})\n{chunk.text.strip()}")
+    return "\n\n".join(parts)
+
+
+def build_messages(
+    system_prompt: str,
+    history: Sequence[Message],
+    chunks: Sequence[retriever_pb2.RetrievedChunk],
+    new_messages: Sequence[Message],
+) -> list[dict[str, str]]:
+    """The prompt: one leading system message (system prompt + sources), history, then the new turn.
+
+    Sources go into the single leading system message because several chat
+    templates refuse a system message anywhere but first.
+    """
+    turns = [as_pair(m) for m in history]
+    if system_prompt and turns and turns[0] == ("system", system_prompt):
+        turns = turns[1:]  # history() already put the system prompt first
+    system_parts = [p for p in (system_prompt, format_sources(chunks) if chunks else "") if p]
+    messages = [{"role": "system", "content": "\n\n".join(system_parts)}] if system_parts else []
+    messages += [{"role": r, "content": c} for r, c in turns]
+    messages += [{"role": r, "content": c} for r, c in (as_pair(m) for m in new_messages)]
+    return messages
+
+
+def citations_for(chunks: Sequence[retriever_pb2.RetrievedChunk]) -> list[router_pb2.Citation]:
+    """TurnEnd citations for the chunks given to the model, in source-number order."""
+    return [
+        router_pb2.Citation(
+            document_id=c.document_id,
+            title=c.title,
+            chunk_id=c.chunk_id,
+            position=c.position,
+            score=c.score,
+            snippet=c.text[:SNIPPET_CHARS],
+        )
+        for c in chunks
+    ]
+
+
+def cited_documents(chunks: Sequence[retriever_pb2.RetrievedChunk]) -> list[tuple[str, int]]:
+    """(document id, version) pairs, for semantic-cache entries a document update must invalidate."""
+    seen: dict[str, int] = {}
+    for c in chunks:
+        seen[c.document_id] = max(seen.get(c.document_id, 0), c.document_version)
+    return list(seen.items())
+
+
+class ConversationContext:
+    """Talks to the session and retriever services for the router, each behind its own breaker.
+
+    An outage raises ``DependencyUnavailable`` so the turn pipeline can answer
+    without history/RAG (flagged degraded) unless the client required them.
+    """
+
+    def __init__(
+        self,
+        session: SessionAsyncStub | None,
+        retriever: RetrieverAsyncStub | None,
+        breakers: Mapping[str, CircuitBreaker] | None = None,
+        timeout_s: float = 2.0,
+    ) -> None:
+        self.session = session
+        self.retriever = retriever
+        breakers = breakers or {}
+        self.session_breaker = breakers.get("session") or CircuitBreaker("session")
+        self.retriever_breaker = breakers.get("retriever") or CircuitBreaker("retriever")
+        self.timeout_s = timeout_s
+
+    async def load_history(self, tenant: str, session_id: str, token_budget: int = 0) -> SessionHistory:
+        """The newest turns that fit ``token_budget`` (0 = all); a session not yet created is empty."""
+        session = self._need_session()
+        request = session_pb2.GetSessionRequest(session_id=session_id, token_budget=max(0, token_budget))
+        try:
+            state = await self.session_breaker.call(
+                lambda: session.GetSession(request, metadata=_md(tenant), timeout=self.timeout_s)
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return SessionHistory(session_id=session_id)
+            raise _session_error(exc, session_id) from exc
+        return SessionHistory(
+            session_id=session_id,
+            system_prompt=state.info.system_prompt,
+            turns=[(t.role, t.content) for t in state.turns],
+            version=state.info.version,
+            exists=True,
+            omitted_turns=state.omitted_turns,
+        )
+
+    async def history(self, tenant: str, session_id: str, token_budget: int = 0) -> list[tuple[str, str]]:
+        """(role, content) pairs, the session's system prompt first when it has one."""
+        return (await self.load_history(tenant, session_id, token_budget)).messages
+
+    async def retrieve(
+        self, tenant: str, query: str, rag: router_pb2.RagOptions
+    ) -> list[retriever_pb2.RetrievedChunk]:
+        """The chunks to put into the prompt for ``query``, best first."""
+        if rag.top_k > MAX_RAG_TOP_K:
+            raise errors.InvalidArgument("rag.top_k", f"must be 0-{MAX_RAG_TOP_K}, got {rag.top_k}")
+        if not query.strip():
+            return []
+        if self.retriever is None:
+            raise errors.DependencyUnavailable("retriever not configured (--retriever-addr)")
+        retriever = self.retriever
+        request = retriever_pb2.SearchRequest(
+            query=query,
+            top_k=rag.top_k or DEFAULT_RAG_TOP_K,
+            metadata_filter=dict(rag.filter),
+            min_score=rag.min_score if rag.HasField("min_score") else None,
+        )
+        try:
+            response = await self.retriever_breaker.call(
+                lambda: retriever.Search(request, metadata=_md(tenant), timeout=self.timeout_s)
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise errors.InvalidArgument("rag", exc.details() or "rejected by the retriever") from exc
+            raise
+        return list(response.chunks)
+
+    @staticmethod
+    def build_messages(
+        system_prompt: str,
+        history: Sequence[Message],
+        chunks: Sequence[retriever_pb2.RetrievedChunk],
+        new_messages: Sequence[Message],
+    ) -> list[dict[str, str]]:
+        return build_messages(system_prompt, history, chunks, new_messages)
+
+    async def save_turn(
+        self,
+        tenant: str,
+        session_id: str,
+        user_messages: Sequence[Message],
+        answer: str,
+        expected_version: int | None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> int:
+        """Append the turn's messages and the answer; creates the session on its first turn.
+
+        Returns the new version; ``Conflict`` when another writer got there first.
+        """
+        session = self._need_session()
+        if expected_version == 0:
+            create = session_pb2.CreateSessionRequest(session_id=session_id)
+            try:
+                await self.session_breaker.call(
+                    lambda: session.CreateSession(create, metadata=_md(tenant), timeout=self.timeout_s)
+                )
+            except grpc.aio.AioRpcError as exc:
+                # Someone else created it meanwhile: the version check below decides.
+                if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
+                    raise _session_error(exc, session_id) from exc
+        turns = [
+            session_pb2.Turn(role=r, content=c, metadata=dict(metadata or {}))
+            for r, c in map(as_pair, user_messages)
+        ]
+        turns.append(session_pb2.Turn(role="assistant", content=answer, metadata=dict(metadata or {})))
+        request = session_pb2.AppendTurnsRequest(
+            session_id=session_id, turns=turns, expected_version=expected_version
+        )
+        try:
+            response = await self.session_breaker.call(
+                lambda: session.AppendTurns(request, metadata=_md(tenant), timeout=self.timeout_s)
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise _session_error(exc, session_id) from exc
+        return int(response.version)
+
+    def _need_session(self) -> SessionAsyncStub:
+        if self.session is None:
+            raise errors.DependencyUnavailable("session service not configured (--session-addr)")
+        return self.session
+
+
+def _md(tenant: str) -> tuple[tuple[str, str], ...]:
+    return ((TENANT_KEY, tenant),)
+
+
+def _session_error(exc: grpc.aio.AioRpcError, session_id: str) -> Exception:
+    """The session service's answer as the router's own error, naming the field."""
+    detail = exc.details() or exc.code().name
+    code = exc.code()
+    table: dict[grpc.StatusCode, Any] = {
+        grpc.StatusCode.PERMISSION_DENIED: lambda: errors.PermissionDenied(
+            f"session_id: {session_id!r} belongs to another tenant"
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT: lambda: errors.InvalidArgument("session_id", detail),
+        grpc.StatusCode.ABORTED: lambda: errors.Conflict(
+            f"session {session_id!r} changed meanwhile: {detail}"
+        ),
+        grpc.StatusCode.NOT_FOUND: lambda: errors.NotFound(f"session_id: {session_id!r} not found"),
+        grpc.StatusCode.RESOURCE_EXHAUSTED: lambda: errors.LimitExceeded(f"session {session_id!r}: {detail}"),
+        grpc.StatusCode.FAILED_PRECONDITION: lambda: errors.FailedPrecondition(
+            f"session {session_id!r}: {detail}"
+        ),
+    }
+    make = table.get(code)
+    return make() if make is not None else errors.DependencyUnavailable(f"session: {code.name}: {detail}")

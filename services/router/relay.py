@@ -1,0 +1,380 @@
+"""The hot path: relay one generation from a replica to the client, with retries and failover.
+
+Before the first token a failed attempt is retried on another replica with
+exponential backoff and jitter; after tokens have flowed the stream resumes on
+another replica with ``resume_token_ids``, so the client sees one unbroken
+stream. The client's deadline bounds every attempt; cancelling the consumer
+cancels the replica's call at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.common import errors
+from services.gen.llmmesh.v1 import common_pb2, inference_pb2
+from services.router import metrics
+from services.router.health import FailureKind
+from services.router.policies import AffinityPolicy, BalancingPolicy
+from services.router.pool import Replica, ReplicaPool
+
+log = logging.getLogger("llmmesh.router.relay")
+
+# Replica answers the client must see as they are: retrying elsewhere would fail the same way.
+CLIENT_ERROR_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.NOT_FOUND,
+    }
+)
+
+
+class ReplicaRejected(errors.MeshError):
+    """A replica refused the request for a reason that is the client's to fix."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class RelayConfig:
+    """Retry, failover and stall-detection settings."""
+
+    max_attempts: int = 3
+    backoff_base_s: float = 0.05
+    backoff_max_s: float = 1.0
+    #: No first token within this long: the attempt counts as failed (TTFT timeout).
+    ttft_timeout_s: float = 60.0
+    #: No token for this long once tokens flowed: an inter-token stall.
+    stall_timeout_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError("--max-attempts must be >= 1")
+        if self.backoff_base_s < 0 or self.backoff_max_s < self.backoff_base_s:
+            raise ValueError("backoff: need 0 <= base <= max")
+
+
+@dataclass
+class RelayOutcome:
+    """What happened while relaying, for the TurnEnd and the metrics."""
+
+    replica: str = ""
+    model: str = ""
+    retries: int = 0
+    failovers: int = 0
+    finished: inference_pb2.GenerationFinished | None = None
+    token_ids: list[int] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)
+    first_token_at: float | None = None
+    replicas_used: list[str] = field(default_factory=list)
+
+
+class AttemptFailed(Exception):
+    """One attempt on one replica failed in a way another replica may not."""
+
+    def __init__(self, reason: str, kind: FailureKind | None) -> None:
+        super().__init__(reason)
+        self.kind = kind
+
+
+class _Watchdog:
+    """Cancels a call that sends nothing for too long, with one timer per check, not per token."""
+
+    __slots__ = (
+        "_handle",
+        "_loop",
+        "call",
+        "clock",
+        "last_progress",
+        "stall_s",
+        "started",
+        "tripped",
+        "ttft_s",
+    )
+
+    def __init__(
+        self, call: grpc.aio.Call, ttft_s: float, stall_s: float, clock: Callable[[], float]
+    ) -> None:
+        self.call = call
+        self.ttft_s = ttft_s
+        self.stall_s = stall_s
+        self.clock = clock
+        self.last_progress = clock()
+        self.started = False
+        self.tripped: FailureKind | None = None
+        self._loop = asyncio.get_running_loop()
+        self._handle = self._loop.call_later(ttft_s, self._check)
+
+    def _check(self) -> None:
+        limit = self.stall_s if self.started else self.ttft_s
+        idle = self.clock() - self.last_progress
+        if idle >= limit:
+            self.tripped = FailureKind.STALL if self.started else FailureKind.TTFT_TIMEOUT
+            self.call.cancel()
+            return
+        self._handle = self._loop.call_later(limit - idle, self._check)
+
+    def stop(self) -> None:
+        self._handle.cancel()
+
+
+class Relay:
+    """Picks replicas and streams one generation's chunks through, surviving replica failures."""
+
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        policy: BalancingPolicy,
+        config: RelayConfig | None = None,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.config = config or RelayConfig()
+        self._rng = rng or random.Random()
+        self._clock = clock
+
+    def pick(
+        self,
+        models: Sequence[str],
+        session_key: str | None,
+        exclude: set[str],
+        deadline: float | None,
+        preferred: str | None = None,
+    ) -> tuple[Replica, str] | None:
+        """The replica for the next attempt and its model, or None when no model has one."""
+        too_slow = 0.0
+        for model in models:
+            candidates = [r for r in self.pool.candidates(model) if r.address not in exclude]
+            if deadline is not None and candidates:
+                remaining = deadline - self._clock()
+                fits = [r for r in candidates if r.predicted_wait_s() < remaining]
+                if not fits:
+                    too_slow = min(r.predicted_wait_s() for r in candidates)
+                    continue
+                candidates = fits
+            if not candidates:
+                continue
+            if preferred is not None:
+                for r in candidates:
+                    # A pinned replica keeps its session unless it is over the bounded-load cap.
+                    if r.address == preferred and (
+                        not isinstance(self.policy, AffinityPolicy) or self.policy.within_bound(r, candidates)
+                    ):
+                        return r, model
+            chosen = self.policy.choose(candidates, session_key)
+            if chosen is not None:
+                return chosen, model
+        if too_slow:
+            raise errors.DeadlineExceeded(
+                f"predicted queue wait {too_slow:.2f} s exceeds the time left before the deadline"
+            )
+        return None
+
+    async def generate(
+        self,
+        start: inference_pb2.GenerateStart,
+        models: Sequence[str],
+        outcome: RelayOutcome,
+        deadline: float | None = None,
+        session_key: str | None = None,
+        preferred: str | None = None,
+    ) -> AsyncIterator[inference_pb2.TokenChunk]:
+        """Yield the answer's chunks; ``outcome`` says how it ended and where it ran."""
+        tried: set[str] = set()
+        attempts = 0
+        last_error = "no attempt made"
+        while True:
+            if deadline is not None and self._clock() >= deadline:
+                raise errors.DeadlineExceeded("deadline passed before the answer finished")
+            # Once tokens flowed the answer must continue on the same model: token ids differ across models.
+            allowed = [outcome.model] if outcome.token_ids else models
+            picked = self.pick(allowed, session_key, tried, deadline, preferred)
+            if picked is None and tried:
+                # Every replica tried once: allow the others again, never the one that just failed.
+                picked = self.pick(allowed, session_key, {outcome.replica}, deadline, None)
+            if picked is None:
+                names = ", ".join(allowed)
+                raise errors.DependencyUnavailable(
+                    f"no replica of model {names} can serve ({last_error})"
+                    if attempts
+                    else f"no healthy replica of model {names}"
+                )
+            replica, model = picked
+            attempts += 1
+            outcome.replica, outcome.model = replica.address, model
+            outcome.replicas_used.append(replica.address)
+            tried.add(replica.address)
+            attempt = self._attempt(replica, start, outcome, deadline)
+            try:
+                async for chunk in attempt:
+                    yield chunk
+                return
+            except AttemptFailed as failure:
+                last_error = f"{replica.address}: {failure}"
+                if failure.kind is not None:
+                    self.pool.report_failure(replica, failure.kind)
+                if attempts >= self.config.max_attempts:
+                    raise errors.DependencyUnavailable(
+                        f"gave up after {attempts} attempts; last: {last_error}"
+                    ) from None
+                if outcome.token_ids:
+                    outcome.failovers += 1
+                    metrics.FAILOVERS.inc()
+                    log.warning(
+                        "failing over %s after %d tokens: %s",
+                        start.request_id,
+                        len(outcome.token_ids),
+                        last_error,
+                    )
+                else:
+                    outcome.retries += 1
+                    metrics.RETRIES.inc()
+                    await self._backoff(outcome.retries, deadline)
+            finally:
+                # A consumer that stops reading must cancel the replica's call now, not at GC.
+                await attempt.aclose()
+
+    async def _backoff(self, retry: int, deadline: float | None) -> None:
+        cap = min(self.config.backoff_max_s, self.config.backoff_base_s * (2 ** (retry - 1)))
+        delay = cap / 2 + self._rng.random() * cap / 2  # "equal jitter": spread, never zero
+        if deadline is not None and self._clock() + delay >= deadline:
+            raise errors.DeadlineExceeded("deadline too close to retry on another replica")
+        await asyncio.sleep(delay)
+
+    async def _attempt(
+        self,
+        replica: Replica,
+        start: inference_pb2.GenerateStart,
+        outcome: RelayOutcome,
+        deadline: float | None,
+    ) -> AsyncGenerator[inference_pb2.TokenChunk, None]:
+        request = start
+        if outcome.token_ids:
+            request = inference_pb2.GenerateStart()
+            request.CopyFrom(start)
+            request.resume_token_ids.extend(outcome.token_ids)
+        timeout = None if deadline is None else max(0.001, deadline - self._clock())
+        call = replica.stub.Generate(timeout=timeout)  # type: ignore[call-arg]
+        watchdog = _Watchdog(call, self.config.ttft_timeout_s, self.config.stall_timeout_s, self._clock)
+        replica.in_flight += 1
+        clock = self._clock
+        sent_at = clock()
+        last_at = sent_at
+        finished = False
+        try:
+            await call.write(inference_pb2.GenerateRequest(start=request))
+            while True:
+                response = await call.read()
+                if response is grpc.aio.EOF:  # type: ignore[attr-defined]
+                    raise AttemptFailed("stream ended without a final message", FailureKind.ERROR)
+                assert isinstance(response, inference_pb2.GenerateResponse)
+                if response.HasField("chunk"):
+                    chunk = response.chunk
+                    now = clock()
+                    if not watchdog.started:
+                        watchdog.started = True
+                        replica.ttft.observe(now - sent_at)
+                    else:
+                        replica.itl.observe((now - last_at) / max(1, len(chunk.token_ids)))
+                    last_at = watchdog.last_progress = now
+                    outcome.token_ids.extend(chunk.token_ids)
+                    outcome.text_parts.append(chunk.text)
+                    if outcome.first_token_at is None:
+                        outcome.first_token_at = now
+                    yield chunk
+                    continue
+                done = response.finished
+                if done.finish_reason == common_pb2.FINISH_REASON_ERROR:
+                    raise AttemptFailed(f"replica error: {done.error_message}", FailureKind.ERROR)
+                finished = True
+                outcome.finished = done
+                self.pool.report_success(replica)
+                return
+        except grpc.aio.AioRpcError as exc:
+            raise self._classify(exc, deadline) from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if watchdog.tripped is None or (task is not None and task.cancelling()):
+                raise  # the client went away or cancelled: propagate, the call is cancelled below
+            raise AttemptFailed(f"{watchdog.tripped.value} on {replica.address}", watchdog.tripped) from None
+        finally:
+            watchdog.stop()
+            replica.in_flight -= 1
+            if not finished:
+                call.cancel()
+
+    def _classify(self, exc: grpc.aio.AioRpcError, deadline: float | None) -> Exception:
+        code = exc.code()
+        if code in CLIENT_ERROR_CODES:
+            return ReplicaRejected(code, exc.details() or code.name)
+        if (
+            code == grpc.StatusCode.DEADLINE_EXCEEDED
+            and deadline is not None
+            and self._clock() >= deadline - 0.01
+        ):
+            return errors.DeadlineExceeded("deadline exceeded while the replica was generating")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return AttemptFailed(f"busy: {exc.details()}", None)  # busy is not broken: no ejection
+        return AttemptFailed(f"{code.name}: {exc.details()}", FailureKind.ERROR)
+
+
+async def coalesce_chunks(
+    source: AsyncIterator[inference_pb2.TokenChunk],
+) -> AsyncIterator[list[inference_pb2.TokenChunk]]:
+    """Batches of chunks: everything that arrived while the previous batch was being sent.
+
+    Each gRPC message costs the router far more than each token in it, so when
+    the client side falls behind (a slow reader, a busy router) the tokens that
+    piled up go out as one message instead of many. An idle router sends every
+    chunk on its own at once, so latency does not suffer.
+    """
+    pending: list[inference_pb2.TokenChunk] = []
+    wake = asyncio.Event()
+    failure: list[BaseException] = []
+    finished = False
+
+    async def pump() -> None:
+        nonlocal finished
+        try:
+            async for chunk in source:
+                pending.append(chunk)
+                wake.set()
+        except Exception as exc:  # handed to the consumer, in order, after the tokens before it
+            failure.append(exc)
+        finally:
+            finished = True
+            wake.set()
+
+    task = asyncio.create_task(pump())
+    try:
+        while True:
+            await wake.wait()
+            wake.clear()
+            if pending:
+                batch = pending[:]
+                pending.clear()
+                yield batch
+            elif finished:
+                if failure:
+                    raise failure[0]
+                return
+    finally:
+        # The consumer went away (cancel, disconnect, error): stop the relay, which cancels the replica call.
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

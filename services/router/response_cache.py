@@ -1,0 +1,186 @@
+"""Response caches: exact (Redis, hash of model + messages + sampling) and semantic (through the retriever).
+
+Only deterministic requests are cached exactly: greedy (temperature 0) or
+seeded sampling, where the same input must give the same answer anyway.
+Both caches sit behind a circuit breaker; an outage raises
+``DependencyUnavailable`` and the caller answers uncached, flagged degraded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from services.common import errors
+from services.gen.llmmesh.v1 import common_pb2, retriever_pb2
+from services.router.auth import Principal, downstream_metadata
+from services.router.breaker import CircuitBreaker
+
+if TYPE_CHECKING:
+    from services.gen.llmmesh.v1.retriever_pb2_grpc import RetrieverAsyncStub
+
+DEFAULT_SEMANTIC_THRESHOLD = 0.92
+# Bumped when the key's recipe changes, so old entries are simply never hit again.
+KEY_VERSION = "v1"
+
+
+@dataclass
+class CachedAnswer:
+    """A whole answer as the cache keeps it, enough to replay it as a stream."""
+
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    model: str = ""
+    finish_reason: int = common_pb2.FINISH_REASON_STOP
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    created_at_ms: int = 0
+    # For a semantic hit: how close the cached prompt was, and which it was.
+    similarity: float = 0.0
+    cached_prompt: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> CachedAnswer:
+        data = json.loads(raw)
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+def is_deterministic(sampling: common_pb2.SamplingParams) -> bool:
+    """Greedy or seeded: the same request gives the same answer, so caching it changes nothing."""
+    greedy = sampling.HasField("temperature") and sampling.temperature == 0
+    return greedy or sampling.HasField("seed")
+
+
+def sampling_fingerprint(sampling: common_pb2.SamplingParams) -> str:
+    """A stable hash of every sampling field that can change the answer."""
+    fields: dict[str, Any] = {}
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty"):
+        if sampling.HasField(name):
+            value = getattr(sampling, name)
+            # Float32 round-trip noise must not split the cache: 0.7 and 0.69999999 are one setting.
+            fields[name] = round(value, 6) if isinstance(value, float) else value
+    fields["stop"] = list(sampling.stop)
+    fields["ignore_eos"] = sampling.ignore_eos
+    # Greedy decoding ignores the seed and the nucleus settings.
+    if sampling.HasField("temperature") and sampling.temperature == 0:
+        for name in ("seed", "top_p", "top_k"):
+            fields.pop(name, None)
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def exact_cache_key(
+    model: str, messages: Sequence[tuple[str, str]], sampling: common_pb2.SamplingParams
+) -> str | None:
+    """The exact-cache key of a request, or None when its answer is not deterministic."""
+    if not is_deterministic(sampling):
+        return None
+    for name in ("temperature", "top_p", "repetition_penalty"):
+        if sampling.HasField(name) and not math.isfinite(getattr(sampling, name)):
+            return None
+    doc = {"v": KEY_VERSION, "model": model, "messages": [list(m) for m in messages]}
+    doc["sampling"] = sampling_fingerprint(sampling)
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
+class ExactCache:
+    """Answers in Redis under ``llm:cache:exact:{tenant}:{key}``, with a TTL; tenants never share entries."""
+
+    def __init__(self, redis: Any, ttl_s: int = 3600, breaker: CircuitBreaker | None = None) -> None:
+        if ttl_s < 1:
+            raise ValueError(f"ttl_s: must be >= 1, got {ttl_s}")
+        self.redis = redis
+        self.ttl_s = ttl_s
+        self.breaker = breaker or CircuitBreaker("exact-cache")
+
+    @staticmethod
+    def redis_key(tenant: str, key: str) -> str:
+        return f"llm:cache:exact:{tenant}:{key}"
+
+    async def get(self, tenant: str, key: str) -> CachedAnswer | None:
+        raw = await self.breaker.call(lambda: self.redis.get(self.redis_key(tenant, key)))
+        return None if raw is None else CachedAnswer.from_json(raw)
+
+    async def put(self, tenant: str, key: str, answer: CachedAnswer) -> None:
+        if answer.finish_reason not in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH):
+            return  # a cancelled or failed answer is not the answer
+        await self.breaker.call(
+            lambda: self.redis.set(self.redis_key(tenant, key), answer.to_json(), ex=self.ttl_s)
+        )
+
+
+class SemanticCache:
+    """Similar-prompt answers through the retriever's CacheLookup/CacheStore, per tenant."""
+
+    def __init__(
+        self,
+        retriever: RetrieverAsyncStub,
+        breaker: CircuitBreaker | None = None,
+        timeout_s: float = 2.0,
+        ttl_s: int = 0,
+    ) -> None:
+        self.retriever = retriever
+        self.breaker = breaker or CircuitBreaker("semantic-cache")
+        self.timeout_s = timeout_s
+        self.ttl_s = ttl_s
+
+    async def lookup(
+        self,
+        tenant: str,
+        prompt: str,
+        model: str,
+        params_fingerprint: str,
+        threshold: float | None = None,
+    ) -> CachedAnswer | None:
+        if threshold is not None and not -1.0 <= threshold <= 1.0:
+            raise errors.InvalidArgument("cache.semantic_threshold", f"must be in [-1, 1], got {threshold}")
+        request = retriever_pb2.CacheLookupRequest(
+            prompt=prompt, model=model, params_fingerprint=params_fingerprint, threshold=threshold
+        )
+        response = await self.breaker.call(
+            lambda: self.retriever.CacheLookup(request, metadata=_tenant_md(tenant), timeout=self.timeout_s)
+        )
+        if not response.hit:
+            return None
+        return CachedAnswer(
+            text=response.answer,
+            model=model,
+            similarity=response.similarity,
+            cached_prompt=response.cached_prompt,
+        )
+
+    async def store(
+        self,
+        tenant: str,
+        prompt: str,
+        model: str,
+        params_fingerprint: str,
+        answer: CachedAnswer,
+        cited: Sequence[tuple[str, int]] = (),
+    ) -> str | None:
+        """Store an answer; ``cited`` (document id, version) pairs let a document update invalidate it."""
+        if answer.finish_reason not in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH):
+            return None
+        request = retriever_pb2.CacheStoreRequest(
+            prompt=prompt,
+            model=model,
+            params_fingerprint=params_fingerprint,
+            answer=answer.text,
+            ttl_seconds=self.ttl_s,
+            cited=[retriever_pb2.CitedDocument(document_id=d, version=v) for d, v in cited],
+        )
+        response = await self.breaker.call(
+            lambda: self.retriever.CacheStore(request, metadata=_tenant_md(tenant), timeout=self.timeout_s)
+        )
+        return str(response.entry_id)
+
+
+def _tenant_md(tenant: str) -> tuple[tuple[str, str], ...]:
+    return downstream_metadata(Principal(tenant, "router"))[:1]

@@ -1,0 +1,172 @@
+"""Builds the router from its settings and plugs it into the shared server bootstrap."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from services.common.server import HealthReporter
+from services.gen.llmmesh.v1 import retriever_pb2_grpc, router_pb2_grpc, session_pb2_grpc
+from services.router.auth import Authenticator
+from services.router.context import ConversationContext
+from services.router.health import ActiveHealthChecker, EjectionConfig
+from services.router.models import ModelCatalog
+from services.router.pins import AffinityPins
+from services.router.policies import make_policy
+from services.router.pool import ReplicaDiscovery, ReplicaPool, parse_address_list
+from services.router.ratelimit import InflightLimiter, RateLimiter
+from services.router.relay import Relay, RelayConfig
+from services.router.replay import ReplayBuffer
+from services.router.response_cache import ExactCache, SemanticCache
+from services.router.servicer import RouterServicer, TaskBackend
+from services.router.turn import TurnPipeline, TurnServices
+
+log = logging.getLogger("llmmesh.router")
+SERVICE_NAME = "llmmesh.v1.Router"
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """Everything the router is configured with (from flags)."""
+
+    replicas: Sequence[str] = ()
+    replicas_dns: str | None = None
+    replicas_file: str | None = None
+    session_addr: str | None = None
+    retriever_addr: str | None = None
+    redis_url: str | None = None
+    api_keys_file: str | None = None
+    policy: str = "auto"
+    epsilon: float = 0.25
+    max_in_flight: int = 2048
+    relay: RelayConfig = field(default_factory=RelayConfig)
+    ejection: EjectionConfig = field(default_factory=EjectionConfig)
+    model_aliases: str = ""
+    model_fallbacks: str = ""
+    canary: str = ""
+    default_model: str | None = None
+    health_interval_s: float = 1.0
+    probe_interval_s: float = 30.0
+    cache_ttl_seconds: int = 3600
+
+    def __post_init__(self) -> None:
+        if not (self.replicas or self.replicas_dns or self.replicas_file):
+            raise ValueError("--replicas, --replicas-dns or --replicas-file: at least one is required")
+        if self.health_interval_s <= 0:
+            raise ValueError("--health-interval-s must be > 0")
+
+
+class RouterRuntime:
+    """The router as the bootstrap sees it: objects built here, network parts opened in ``start``."""
+
+    service_names: Sequence[str] = (SERVICE_NAME,)
+
+    def __init__(self, settings: RouterSettings) -> None:
+        self.settings = settings
+        self.redis = self._redis(settings.redis_url)
+        self.pool = ReplicaPool(settings.ejection)
+        self.discovery = ReplicaDiscovery(
+            self.pool, settings.replicas, settings.replicas_dns, settings.replicas_file
+        )
+        self.health = ActiveHealthChecker(self.pool, settings.health_interval_s, settings.probe_interval_s)
+        rng = random.Random()
+        policy = make_policy(settings.policy, rng, settings.epsilon)
+        self.replay = ReplayBuffer(self.redis) if self.redis is not None else None
+        self.services = TurnServices(
+            pool=self.pool,
+            relay=Relay(self.pool, policy, settings.relay, rng),
+            catalog=ModelCatalog.from_flags(
+                settings.model_aliases, settings.model_fallbacks, settings.canary, settings.default_model
+            ),
+            pins=AffinityPins(self.redis),
+            rate_limiter=RateLimiter(self.redis),
+            inflight=InflightLimiter(settings.max_in_flight),
+            exact_cache=ExactCache(self.redis, settings.cache_ttl_seconds)
+            if self.redis is not None
+            else None,
+            replay=self.replay,
+        )
+        self.pipeline = TurnPipeline(self.services)
+        if settings.api_keys_file:
+            self.authenticator = Authenticator.from_file(settings.api_keys_file, redis=self.redis)
+        else:
+            self.authenticator = Authenticator.open()
+        self.tasks: Any = None
+        self.servicer = RouterServicer(
+            self.pipeline, self.authenticator, self.pool, settings.policy, self.replay, None, None
+        )
+        self._channels: list[grpc.aio.Channel] = []
+
+    @staticmethod
+    def _redis(url: str | None) -> Any:
+        if not url:
+            log.warning("no --redis-url: pins and rate limits are per router; tasks and Resume are off")
+            return None
+        import redis.asyncio
+
+        return redis.asyncio.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+
+    def register(self, server: grpc.aio.Server) -> None:
+        router_pb2_grpc.add_RouterServicer_to_server(self.servicer, server)
+
+    async def start(self, health: HealthReporter) -> None:
+        s = self.settings
+        session = retriever = None
+        if s.session_addr:
+            channel = grpc.aio.insecure_channel(s.session_addr)
+            self._channels.append(channel)
+            session = session_pb2_grpc.SessionStub(channel)
+        if s.retriever_addr:
+            channel = grpc.aio.insecure_channel(s.retriever_addr)
+            self._channels.append(channel)
+            retriever = retriever_pb2_grpc.RetrieverStub(channel)
+            self.services.semantic_cache = SemanticCache(retriever)  # type: ignore[arg-type]
+            self.servicer.retriever = retriever  # type: ignore[assignment]
+        if session is not None or retriever is not None:
+            self.services.context = ConversationContext(session, retriever)  # type: ignore[arg-type]
+        self.tasks = self._task_api()
+        if self.tasks is not None:
+            self.servicer.tasks = self.tasks
+            await self.tasks.start()
+        await self.discovery.start()
+        await self.health.check_all()  # know the pool before admitting the first request
+        self.health.start()
+        if self.authenticator.redis is not None:
+            self.authenticator.start_refresh()
+        await health.set_serving(True)
+
+    def _task_api(self) -> TaskBackend | None:
+        if self.redis is None:
+            return None
+        try:
+            from services.router.task_api import TaskApi
+        except ImportError:  # the task API lands separately; until then tasks answer FAILED_PRECONDITION
+            return None
+        consumer = f"router-{socket.gethostname()}-{os.getpid()}"
+        api: TaskBackend = TaskApi(self.redis, self.pipeline.run_turn, consumer)
+        return api
+
+    async def drain(self) -> None:
+        if self.tasks is not None:
+            await self.tasks.stop()
+
+    async def close(self) -> None:
+        await self.health.stop()
+        await self.discovery.stop()
+        await self.pool.close()
+        for channel in self._channels:
+            await channel.close(None)
+        await self.authenticator.close()
+        if self.redis is not None:
+            await self.redis.aclose()
+
+
+def static_replicas(raw: str | None) -> list[str]:
+    return parse_address_list(raw or "")

@@ -1,0 +1,264 @@
+"""The `llmmesh.v1.Router` servicer: authenticates, then hands each RPC to the turn pipeline or a helper.
+
+Thin on purpose: every turn runs through ``TurnPipeline.run_turn``; Resume is
+served from the replay buffer, tasks by the task API, documents by the
+retriever (with the caller's tenant set by the router, never by the client).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import grpc
+
+from services.common import errors
+from services.gen.llmmesh.v1 import common_pb2, retriever_pb2, router_pb2, router_pb2_grpc
+from services.router.auth import Authenticator, Principal, downstream_metadata
+from services.router.pool import ReplicaPool
+from services.router.replay import ReplayBuffer
+from services.router.turn import TurnPipeline
+
+if TYPE_CHECKING:
+    from services.gen.llmmesh.v1.retriever_pb2_grpc import RetrieverAsyncStub
+
+Context = grpc.aio.ServicerContext[Any, Any]
+NEEDS_REDIS = "needs --redis-url: this router runs without Redis"
+# No deadline reads as a huge remaining time in some gRPC versions.
+NO_DEADLINE_S = 10**6
+
+
+class TaskBackend(Protocol):
+    """The async-task API (``task_api.TaskApi``) as the servicer calls it."""
+
+    async def SubmitTask(
+        self, principal: Principal, request: router_pb2.SubmitTaskRequest, context: Context
+    ) -> router_pb2.Task: ...
+
+    async def GetTask(
+        self, principal: Principal, request: router_pb2.GetTaskRequest, context: Context
+    ) -> router_pb2.Task: ...
+
+    def WatchTask(
+        self, principal: Principal, request: router_pb2.WatchTaskRequest, context: Context
+    ) -> AsyncIterator[router_pb2.TaskEvent]: ...
+
+    async def CancelTask(
+        self, principal: Principal, request: router_pb2.CancelTaskRequest, context: Context
+    ) -> router_pb2.Task: ...
+
+
+class DownstreamStatus(errors.MeshError):
+    """A status from the retriever, passed on to the client as it is."""
+
+    def __init__(self, exc: grpc.aio.AioRpcError) -> None:
+        super().__init__(exc.details() or exc.code().name)
+        self.code = exc.code()
+
+
+class _TurnDone:
+    """Marks the end of one turn's messages on the Chat stream's queue."""
+
+
+TURN_DONE = _TurnDone()
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    """Every Router RPC."""
+
+    def __init__(
+        self,
+        pipeline: TurnPipeline,
+        authenticator: Authenticator,
+        pool: ReplicaPool,
+        policy_name: str,
+        replay: ReplayBuffer | None = None,
+        tasks: TaskBackend | None = None,
+        retriever: RetrieverAsyncStub | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.pipeline = pipeline
+        self.authenticator = authenticator
+        self.pool = pool
+        self.policy_name = policy_name
+        self.replay = replay
+        self.tasks = tasks
+        self.retriever = retriever
+        self._clock = clock
+
+    def _principal(self, context: Context) -> Principal:
+        return self.authenticator.authenticate(context.invocation_metadata())
+
+    def _deadline(self, context: Context) -> float | None:
+        """The client's deadline on our clock: passed to every downstream call, never extended."""
+        remaining = context.time_remaining()
+        if remaining is None or remaining > NO_DEADLINE_S:
+            return None
+        return self._clock() + remaining
+
+    async def ChatStream(
+        self, request: router_pb2.ChatRequest, context: Context
+    ) -> AsyncIterator[router_pb2.ChatResponse]:
+        principal = self._principal(context)
+        async for response in self.pipeline.run_turn(principal, request, self._deadline(context)):
+            yield response
+
+    async def Complete(
+        self, request: router_pb2.ChatRequest, context: Context
+    ) -> router_pb2.CompleteResponse:
+        principal = self._principal(context)
+        result = router_pb2.CompleteResponse()
+        parts: list[str] = []
+        async for response in self.pipeline.run_turn(principal, request, self._deadline(context)):
+            result.request_id = response.request_id
+            if response.HasField("delta"):
+                parts.append(response.delta.text)
+                result.token_ids.extend(response.delta.token_ids)
+            else:
+                result.end.CopyFrom(response.end)
+        result.text = "".join(parts)
+        return result
+
+    async def Chat(
+        self, request_iterator: AsyncIterator[router_pb2.ChatRequest], context: Context
+    ) -> AsyncIterator[router_pb2.ChatResponse]:
+        """Turns one after another; a ``cancel`` message interrupts the turn in progress."""
+        principal = self._principal(context)
+        deadline = self._deadline(context)
+        turns: asyncio.Queue[router_pb2.ChatRequest | None] = asyncio.Queue()
+        out: asyncio.Queue[router_pb2.ChatResponse | _TurnDone] = asyncio.Queue()
+        running: list[asyncio.Task[None]] = []
+
+        async def read_client() -> None:
+            async for message in request_iterator:
+                if message.cancel:
+                    if running and not running[0].done():
+                        running[0].cancel()
+                else:
+                    turns.put_nowait(message)
+            turns.put_nowait(None)
+
+        async def produce(request: router_pb2.ChatRequest, last_seq: list[int]) -> None:
+            async for response in self.pipeline.run_turn(principal, request, deadline):
+                last_seq[0] = response.seq
+                out.put_nowait(response)
+
+        reader = asyncio.create_task(read_client())
+        try:
+            while (request := await turns.get()) is not None:
+                if not request.request_id:
+                    request.request_id = uuid.uuid4().hex
+                last_seq = [0]
+                task = asyncio.create_task(produce(request, last_seq))
+                running[:] = [task]
+                # A done-callback (not a finally) marks the end even if cancelled before it ran.
+                task.add_done_callback(lambda _: out.put_nowait(TURN_DONE))
+                while not isinstance(item := await out.get(), _TurnDone):
+                    yield item
+                if task.cancelled():
+                    yield router_pb2.ChatResponse(
+                        request_id=request.request_id,
+                        seq=last_seq[0] + 1,
+                        end=router_pb2.TurnEnd(
+                            finish_reason=common_pb2.FINISH_REASON_CANCELLED, session_id=request.session_id
+                        ),
+                    )
+                elif (exc := task.exception()) is not None:
+                    raise exc
+        finally:
+            reader.cancel()
+            for task in running:
+                task.cancel()
+
+    async def Resume(
+        self, request: router_pb2.ResumeRequest, context: Context
+    ) -> AsyncIterator[router_pb2.ChatResponse]:
+        principal = self._principal(context)
+        if self.replay is None:
+            raise errors.FailedPrecondition(f"Resume {NEEDS_REDIS}")
+        if not request.request_id:
+            raise errors.InvalidArgument("request_id", "is required")
+        async for payload in self.replay.read_after(request.request_id, principal.tenant, request.last_seq):
+            yield router_pb2.ChatResponse.FromString(payload)
+
+    def _tasks(self) -> TaskBackend:
+        if self.tasks is None:
+            raise errors.FailedPrecondition(f"async tasks {NEEDS_REDIS}")
+        return self.tasks
+
+    async def SubmitTask(self, request: router_pb2.SubmitTaskRequest, context: Context) -> router_pb2.Task:
+        principal = self._principal(context)
+        return await self._tasks().SubmitTask(principal, request, context)
+
+    async def GetTask(self, request: router_pb2.GetTaskRequest, context: Context) -> router_pb2.Task:
+        principal = self._principal(context)
+        return await self._tasks().GetTask(principal, request, context)
+
+    async def WatchTask(
+        self, request: router_pb2.WatchTaskRequest, context: Context
+    ) -> AsyncIterator[router_pb2.TaskEvent]:
+        principal = self._principal(context)
+        async for event in self._tasks().WatchTask(principal, request, context):
+            yield event
+
+    async def CancelTask(self, request: router_pb2.CancelTaskRequest, context: Context) -> router_pb2.Task:
+        principal = self._principal(context)
+        return await self._tasks().CancelTask(principal, request, context)
+
+    def _retriever(self) -> RetrieverAsyncStub:
+        if self.retriever is None:
+            raise errors.FailedPrecondition("documents need --retriever-addr: this router has no retriever")
+        return self.retriever
+
+    async def IngestDocument(
+        self, request_iterator: AsyncIterator[retriever_pb2.IngestRequest], context: Context
+    ) -> retriever_pb2.IngestSummary:
+        principal = self._principal(context)
+        try:
+            return await self._retriever().Ingest(
+                request_iterator, metadata=downstream_metadata(principal), timeout=context.time_remaining()
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise DownstreamStatus(exc) from None
+
+    async def SearchDocuments(
+        self, request: retriever_pb2.SearchRequest, context: Context
+    ) -> retriever_pb2.SearchResponse:
+        principal = self._principal(context)
+        try:
+            return await self._retriever().Search(
+                request, metadata=downstream_metadata(principal), timeout=context.time_remaining()
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise DownstreamStatus(exc) from None
+
+    async def DeleteDocument(
+        self, request: retriever_pb2.DeleteDocumentRequest, context: Context
+    ) -> retriever_pb2.DeleteDocumentResponse:
+        principal = self._principal(context)
+        try:
+            return await self._retriever().DeleteDocument(
+                request, metadata=downstream_metadata(principal), timeout=context.time_remaining()
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise DownstreamStatus(exc) from None
+
+    async def ListDocuments(
+        self, request: retriever_pb2.ListDocumentsRequest, context: Context
+    ) -> retriever_pb2.ListDocumentsResponse:
+        principal = self._principal(context)
+        try:
+            return await self._retriever().ListDocuments(
+                request, metadata=downstream_metadata(principal), timeout=context.time_remaining()
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise DownstreamStatus(exc) from None
+
+    async def ListReplicas(
+        self, request: router_pb2.ListReplicasRequest, context: Context
+    ) -> router_pb2.ListReplicasResponse:
+        self._principal(context)
+        return router_pb2.ListReplicasResponse(replicas=self.pool.statuses(), policy=self.policy_name)

@@ -1,0 +1,413 @@
+"""The async-task RPCs (SubmitTask, GetTask, WatchTask, CancelTask) and the worker that runs tasks.
+
+Every router runs a worker in the consumer group, so any router may run any
+task; a task survives the router that accepted it, or ran it, being killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from prometheus_client import Counter, Gauge
+
+from services.common import errors
+from services.common.settings import EnvArgumentParser
+from services.gen.llmmesh.v1 import common_pb2, router_pb2
+from services.router.auth import Principal
+from services.router.tasks import KIND_TASK, TERMINAL_STATES, TaskRecord, TaskStore
+
+log = logging.getLogger("llmmesh.router.tasks")
+
+RunTurn = Callable[[Principal, router_pb2.ChatRequest], AsyncIterator[router_pb2.ChatResponse]]
+
+TASKS_FINISHED = Counter("llmmesh_router_tasks_total", "Async tasks finished, by final state.", ["state"])
+TASKS_RECLAIMED = Counter(
+    "llmmesh_router_tasks_reclaimed_total", "Tasks taken over from a router that stopped acknowledging them."
+)
+TASKS_RUNNING = Gauge("llmmesh_router_tasks_running", "Async tasks this router is running now.")
+
+MAX_IDEMPOTENCY_KEY = 256
+QUEUED_OR_RUNNING = frozenset({router_pb2.TASK_STATE_QUEUED, router_pb2.TASK_STATE_RUNNING})
+
+
+@dataclass(frozen=True)
+class TaskSettings:
+    """How the task worker behaves; every router of a deployment should agree on these."""
+
+    result_ttl_s: int = 600
+    # An entry unacknowledged this long belongs to a dead router and is taken over.
+    visibility_timeout_s: float = 30.0
+    concurrency: int = 4
+    # A task whose runs keep killing routers is failed instead of retried forever.
+    max_attempts: int = 3
+    block_ms: int = 1000
+    # How long a task waits in all for its key's rate limit before failing.
+    overload_wait_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.result_ttl_s < 1:
+            raise ValueError(f"--task-result-ttl-seconds: must be >= 1, got {self.result_ttl_s}")
+        if self.visibility_timeout_s <= 0:
+            raise ValueError(f"--task-visibility-seconds: must be > 0, got {self.visibility_timeout_s}")
+        if self.concurrency < 1:
+            raise ValueError(f"--task-concurrency: must be >= 1, got {self.concurrency}")
+        if self.max_attempts < 1:
+            raise ValueError(f"--task-max-attempts: must be >= 1, got {self.max_attempts}")
+
+    @classmethod
+    def from_env(cls) -> TaskSettings:
+        """Settings from the same ``LLMMESH_TASK_*`` variables the router flags default to."""
+        parser = EnvArgumentParser(add_help=False)
+        add_task_arguments(parser)
+        return cls.from_args(parser.parse_args([]))
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TaskSettings:
+        return cls(
+            result_ttl_s=args.task_result_ttl_seconds,
+            visibility_timeout_s=args.task_visibility_seconds,
+            concurrency=args.task_concurrency,
+            max_attempts=args.task_max_attempts,
+        )
+
+
+def add_task_arguments(parser: argparse.ArgumentParser) -> None:
+    """Router flags for the task worker (the router's __main__ adds them)."""
+    parser.add_argument(
+        "--task-result-ttl-seconds", type=int, default=600, help="keep task results this long"
+    )
+    parser.add_argument(
+        "--task-visibility-seconds",
+        type=float,
+        default=30.0,
+        help="take over a task another router left unacknowledged this long",
+    )
+    parser.add_argument("--task-concurrency", type=int, default=4, help="tasks this router runs at once")
+    parser.add_argument("--task-max-attempts", type=int, default=3, help="runs of one task before it fails")
+
+
+def default_consumer_name() -> str:
+    """Unique per process: a restarted router must not inherit the dead one's pending entries by name."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class TaskApi:
+    """Serves the task RPCs for an authenticated principal, and runs the task worker."""
+
+    def __init__(
+        self,
+        redis: Any,
+        run_turn: RunTurn,
+        consumer_name: str | None = None,
+        settings: TaskSettings | None = None,
+    ) -> None:
+        self.settings = settings or TaskSettings.from_env()
+        self.store = TaskStore(redis, result_ttl_s=self.settings.result_ttl_s)
+        self.run_turn = run_turn
+        self.consumer = consumer_name or default_consumer_name()
+        self._worker: asyncio.Task[None] | None = None
+        self._running: dict[str, asyncio.Task[None]] = {}  # entry id -> task run
+        self._stopping = False
+
+    # --- RPCs -------------------------------------------------------------------------
+
+    async def SubmitTask(
+        self,
+        principal: Principal,
+        request: router_pb2.SubmitTaskRequest,
+        context: grpc.aio.ServicerContext[Any, Any] | None = None,
+    ) -> router_pb2.Task:
+        turn = request.request
+        if turn.cancel:
+            raise errors.InvalidArgument("request.cancel", "a task is a turn to run, not a cancel")
+        if not turn.messages:
+            raise errors.InvalidArgument("request.messages", "at least one message is required")
+        if len(request.idempotency_key) > MAX_IDEMPOTENCY_KEY:
+            raise errors.InvalidArgument("idempotency_key", f"at most {MAX_IDEMPOTENCY_KEY} characters")
+        task_id = _new_task_id()
+        if request.idempotency_key:
+            existing = await self.store.remember_idempotency(
+                principal.tenant, request.idempotency_key, task_id
+            )
+            if existing != task_id:
+                return await self.GetTask(principal, router_pb2.GetTaskRequest(task_id=existing), context)
+        if not turn.request_id:
+            turn = router_pb2.ChatRequest()
+            turn.CopyFrom(request.request)
+            turn.request_id = f"task-{task_id}"
+        record = await self.store.create(principal, turn, task_id)
+        return record.to_proto()
+
+    async def GetTask(
+        self,
+        principal: Principal,
+        request: router_pb2.GetTaskRequest,
+        context: grpc.aio.ServicerContext[Any, Any] | None = None,
+    ) -> router_pb2.Task:
+        return (await self._owned(principal, request.task_id)).to_proto()
+
+    async def WatchTask(
+        self,
+        principal: Principal,
+        request: router_pb2.WatchTaskRequest,
+        context: grpc.aio.ServicerContext[Any, Any] | None = None,
+    ) -> AsyncIterator[router_pb2.TaskEvent]:
+        """The task now, then every delta and state change until it ends."""
+        await self._owned(principal, request.task_id)
+        record, cursor = await self.store.snapshot(request.task_id)
+        if record is None:
+            raise errors.NotFound(f"task_id: no task {request.task_id!r} (unknown or expired)")
+        yield router_pb2.TaskEvent(task=record.to_proto())
+        if record.finished:
+            return
+        while True:
+            events = await self.store.read_events(request.task_id, cursor, self.settings.block_ms)
+            if not events and not await self.store.exists(request.task_id):
+                raise errors.NotFound(f"task_id: task {request.task_id!r} expired while watched")
+            for event_id, kind, payload in events:
+                cursor = event_id
+                if kind == KIND_TASK:
+                    task = router_pb2.Task.FromString(payload)
+                    yield router_pb2.TaskEvent(task=task)
+                    if task.state in TERMINAL_STATES:
+                        return
+                else:
+                    yield router_pb2.TaskEvent(delta=router_pb2.TokenDelta.FromString(payload))
+
+    async def CancelTask(
+        self,
+        principal: Principal,
+        request: router_pb2.CancelTaskRequest,
+        context: grpc.aio.ServicerContext[Any, Any] | None = None,
+    ) -> router_pb2.Task:
+        """Cancels a queued task at once; a running one within moments (its worker stops the replica)."""
+        record = await self._owned(principal, request.task_id)
+        if record.finished:
+            return record.to_proto()
+        await self.store.request_cancel(record.task_id)
+        state, _ = await self.store.transition(
+            record,
+            {router_pb2.TASK_STATE_QUEUED},
+            router_pb2.TASK_STATE_CANCELLED,
+            error="cancelled by the client",
+        )
+        if state == router_pb2.TASK_STATE_CANCELLED:
+            TASKS_FINISHED.labels("CANCELLED").inc()
+        # A running task stops at its worker's next cancel check; wait briefly to report the end.
+        for _ in range(20):
+            record = await self._owned(principal, request.task_id)
+            if record.finished:
+                break
+            await asyncio.sleep(0.1)
+        return record.to_proto()
+
+    async def _owned(self, principal: Principal, task_id: str) -> TaskRecord:
+        if not task_id:
+            raise errors.InvalidArgument("task_id", "must not be empty")
+        record = await self.store.get(task_id)
+        if record is None:
+            raise errors.NotFound(f"task_id: no task {task_id!r} (unknown or expired)")
+        if record.tenant != principal.tenant:
+            raise errors.PermissionDenied(f"task_id: task {task_id!r} belongs to another tenant")
+        return record
+
+    # --- worker -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.store.ensure_group()
+        self._stopping = False
+        self._worker = asyncio.create_task(self._work(), name=f"task-worker-{self.consumer}")
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stop taking tasks; let running ones finish for ``grace_s``, then leave the rest to other routers."""
+        self._stopping = True
+        if self._worker is not None:
+            self._worker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._worker
+            self._worker = None
+        if self._running:
+            await asyncio.wait(list(self._running.values()), timeout=grace_s)
+        for run in list(self._running.values()):
+            run.cancel()  # unacknowledged: another router reclaims it
+        for run in list(self._running.values()):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await run
+
+    async def _work(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_reclaim = 0.0
+        next_heartbeat = loop.time() + self.settings.visibility_timeout_s / 3
+        while True:
+            try:
+                now = loop.time()
+                if now >= next_heartbeat:
+                    await self.store.heartbeat(self.consumer, list(self._running))
+                    next_heartbeat = now + self.settings.visibility_timeout_s / 3
+                free = self.settings.concurrency - len(self._running)
+                if free > 0 and now >= next_reclaim:
+                    min_idle = int(self.settings.visibility_timeout_s * 1000)
+                    for entry_id, task_id in await self.store.reclaim(self.consumer, min_idle, free):
+                        TASKS_RECLAIMED.inc()
+                        log.warning("took over task %s left unacknowledged by another router", task_id)
+                        self._launch(entry_id, task_id)
+                    next_reclaim = now + min(5.0, self.settings.visibility_timeout_s / 2)
+                    free = self.settings.concurrency - len(self._running)
+                if free <= 0:
+                    await asyncio.wait(
+                        list(self._running.values()), timeout=1.0, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    continue
+                block = min(self.settings.block_ms, int(self.settings.visibility_timeout_s * 1000 / 3))
+                for entry_id, task_id in await self.store.take_new(self.consumer, free, block):
+                    self._launch(entry_id, task_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away: keep the loop alive and try again shortly
+                log.warning("task worker: %s: %s", type(exc).__name__, exc)
+                await asyncio.sleep(1.0)
+
+    def _launch(self, entry_id: str, task_id: str) -> None:
+        run = asyncio.create_task(self._run_task(entry_id, task_id), name=f"task-{task_id}")
+        self._running[entry_id] = run
+        TASKS_RUNNING.set(len(self._running))
+
+        def done(_: asyncio.Task[None]) -> None:
+            self._running.pop(entry_id, None)
+            TASKS_RUNNING.set(len(self._running))
+
+        run.add_done_callback(done)
+
+    async def _run_task(self, entry_id: str, task_id: str) -> None:
+        record = await self.store.get(task_id)
+        if record is None or record.finished:
+            await self.store.ack(entry_id)
+            return
+        if record.cancel_requested:
+            await self._finish(record, router_pb2.TASK_STATE_CANCELLED, error="cancelled by the client")
+            await self.store.ack(entry_id)
+            return
+        if record.attempts >= self.settings.max_attempts:
+            await self._finish(
+                record,
+                router_pb2.TASK_STATE_FAILED,
+                error=f"gave up after {record.attempts} interrupted attempts",
+            )
+            await self.store.ack(entry_id)
+            return
+        _, changed = await self.store.transition(
+            record,
+            QUEUED_OR_RUNNING,
+            router_pb2.TASK_STATE_RUNNING,
+            reset_text=True,
+            extra={"attempts": record.attempts + 1},
+        )
+        if not changed:  # cancelled between the read and now
+            await self.store.ack(entry_id)
+            return
+        record.attempts += 1
+        try:
+            final_state, end, error = await self._generate(record)
+        except asyncio.CancelledError:
+            if self._stopping:
+                raise  # left pending on purpose: another router finishes it
+            final_state, end, error = router_pb2.TASK_STATE_CANCELLED, b"", "cancelled by the client"
+        await self._finish(record, final_state, end=end, error=error)
+        await self.store.ack(entry_id)
+
+    async def _generate(self, record: TaskRecord) -> tuple[int, bytes, str]:
+        """Run the turn; while the key is over its rate limit, wait and try again instead of failing.
+
+        A task is the asynchronous form of a turn: the client asked for it to
+        happen, not to happen now, so a refusal before the first token waits
+        out the RetryInfo delay (up to ``overload_wait_s`` in all).
+        """
+        waited = 0.0
+        while True:
+            try:
+                return await self._generate_once(record)
+            except errors.Overloaded as exc:
+                if waited >= self.settings.overload_wait_s:
+                    return router_pb2.TASK_STATE_FAILED, b"", f"RESOURCE_EXHAUSTED: {exc}"
+                pause = min(max(exc.retry_after_s, 0.05), 30.0, self.settings.overload_wait_s - waited)
+                log.info("task %s waits %.2fs: %s", record.task_id, pause, exc)
+                if await self._cancelled_within(record.task_id, pause):
+                    return router_pb2.TASK_STATE_CANCELLED, b"", "cancelled by the client"
+                waited += pause
+
+    async def _cancelled_within(self, task_id: str, seconds: float) -> bool:
+        loop = asyncio.get_running_loop()
+        until = loop.time() + seconds
+        while (left := until - loop.time()) > 0:
+            if await self.store.cancel_requested(task_id):
+                return True
+            await asyncio.sleep(min(0.25, left))
+        return False
+
+    async def _generate_once(self, record: TaskRecord) -> tuple[int, bytes, str]:
+        """Run the turn, streaming deltas into the task; a cancel request stops it mid-way."""
+        request = router_pb2.ChatRequest.FromString(record.request)
+        end: router_pb2.TurnEnd | None = None
+
+        async def consume() -> None:
+            nonlocal end
+            async for response in self.run_turn(record.principal, request):
+                if response.HasField("delta"):
+                    record.text += response.delta.text
+                    await self.store.append_delta(record.task_id, response.delta)
+                elif response.HasField("end"):
+                    end = response.end
+
+        generation = asyncio.create_task(consume())
+        try:
+            while not generation.done():
+                done, _ = await asyncio.wait({generation}, timeout=0.25)
+                if not done and await self.store.cancel_requested(record.task_id):
+                    generation.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await generation
+                    return router_pb2.TASK_STATE_CANCELLED, _end_bytes(end), "cancelled by the client"
+            generation.result()
+        except errors.MeshError as exc:
+            if isinstance(exc, errors.Overloaded) and not record.text:
+                raise  # refused before the first token: _generate waits and retries
+            return router_pb2.TASK_STATE_FAILED, b"", f"{exc.code.name}: {exc}"
+        except grpc.aio.AioRpcError as exc:
+            return router_pb2.TASK_STATE_FAILED, b"", f"{exc.code().name}: {exc.details()}"
+        except ValueError as exc:
+            return router_pb2.TASK_STATE_FAILED, b"", f"INVALID_ARGUMENT: {exc}"
+        finally:
+            if not generation.done():
+                generation.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await generation
+        if end is None:
+            return router_pb2.TASK_STATE_FAILED, b"", "the turn ended without a turn-end message"
+        if end.finish_reason == common_pb2.FINISH_REASON_ERROR:
+            return router_pb2.TASK_STATE_FAILED, _end_bytes(end), end.error_message or "generation failed"
+        if end.finish_reason == common_pb2.FINISH_REASON_CANCELLED:
+            return router_pb2.TASK_STATE_CANCELLED, _end_bytes(end), "cancelled"
+        return router_pb2.TASK_STATE_SUCCEEDED, _end_bytes(end), ""
+
+    async def _finish(self, record: TaskRecord, state: int, *, end: bytes = b"", error: str = "") -> None:
+        _, changed = await self.store.transition(record, QUEUED_OR_RUNNING, state, end=end, error=error)
+        if changed:
+            TASKS_FINISHED.labels(router_pb2.TaskState.Name(state).removeprefix("TASK_STATE_")).inc()  # type: ignore[arg-type]
+
+
+def _end_bytes(end: router_pb2.TurnEnd | None) -> bytes:
+    return b"" if end is None else end.SerializeToString()
+
+
+def _new_task_id() -> str:
+    return uuid.uuid4().hex

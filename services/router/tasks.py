@@ -1,0 +1,373 @@
+"""Durable async tasks in Redis: the task records, their event streams, and the shared work queue.
+
+Layout (``<id>`` in braces is a Redis Cluster hash tag, so one task's keys share a slot):
+
+- ``llm:tasks:stream`` — the work queue (a Stream; consumer group ``routers``).
+  An entry stays pending until the router that ran it acknowledges it, so a
+  router killed mid-task leaves it pending, and another router takes it over
+  with XAUTOCLAIM once it has been idle past the visibility timeout.
+- ``llm:task:{<id>}`` — hash: state, tenant, key id, request bytes, end bytes,
+  error, timestamps, attempts, cancel flag.
+- ``llm:task:{<id>}:text`` — the answer so far (APPEND per delta).
+- ``llm:task:{<id>}:events`` — Stream of state snapshots and token deltas that
+  WatchTask follows.
+
+All three expire ``result_ttl_s`` after the task ends.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import redis.exceptions
+
+from services.gen.llmmesh.v1 import router_pb2
+from services.router.auth import KeyLimits, Principal
+
+STREAM_KEY = "llm:tasks:stream"
+GROUP = "routers"
+TERMINAL_STATES = frozenset(
+    {router_pb2.TASK_STATE_SUCCEEDED, router_pb2.TASK_STATE_FAILED, router_pb2.TASK_STATE_CANCELLED}
+)
+EVENT_KIND = b"k"
+EVENT_PAYLOAD = b"p"
+KIND_TASK = b"task"
+KIND_DELTA = b"delta"
+
+# Compare-and-set of a task's state, with its event, in one step.
+# KEYS: hash, events, text. ARGV: allowed from-states (space separated), new state,
+# now_ms, event payload ('' = none), expire seconds (0 = leave), events maxlen,
+# reset text (0/1), then extra field/value pairs for the hash.
+# Returns the state the task is in afterwards (-1 when it does not exist) and 1/0 for "changed".
+TRANSITION_LUA = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return {-1, 0} end
+if not string.find(' ' .. ARGV[1] .. ' ', ' ' .. state .. ' ', 1, true) then
+  return {tonumber(state), 0}
+end
+redis.call('HSET', KEYS[1], 'state', ARGV[2], 'updated_ms', ARGV[3])
+for i = 8, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+if ARGV[7] == '1' then redis.call('DEL', KEYS[3]) end
+if ARGV[4] ~= '' then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'k', 'task', 'p', ARGV[4])
+end
+if ARGV[5] ~= '0' then
+  for _, k in ipairs(KEYS) do redis.call('EXPIRE', k, ARGV[5]) end
+end
+return {tonumber(ARGV[2]), 1}
+"""
+
+
+def task_key(task_id: str) -> str:
+    return f"llm:task:{{{task_id}}}"
+
+
+def text_key(task_id: str) -> str:
+    return f"llm:task:{{{task_id}}}:text"
+
+
+def events_key(task_id: str) -> str:
+    return f"llm:task:{{{task_id}}}:events"
+
+
+def idempotency_key(tenant: str, key: str) -> str:
+    return f"llm:task:idem:{tenant}:{key}"
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass
+class TaskRecord:
+    """A task as stored in its hash (plus its text)."""
+
+    task_id: str
+    state: int
+    tenant: str
+    key_id: str
+    limits: KeyLimits
+    request: bytes
+    text: str = ""
+    end: bytes = b""
+    error: str = ""
+    created_ms: int = 0
+    updated_ms: int = 0
+    attempts: int = 0
+    cancel_requested: bool = False
+    result_ttl_s: int = 600
+
+    @property
+    def principal(self) -> Principal:
+        return Principal(self.tenant, self.key_id, self.limits)
+
+    @property
+    def finished(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    def to_proto(self) -> router_pb2.Task:
+        task = router_pb2.Task(
+            task_id=self.task_id,
+            state=self.state,  # type: ignore[arg-type]
+            text=self.text,
+            error_message=self.error,
+            created_at_ms=self.created_ms,
+            updated_at_ms=self.updated_ms,
+            result_ttl_seconds=self.result_ttl_s,
+        )
+        if self.end:
+            task.end.ParseFromString(self.end)
+        return task
+
+    @classmethod
+    def from_hash(
+        cls, task_id: str, raw: dict[bytes, bytes], text: bytes | None, result_ttl_s: int
+    ) -> TaskRecord:
+        def s(name: str) -> str:
+            return raw.get(name.encode(), b"").decode()
+
+        limits = json.loads(s("limits") or "{}")
+        return cls(
+            task_id=task_id,
+            state=int(s("state") or 0),
+            tenant=s("tenant"),
+            key_id=s("key_id"),
+            limits=KeyLimits(**limits),
+            request=raw.get(b"request", b""),
+            text=(text or b"").decode(errors="replace"),
+            end=raw.get(b"end", b""),
+            error=s("error"),
+            created_ms=int(s("created_ms") or 0),
+            updated_ms=int(s("updated_ms") or 0),
+            attempts=int(s("attempts") or 0),
+            cancel_requested=s("cancel") == "1",
+            result_ttl_s=result_ttl_s,
+        )
+
+
+class TaskStore:
+    """Task records, events and the work queue in Redis."""
+
+    def __init__(
+        self,
+        redis: Any,
+        result_ttl_s: int = 600,
+        unfinished_ttl_s: int = 86_400,
+        events_maxlen: int = 10_000,
+        queue_maxlen: int = 100_000,
+    ) -> None:
+        if result_ttl_s < 1:
+            raise ValueError(f"result_ttl_s: must be >= 1, got {result_ttl_s}")
+        self.redis = redis
+        self.result_ttl_s = result_ttl_s
+        # A task nobody ever finishes (all routers gone for a day) must not live forever.
+        self.unfinished_ttl_s = unfinished_ttl_s
+        self.events_maxlen = events_maxlen
+        self.queue_maxlen = queue_maxlen
+        self._transition = redis.register_script(TRANSITION_LUA)
+
+    async def ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(STREAM_KEY, GROUP, id="0", mkstream=True)
+        except redis.exceptions.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def create(
+        self, principal: Principal, request: router_pb2.ChatRequest, task_id: str | None = None
+    ) -> TaskRecord:
+        """Store a QUEUED task and put it on the work queue, atomically."""
+        task_id = task_id or uuid.uuid4().hex
+        now = now_ms()
+        record = TaskRecord(
+            task_id=task_id,
+            state=router_pb2.TASK_STATE_QUEUED,
+            tenant=principal.tenant,
+            key_id=principal.key_id,
+            limits=principal.limits,
+            request=request.SerializeToString(),
+            created_ms=now,
+            updated_ms=now,
+            result_ttl_s=self.result_ttl_s,
+        )
+        limits = {k: v for k, v in vars(principal.limits).items() if v is not None}
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(
+            task_key(task_id),
+            mapping={
+                "state": record.state,
+                "tenant": record.tenant,
+                "key_id": record.key_id,
+                "limits": json.dumps(limits),
+                "request": record.request,
+                "created_ms": now,
+                "updated_ms": now,
+                "attempts": 0,
+            },
+        )
+        pipe.expire(task_key(task_id), self.unfinished_ttl_s)
+        pipe.xadd(
+            events_key(task_id),
+            {EVENT_KIND: KIND_TASK, EVENT_PAYLOAD: record.to_proto().SerializeToString()},
+            maxlen=self.events_maxlen,
+        )
+        pipe.expire(events_key(task_id), self.unfinished_ttl_s)
+        pipe.xadd(STREAM_KEY, {"task_id": task_id}, maxlen=self.queue_maxlen, approximate=True)
+        await pipe.execute()
+        return record
+
+    async def remember_idempotency(self, tenant: str, key: str, task_id: str) -> str:
+        """The task id already submitted under ``key``, or ``task_id`` after claiming the key for it."""
+        ikey = idempotency_key(tenant, key)
+        if await self.redis.set(ikey, task_id, nx=True, ex=self.unfinished_ttl_s):
+            return task_id
+        existing = await self.redis.get(ikey)
+        if existing is None or not await self.redis.exists(task_key(existing.decode())):
+            # The earlier task expired (or its submit never completed): the key is free again.
+            await self.redis.set(ikey, task_id, ex=self.unfinished_ttl_s)
+            return task_id
+        return str(existing.decode())
+
+    async def get(self, task_id: str) -> TaskRecord | None:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hgetall(task_key(task_id))
+        pipe.get(text_key(task_id))
+        raw, text = await pipe.execute()
+        if not raw:
+            return None
+        return TaskRecord.from_hash(task_id, raw, text, self.result_ttl_s)
+
+    async def snapshot(self, task_id: str) -> tuple[TaskRecord | None, str]:
+        """The task and the id of its latest event, read together, so a watcher misses nothing and sees nothing twice."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hgetall(task_key(task_id))
+        pipe.get(text_key(task_id))
+        pipe.xrevrange(events_key(task_id), count=1)
+        raw, text, last = await pipe.execute()
+        if not raw:
+            return None, "0-0"
+        cursor = last[0][0].decode() if last else "0-0"
+        return TaskRecord.from_hash(task_id, raw, text, self.result_ttl_s), cursor
+
+    async def transition(
+        self,
+        record: TaskRecord,
+        allowed_from: frozenset[int] | set[int],
+        new_state: int,
+        *,
+        end: bytes = b"",
+        error: str = "",
+        reset_text: bool = False,
+        extra: dict[str, str | int] | None = None,
+    ) -> tuple[int, bool]:
+        """Move the task to ``new_state`` if it is in one of ``allowed_from``; returns (state now, changed)."""
+        now = now_ms()
+        record.state, record.updated_ms = new_state, now
+        if reset_text:
+            record.text = ""
+        if end:
+            record.end = end
+        if error:
+            record.error = error
+        fields: dict[str, str | int | bytes] = dict(extra or {})
+        if end:
+            fields["end"] = end
+        if error:
+            fields["error"] = error
+        ttl = self.result_ttl_s if new_state in TERMINAL_STATES else 0
+        args: list[Any] = [
+            " ".join(str(s) for s in sorted(allowed_from)),
+            new_state,
+            now,
+            record.to_proto().SerializeToString(),
+            ttl,
+            self.events_maxlen,
+            "1" if reset_text else "0",
+        ]
+        for k, v in fields.items():
+            args += [k, v]
+        state, changed = await self._transition(
+            keys=[task_key(record.task_id), events_key(record.task_id), text_key(record.task_id)], args=args
+        )
+        return int(state), bool(changed)
+
+    async def append_delta(self, task_id: str, delta: router_pb2.TokenDelta) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.append(text_key(task_id), delta.text.encode())
+        pipe.expire(text_key(task_id), self.unfinished_ttl_s)
+        pipe.xadd(
+            events_key(task_id),
+            {EVENT_KIND: KIND_DELTA, EVENT_PAYLOAD: delta.SerializeToString()},
+            maxlen=self.events_maxlen,
+            approximate=True,
+        )
+        await pipe.execute()
+
+    async def request_cancel(self, task_id: str) -> None:
+        await self.redis.hset(task_key(task_id), "cancel", "1")
+
+    async def cancel_requested(self, task_id: str) -> bool:
+        return bool(await self.redis.hget(task_key(task_id), "cancel") == b"1")
+
+    async def read_events(self, task_id: str, cursor: str, block_ms: int) -> list[tuple[str, bytes, bytes]]:
+        """Events after ``cursor`` as (id, kind, payload); waits up to ``block_ms`` for the first."""
+        found = await self.redis.xread({events_key(task_id): cursor}, count=256, block=block_ms)
+        events: list[tuple[str, bytes, bytes]] = []
+        for _, entries in found or ():
+            for entry_id, fields in entries:
+                events.append((entry_id.decode(), fields[EVENT_KIND], fields[EVENT_PAYLOAD]))
+        return events
+
+    async def exists(self, task_id: str) -> bool:
+        return bool(await self.redis.exists(task_key(task_id)))
+
+    # --- the work queue -------------------------------------------------------------
+
+    async def take_new(self, consumer: str, count: int, block_ms: int) -> list[tuple[str, str]]:
+        """Up to ``count`` never-delivered entries as (entry id, task id); blocks up to ``block_ms``."""
+        found = await self.redis.xreadgroup(GROUP, consumer, {STREAM_KEY: ">"}, count=count, block=block_ms)
+        return [
+            (eid.decode(), fields[b"task_id"].decode())
+            for _, entries in found or ()
+            for eid, fields in entries
+        ]
+
+    async def reclaim(self, consumer: str, min_idle_ms: int, count: int) -> list[tuple[str, str]]:
+        """Entries another (dead) router took but left unacknowledged longer than ``min_idle_ms``."""
+        claimed: list[tuple[str, str]] = []
+        start = "0-0"
+        while len(claimed) < count:
+            result = await self.redis.xautoclaim(
+                STREAM_KEY,
+                GROUP,
+                consumer,
+                min_idle_time=min_idle_ms,
+                start_id=start,
+                count=count - len(claimed),
+            )
+            start, entries = result[0], result[1]
+            for eid, fields in entries:
+                if fields:  # an entry trimmed from the stream comes back empty
+                    claimed.append((eid.decode(), fields[b"task_id"].decode()))
+                else:
+                    await self.ack(eid.decode())
+            if start in (b"0-0", "0-0"):
+                break
+        return claimed
+
+    async def heartbeat(self, consumer: str, entry_ids: list[str]) -> None:
+        """Reset the idle time of entries this router is still running, so nobody reclaims them."""
+        if entry_ids:
+            await self.redis.xclaim(
+                STREAM_KEY, GROUP, consumer, min_idle_time=0, message_ids=entry_ids, justid=True
+            )
+
+    async def ack(self, entry_id: str) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xack(STREAM_KEY, GROUP, entry_id)
+        pipe.xdel(STREAM_KEY, entry_id)
+        await pipe.execute()

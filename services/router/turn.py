@@ -1,0 +1,480 @@
+"""The turn pipeline: rate limit → cache → history → RAG → pick replica → relay → save → fill cache.
+
+One authenticated turn in, a stream of ChatResponse out (tokens, then one
+TurnEnd), each numbered ``(request_id, seq)``. Chat, ChatStream, Complete and
+async tasks all run turns through here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common import errors
+from services.gen.llmmesh.v1 import common_pb2, inference_pb2, retriever_pb2, router_pb2
+from services.router import metrics
+from services.router.auth import Principal
+from services.router.context import ConversationContext, SessionHistory, citations_for
+from services.router.models import ModelCatalog
+from services.router.pins import AffinityPins
+from services.router.pool import ReplicaPool
+from services.router.ratelimit import InflightLimiter, RateLimiter
+from services.router.relay import Relay, RelayOutcome, coalesce_chunks
+from services.router.replay import ReplayBuffer
+from services.router.response_cache import (
+    CachedAnswer,
+    ExactCache,
+    SemanticCache,
+    exact_cache_key,
+    sampling_fingerprint,
+)
+
+log = logging.getLogger("llmmesh.router.turn")
+
+ROLES = frozenset({"system", "user", "assistant"})
+# What the model reads of a session's past: the rest is left out, oldest first.
+HISTORY_TOKEN_BUDGET = 2048
+DEGRADED_ANSWER = "The service is busy and cannot answer right now; please try again shortly."
+
+
+@dataclass
+class TurnServices:
+    """Everything a turn may use; the optional ones are off when not configured."""
+
+    pool: ReplicaPool
+    relay: Relay
+    catalog: ModelCatalog
+    pins: AffinityPins
+    rate_limiter: RateLimiter | None = None
+    inflight: InflightLimiter | None = None
+    exact_cache: ExactCache | None = None
+    semantic_cache: SemanticCache | None = None
+    context: ConversationContext | None = None
+    replay: ReplayBuffer | None = None
+    clock: Callable[[], float] = time.monotonic
+
+
+def validate(request: router_pb2.ChatRequest) -> None:
+    """Reject bad input with a message naming the field, before any work is done."""
+    if not request.messages:
+        raise errors.InvalidArgument("messages", "at least one message is required")
+    for i, message in enumerate(request.messages):
+        if message.role not in ROLES:
+            raise errors.InvalidArgument(
+                f"messages[{i}].role", f"must be one of system, user, assistant; got {message.role!r}"
+            )
+    if len(request.request_id) > 128:
+        raise errors.InvalidArgument("request_id", "must be at most 128 characters")
+    if request.rag.enabled and request.rag.top_k > 20:
+        raise errors.InvalidArgument("rag.top_k", f"must be in 0..20, got {request.rag.top_k}")
+
+
+def merged_delta(batch: list[inference_pb2.TokenChunk]) -> router_pb2.TokenDelta:
+    """One TokenDelta for consecutive chunks."""
+    first = batch[0]
+    if len(batch) == 1:
+        return router_pb2.TokenDelta(text=first.text, token_ids=first.token_ids, index=first.index)
+    return router_pb2.TokenDelta(
+        text="".join(c.text for c in batch),
+        token_ids=[t for c in batch for t in c.token_ids],
+        index=first.index,
+    )
+
+
+class _ReplayWriter:
+    """Copies a turn's messages to the replay buffer off the hot path, in order."""
+
+    def __init__(self, buffer: ReplayBuffer, request_id: str, tenant: str) -> None:
+        self.buffer = buffer
+        self.request_id = request_id
+        self.tenant = tenant
+        self._queue: asyncio.Queue[tuple[int, bytes] | None] = asyncio.Queue()
+        self._task = asyncio.create_task(self._run())
+        self._failed = False
+
+    def put(self, response: router_pb2.ChatResponse) -> None:
+        if not self._failed:
+            self._queue.put_nowait((response.seq, response.SerializeToString()))
+
+    async def _run(self) -> None:
+        while (item := await self._queue.get()) is not None:
+            try:
+                await self.buffer.append(self.request_id, self.tenant, item[0], item[1])
+            except Exception as exc:  # Resume is best effort: a Redis outage must not fail the answer
+                log.warning("replay buffer for %s stopped: %s", self.request_id, exc)
+                self._failed = True
+                return
+        with contextlib.suppress(Exception):
+            await self.buffer.finish(self.request_id)
+
+    async def close(self) -> None:
+        self._queue.put_nowait(None)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(self._task), timeout=5.0)
+
+
+@dataclass
+class TurnState:
+    """Bookkeeping of one turn while it runs."""
+
+    request_id: str
+    started: float
+    seq: int = 0
+    degraded: list[str] = field(default_factory=list)
+    citations: list[router_pb2.Citation] = field(default_factory=list)
+    session: SessionHistory | None = None
+
+
+class TurnPipeline:
+    """Runs turns; ``run_turn`` is what every RPC and the task worker call."""
+
+    def __init__(self, services: TurnServices) -> None:
+        self.s = services
+
+    async def run_turn(
+        self, principal: Principal, request: router_pb2.ChatRequest, deadline: float | None = None
+    ) -> AsyncIterator[router_pb2.ChatResponse]:
+        """The turn's messages: token deltas, then one TurnEnd. ``deadline`` is on ``services.clock``."""
+        validate(request)
+        s = self.s
+        state = TurnState(request.request_id or uuid.uuid4().hex, s.clock())
+        writer = _ReplayWriter(s.replay, state.request_id, principal.tenant) if s.replay is not None else None
+        metrics.IN_FLIGHT.inc()
+        slot = s.inflight.slot() if s.inflight is not None else contextlib.nullcontext()
+        try:
+            async with slot:
+                async for response in self._turn(principal, request, deadline, state):
+                    if writer is not None:
+                        writer.put(response)
+                    yield response
+        finally:
+            metrics.IN_FLIGHT.dec()
+            if writer is not None:
+                await writer.close()
+
+    def _message(self, state: TurnState, **event: Any) -> router_pb2.ChatResponse:
+        state.seq += 1
+        return router_pb2.ChatResponse(request_id=state.request_id, seq=state.seq, **event)
+
+    async def _turn(
+        self, principal: Principal, request: router_pb2.ChatRequest, deadline: float | None, state: TurnState
+    ) -> AsyncIterator[router_pb2.ChatResponse]:
+        s = self.s
+        tenant = principal.tenant
+        if s.rate_limiter is not None:
+            await s.rate_limiter.admit_request(principal)
+        try:
+            models = s.catalog.plan(request.model, s.pool.models())
+        except errors.DependencyUnavailable as exc:
+            if not request.allow_degraded:
+                raise
+            async for response in self._degraded(principal, request, None, str(exc), state):
+                yield response
+            return
+        new_messages = [(m.role, m.content) for m in request.messages]
+        history = await self._history(tenant, request, state)
+        chunks = await self._retrieve(tenant, request, new_messages, state)
+        messages = self._build(history, chunks, new_messages)
+        cache_mode = request.cache.mode
+        key = exact_cache_key(models[0], messages, request.sampling)
+        may_read = cache_mode in (router_pb2.CACHE_MODE_UNSPECIFIED, router_pb2.CACHE_MODE_DEFAULT)
+        may_fill = cache_mode != router_pb2.CACHE_MODE_BYPASS
+
+        if may_read:
+            hit = await self._cache_lookup(tenant, key, request, models[0], messages, state)
+            if hit is not None:
+                cached, layer = hit
+                metrics.CACHE_HITS.labels(
+                    layer="exact" if layer == router_pb2.CACHE_LAYER_EXACT else "semantic"
+                ).inc()
+                async for response in self._replay_answer(principal, request, cached, layer, state):
+                    yield response
+                return
+
+        start = inference_pb2.GenerateStart(
+            request_id=state.request_id,
+            messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in messages],
+            sampling=request.sampling,
+        )
+        session_key = f"{tenant}:{request.session_id}" if request.session_id else None
+        pinned = await s.pins.get(tenant, request.session_id) if request.session_id else None
+        outcome = RelayOutcome()
+        previous_at: float | None = None
+        try:
+            relayed = s.relay.generate(start, models, outcome, deadline, session_key, pinned)
+            async for batch in coalesce_chunks(relayed):
+                now = s.clock()
+                if previous_at is None:
+                    metrics.TTFT.observe(now - state.started)
+                else:
+                    metrics.INTER_TOKEN.observe(now - previous_at)
+                previous_at = now
+                yield self._message(state, delta=merged_delta(batch))
+        except errors.DependencyUnavailable as exc:
+            if outcome.token_ids:
+                # Tokens already reached the client: end the turn in-band rather than break the stream.
+                yield self._end(state, request, outcome, error=str(exc))
+                return
+            if not request.allow_degraded:
+                raise
+            async for response in self._degraded(principal, request, key, str(exc), state):
+                yield response
+            return
+
+        if request.session_id and outcome.replica and outcome.replica != pinned:
+            await s.pins.set(tenant, request.session_id, outcome.replica)
+        answer = "".join(outcome.text_parts)
+        finished = outcome.finished
+        version = await self._save(tenant, request, new_messages, answer, state)
+        if s.rate_limiter is not None and finished is not None:
+            await s.rate_limiter.record_tokens(
+                principal, finished.usage.prompt_tokens + finished.usage.completion_tokens
+            )
+        if finished is not None:
+            metrics.TOKENS.labels(direction="prompt").inc(finished.usage.prompt_tokens)
+        metrics.TOKENS.labels(direction="completion").inc(len(outcome.token_ids))
+        complete = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+        if may_fill and finished is not None and finished.finish_reason in complete:
+            await self._cache_fill(tenant, key, request, outcome, answer, messages, state)
+        yield self._end(state, request, outcome, version=version)
+
+    async def _history(
+        self, tenant: str, request: router_pb2.ChatRequest, state: TurnState
+    ) -> SessionHistory | None:
+        if not request.session_id:
+            return None
+        if self.s.context is None or self.s.context.session is None:
+            if request.session_required:
+                raise errors.FailedPrecondition("session_id: this router has no --session-addr")
+            state.degraded.append("history: no session service configured")
+            return None
+        try:
+            found = await self.s.context.load_history(tenant, request.session_id, HISTORY_TOKEN_BUDGET)
+        except errors.DependencyUnavailable as exc:
+            if request.session_required:
+                raise
+            state.degraded.append(f"history: {exc}")
+            return None
+        state.session = found
+        return found
+
+    async def _retrieve(
+        self,
+        tenant: str,
+        request: router_pb2.ChatRequest,
+        new_messages: list[tuple[str, str]],
+        state: TurnState,
+    ) -> list[retriever_pb2.RetrievedChunk]:
+        if not request.rag.enabled:
+            return []
+        if self.s.context is None or self.s.context.retriever is None:
+            if request.rag.required:
+                raise errors.FailedPrecondition("rag: this router has no --retriever-addr")
+            state.degraded.append("rag: no retriever configured")
+            return []
+        query = next((c for r, c in reversed(new_messages) if r == "user"), new_messages[-1][1])
+        try:
+            chunks = await self.s.context.retrieve(tenant, query, request.rag)
+        except errors.DependencyUnavailable as exc:
+            if request.rag.required:
+                raise
+            state.degraded.append(f"rag: {exc}")
+            return []
+        state.citations = citations_for(chunks)
+        return list(chunks)
+
+    def _build(
+        self,
+        history: SessionHistory | None,
+        chunks: list[retriever_pb2.RetrievedChunk],
+        new_messages: list[tuple[str, str]],
+    ) -> list[tuple[str, str]]:
+        system_prompt = history.system_prompt if history is not None else ""
+        turns = history.turns if history is not None else []
+        built = ConversationContext.build_messages(system_prompt, turns, chunks, new_messages)
+        return [(m["role"], m["content"]) for m in built]
+
+    async def _cache_lookup(
+        self,
+        tenant: str,
+        key: str | None,
+        request: router_pb2.ChatRequest,
+        model: str,
+        messages: list[tuple[str, str]],
+        state: TurnState,
+    ) -> tuple[CachedAnswer, int] | None:
+        s = self.s
+        if key is not None and s.exact_cache is not None:
+            try:
+                hit = await s.exact_cache.get(tenant, key)
+            except errors.DependencyUnavailable as exc:
+                state.degraded.append(f"exact cache: {exc}")
+            else:
+                if hit is not None:
+                    return hit, router_pb2.CACHE_LAYER_EXACT
+        if request.cache.semantic and key is not None and s.semantic_cache is not None:
+            threshold = (
+                request.cache.semantic_threshold if request.cache.HasField("semantic_threshold") else None
+            )
+            try:
+                hit = await s.semantic_cache.lookup(
+                    tenant, messages[-1][1], model, sampling_fingerprint(request.sampling), threshold
+                )
+            except errors.DependencyUnavailable as exc:
+                state.degraded.append(f"semantic cache: {exc}")
+            else:
+                if hit is not None:
+                    return hit, router_pb2.CACHE_LAYER_SEMANTIC
+        return None
+
+    async def _cache_fill(
+        self,
+        tenant: str,
+        key: str | None,
+        request: router_pb2.ChatRequest,
+        outcome: RelayOutcome,
+        answer: str,
+        messages: list[tuple[str, str]],
+        state: TurnState,
+    ) -> None:
+        s = self.s
+        if key is None or outcome.finished is None:
+            return
+        usage = outcome.finished.usage
+        cached = CachedAnswer(
+            text=answer,
+            token_ids=list(outcome.token_ids),
+            model=outcome.model,
+            finish_reason=outcome.finished.finish_reason,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            created_at_ms=int(time.time() * 1000),
+        )
+        if s.exact_cache is not None:
+            try:
+                await s.exact_cache.put(tenant, key, cached)
+            except errors.DependencyUnavailable as exc:
+                state.degraded.append(f"exact cache: {exc}")
+        if request.cache.semantic and s.semantic_cache is not None:
+            try:
+                await s.semantic_cache.store(
+                    tenant, messages[-1][1], outcome.model, sampling_fingerprint(request.sampling), cached
+                )
+            except errors.DependencyUnavailable as exc:
+                state.degraded.append(f"semantic cache: {exc}")
+
+    async def _save(
+        self,
+        tenant: str,
+        request: router_pb2.ChatRequest,
+        new_messages: list[tuple[str, str]],
+        answer: str,
+        state: TurnState,
+    ) -> int:
+        if state.session is None or self.s.context is None:
+            return 0
+        expected = state.session.version if state.session.exists else 0
+        try:
+            return await self.s.context.save_turn(tenant, request.session_id, new_messages, answer, expected)
+        except (errors.DependencyUnavailable, errors.Conflict) as exc:
+            # The answer already reached the client; losing the save is reported, not fatal.
+            if request.session_required and isinstance(exc, errors.DependencyUnavailable):
+                raise
+            state.degraded.append(f"history not saved: {exc}")
+            return 0
+
+    async def _replay_answer(
+        self,
+        principal: Principal,
+        request: router_pb2.ChatRequest,
+        answer: CachedAnswer,
+        layer: int,
+        state: TurnState,
+        degraded_reason: str | None = None,
+    ) -> AsyncIterator[router_pb2.ChatResponse]:
+        """A stored answer streamed like a live one: one delta, then the TurnEnd."""
+        if answer.text or answer.token_ids:
+            yield self._message(
+                state, delta=router_pb2.TokenDelta(text=answer.text, token_ids=answer.token_ids, index=0)
+            )
+        if degraded_reason:
+            state.degraded.append(degraded_reason)
+        version = 0
+        if degraded_reason is None:
+            new_messages = [(m.role, m.content) for m in request.messages]
+            version = await self._save(principal.tenant, request, new_messages, answer.text, state)
+        outcome = RelayOutcome(model=answer.model)
+        end = self._end(state, request, outcome, version=version)
+        end.end.cache_layer = layer  # type: ignore[assignment]
+        end.end.finish_reason = answer.finish_reason  # type: ignore[assignment]
+        end.end.usage.prompt_tokens = answer.prompt_tokens
+        end.end.usage.completion_tokens = answer.completion_tokens
+        yield end
+
+    async def _degraded(
+        self,
+        principal: Principal,
+        request: router_pb2.ChatRequest,
+        key: str | None,
+        reason: str,
+        state: TurnState,
+    ) -> AsyncIterator[router_pb2.ChatResponse]:
+        """No replica can serve and the client allowed it: a stale cached answer or a fixed reply."""
+        stale: CachedAnswer | None = None
+        if key is not None and self.s.exact_cache is not None:
+            with contextlib.suppress(errors.DependencyUnavailable):
+                stale = await self.s.exact_cache.get(principal.tenant, key)
+        layer = router_pb2.CACHE_LAYER_EXACT if stale is not None else router_pb2.CACHE_LAYER_UNSPECIFIED
+        answer = stale or CachedAnswer(text=DEGRADED_ANSWER, finish_reason=common_pb2.FINISH_REASON_STOP)
+        async for response in self._replay_answer(
+            principal, request, answer, layer, state, degraded_reason=f"fallback answer: {reason}"
+        ):
+            yield response
+
+    def _end(
+        self,
+        state: TurnState,
+        request: router_pb2.ChatRequest,
+        outcome: RelayOutcome,
+        version: int = 0,
+        error: str = "",
+    ) -> router_pb2.ChatResponse:
+        now = self.s.clock()
+        finished = outcome.finished
+        timings = common_pb2.Timings()
+        usage = common_pb2.Usage()
+        reason = common_pb2.FINISH_REASON_ERROR if error else common_pb2.FINISH_REASON_STOP
+        if finished is not None:
+            timings.CopyFrom(finished.timings)
+            usage.CopyFrom(finished.usage)
+            reason = finished.finish_reason
+        # Usage is the whole answer's, across failovers: resumed tokens count too.
+        usage.completion_tokens = max(usage.completion_tokens, len(outcome.token_ids))
+        timings.total_ms = (now - state.started) * 1000
+        if outcome.first_token_at is not None:
+            timings.ttft_ms = (outcome.first_token_at - state.started) * 1000
+        metrics.E2E.observe(now - state.started)
+        return self._message(
+            state,
+            end=router_pb2.TurnEnd(
+                finish_reason=reason,
+                usage=usage,
+                timings=timings,
+                replica=outcome.replica,
+                model=outcome.model,
+                retries=outcome.retries,
+                failovers=outcome.failovers,
+                degraded=bool(state.degraded),
+                degraded_reasons=state.degraded,
+                citations=state.citations,
+                session_id=request.session_id,
+                session_version=version,
+                error_message=error,
+            ),
+        )

@@ -1,0 +1,122 @@
+"""`llm-mesh up` as a subprocess: wait for its ready block, learn its endpoints, stop it, check nothing is left."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[2]
+READY_LINE = "llm-mesh is up"
+ENDPOINT_RE = re.compile(r"^  (\S+)\s+(\d+\.\d+\.\d+\.\d+:\d+)(?:\s+metrics http://(\S+)/metrics)?$")
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli", *args]
+
+
+class LaunchedMesh:
+    """One `llm-mesh up --port 0` with its own data dir, Redis and Milvus Lite file."""
+
+    def __init__(self, data_dir: Path, trace_file: Path) -> None:
+        self.data_dir = data_dir
+        self.trace_file = trace_file
+        self.proc: subprocess.Popen[str] | None = None
+        self.lines: list[str] = []
+        self.endpoints: dict[str, str] = {}
+        self.metrics: dict[str, str] = {}
+        self._ready = threading.Event()
+        self._block_done = threading.Event()
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "MILVUS_URI")}
+        env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", LLMMESH_TRACE_FILE=str(self.trace_file))
+        return env
+
+    @property
+    def router(self) -> str:
+        return self.endpoints["router"]
+
+    def start(self, timeout: float = 600.0) -> LaunchedMesh:
+        self.proc = subprocess.Popen(
+            cli("up", "--port", "0", "--data-dir", str(self.data_dir), "--stop-timeout", "30"),
+            cwd=ROOT,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        threading.Thread(target=self._pump, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while not self._block_done.wait(0.2):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                output = self.output()
+                self.stop()
+                raise RuntimeError(f"llm-mesh up did not become ready:\n{output}")
+        return self
+
+    def _pump(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.lines.append(line)
+            if line == READY_LINE:
+                self._ready.set()
+            elif self._ready.is_set() and not self._block_done.is_set():
+                if m := ENDPOINT_RE.match(line):
+                    self.endpoints[m.group(1)] = m.group(2)
+                    if m.group(3):
+                        self.metrics[m.group(1)] = m.group(3)
+                if line.startswith("stop:"):
+                    self._block_done.set()
+
+    def output(self) -> str:
+        return "\n".join(self.lines[-200:])
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def descendants(self) -> list[psutil.Process]:
+        assert self.proc is not None
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def terminate(self, timeout: float = 120.0) -> int:
+        """SIGTERM the launcher and wait for it; SIGKILL everything if it hangs (and fail loudly)."""
+        assert self.proc is not None
+        children = self.descendants()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_everything(children)
+            raise
+
+    def stop(self) -> None:
+        """Cleanup for fixtures: never leaves a process behind, whatever state the mesh is in."""
+        if self.proc is None:
+            return
+        children = self.descendants()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(120)
+        self.kill_everything(children)
+
+    def kill_everything(self, children: list[psutil.Process]) -> None:
+        for process in [*children, *([psutil.Process(self.proc.pid)] if self.alive() else [])]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        if self.proc is not None:
+            self.proc.wait(30)

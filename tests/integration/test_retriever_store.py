@@ -1,0 +1,260 @@
+"""Corpus and semantic cache on a real Milvus Lite store, in-process.
+
+Retrieval quality is not the subject here, so a bag-of-words fake stands in for
+the embedding model and a whitespace fake for its tokenizer: that keeps these
+tests fast and lets them reach the states between the steps of an ingest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, status_for
+from services.retriever.chunking import ChunkingPolicy, TokenChunker
+from services.retriever.corpus import Corpus, DocumentUpload, SearchQuery
+from services.retriever.embedder import Vectors, normalize_rows
+from services.retriever.semantic_cache import CacheScope, SemanticCache
+from services.retriever.store import ChunkHit, ChunkRow, DocumentRecord, MilvusStore
+
+DIM = 64
+
+
+class BagOfWordsFakeEmbedder:
+    """Hashes words into a fixed-size count vector: similar wording, similar vector."""
+
+    model_name = "fake-bag-of-words"
+    dimension = DIM
+
+    def embed(self, texts: Sequence[str]) -> Vectors:
+        rows = np.zeros((len(texts), DIM), dtype=np.float32)
+        for i, text in enumerate(texts):
+            for word in re.findall(r"\w+", text.lower()):
+                rows[i, int(hashlib.md5(word.encode()).hexdigest(), 16) % DIM] += 1.0
+        rows[:, 0] += 1e-3  # never a zero vector
+        return normalize_rows(rows)
+
+
+def whitespace_token_spans(text: str) -> list[tuple[int, int]]:
+    return [m.span() for m in re.finditer(r"\S+", text)]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class ObservedStore(MilvusStore):
+    """A real store that runs a callback after every write, to look at the corpus between ingest steps."""
+
+    observe: object = None
+
+    def _after_write(self, step: str) -> None:
+        if callable(self.observe):
+            self.observe(step)
+
+    def write_chunks(self, record: DocumentRecord, chunks: Sequence[ChunkRow], vectors: Vectors) -> None:
+        super().write_chunks(record, chunks, vectors)
+        self._after_write("write_chunks")
+
+    def put_document(self, record: DocumentRecord) -> None:
+        super().put_document(record)
+        self._after_write("put_document")
+
+    def delete_chunks(self, tenant: str, document_id: str, keep_version: int | None = None) -> int:
+        deleted = super().delete_chunks(tenant, document_id, keep_version)
+        self._after_write("delete_chunks")
+        return deleted
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ObservedStore]:
+    path = tmp_path_factory.mktemp("milvus") / "milvus.db"
+    store = ObservedStore(str(path), BagOfWordsFakeEmbedder.model_name, DIM)
+    yield store
+    store.close()
+
+
+@pytest.fixture()
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture()
+def corpus(store: ObservedStore, clock: FakeClock) -> Corpus:
+    chunker = TokenChunker(whitespace_token_spans, ChunkingPolicy(max_tokens=8, overlap_tokens=2))
+    return Corpus(store, BagOfWordsFakeEmbedder(), chunker, clock=clock)
+
+
+@pytest.fixture()
+def cache(store: ObservedStore, clock: FakeClock) -> SemanticCache:
+    return SemanticCache(store, BagOfWordsFakeEmbedder(), threshold=0.9, ttl_seconds=600, clock=clock)
+
+
+def upload(document_id: str, text: str, **metadata: str) -> DocumentUpload:
+    return DocumentUpload(document_id, text.encode(), "text/plain", metadata=metadata)
+
+
+def versions_by_document(hits: Sequence[ChunkHit]) -> dict[str, set[int]]:
+    seen: dict[str, set[int]] = {}
+    for hit in hits:
+        seen.setdefault(hit.document_id, set()).add(hit.document_version)
+    return seen
+
+
+def test_replacing_a_document_is_never_seen_half_done(store: ObservedStore, corpus: Corpus) -> None:
+    tenant = "atomic"
+    old = "river delta silt " * 12
+    new = "river delta sand " * 9
+    first = corpus.ingest(tenant, upload("delta", old))
+    query = SearchQuery("river delta", top_k=50)
+    observations: list[tuple[str, dict[str, set[int]], int]] = []
+
+    def look(step: str) -> None:
+        hits = corpus.search(tenant, query)
+        observations.append((step, versions_by_document(hits), len(hits)))
+
+    store.observe = look
+    try:
+        second = corpus.ingest(tenant, upload("delta", new))
+    finally:
+        store.observe = None
+
+    assert (first.version, second.version) == (1, 2)
+    steps = [step for step, _, _ in observations]
+    assert steps == ["delete_chunks", "write_chunks", "put_document", "delete_chunks"]
+    for step, seen, count in observations:
+        # Every search between the steps sees exactly one whole version.
+        assert seen["delta"] in ({1}, {2}), step
+        assert count == (first.chunks if seen["delta"] == {1} else second.chunks), step
+    assert [seen["delta"] for _, seen, _ in observations] == [{1}, {1}, {2}, {2}]
+    assert store.count_chunks(tenant, "delta") == second.chunks
+
+
+def test_leftovers_of_an_interrupted_ingest_stay_invisible_and_are_cleaned_up(
+    store: ObservedStore, corpus: Corpus
+) -> None:
+    tenant = "crash"
+    first = corpus.ingest(tenant, upload("notes", "glacier ice moraine " * 6))
+    record = store.get_document(tenant, "notes")
+    assert record is not None
+    # A crash after writing version 2's chunks but before the flip leaves these behind.
+    orphan = DocumentRecord(**{**record.__dict__, "version": 2, "chunks": 20})
+    rows = [ChunkRow(i, f"glacier orphan {i}", "", 0) for i in range(20)]
+    store.write_chunks(orphan, rows, BagOfWordsFakeEmbedder().embed([r.text for r in rows]))
+
+    hits = corpus.search(tenant, SearchQuery("glacier", top_k=50))
+    assert versions_by_document(hits) == {"notes": {1}}
+    assert len(hits) == first.chunks
+
+    second = corpus.ingest(tenant, upload("notes", "glacier ice crevasse " * 3))
+    assert second.version == 2
+    assert store.count_chunks(tenant, "notes") == second.chunks < 20
+    assert all("orphan" not in h.text for h in corpus.search(tenant, SearchQuery("glacier orphan", top_k=50)))
+
+
+def test_metadata_filter_matches_values_with_quotes_and_backslashes(corpus: Corpus) -> None:
+    tenant = "filters"
+    tricky = 'R&D "core" \\ ops'
+    corpus.ingest(tenant, upload("a", "quarterly plan for the team", team=tricky))
+    corpus.ingest(tenant, upload("b", "quarterly plan for the team", team="sales"))
+    hits = corpus.search(tenant, SearchQuery("quarterly plan", metadata_filter={"team": tricky}))
+    assert {h.document_id for h in hits} == {"a"}
+    assert hits[0].metadata == {"team": tricky}
+    with pytest.raises(InvalidArgument, match="metadata_filter"):
+        SearchQuery("quarterly plan", metadata_filter={'team"] or 1 == 1 or metadata["x': "y"})
+
+
+def test_documents_are_listed_in_pages_in_id_order(corpus: Corpus) -> None:
+    tenant = "lister"
+    ids = [f"doc-{i:02d}" for i in (5, 1, 7, 3, 2, 6, 4)]
+    for document_id in ids:
+        corpus.ingest(tenant, upload(document_id, f"page listing test {document_id}"))
+    listed: list[str] = []
+    token = ""
+    pages = 0
+    while True:
+        records, token = corpus.list(tenant, 3, token)
+        listed += [r.document_id for r in records]
+        pages += 1
+        if not token:
+            break
+    assert (listed, pages) == (sorted(ids), 3)
+    with pytest.raises(InvalidArgument, match="page_token"):
+        corpus.list(tenant, 3, "%%%not-a-token")
+    with pytest.raises(InvalidArgument, match="page_size"):
+        corpus.list(tenant, 5000, "")
+
+
+def test_a_store_built_by_another_model_refuses_vector_calls(tmp_path: Path) -> None:
+    path = str(tmp_path / "milvus.db")
+    MilvusStore(path, "model-a", DIM).close()
+    for model, dimension in (("model-b", DIM), ("model-a", DIM // 2)):
+        other = MilvusStore(path, model, dimension)
+        try:
+            assert other.mismatch is not None and "model-a" in other.mismatch
+            with pytest.raises(FailedPrecondition, match="embedding model 'model-a'") as caught:
+                other.search_chunks("t", np.ones(dimension, dtype=np.float32), 3, {})
+            assert status_for(caught.value).name == "FAILED_PRECONDITION"
+        finally:
+            other.close()
+    same = MilvusStore(path, "model-a", DIM)
+    try:
+        assert same.mismatch is None
+    finally:
+        same.close()
+
+
+def test_cache_entries_expire_after_their_ttl(cache: SemanticCache, clock: FakeClock) -> None:
+    scope = CacheScope("ttl-tenant", "smollm2", "greedy")
+    cache.store(scope, "what colour is the sky on mars", "butterscotch", ttl_seconds=30)
+    assert cache.lookup(scope, "what colour is the sky on mars") is not None
+    clock.now += 29
+    hit = cache.lookup(scope, "what colour is the sky on mars")
+    assert hit is not None and hit.age_seconds == pytest.approx(29)
+    clock.now += 2
+    assert cache.lookup(scope, "what colour is the sky on mars") is None
+
+
+def test_cache_scope_separates_tenants_models_and_parameters(cache: SemanticCache) -> None:
+    scope = CacheScope("scoped", "smollm2", "t=0")
+    cache.store(scope, "how many legs does a spider have", "eight")
+    assert cache.lookup(scope, "how many legs does a spider have") is not None
+    for other in (
+        CacheScope("scoped-other", "smollm2", "t=0"),
+        CacheScope("scoped", "other-model", "t=0"),
+        CacheScope("scoped", "smollm2", "t=0.7"),
+    ):
+        assert cache.lookup(other, "how many legs does a spider have") is None, other
+
+
+def test_reingesting_a_cited_document_retires_the_cached_answer(
+    cache: SemanticCache, corpus: Corpus, store: ObservedStore
+) -> None:
+    tenant = "cite"
+    scope = CacheScope(tenant, "smollm2", "")
+    corpus.ingest(tenant, upload("opening-hours", "the museum opens at nine"))
+    corpus.ingest(tenant, upload("prices", "tickets cost ten euros"))
+    cache.store(scope, "when does the museum open", "at nine", cited=[("opening-hours", 0)])
+    cache.store(scope, "how much is a museum ticket", "ten euros", cited=[("prices", 1)])
+    assert cache.lookup(scope, "when does the museum open") is not None
+
+    corpus.ingest(tenant, upload("opening-hours", "the museum opens at ten"))
+    assert cache.lookup(scope, "when does the museum open") is None
+    # The other entry cited an unchanged document and still answers.
+    hit = cache.lookup(scope, "how much is a museum ticket")
+    assert hit is not None and hit.answer == "ten euros"
+    assert store.count_cache_entries(tenant) == 1  # the retired entry was purged at lookup
+
+    corpus.delete(tenant, "prices")
+    assert cache.lookup(scope, "how much is a museum ticket") is None
+    with pytest.raises(NotFound, match="cited document 'prices'"):
+        cache.store(scope, "how much is a museum ticket", "ten euros", cited=[("prices", 0)])

@@ -1,0 +1,192 @@
+"""The router over 3 real inference replicas (SmolLM2) with the session service, the retriever and Redis.
+
+Generations stay short (≤ 24 tokens): the CI machine runs them on CPU.
+"""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.gen.llmmesh.v1 import (
+    common_pb2,
+    inference_pb2,
+    inference_pb2_grpc,
+    retriever_pb2,
+    router_pb2,
+)
+from tests.support.processes import ServiceProcess
+from tests.support.redis import RedisServer
+from tests.support.router_mesh import (
+    read_turn,
+    router_stub,
+    serving_replica,
+    user_turn,
+    wait_until_idle,
+)
+
+BYPASS = router_pb2.CachePolicy(mode=router_pb2.CACHE_MODE_BYPASS)
+
+
+class Mesh:
+    def __init__(self, router: ServiceProcess, replicas: list[ServiceProcess]) -> None:
+        self.router = router
+        self.replicas = replicas
+        self.stub = router_stub(router)
+
+    def engine_tokens(self) -> float:
+        """Prompt + generated tokens every replica has processed, from their metrics."""
+        total = 0.0
+        for replica in self.replicas:
+            if replica.proc is None or replica.proc.poll() is not None:
+                continue
+            with urllib.request.urlopen(f"http://127.0.0.1:{replica.metrics_port}/metrics", timeout=5) as page:
+                for line in page.read().decode().splitlines():
+                    if line.startswith(("llmmesh_generation_tokens_total ", "llmmesh_prompt_tokens_total ")):
+                        total += float(line.split()[1])
+        return total
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterator[Mesh]:
+    redis = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    milvus = tmp_path_factory.mktemp("milvus") / "milvus.db"
+    replicas = [
+        ServiceProcess(
+            "services.inference",
+            ["--model", str(model_path), "--device", "cpu", "--metrics-port", "0", "--max-num-seqs", "8"],
+        )
+        for _ in range(3)
+    ]
+    session = ServiceProcess("services.session", ["--redis-url", redis.url])
+    retriever = ServiceProcess("services.retriever", ["--milvus-uri", str(milvus)])
+    processes = [*replicas, session, retriever]
+    router: ServiceProcess | None = None
+    try:
+        # Start everything, then wait: the model loads overlap.
+        for p in processes:
+            p.start(wait_serving=False)
+        for p in processes:
+            p.wait_serving(240)
+        router = ServiceProcess(
+            "services.router",
+            [
+                "--replicas",
+                ",".join(r.address for r in replicas),
+                "--session-addr",
+                session.address,
+                "--retriever-addr",
+                retriever.address,
+                "--redis-url",
+                redis.url,
+                "--health-interval-s",
+                "0.5",
+            ],
+        ).start()
+        yield Mesh(router, replicas)
+    finally:
+        for p in [router, *processes]:
+            if p is not None:
+                p.stop()
+        redis.kill()
+
+
+def test_a_session_stays_on_one_replica_for_20_turns_and_carries_its_history(mesh: Mesh) -> None:
+    homes, prompt_sizes, versions = set(), [], []
+    for turn in range(20):
+        answer = read_turn(mesh.stub.ChatStream(user_turn(f"Say a word, number {turn}.", 2, session_id="engine-s1")))
+        end = answer.end
+        assert not end.degraded, end.degraded_reasons
+        homes.add(end.replica)
+        prompt_sizes.append(end.usage.prompt_tokens)
+        versions.append(end.session_version)
+    assert len(homes) == 1
+    # Every turn's prompt holds the whole conversation so far, so it only grows.
+    assert all(b > a for a, b in zip(prompt_sizes, prompt_sizes[1:], strict=False))
+    assert all(b > a for a, b in zip(versions, versions[1:], strict=False))
+    # The warm replica reuses the session's prefix from its cache.
+    last = read_turn(mesh.stub.ChatStream(user_turn("And one more.", 1, session_id="engine-s1"))).end
+    assert last.replica in homes and last.usage.cached_prompt_tokens > 0
+
+
+def test_rag_puts_retrieved_chunks_into_the_prompt_and_cites_them(mesh: Mesh) -> None:
+    text = (
+        "The Zorblax reactor on Kepler station runs on liquid helium-3. "
+        "Its chief engineer is Mara Voss, who designed the cooling loop in 2091."
+    )
+    parts = [
+        retriever_pb2.IngestRequest(
+            header=retriever_pb2.DocumentHeader(document_id="zorblax", title="Zorblax manual", mime_type="text/plain")
+        ),
+        retriever_pb2.IngestRequest(data=text.encode()),
+    ]
+    summary = mesh.stub.IngestDocument(iter(parts), timeout=60)
+    assert summary.chunks >= 1
+    plain = user_turn("Who is the chief engineer of the Zorblax reactor?", 8, cache=BYPASS)
+    with_rag = user_turn(
+        "Who is the chief engineer of the Zorblax reactor?",
+        8,
+        rag=router_pb2.RagOptions(enabled=True, top_k=2),
+        cache=BYPASS,
+    )
+    without = mesh.stub.Complete(plain, timeout=60).end
+    answer = mesh.stub.Complete(with_rag, timeout=60)
+    assert not answer.end.degraded, answer.end.degraded_reasons
+    assert [c.document_id for c in answer.end.citations][:1] == ["zorblax"]
+    assert "Mara Voss" in answer.end.citations[0].snippet
+    assert answer.end.usage.prompt_tokens > without.usage.prompt_tokens + 20  # the chunk is in the prompt
+
+
+def test_repeated_deterministic_request_is_a_cache_hit_with_zero_engine_work(mesh: Mesh) -> None:
+    request = user_turn("Name a primary colour.", 6)
+    first = mesh.stub.Complete(request, timeout=60)
+    before = mesh.engine_tokens()
+    second = mesh.stub.Complete(request, timeout=60)
+    assert mesh.engine_tokens() == before
+    assert second.end.cache_layer == router_pb2.CACHE_LAYER_EXACT
+    assert second.text == first.text and list(second.token_ids) == list(first.token_ids)
+
+
+def test_client_deadline_and_cancel_reach_the_replica(mesh: Mesh) -> None:
+    long = user_turn("Count from one to one hundred.", 200, ignore_eos=True, cache=BYPASS)
+    with pytest.raises(grpc.RpcError) as caught:
+        mesh.stub.Complete(long, timeout=0.4)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until_idle(mesh.replicas, timeout=5.0)
+
+    stream = mesh.stub.ChatStream(long, timeout=60)
+    got = [next(stream) for _ in range(3)]
+    assert all(m.HasField("delta") for m in got)
+    stream.cancel()
+    assert wait_until_idle(mesh.replicas, timeout=5.0) < 5.0
+
+
+def test_kill_9_mid_stream_gives_exactly_the_uninterrupted_greedy_tokens(mesh: Mesh) -> None:
+    """Runs last in this module: it kills one of the replicas."""
+    request = user_turn("Write a short poem about the sea.", 24, ignore_eos=True, cache=BYPASS)
+    start = inference_pb2.GenerateStart(messages=request.messages, sampling=request.sampling)
+    with grpc.insecure_channel(mesh.replicas[0].address) as channel:
+        direct = inference_pb2_grpc.InferenceStub(channel).Generate(
+            iter([inference_pb2.GenerateRequest(start=start)]), timeout=120
+        )
+        reference = [t for r in direct if r.HasField("chunk") for t in r.chunk.token_ids]
+    assert len(reference) == 24
+
+    stream = mesh.stub.ChatStream(request, timeout=120)
+    messages = [next(stream) for _ in range(4)]
+    victim = serving_replica(mesh.stub)
+    assert victim is not None
+    killer = threading.Thread(target=next(r for r in mesh.replicas if r.address == victim).kill)
+    killer.start()
+    messages += list(stream)
+    killer.join()
+    answer = read_turn(messages)
+    assert answer.token_ids == reference
+    assert answer.end.failovers == 1
+    assert answer.end.replica != victim
+    assert answer.end.finish_reason == common_pb2.FINISH_REASON_LENGTH

@@ -1,0 +1,151 @@
+"""The router's front door as a client meets it: API keys, tenant isolation, rate limits with RetryInfo."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2, status_pb2
+
+from services.gen.llmmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.router.auth import KeyLimits
+from services.router.keys import add_key, revoke_key
+from tests.support.processes import ServiceProcess
+from tests.support.redis import RedisServer
+
+
+class FrontDoor:
+    """A router with a keys file, one synthetic replica and Redis; keys by name."""
+
+    def __init__(self, router: ServiceProcess, keys: dict[str, str], keys_file: Path) -> None:
+        self.router = router
+        self.keys = keys
+        self.keys_file = keys_file
+        self.channel = grpc.insecure_channel(router.address)
+        self.stub = router_pb2_grpc.RouterStub(self.channel)
+
+    def auth(self, name: str) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.keys[name]}"),)
+
+
+@pytest.fixture(scope="module")
+def door(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FrontDoor]:
+    tmp = Path(tmp_path_factory.mktemp("frontdoor"))
+    keys_file = tmp / "keys.yaml"
+    keys = {
+        "bursty": add_key(keys_file, "acme", "acme-bursty", KeyLimits(requests_per_second=0.2, burst=3))[0],
+        "calm": add_key(keys_file, "acme", "acme-calm", KeyLimits(requests_per_second=0.2, burst=3))[0],
+        "globex": add_key(keys_file, "globex", "globex-1")[0],
+        "revoked": add_key(keys_file, "acme", "acme-old")[0],
+    }
+    redis = RedisServer(tmp / "redis").start()
+    replica = ServiceProcess("services.router.synthetic_replica", [])
+    router: ServiceProcess | None = None
+    try:
+        replica.start(timeout=120)
+        router = ServiceProcess(
+            "services.router",
+            ["--replicas", replica.address, "--redis-url", redis.url, "--api-keys-file", str(keys_file)],
+        ).start(timeout=120)
+        front = FrontDoor(router, keys, keys_file)
+        yield front
+        front.channel.close()
+    finally:
+        if router is not None:
+            router.stop()
+        replica.stop()
+        redis.kill()
+
+
+def turn(text: str = "Hello", request_id: str = "") -> router_pb2.ChatRequest:
+    return router_pb2.ChatRequest(
+        messages=[common_pb2.ChatMessage(role="user", content=text)],
+        sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0.0),
+        request_id=request_id,
+    )
+
+
+def retry_delay_s(error: grpc.RpcError) -> float:
+    """The RetryInfo delay the router put into the rich status details."""
+    trailers = dict(error.trailing_metadata() or ())  # type: ignore[attr-defined]
+    status = status_pb2.Status.FromString(trailers["grpc-status-details-bin"])
+    info = error_details_pb2.RetryInfo()
+    assert status.details[0].Unpack(info)
+    return float(info.retry_delay.seconds + info.retry_delay.nanos / 1e9)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "message"),
+    [
+        ((), "missing API key"),
+        ((("authorization", "Bearer llmk_not-a-key"),), "invalid API key"),
+        ((("authorization", "Token abc"),), "Bearer"),
+    ],
+)
+def test_missing_or_wrong_key_is_unauthenticated(
+    door: FrontDoor, metadata: tuple[tuple[str, str], ...], message: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as refused:
+        door.stub.Complete(turn(), metadata=metadata, timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert message in (refused.value.details() or "")
+
+
+def test_revoked_key_is_refused_once_the_file_changes(door: FrontDoor) -> None:
+    assert door.stub.Complete(turn(), metadata=door.auth("revoked"), timeout=10).text
+    revoke_key(door.keys_file, "acme-old")
+    with pytest.raises(grpc.RpcError) as refused:
+        door.stub.Complete(turn(), metadata=door.auth("revoked"), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "revoked" in (refused.value.details() or "")
+
+
+def test_bursting_key_gets_resource_exhausted_with_retry_info_and_another_key_does_not(
+    door: FrontDoor,
+) -> None:
+    for _ in range(3):
+        door.stub.Complete(turn(), metadata=door.auth("bursty"), timeout=10)
+    with pytest.raises(grpc.RpcError) as refused:
+        door.stub.Complete(turn(), metadata=door.auth("bursty"), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "acme-bursty" in (refused.value.details() or "")
+    assert 0 < retry_delay_s(refused.value) <= 5.0
+    # Same tenant, different key: its own bucket, untouched.
+    for _ in range(3):
+        assert door.stub.Complete(turn(), metadata=door.auth("calm"), timeout=10).end.finish_reason in (
+            common_pb2.FINISH_REASON_STOP,
+            common_pb2.FINISH_REASON_LENGTH,
+        )
+
+
+def test_tenants_cannot_reach_each_others_tasks_or_streams(door: FrontDoor) -> None:
+    # The client tries to pick its tenant through internal metadata: stripped, the key decides.
+    smuggled = (*door.auth("globex"), ("x-llmmesh-tenant", "acme"))
+    task = door.stub.SubmitTask(router_pb2.SubmitTaskRequest(request=turn()), metadata=smuggled, timeout=10)
+    assert door.stub.GetTask(
+        router_pb2.GetTaskRequest(task_id=task.task_id), metadata=door.auth("globex"), timeout=10
+    )
+    for rpc, request in (
+        (door.stub.GetTask, router_pb2.GetTaskRequest(task_id=task.task_id)),
+        (door.stub.CancelTask, router_pb2.CancelTaskRequest(task_id=task.task_id)),
+    ):
+        with pytest.raises(grpc.RpcError) as denied:
+            rpc(request, metadata=door.auth("calm"), timeout=10)  # type: ignore[operator]
+        assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+    list(door.stub.ChatStream(turn(request_id="globex-private"), metadata=door.auth("globex"), timeout=10))
+    with pytest.raises(grpc.RpcError) as denied:
+        list(
+            door.stub.Resume(
+                router_pb2.ResumeRequest(request_id="globex-private"), metadata=door.auth("calm"), timeout=10
+            )
+        )
+    assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    replayed = list(
+        door.stub.Resume(
+            router_pb2.ResumeRequest(request_id="globex-private"), metadata=door.auth("globex"), timeout=10
+        )
+    )
+    assert replayed[-1].HasField("end")

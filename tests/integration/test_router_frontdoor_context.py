@@ -1,0 +1,123 @@
+"""The front door's clients against the real session and retriever services: history, RAG, semantic cache."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.common import errors
+from services.common.metadata import TENANT_KEY
+from services.gen.llmmesh.v1 import (
+    common_pb2,
+    retriever_pb2,
+    retriever_pb2_grpc,
+    router_pb2,
+    session_pb2_grpc,
+)
+from services.router.context import ConversationContext, build_messages
+from services.router.response_cache import CachedAnswer, SemanticCache, sampling_fingerprint
+from tests.support.processes import ServiceProcess
+from tests.support.redis import RedisServer
+
+HANDBOOK = (
+    "# Leave policy\n\nEvery employee gets 25 days of paid vacation per year. "
+    "Unused days expire at the end of March of the following year.\n"
+)
+
+
+@pytest.fixture(scope="module")
+def dependencies(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    tmp = Path(tmp_path_factory.mktemp("deps"))
+    redis = RedisServer(tmp / "redis").start()
+    session = ServiceProcess("services.session", ["--redis-url", redis.url])
+    retriever = ServiceProcess("services.retriever", ["--milvus-uri", str(tmp / "milvus.db")])
+    try:
+        session.start(timeout=120)
+        retriever.start(timeout=300)
+        yield session.address, retriever.address
+    finally:
+        retriever.stop()
+        session.stop()
+        redis.kill()
+
+
+@pytest.fixture()
+async def context(
+    dependencies: tuple[str, str],
+) -> AsyncIterator[tuple[ConversationContext, retriever_pb2_grpc.RetrieverStub]]:
+    session_addr, retriever_addr = dependencies
+    async with (
+        grpc.aio.insecure_channel(session_addr) as sch,
+        grpc.aio.insecure_channel(retriever_addr) as rch,
+    ):
+        retriever = retriever_pb2_grpc.RetrieverStub(rch)
+        yield (
+            ConversationContext(session_pb2_grpc.SessionStub(sch), retriever, timeout_s=30),  # type: ignore[arg-type]
+            retriever,
+        )
+
+
+async def test_turns_are_saved_and_come_back_as_history_for_the_tenant_only(
+    context: tuple[ConversationContext, retriever_pb2_grpc.RetrieverStub],
+) -> None:
+    ctx, _ = context
+    first = await ctx.load_history("acme", "conv-1")
+    assert first.turns == [] and first.version == 0
+    v1 = await ctx.save_turn(
+        "acme", "conv-1", [("user", "My name is Ada.")], "Nice to meet you, Ada.", first.version
+    )
+    v2 = await ctx.save_turn("acme", "conv-1", [("user", "What is my name?")], "Ada.", v1)
+    assert v2 > v1 > 0
+    history = await ctx.load_history("acme", "conv-1", token_budget=1000)
+    assert history.turns == [
+        ("user", "My name is Ada."),
+        ("assistant", "Nice to meet you, Ada."),
+        ("user", "What is my name?"),
+        ("assistant", "Ada."),
+    ]
+    assert history.version == v2
+    with pytest.raises(errors.Conflict):
+        await ctx.save_turn("acme", "conv-1", [("user", "late writer")], "x", v1)
+    with pytest.raises(errors.PermissionDenied, match="belongs to another tenant"):
+        await ctx.load_history("globex", "conv-1")
+
+
+async def test_retrieved_chunks_become_numbered_sources_for_the_tenant_only(
+    context: tuple[ConversationContext, retriever_pb2_grpc.RetrieverStub],
+) -> None:
+    ctx, retriever = context
+
+    async def upload() -> AsyncIterator[retriever_pb2.IngestRequest]:
+        header = retriever_pb2.DocumentHeader(
+            document_id="handbook", title="Handbook", mime_type="text/markdown"
+        )
+        yield retriever_pb2.IngestRequest(header=header)
+        yield retriever_pb2.IngestRequest(data=HANDBOOK.encode())
+
+    summary = await retriever.Ingest(upload(), metadata=((TENANT_KEY, "acme"),), timeout=120)
+    assert summary.chunks >= 1
+    rag = router_pb2.RagOptions(enabled=True, top_k=2)
+    chunks = await ctx.retrieve("acme", "How many vacation days do I get?", rag)
+    assert chunks and chunks[0].document_id == "handbook"
+    assert await ctx.retrieve("globex", "How many vacation days do I get?", rag) == []
+    prompt = build_messages("", [], chunks, [("user", "How many vacation days do I get?")])
+    assert prompt[0]["role"] == "system" and "[1] Handbook" in prompt[0]["content"]
+    assert "25 days of paid vacation" in prompt[0]["content"]
+
+
+async def test_semantic_cache_hits_for_the_same_prompt_and_tenant(
+    context: tuple[ConversationContext, retriever_pb2_grpc.RetrieverStub],
+) -> None:
+    _, retriever = context
+    cache = SemanticCache(retriever, timeout_s=60)  # type: ignore[arg-type]
+    fp = sampling_fingerprint(common_pb2.SamplingParams(temperature=0.0, max_tokens=32))
+    prompt = "What is the capital of France?"
+    assert await cache.lookup("acme", prompt, "smollm2", fp) is None
+    await cache.store("acme", prompt, "smollm2", fp, CachedAnswer(text="Paris."))
+    hit = await cache.lookup("acme", prompt, "smollm2", fp)
+    assert hit is not None and hit.text == "Paris." and hit.similarity > 0.99
+    assert await cache.lookup("globex", prompt, "smollm2", fp) is None
+    assert await cache.lookup("acme", prompt, "smollm2", "other-sampling") is None

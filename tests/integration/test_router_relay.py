@@ -1,0 +1,376 @@
+"""The router in front of synthetic token sources: relay, affinity, failover, deadlines, cancel, admission.
+
+Replicas here are the synthetic token source (deterministic tokens, no model),
+so these tests are fast; test_router_engine.py repeats the key ones with the
+real engine.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+
+from services.gen.llmmesh.v1 import common_pb2, router_pb2
+from services.router.auth import hash_key
+from tests.support.processes import ServiceProcess
+from tests.support.redis import RedisServer
+from tests.support.router_mesh import (
+    expected_synthetic_ids,
+    read_turn,
+    router_process,
+    router_stub,
+    running_sequences,
+    serving_replica,
+    synthetic_replica,
+    user_turn,
+    wait_until_idle,
+)
+
+KEYS = {
+    "alice": ("acme", {"requests_per_second": 0.5, "burst": 2}),
+    "bob": ("globex", {}),
+    "carol": ("acme", {}),
+}
+
+
+def bearer(name: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer key-of-{name}"),)
+
+
+CAROL = bearer("carol")
+
+
+@pytest.fixture(scope="module")
+def redis_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="module")
+def keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    records = [
+        {"id": name, "tenant": tenant, "sha256": hash_key(f"key-of-{name}"), **limits}
+        for name, (tenant, limits) in KEYS.items()
+    ]
+    path.write_text(yaml.safe_dump({"keys": records}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def mesh(redis_module: RedisServer, keys_file: Path) -> Iterator[tuple[ServiceProcess, list[ServiceProcess]]]:
+    replicas = [synthetic_replica("--tokens-per-second", "500") for _ in range(3)]
+    router: ServiceProcess | None = None
+    try:
+        for r in replicas:
+            r.start()
+        router = router_process(
+            replicas, "--redis-url", redis_module.url, "--api-keys-file", str(keys_file)
+        ).start()
+        yield router, replicas
+    finally:
+        for p in [router, *replicas]:
+            if p is not None:
+                p.stop()
+
+
+@pytest.fixture(scope="module")
+def slow_mesh() -> Iterator[tuple[ServiceProcess, list[ServiceProcess]]]:
+    """Replicas that take 1.5 s to the first token, then 10 tokens/s: time to cancel mid-way."""
+    replicas = [synthetic_replica("--ttft-ms", "1500", "--tokens-per-second", "10") for _ in range(2)]
+    router: ServiceProcess | None = None
+    try:
+        for r in replicas:
+            r.start()
+        router = router_process(replicas).start()
+        yield router, replicas
+    finally:
+        for p in [router, *replicas]:
+            if p is not None:
+                p.stop()
+
+
+def test_stream_is_the_replicas_tokens_numbered_by_seq(
+    mesh: tuple[ServiceProcess, list[ServiceProcess]],
+) -> None:
+    router, replicas = mesh
+    request = user_turn("tell me a story", max_tokens=12)
+    answer = read_turn(router_stub(router).ChatStream(request, metadata=CAROL, timeout=10))
+    assert answer.token_ids == expected_synthetic_ids(request)
+    assert [m.seq for m in answer.messages] == list(range(1, len(answer.messages) + 1))
+    assert len({m.request_id for m in answer.messages}) == 1
+    end = answer.end
+    assert end.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert end.model == "synthetic"
+    assert end.replica in {r.address for r in replicas}
+    assert end.usage.completion_tokens == 12
+
+
+def test_complete_returns_the_whole_answer(mesh: tuple[ServiceProcess, list[ServiceProcess]]) -> None:
+    router, _ = mesh
+    request = user_turn("one shot", max_tokens=5)
+    response = router_stub(router).Complete(request, metadata=CAROL, timeout=10)
+    assert list(response.token_ids) == expected_synthetic_ids(request)
+    assert response.text.count(" t") == 5
+    assert response.end.usage.completion_tokens == 5
+
+
+def test_a_session_stays_on_one_replica_for_20_turns(
+    mesh: tuple[ServiceProcess, list[ServiceProcess]],
+) -> None:
+    router, _ = mesh
+    stub = router_stub(router)
+    homes = set()
+    for turn in range(20):
+        answer = read_turn(
+            stub.ChatStream(user_turn(f"turn {turn}", 2, session_id="s-affinity"), metadata=CAROL)
+        )
+        homes.add(answer.end.replica)
+    assert len(homes) == 1
+    # Other sessions spread over the pool rather than piling onto one replica.
+    spread = {
+        read_turn(stub.ChatStream(user_turn(f"hi {i}", 1, session_id=f"s-{i}"), metadata=CAROL)).end.replica
+        for i in range(30)
+    }
+    assert len(spread) == 3
+
+
+def test_chat_stream_runs_turns_in_order_on_one_connection(
+    mesh: tuple[ServiceProcess, list[ServiceProcess]],
+) -> None:
+    router, _ = mesh
+    turns = [user_turn("first", 3), user_turn("second", 4)]
+    responses = list(router_stub(router).Chat(iter(turns), metadata=CAROL, timeout=10))
+    ends = [r for r in responses if r.HasField("end")]
+    assert len(ends) == 2
+    first_id = responses[0].request_id
+    first = [r for r in responses if r.request_id == first_id]
+    assert [t for r in first if r.HasField("delta") for t in r.delta.token_ids] == expected_synthetic_ids(
+        turns[0]
+    )
+
+
+def test_missing_or_wrong_key_is_unauthenticated(mesh: tuple[ServiceProcess, list[ServiceProcess]]) -> None:
+    router, _ = mesh
+    stub = router_stub(router)
+    for metadata in [(), (("authorization", "Bearer nope"),)]:
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Complete(user_turn("hi", 1), metadata=metadata, timeout=5)
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_bursting_key_is_limited_while_another_key_is_not(
+    mesh: tuple[ServiceProcess, list[ServiceProcess]],
+) -> None:
+    router, _ = mesh
+    stub = router_stub(router)
+    codes = []
+    for _ in range(5):
+        try:
+            stub.Complete(user_turn("burst", 1), metadata=bearer("alice"), timeout=5)
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as exc:
+            codes.append(exc.code())
+            assert "rate limit" in (exc.details() or "")
+    assert codes[:2] == [grpc.StatusCode.OK, grpc.StatusCode.OK]  # the burst
+    assert codes[2:] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 3
+    for _ in range(5):
+        assert stub.Complete(
+            user_turn("steady", 1), metadata=bearer("bob"), timeout=5
+        ).end.usage.completion_tokens
+
+
+def test_resume_replays_missing_messages_only_for_the_owning_tenant(
+    mesh: tuple[ServiceProcess, list[ServiceProcess]],
+) -> None:
+    router, _ = mesh
+    stub = router_stub(router)
+    request = user_turn("resume me", 10, request_id="resume-test-1")
+    original = read_turn(stub.ChatStream(request, metadata=CAROL, timeout=10))
+    deadline = time.monotonic() + 5
+    while True:  # the replay buffer is written off the hot path: give it a moment
+        replayed = read_turn(
+            stub.Resume(router_pb2.ResumeRequest(request_id="resume-test-1", last_seq=4), metadata=CAROL)
+        )
+        if (replayed.messages and replayed.messages[-1].HasField("end")) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert [m.seq for m in replayed.messages] == list(range(5, len(original.messages) + 1))
+    assert replayed.messages == original.messages[4:]
+    with pytest.raises(grpc.RpcError) as caught:
+        list(stub.Resume(router_pb2.ResumeRequest(request_id="resume-test-1"), metadata=bearer("bob")))
+    assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_repeated_deterministic_request_is_answered_from_the_exact_cache(
+    mesh: tuple[ServiceProcess, list[ServiceProcess]],
+) -> None:
+    router, _ = mesh
+    stub = router_stub(router)
+    request = user_turn("cache me please", 6)
+    first = stub.Complete(request, metadata=CAROL, timeout=10)
+    second = stub.Complete(request, metadata=CAROL, timeout=10)
+    assert first.end.cache_layer == router_pb2.CACHE_LAYER_UNSPECIFIED
+    assert second.end.cache_layer == router_pb2.CACHE_LAYER_EXACT
+    assert second.end.replica == ""  # no replica was asked
+    assert list(second.token_ids) == list(first.token_ids) and second.text == first.text
+    # Another tenant never sees acme's cached answer.
+    assert (
+        stub.Complete(request, metadata=bearer("bob"), timeout=10).end.cache_layer
+        == router_pb2.CACHE_LAYER_UNSPECIFIED
+    )
+    bypass = user_turn("cache me please", 6, cache=router_pb2.CachePolicy(mode=router_pb2.CACHE_MODE_BYPASS))
+    assert (
+        stub.Complete(bypass, metadata=CAROL, timeout=10).end.cache_layer
+        == router_pb2.CACHE_LAYER_UNSPECIFIED
+    )
+
+
+def test_bad_input_names_the_field(mesh: tuple[ServiceProcess, list[ServiceProcess]]) -> None:
+    router, _ = mesh
+    stub = router_stub(router)
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Complete(router_pb2.ChatRequest(), metadata=CAROL, timeout=5)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "messages" in (caught.value.details() or "")
+    bad_role = router_pb2.ChatRequest(messages=[common_pb2.ChatMessage(role="robot", content="x")])
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Complete(bad_role, metadata=CAROL, timeout=5)
+    assert "messages[0].role" in (caught.value.details() or "")
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Complete(user_turn("x", 1, model="no-such-model"), metadata=CAROL, timeout=5)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "model" in (caught.value.details() or "")
+
+
+def test_list_replicas_shows_the_pool(mesh: tuple[ServiceProcess, list[ServiceProcess]]) -> None:
+    router, replicas = mesh
+    pool = router_stub(router).ListReplicas(router_pb2.ListReplicasRequest(), metadata=CAROL, timeout=5)
+    assert sorted(r.address for r in pool.replicas) == sorted(r.address for r in replicas)
+    assert all(
+        r.health == router_pb2.REPLICA_HEALTH_SERVING and r.model == "synthetic" for r in pool.replicas
+    )
+    assert pool.policy == "auto"
+
+
+def test_client_deadline_reaches_the_replica(slow_mesh: tuple[ServiceProcess, list[ServiceProcess]]) -> None:
+    router, replicas = slow_mesh
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as caught:
+        router_stub(router).Complete(user_turn("slow", 5), timeout=0.5)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - started < 1.5
+    # The replica's call carried the deadline: its generation ends without the router cancelling it later.
+    assert wait_until_idle(replicas, timeout=2.0) < 2.0
+
+
+def test_client_cancel_frees_the_replica_at_once(
+    slow_mesh: tuple[ServiceProcess, list[ServiceProcess]],
+) -> None:
+    router, replicas = slow_mesh
+    stream = router_stub(router).ChatStream(user_turn("long", 100), timeout=30)
+    got = [next(stream), next(stream)]
+    assert all(m.HasField("delta") for m in got)
+    assert sum(running_sequences(r) for r in replicas) == 1
+    stream.cancel()
+    assert wait_until_idle(replicas, timeout=2.0) < 1.0
+
+
+def test_chat_cancel_message_ends_the_turn_as_cancelled(
+    slow_mesh: tuple[ServiceProcess, list[ServiceProcess]],
+) -> None:
+    router, replicas = slow_mesh
+    got_token = threading.Event()
+
+    def client_messages() -> Iterator[router_pb2.ChatRequest]:
+        yield user_turn("long answer", 100)
+        got_token.wait(10)
+        yield router_pb2.ChatRequest(cancel=True)
+
+    responses = []
+    for response in router_stub(router).Chat(client_messages(), timeout=30):
+        responses.append(response)
+        got_token.set()
+    assert responses[-1].end.finish_reason == common_pb2.FINISH_REASON_CANCELLED
+    assert responses[-1].seq == len(responses)
+    assert wait_until_idle(replicas, timeout=2.0) < 1.0
+
+
+def test_kill_9_mid_stream_fails_over_without_losing_or_repeating_a_token() -> None:
+    replicas = [synthetic_replica("--tokens-per-second", "40") for _ in range(3)]
+    router: ServiceProcess | None = None
+    try:
+        for r in replicas:
+            r.start()
+        router = router_process(replicas).start()
+        stub = router_stub(router)
+        request = user_turn("survive a crash", 40)
+        stream = stub.ChatStream(request, timeout=30)
+        messages = [next(stream) for _ in range(5)]
+        victim = serving_replica(stub)
+        assert victim is not None
+        next(r for r in replicas if r.address == victim).kill()
+        messages += list(stream)
+        answer = read_turn(messages)
+        assert answer.token_ids == expected_synthetic_ids(request)
+        assert [d.delta.index for d in messages if d.HasField("delta")] == list(range(40))
+        assert answer.end.failovers == 1
+        assert answer.end.replica != victim
+        assert answer.end.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    finally:
+        for p in [router, *replicas]:
+            if p is not None:
+                p.stop()
+
+
+def test_failures_before_the_first_token_retry_elsewhere_and_eject_the_bad_replica() -> None:
+    bad = synthetic_replica("--fail-rate", "1.0")
+    good = synthetic_replica()
+    router: ServiceProcess | None = None
+    try:
+        bad.start()
+        good.start()
+        router = router_process([bad, good], "--policy", "round_robin").start()
+        stub = router_stub(router)
+        ends = [stub.Complete(user_turn(f"q{i}", 2), timeout=10).end for i in range(8)]
+        assert all(e.replica == good.address for e in ends)
+        # Three failures in a row eject it (the start-up probe may be one of them).
+        assert 1 <= sum(e.retries for e in ends) <= 3
+        pool = {r.address: r for r in stub.ListReplicas(router_pb2.ListReplicasRequest()).replicas}
+        assert pool[bad.address].ejected and pool[bad.address].ejection_count == 1
+        assert not pool[good.address].ejected  # never more than half the pool
+        # Once ejected, it is not tried any more: no retries.
+        assert stub.Complete(user_turn("after", 2), timeout=10).end.retries == 0
+    finally:
+        for p in [router, bad, good]:
+            if p is not None:
+                p.stop()
+
+
+def test_no_replica_is_unavailable_or_a_flagged_degraded_answer() -> None:
+    replica = synthetic_replica()
+    router: ServiceProcess | None = None
+    try:
+        replica.start()
+        router = router_process([replica]).start()
+        replica.kill()
+        stub = router_stub(router)
+        time.sleep(0.5)  # the health poll notices
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Complete(user_turn("anyone?", 2), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "replica" in (caught.value.details() or "")
+        degraded = stub.Complete(user_turn("anyone?", 2, allow_degraded=True), timeout=10)
+        assert degraded.end.degraded and degraded.text
+        assert any("fallback" in reason for reason in degraded.end.degraded_reasons)
+    finally:
+        for p in [router, replica]:
+            if p is not None:
+                p.stop()

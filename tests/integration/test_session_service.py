@@ -1,0 +1,311 @@
+"""The session service as a real process on a real Redis: the same suite on one node and on a 3-node Cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import grpc
+import pytest
+
+from services.common.metadata import SESSION_VERSION_KEY, TENANT_KEY
+from services.gen.llmmesh.v1 import session_pb2 as pb
+from tests.support.processes import ROOT, ServiceProcess
+from tests.support.redis import RedisServer
+from tests.support.redis_cluster import RedisClusterServers
+from tests.support.session_client import SessionClient, turn
+
+MAX_TURNS = 60
+MAX_TURN_BYTES = 2048
+MAX_SESSIONS = 5
+LIMIT_FLAGS = [
+    "--max-turns-per-session",
+    str(MAX_TURNS),
+    "--max-turn-bytes",
+    str(MAX_TURN_BYTES),
+    "--max-sessions-per-owner",
+    str(MAX_SESSIONS),
+    "--max-ttl-seconds",
+    "86400",
+]
+
+
+@pytest.fixture(scope="module", params=["redis", "redis-cluster"])
+def session_service(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServiceProcess]:
+    """One service per backend, shared by the module; tests isolate themselves by owner."""
+    data = tmp_path_factory.mktemp(request.param)
+    backend: RedisServer | RedisClusterServers
+    if request.param == "redis":
+        backend = RedisServer(data).start()
+        flags = ["--redis-url", backend.url]
+    else:
+        backend = RedisClusterServers(data).start()
+        flags = ["--redis-url", backend.url, "--redis-cluster"]
+    service = ServiceProcess("services.session", [*flags, *LIMIT_FLAGS, "--metrics-port", "0"])
+    try:
+        service.start(timeout=60)
+        yield service
+        assert service.stop() == 0, "SIGTERM must drain and exit cleanly:\n" + service.output()
+    finally:
+        service.kill()
+        if isinstance(backend, RedisServer):
+            backend.kill()
+        else:
+            backend.stop()
+
+
+@pytest.fixture()
+async def channel(session_service: ServiceProcess) -> AsyncIterator[grpc.aio.Channel]:
+    async with grpc.aio.insecure_channel(session_service.address) as ch:
+        yield ch
+
+
+def new_owner() -> str:
+    return f"tenant-{uuid.uuid4().hex[:8]}"
+
+
+async def rpc_error(call: object) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call  # type: ignore[misc]
+    return info.value
+
+
+async def test_create_get_append_list_delete_round_trip(channel: grpc.aio.Channel) -> None:
+    alice = SessionClient(channel, new_owner())
+    created = await alice.create(
+        "chat-1", system_prompt="Be brief.", metadata={"app": "demo"}, ttl_seconds=600
+    )
+    assert (created.session_id, created.owner, created.version, created.turn_count) == (
+        "chat-1",
+        alice.owner,
+        0,
+        0,
+    )
+    assert created.ttl_seconds == 600 and created.metadata["app"] == "demo" and created.created_at_ms > 0
+
+    appended = await alice.append(
+        "chat-1",
+        [turn("What is 2+2?"), turn("4", role="assistant", token_count=1, metadata={"replica": "r1"})],
+        expected_version=0,
+    )
+    assert appended.version == 1 and appended.info.turn_count == 2
+    await alice.append("chat-1", [turn("Thanks ✓")])  # no expected_version: last writer wins
+
+    state = await alice.get("chat-1")
+    assert state.info.version == 2 and state.info.system_prompt == "Be brief." and state.omitted_turns == 0
+    assert [(t.role, t.content) for t in state.turns] == [
+        ("user", "What is 2+2?"),
+        ("assistant", "4"),
+        ("user", "Thanks ✓"),
+    ]
+    assert state.turns[1].token_count == 1 and not state.turns[0].HasField("token_count")
+    assert state.turns[1].metadata["replica"] == "r1" and state.turns[0].created_at_ms > 0
+
+    generated = await alice.create(system_prompt="other")
+    assert len(generated.session_id) == 32
+    listed = await alice.list()
+    assert [s.session_id for s in listed.sessions] == ["chat-1", generated.session_id]
+    assert listed.sessions[0].turn_count == 3 and listed.next_page_token == ""
+
+    assert (await alice.delete("chat-1")).deleted
+    assert (await rpc_error(alice.get("chat-1"))).code() == grpc.StatusCode.NOT_FOUND
+    assert (await rpc_error(alice.delete("chat-1"))).code() == grpc.StatusCode.NOT_FOUND
+    assert [s.session_id for s in (await alice.list()).sessions] == [generated.session_id]
+    assert (await rpc_error(alice.create(generated.session_id))).code() == grpc.StatusCode.ALREADY_EXISTS
+
+
+async def test_ttl_expires_idle_sessions_and_every_use_slides_it(channel: grpc.aio.Channel) -> None:
+    bob = SessionClient(channel, new_owner())
+    await bob.create("idle", ttl_seconds=2)
+    await bob.create("busy", ttl_seconds=2)
+    started = time.monotonic()
+    uses = [bob.get("busy"), bob.touch("busy"), bob.append("busy", [turn("still here")]), bob.get("busy")]
+    for use in uses:  # 4 uses 0.9 s apart: the session outlives its 2 s TTL by far
+        await asyncio.sleep(0.9)
+        await use
+    assert time.monotonic() - started > 3.5
+    assert (await rpc_error(bob.get("idle"))).code() == grpc.StatusCode.NOT_FOUND
+    state = await bob.get("busy")
+    assert [t.content for t in state.turns] == ["still here"]
+    assert [s.session_id for s in (await bob.list()).sessions] == ["busy"]
+    await asyncio.sleep(2.6)
+    assert (await rpc_error(bob.touch("busy"))).code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_window_keeps_newest_turns_within_token_budget_and_the_system_prompt(
+    channel: grpc.aio.Channel,
+) -> None:
+    carol = SessionClient(channel, new_owner())
+    await carol.create("w", system_prompt="s" * 40)  # estimated 40 bytes / 4 = 10 tokens
+    turns = [turn(f"turn {i}", token_count=10) for i in range(5)]
+    turns.append(turn("x" * 21))  # no count: estimated ceil(21 / 4) = 6 tokens
+    await carol.append("w", turns)
+
+    state = await carol.get("w", token_budget=36)  # 10 system + 6 + 10 + 10 = 36
+    assert [t.content for t in state.turns] == ["turn 3", "turn 4", "x" * 21]
+    assert state.omitted_turns == 3 and state.info.turn_count == 6
+    assert [t.content for t in (await carol.get("w", token_budget=35)).turns] == ["turn 4", "x" * 21]
+
+    tiny = await carol.get("w", token_budget=5)  # the system prompt alone is over budget: still kept
+    assert tiny.info.system_prompt == "s" * 40 and list(tiny.turns) == [] and tiny.omitted_turns == 6
+
+    last_two = await carol.get("w", max_turns=2, token_budget=1000)
+    assert [t.content for t in last_two.turns] == ["turn 4", "x" * 21] and last_two.omitted_turns == 4
+
+
+async def test_another_owners_session_is_permission_denied(channel: grpc.aio.Channel) -> None:
+    owner, intruder = SessionClient(channel, new_owner()), SessionClient(channel, new_owner())
+    await owner.create("private", system_prompt="secret")
+    for call in (
+        intruder.get("private"),
+        intruder.touch("private"),
+        intruder.append("private", [turn("hijack")]),
+        intruder.delete("private"),
+    ):
+        error = await rpc_error(call)
+        assert error.code() == grpc.StatusCode.PERMISSION_DENIED and "another owner" in (
+            error.details() or ""
+        )
+    assert (await rpc_error(intruder.create("private"))).code() == grpc.StatusCode.ALREADY_EXISTS
+    assert list((await intruder.list()).sessions) == []  # the failed create left nothing in its index
+    state = await owner.get("private")
+    assert state.info.version == 0 and list(state.turns) == []
+
+
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        (lambda c: c.get("bad id!"), "session_id"),
+        (lambda c: c.create("x" * 129), "session_id"),
+        (lambda c: c.create("{tag}"), "session_id"),
+        (lambda c: c.create("ok", ttl_seconds=86401), "ttl_seconds"),
+        (lambda c: c.create("ok", system_prompt="p" * (MAX_TURN_BYTES + 1)), "system_prompt"),
+        (lambda c: c.append("ok", [turn("é" * (MAX_TURN_BYTES // 2 + 1))]), "turns[0].content"),
+        (lambda c: c.append("ok", [turn("fine"), turn("hi", role="robot")]), "turns[1].role"),
+        (lambda c: c.append("ok", []), "turns"),
+        (lambda c: c.list(page_size=1001), "page_size"),
+        (lambda c: c.list(page_token="not-a-token"), "page_token"),
+    ],
+)
+async def test_bad_input_is_invalid_argument_naming_the_field(
+    channel: grpc.aio.Channel, call, field: str
+) -> None:  # type: ignore[no-untyped-def]
+    error = await rpc_error(call(SessionClient(channel, new_owner())))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (error.details() or "").startswith(f"{field}:"), error.details()
+
+
+async def test_missing_tenant_and_invalid_utf8_are_invalid_argument(channel: grpc.aio.Channel) -> None:
+    error = await rpc_error(SessionClient(channel, None).list())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and TENANT_KEY in (error.details() or "")
+
+    # A well-behaved client cannot even encode this; send the raw bytes another client might.
+    raw = pb.AppendTurnsRequest(session_id="s", turns=[turn("ok"), turn("Z")]).SerializeToString()
+    append_raw = channel.unary_unary("/llmmesh.v1.Session/AppendTurns")
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await append_raw(raw.replace(b"\x01Z", b"\x01\xff"), metadata=((TENANT_KEY, new_owner()),), timeout=5)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == "turns[1].content: is not valid UTF-8"
+
+
+async def test_turn_and_session_limits_are_resource_exhausted(channel: grpc.aio.Channel) -> None:
+    dave = SessionClient(channel, new_owner())
+    await dave.create("full")
+    await dave.append("full", [turn(f"t{i}") for i in range(MAX_TURNS - 1)])
+    error = await rpc_error(dave.append("full", [turn("a"), turn("b")]))  # all or none
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and f"limit of {MAX_TURNS}" in (
+        error.details() or ""
+    )
+    assert (await dave.append("full", [turn("last")])).info.turn_count == MAX_TURNS
+
+    for i in range(MAX_SESSIONS - 1):
+        await dave.create(f"extra-{i}")
+    error = await rpc_error(dave.create("one-too-many"))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and f"maximum of {MAX_SESSIONS}" in (
+        error.details() or ""
+    )
+    await SessionClient(channel, new_owner()).create("one-too-many")  # the limit is per owner
+    await dave.delete("extra-0")
+    await dave.create("one-too-many-2")  # deleting frees a place
+
+
+async def test_list_pages_through_an_owners_sessions_in_creation_order(channel: grpc.aio.Channel) -> None:
+    erin = SessionClient(channel, new_owner())
+    ids = [f"page-{i}" for i in range(MAX_SESSIONS)]
+    for session_id in ids:
+        await erin.create(session_id)
+    await SessionClient(channel, new_owner()).create("someone-elses")
+    seen: list[str] = []
+    token = ""
+    pages = 0
+    while True:
+        page = await erin.list(page_size=2, page_token=token)
+        seen += [s.session_id for s in page.sessions]
+        pages += 1
+        token = page.next_page_token
+        if not token:
+            break
+    assert seen == ids and pages == 3
+
+
+async def test_fifty_concurrent_appends_keep_every_winner_once_and_abort_the_losers(
+    session_service: ServiceProcess, channel: grpc.aio.Channel
+) -> None:
+    frank = SessionClient(channel, new_owner(), timeout=30)
+    await frank.create("race")
+    conflicts_before = ops_count(session_service, "append", "conflict")
+
+    async def writer(n: int) -> tuple[str, list[int]]:
+        """Appends once, retrying on ABORTED with the version the server reported."""
+        expected = (await frank.get("race", max_turns=1)).info.version
+        aborted: list[int] = []
+        while True:
+            try:
+                done = await frank.append(
+                    "race", [turn(f"writer {n}", metadata={"writer": str(n)})], expected
+                )
+                return f"writer {n}@{done.version}", aborted
+            except grpc.aio.AioRpcError as error:
+                assert error.code() == grpc.StatusCode.ABORTED, error
+                current = dict(error.trailing_metadata() or ())[SESSION_VERSION_KEY]
+                aborted.append(expected)
+                expected = int(current)
+
+    results = await asyncio.gather(*(writer(n) for n in range(50)))
+    state = await frank.get("race")
+    total_aborts = sum(len(aborted) for _, aborted in results)
+    assert state.info.version == 50 == len(state.turns)  # one version per successful append
+    assert sorted(t.content for t in state.turns) == sorted(f"writer {n}" for n in range(50))
+    # Each writer's success reported the version at which its turn sits in the history.
+    positions = {t.content: i + 1 for i, t in enumerate(state.turns)}
+    assert all(positions[label.split("@")[0]] == int(label.split("@")[1]) for label, _ in results)
+    assert total_aborts > 0  # 50 writers that all start at version 0 cannot all win at once
+    assert ops_count(session_service, "append", "conflict") - conflicts_before == total_aborts
+
+
+def ops_count(service: ServiceProcess, op: str, result: str) -> float:
+    """llmmesh_session_ops_total{op,result} scraped from the service's metrics endpoint."""
+    body = (
+        urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics", timeout=5).read().decode()
+    )
+    assert "llmmesh_session_redis_latency_seconds_bucket" in body
+    prefix = f'llmmesh_session_ops_total{{op="{op}",result="{result}"}} '
+    return next((float(line[len(prefix) :]) for line in body.splitlines() if line.startswith(prefix)), 0.0)
+
+
+def test_invalid_limit_flags_stop_the_service_at_startup_with_the_flag_named() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "services.session", "--port", "0", "--max-turns-per-session", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "max_turns_per_session must be a positive integer" in done.stderr

@@ -1,0 +1,85 @@
+"""SessionStore on a real Redis: the owner index stays a superset of live sessions and heals itself."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from services.common import errors
+from services.session import keys
+from services.session.limits import SessionLimits
+from services.session.model import NewSession, TurnRecord
+from services.session.store import PRUNE_GRACE_MS, SessionStore, connect
+from tests.support.redis import RedisServer
+
+
+class SteppedClock:
+    """A wall clock the test moves by hand (Redis TTLs still run on real time)."""
+
+    def __init__(self, now_s: float = 1_800_000_000.0) -> None:
+        self.now_s = now_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+@pytest.fixture()
+async def store_and_clock(redis_server: RedisServer) -> AsyncIterator[tuple[SessionStore, SteppedClock]]:
+    clock = SteppedClock()
+    client = connect(redis_server.url, cluster=False, timeout_s=1.0, max_connections=8)
+    store = SessionStore(client, SessionLimits(max_sessions_per_owner=2), timeout_s=1.0, clock=clock)
+    yield store, clock
+    await store.close()
+
+
+def new(session_id: str, owner: str = "acme") -> NewSession:
+    return NewSession(session_id=session_id, owner=owner, system_prompt="", metadata={}, ttl_seconds=600)
+
+
+async def vanish(store: SessionStore, session_id: str) -> None:
+    """What expiry does: the session's keys disappear while its index entry stays."""
+    await store._client.delete(keys.meta_key(session_id), keys.turns_key(session_id))
+
+
+async def test_an_expired_session_frees_its_owners_place_once_past_the_grace(
+    store_and_clock: tuple[SessionStore, SteppedClock],
+) -> None:
+    store, clock = store_and_clock
+    await store.create(new("a"))
+    await store.create(new("b"))
+    await vanish(store, "a")
+    with pytest.raises(errors.LimitExceeded):  # "a" may still be a create in flight: not pruned yet
+        await store.create(new("c"))
+    clock.now_s += PRUNE_GRACE_MS / 1000 + 1
+    await store.create(new("c"))
+    page = await store.list_owned("acme", page_size=10, page_token="")
+    assert [h.session_id for h in page.sessions] == ["b", "c"]
+
+
+async def test_listing_skips_and_prunes_entries_whose_session_is_gone_or_not_the_owners(
+    store_and_clock: tuple[SessionStore, SteppedClock],
+) -> None:
+    store, clock = store_and_clock
+    await store.create(new("mine"))
+    await store.create(new("reused"))
+    await vanish(store, "reused")
+    await store.create(new("reused", owner="other"))  # same id, now someone else's
+    clock.now_s += PRUNE_GRACE_MS / 1000 + 1
+    page = await store.list_owned("acme", page_size=10, page_token="")
+    assert [h.session_id for h in page.sessions] == ["mine"]
+    assert await store._client.zrange(keys.owner_index_key("acme"), 0, -1) == ["mine"]
+
+
+async def test_append_is_all_or_nothing_at_the_turn_limit(redis_server: RedisServer) -> None:
+    client = connect(redis_server.url, cluster=False, timeout_s=1.0, max_connections=8)
+    store = SessionStore(client, SessionLimits(max_turns_per_session=3), timeout_s=1.0)
+    try:
+        await store.create(new("s"))
+        await store.append("acme", "s", [TurnRecord("user", "1"), TurnRecord("assistant", "2")], 0)
+        with pytest.raises(errors.LimitExceeded):
+            await store.append("acme", "s", [TurnRecord("user", "3"), TurnRecord("assistant", "4")], 1)
+        header, turns = await store.get("acme", "s")
+        assert header.version == 1 and [t.content for t in turns] == ["1", "2"]
+    finally:
+        await store.close()

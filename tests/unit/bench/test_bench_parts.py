@@ -1,0 +1,130 @@
+"""The benchmark's pure parts: workloads, statistics, the token check, targets and dispatch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from bench import cli as bench_cli
+from bench.engine import parse_methods
+from bench.report import check_tokens, ratios, targets
+from bench.timings import MethodRun, RequestTiming, Summary, median_summary, percentile, summarize
+from bench.workloads import UNIFORM_PROMPT, mixed, uniform
+from services import cli
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path: Path) -> object:
+    return AutoTokenizer.from_pretrained(str(model_path))
+
+
+def _run(method: str, tokens: dict[str, list[int]], simulated: frozenset[str] = frozenset()) -> MethodRun:
+    timings = {
+        rid: RequestTiming(rid, arrival=0.0, first_token=0.5, finish=1.0, token_ids=ids)
+        for rid, ids in tokens.items()
+    }
+    return MethodRun(method, timings, simulated=simulated)
+
+
+def test_uniform_prompts_are_the_chat_template_over_the_robot_story(tokenizer: object) -> None:
+    work = uniform(tokenizer, num_requests=3, max_tokens=64)  # type: ignore[arg-type]
+
+    assert [r.max_tokens for r in work.requests] == [64, 64, 64]
+    assert work.all_at_once
+    text = tokenizer.decode(work.requests[2].prompt_token_ids)  # type: ignore[attr-defined]
+    assert UNIFORM_PROMPT.format(i=2) in text
+    assert text.rstrip().endswith("assistant")
+    assert work.requests[0].prompt_token_ids != work.requests[1].prompt_token_ids
+
+
+def test_mixed_workload_is_poisson_within_bounds_and_reproducible(tokenizer: object) -> None:
+    work = mixed(tokenizer, 128, arrival_rate=4.0, seed=7)  # type: ignore[arg-type]
+    again = mixed(tokenizer, 128, arrival_rate=4.0, seed=7)  # type: ignore[arg-type]
+    other = mixed(tokenizer, 128, arrival_rate=4.0, seed=8)  # type: ignore[arg-type]
+
+    arrivals = [r.arrival_s for r in work.requests]
+    assert arrivals == sorted(arrivals) and arrivals[0] > 0
+    # 128 exponential gaps at 4/s: the mean gap is 0.25 s, give or take sampling noise.
+    assert 0.15 < arrivals[-1] / 128 < 0.4
+    assert all(20 <= len(r.prompt_token_ids) <= 600 for r in work.requests)
+    assert all(16 <= r.max_tokens <= 256 for r in work.requests)
+    assert max(len(r.prompt_token_ids) for r in work.requests) > 400
+    assert work == again
+    assert work != other
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 50) == 2.5
+    assert percentile(values, 95) == pytest.approx(3.85)
+    assert percentile([7.0], 95) == 7.0
+
+
+def test_summary_counts_tokens_over_the_makespan() -> None:
+    run = MethodRun(
+        "m",
+        {
+            "a": RequestTiming("a", arrival=10.0, first_token=11.0, finish=12.0, token_ids=[1] * 30),
+            "b": RequestTiming("b", arrival=11.0, first_token=11.5, finish=14.0, token_ids=[1] * 10),
+        },
+    )
+    s = summarize(run)
+    assert s.tok_s == pytest.approx(40 / 4.0)
+    assert s.ttft_p50_s == pytest.approx(0.75)
+    assert s.latency_p95_s == pytest.approx(2.0 + 0.95 * 1.0)
+
+
+def test_median_over_rounds_ignores_one_slow_round() -> None:
+    fast = Summary(300.0, 1.0, 2.0, 3.0, 4.0)
+    slow = Summary(100.0, 3.0, 6.0, 9.0, 12.0)
+    assert median_summary([fast, slow, fast]) == fast
+
+
+def test_token_check_counts_mismatching_requests_and_skips_simulated_ones() -> None:
+    mesh = _run("llm_mesh", {"a": [1, 2, 3], "b": [4, 5, 6], "c": [7, 8, 9]})
+    static = _run("hf_static", {"a": [1, 2, 3], "b": [4, 0, 6], "c": [7, 8, 9]})
+    naive = _run("naive", {"a": [1, 2, 3], "b": [-1, -1, -1], "c": [7, 8, 9]}, simulated=frozenset({"b"}))
+
+    check = check_tokens({"llm_mesh": mesh, "hf_static": static, "naive": naive})
+
+    assert check.reference == "llm_mesh"
+    assert check.mismatches == {"hf_static": 1, "naive": 0}
+    assert check.compared == {"hf_static": 3, "naive": 2}
+    assert check.first_divergence["hf_static"] == {"b": 1}
+
+
+def test_targets_judge_uniform_throughput_and_mixed_ttft() -> None:
+    results = {
+        "llm_mesh": Summary(400.0, 1.0, 2.0, 5.0, 6.0),
+        "hf_static": Summary(200.0, 4.0, 5.0, 9.0, 10.0),
+        "hf_continuous": Summary(100.0, 5.0, 6.0, 20.0, 21.0),
+    }
+    table = ratios(results)
+    assert table["hf_static"]["tok_s"] == 2.0
+    assert table["hf_static"]["ttft_p50"] == 4.0
+
+    uniform_verdicts = targets("uniform", table)
+    assert uniform_verdicts["tok_s_vs_hf_static"]["met"] is True
+    assert uniform_verdicts["tok_s_vs_hf_continuous"] == {"ratio": 4.0, "target": 3.0, "met": True}
+    assert targets("mixed", table) == {"ttft_p50_vs_hf_static": {"ratio": 4.0, "target": 3.0, "met": True}}
+
+
+def test_unknown_method_is_a_usage_error_naming_the_choices() -> None:
+    assert parse_methods("hf_static,llm_mesh") == ["llm_mesh", "hf_static"]
+    with pytest.raises(ValueError, match=r"unknown method.*hf_typo.*choose from"):
+        parse_methods("llm_mesh,hf_typo")
+
+
+def test_bench_dispatch_reports_a_missing_benchmark_clearly(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(bench_cli.BENCHES, "router", ("bench.not_written_yet", "placeholder"))
+    assert cli.main(["bench", "router"]) == 2
+    assert "bench.not_written_yet is missing" in capsys.readouterr().err
+
+
+def test_bench_engine_rejects_bad_only_through_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "engine", "--only", "llm_mesh,bogus"]) == 2
+    assert "bogus" in capsys.readouterr().err

@@ -1,0 +1,92 @@
+"""A small offline Kustomize renderer: the subset deploy/k8s uses, so tests need no kustomize binary.
+
+Supported: ``resources`` (files and directories with a kustomization), ``namespace``,
+``labels`` (metadata only), ``images`` and ``patches`` (strategic-merge files with a
+kind/name target; lists of named items merge by ``name``, other lists are replaced).
+Anything else in a kustomization fails loudly, so the renderer never silently
+diverges from what `kubectl apply -k` would do.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SUPPORTED_KEYS = {"apiVersion", "kind", "resources", "namespace", "labels", "images", "patches"}
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "PersistentVolume", "StorageClass"}
+
+
+def load_documents(path: Path) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [doc for doc in yaml.safe_load_all(f) if doc]
+
+
+def render(directory: Path) -> list[dict[str, Any]]:
+    """The objects `kubectl kustomize directory` would print (for the supported subset)."""
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    unknown = set(kustomization) - SUPPORTED_KEYS
+    if unknown:
+        raise ValueError(f"{directory}: kustomization keys this renderer does not know: {sorted(unknown)}")
+    objects: list[dict[str, Any]] = []
+    for resource in kustomization.get("resources", []):
+        path = (directory / resource).resolve()
+        objects += render(path) if path.is_dir() else load_documents(path)
+    for patch in kustomization.get("patches", []):
+        apply_patch(objects, load_documents(directory / patch["path"])[0], patch.get("target", {}))
+    for image in kustomization.get("images", []):
+        set_image(objects, image)
+    for label in kustomization.get("labels", []):
+        for obj in objects:
+            obj.setdefault("metadata", {}).setdefault("labels", {}).update(label["pairs"])
+    if "namespace" in kustomization:
+        for obj in objects:
+            if obj["kind"] not in CLUSTER_SCOPED:
+                obj.setdefault("metadata", {})["namespace"] = kustomization["namespace"]
+    return objects
+
+
+def apply_patch(objects: list[dict[str, Any]], patch: dict[str, Any], target: dict[str, str]) -> None:
+    kind = target.get("kind", patch["kind"])
+    name = target.get("name", patch["metadata"]["name"])
+    matches = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    if len(matches) != 1:
+        raise ValueError(f"patch target {kind}/{name} matched {len(matches)} objects")
+    body = {k: v for k, v in patch.items() if k not in ("apiVersion", "kind", "metadata")}
+    merged = strategic_merge(matches[0], body)
+    matches[0].clear()
+    matches[0].update(merged)
+
+
+def strategic_merge(base: Any, patch: Any) -> Any:
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = copy.deepcopy(base)
+        for key, value in patch.items():
+            out[key] = strategic_merge(base[key], value) if key in base else copy.deepcopy(value)
+        return out
+    if isinstance(base, list) and isinstance(patch, list) and _named(base) and _named(patch):
+        out_list = copy.deepcopy(base)
+        for item in patch:
+            existing = next((i for i, b in enumerate(out_list) if b["name"] == item["name"]), None)
+            if existing is None:
+                out_list.append(copy.deepcopy(item))
+            else:
+                out_list[existing] = strategic_merge(out_list[existing], item)
+        return out_list
+    return copy.deepcopy(patch)
+
+
+def _named(items: list[Any]) -> bool:
+    return bool(items) and all(isinstance(i, dict) and "name" in i for i in items)
+
+
+def set_image(objects: list[dict[str, Any]], image: dict[str, str]) -> None:
+    for obj in objects:
+        pod = obj.get("spec", {}).get("template", {}).get("spec", {})
+        for container in pod.get("containers", []):
+            name, _, tag = container["image"].partition(":")
+            if name != image["name"]:
+                continue
+            container["image"] = f"{image.get('newName', name)}:{image.get('newTag', tag or 'latest')}"

@@ -1,0 +1,78 @@
+"""The Grafana dashboard: importable JSON whose queries use only metrics the services export."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[3]
+DASHBOARD = ROOT / "deploy" / "grafana" / "llm-mesh.json"
+METRIC_RE = re.compile(r"\bllmmesh_[a-z0-9_]+")
+# Suffixes Prometheus adds to a histogram's or counter's series.
+SERIES_SUFFIXES = ("_bucket", "_count", "_sum", "_created")
+
+
+def dashboard() -> dict[str, Any]:
+    return json.loads(DASHBOARD.read_text())
+
+
+def exported_metric_names() -> set[str]:
+    """Names passed to prometheus_client constructors anywhere in services/."""
+    names: set[str] = set()
+    for path in (ROOT / "services").rglob("*.py"):
+        if "gen" in path.parts:
+            continue
+        text = path.read_text()
+        names |= set(re.findall(r'(?:Counter|Gauge|Histogram|Summary)\(\s*"(llmmesh_[a-z0-9_]+)"', text))
+    # prometheus_client appends _total to counters it is given without it.
+    return names | {f"{n}_total" for n in names}
+
+
+def queried_metric_names() -> set[str]:
+    found: set[str] = set()
+    for panel in dashboard()["panels"]:
+        for target in panel.get("targets", []):
+            for name in METRIC_RE.findall(target["expr"]):
+                for suffix in SERIES_SUFFIXES:
+                    if name.endswith(suffix):
+                        name = name.removesuffix(suffix)
+                        break
+                found.add(name)
+    return found
+
+
+def test_dashboard_is_importable_as_is() -> None:
+    board = dashboard()
+    assert board["title"] and board["uid"] == "llm-mesh"
+    # The datasource is a variable: no import-time input to fill in, no hard-coded uid.
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in board["panels"]:
+        if panel["type"] == "row":
+            continue
+        assert panel["targets"], f"panel {panel['title']} has no query"
+        assert panel["datasource"]["uid"] == "${datasource}"
+
+
+def test_four_golden_signals_for_every_service() -> None:
+    panels = dashboard()["panels"]
+    rows = [i for i, p in enumerate(panels) if p["type"] == "row"]
+    for service in ("router", "inference", "retriever", "session"):
+        start = next(i for i in rows if panels[i]["title"].startswith(service))
+        following = panels[start + 1 : start + 5]
+        titles = [p["title"].split(" ")[0] for p in following]
+        assert titles == ["Traffic", "Errors", "Latency", "Saturation"], service
+        exprs = " ".join(t["expr"] for p in following[:3] for t in p["targets"])
+        assert f'service="{service}"' in exprs
+
+
+def test_every_queried_metric_is_exported_by_a_service() -> None:
+    queried = queried_metric_names()
+    exported = exported_metric_names()
+    assert "llmmesh_requests_total" in queried and "llmmesh_queue_depth" in queried
+    missing = sorted(queried - exported)
+    assert not missing, f"dashboard queries metrics no service defines: {missing}"

@@ -1,0 +1,123 @@
+"""The Kubernetes manifests: every rendered object validates against the Kubernetes schemas offline,
+and the deployment choices the operations guide promises are really in them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.unit.deploy.kustomize import load_documents, render
+
+ROOT = Path(__file__).resolve().parents[3]
+K8S = ROOT / "deploy" / "k8s"
+KUBERNETES_VERSION = "1.30.0"
+OVERLAYS = ["cpu", "gpu"]
+SERVICES = {"router": 50051, "inference": 50052, "retriever": 50053, "session": 50054}
+
+
+def rendered(overlay: str) -> list[dict[str, Any]]:
+    return render(K8S / "overlays" / overlay)
+
+
+def find(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    matches = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(matches) == 1, f"expected one {kind}/{name}, found {len(matches)}"
+    return matches[0]
+
+
+def container(deployment: dict[str, Any]) -> dict[str, Any]:
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_rendered_object_validates_against_the_kubernetes_schema(overlay: str) -> None:
+    objects = rendered(overlay)
+    assert len(objects) >= 15
+    for obj in objects:
+        # strict: unknown fields (typos like `readinesProbe`) fail too.
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+
+
+def test_every_plain_manifest_file_validates_on_its_own() -> None:
+    files = [
+        p for p in K8S.rglob("*.yaml") if "third-party" not in p.parts and p.name != "kustomization.yaml"
+    ]
+    patch_files = {p for p in files if "overlays" in p.parts}
+    for path in sorted(set(files) - patch_files):
+        for doc in load_documents(path):
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_service_has_deployment_service_and_disruption_budget(overlay: str) -> None:
+    objects = rendered(overlay)
+    for name, port in SERVICES.items():
+        deployment = find(objects, "Deployment", name)
+        pod = deployment["spec"]["template"]["spec"]
+        main = container(deployment)
+        assert main["readinessProbe"]["grpc"]["port"] == port
+        assert main["livenessProbe"]["grpc"]["port"] == port
+        assert main["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
+        assert pod["terminationGracePeriodSeconds"] >= 30
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] != 0
+        assert deployment["metadata"]["namespace"] == "llm-mesh"
+        service_name = "inference-headless" if name == "inference" else name
+        service = find(objects, "Service", service_name)
+        assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+        assert {p["port"] for p in service["spec"]["ports"]} == {port, 9090}
+        budget = find(objects, "PodDisruptionBudget", name)
+        assert budget["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+
+
+def test_router_resolves_inference_through_the_headless_service() -> None:
+    objects = rendered("cpu")
+    headless = find(objects, "Service", "inference-headless")
+    assert headless["spec"]["clusterIP"] == "None"
+    args = container(find(objects, "Deployment", "router"))["args"]
+    target = args[args.index("--replicas-dns") + 1]
+    assert target == "inference-headless.llm-mesh.svc.cluster.local:50052"
+
+
+def test_autoscaling_inference_on_queue_depth_and_router_on_cpu() -> None:
+    objects = rendered("cpu")
+    inference = find(objects, "HorizontalPodAutoscaler", "inference")
+    assert inference["spec"]["scaleTargetRef"]["name"] == "inference"
+    (metric,) = inference["spec"]["metrics"]
+    assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == "llmmesh_queue_depth"
+    router = find(objects, "HorizontalPodAutoscaler", "router")
+    (cpu,) = router["spec"]["metrics"]
+    assert cpu["type"] == "Resource" and cpu["resource"]["name"] == "cpu"
+    # The adapter that serves the custom metric is configured for the same name.
+    adapter = yaml.safe_load((K8S / "third-party" / "prometheus-adapter.values.yaml").read_text())
+    assert adapter["rules"]["custom"][0]["name"]["as"] == "llmmesh_queue_depth"
+
+
+def test_gpu_overlay_runs_the_cuda_image_on_one_gpu_each() -> None:
+    cpu_inference = container(find(rendered("cpu"), "Deployment", "inference"))
+    gpu_objects = rendered("gpu")
+    gpu_inference = container(find(gpu_objects, "Deployment", "inference"))
+    assert cpu_inference["image"] == "llm-mesh/inference:0.1.0"
+    assert gpu_inference["image"] == "llm-mesh/inference-cuda:0.1.0"
+    assert gpu_inference["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    env = {e["name"]: e.get("value") for e in gpu_inference["env"]}
+    assert env["LLMMESH_DEVICE"] == "cuda"
+    # The patch merged into the base container instead of replacing its probes.
+    assert gpu_inference["startupProbe"]["grpc"]["port"] == 50052
+    assert find(gpu_objects, "HorizontalPodAutoscaler", "inference")["spec"]["maxReplicas"] == 4
+
+
+def test_redis_and_milvus_come_from_their_charts_not_from_here() -> None:
+    kinds = {(o["kind"], o["metadata"]["name"]) for o in rendered("cpu")}
+    assert not any(kind == "StatefulSet" for kind, _ in kinds)
+    config = find(rendered("cpu"), "ConfigMap", "llm-mesh-config")["data"]
+    assert config["REDIS_HOST"].startswith("redis-master.")
+    assert config["LLMMESH_MILVUS_URI"].startswith("http://milvus.")
+    for chart in ("redis", "milvus"):
+        values = (K8S / "third-party" / f"{chart}.values.yaml").read_text()
+        assert "helm install" in values
+        yaml.safe_load(values)

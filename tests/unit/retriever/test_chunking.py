@@ -1,0 +1,50 @@
+"""Chunking: token windows with overlap that never cross a section and keep heading and page."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from services.retriever.chunking import ChunkingPolicy, TokenChunker
+from services.retriever.parsing import Section
+
+
+def whitespace_token_spans(text: str) -> list[tuple[int, int]]:
+    """Fake tokenizer (one token per word): the chunker's arithmetic is the subject here, not the vocabulary."""
+    return [m.span() for m in re.finditer(r"\S+", text)]
+
+
+def words(n: int, start: int = 0) -> str:
+    return " ".join(f"w{i}" for i in range(start, start + n))
+
+
+def test_windows_overlap_and_cover_every_token() -> None:
+    chunker = TokenChunker(whitespace_token_spans, ChunkingPolicy(max_tokens=10, overlap_tokens=3))
+    chunks = chunker.chunk([Section(words(24), heading="H", page=2)])
+    assert [c.text.split() for c in chunks] == [
+        [f"w{i}" for i in range(0, 10)],
+        [f"w{i}" for i in range(7, 17)],
+        [f"w{i}" for i in range(14, 24)],
+    ]
+    assert {(c.heading, c.page) for c in chunks} == {("H", 2)}
+    assert [c.position for c in chunks] == [0, 1, 2]
+
+
+def test_chunks_never_cross_sections_and_keep_original_text() -> None:
+    chunker = TokenChunker(whitespace_token_spans, ChunkingPolicy(max_tokens=8, overlap_tokens=2))
+    sections = [
+        Section("Short  Intro,  Kept As-Is.", heading="Intro"),
+        Section(words(5), heading="Body", page=3),
+    ]
+    chunks = chunker.chunk(sections)
+    assert [(c.text, c.heading, c.page, c.position) for c in chunks] == [
+        ("Short  Intro,  Kept As-Is.", "Intro", 0, 0),
+        (words(5), "Body", 3, 1),
+    ]
+
+
+@pytest.mark.parametrize(("max_tokens", "overlap"), [(4, 0), (100, 80), (100, -1)])
+def test_policy_rejects_windows_that_cannot_make_progress(max_tokens: int, overlap: int) -> None:
+    with pytest.raises(ValueError, match="chunk"):
+        ChunkingPolicy(max_tokens=max_tokens, overlap_tokens=overlap)

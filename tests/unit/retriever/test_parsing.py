@@ -1,0 +1,96 @@
+"""Parsing: each supported format becomes sections with headings and pages; bad input is refused clearly."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.errors import InvalidArgument
+from services.retriever.parsing import (
+    DOCX,
+    HTML,
+    MARKDOWN,
+    PDF,
+    PLAIN_TEXT,
+    normalize_mime_type,
+    parse_document,
+)
+from tests.support.documents import docx_document, text_pdf
+
+
+def test_markdown_sections_follow_headings_and_ignore_hashes_in_code() -> None:
+    text = b"Intro line.\n\n# First\nAlpha text.\n```\n# not a heading\n```\n## Second ##\nBeta text.\n"
+    sections = parse_document(text, MARKDOWN)
+    assert [(s.heading, s.text.splitlines()[0]) for s in sections] == [
+        ("", "Intro line."),
+        ("First", "Alpha text."),
+        ("Second", "Beta text."),
+    ]
+    assert "# not a heading" in sections[1].text
+
+
+def test_html_drops_scripts_and_styles_and_keeps_headings() -> None:
+    html = (
+        b"<html><head><title>T</title><style>p{}</style></head><body>"
+        b"<script>var hidden = 1;</script><h1>Bees</h1><p>Bees make <b>honey</b>.</p>"
+        b"<h2>Wax</h2><ul><li>Cells are hexagonal.</li></ul></body></html>"
+    )
+    sections = parse_document(html, HTML)
+    assert [(s.heading, s.text) for s in sections] == [
+        ("Bees", "Bees make honey."),
+        ("Wax", "Cells are hexagonal."),
+    ]
+    assert all("hidden" not in s.text for s in sections)
+
+
+def test_pdf_sections_carry_page_numbers() -> None:
+    data = text_pdf([["Page one talks about magma."], ["Page two (with parentheses) talks about ash."]])
+    sections = parse_document(data, PDF)
+    assert [s.page for s in sections] == [1, 2]
+    assert "magma" in sections[0].text
+    assert "(with parentheses)" in sections[1].text
+
+
+def test_docx_heading_styles_become_headings() -> None:
+    data = docx_document(
+        [("Heading 1", "Openings"), ("Normal", "Control the centre."), ("Heading 2", "Castling")]
+    )
+    data_with_body = docx_document(
+        [
+            ("Heading 1", "Openings"),
+            ("Normal", "Control the centre."),
+            ("Heading 2", "Castling"),
+            ("Normal", "King safety."),
+        ]
+    )
+    assert [(s.heading, s.text) for s in parse_document(data, DOCX)] == [("Openings", "Control the centre.")]
+    assert [(s.heading, s.text) for s in parse_document(data_with_body, DOCX)] == [
+        ("Openings", "Control the centre."),
+        ("Castling", "King safety."),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("data", "mime_type", "message"),
+    [
+        (b"%PDF-1.4\n this is not really a pdf", PDF, "not a readable PDF"),
+        (b"PK\x03\x04 broken zip", DOCX, "not a readable DOCX"),
+        (b"", PLAIN_TEXT, "empty"),
+        (b"   \n\t  ", PLAIN_TEXT, "no extractable text"),
+        (b"<html><body><script>x()</script></body></html>", HTML, "no extractable text"),
+        (b"caf\xe9 au lait", PLAIN_TEXT, "not valid UTF-8"),
+    ],
+)
+def test_unreadable_or_empty_documents_are_invalid(data: bytes, mime_type: str, message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message) as caught:
+        parse_document(data, mime_type)
+    assert caught.value.field == "data"
+
+
+def test_mime_type_comes_from_header_or_file_extension() -> None:
+    assert normalize_mime_type("text/markdown; charset=utf-8") == MARKDOWN
+    assert normalize_mime_type("", source="notes/guide.HTM") == HTML
+    with pytest.raises(InvalidArgument, match="unsupported type 'image/png'") as caught:
+        normalize_mime_type("image/png")
+    assert caught.value.field == "header.mime_type"
+    with pytest.raises(InvalidArgument, match=r"\(empty\)"):
+        normalize_mime_type("", source="archive.zip")

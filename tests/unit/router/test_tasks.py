@@ -1,0 +1,290 @@
+"""Async tasks in real Redis with a fake turn pipeline: lifecycle, watching, cancelling, tenants, take-over."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from services.common import errors
+from services.gen.llmmesh.v1 import common_pb2, router_pb2
+from services.router.auth import Principal
+from services.router.task_api import TaskApi, TaskSettings
+from services.router.tasks import STREAM_KEY, task_key
+from tests.support.redis import RedisServer
+
+ACME = Principal("acme", "acme-1")
+GLOBEX = Principal("globex", "globex-1")
+WORDS = ["The ", "quick ", "brown ", "fox"]
+
+
+class FakeRunTurn:
+    """Stands in for the router's turn pipeline: streams fixed words with a pause, then a TurnEnd."""
+
+    def __init__(self, delay_s: float = 0.0, fail_with: Exception | None = None) -> None:
+        self.delay_s = delay_s
+        self.fail_with = fail_with
+        self.started: list[str] = []
+        self.cancelled: list[str] = []
+
+    async def __call__(
+        self, principal: Principal, request: router_pb2.ChatRequest
+    ) -> AsyncIterator[router_pb2.ChatResponse]:
+        self.started.append(request.request_id)
+        try:
+            for i, word in enumerate(WORDS):
+                await asyncio.sleep(self.delay_s)
+                if self.fail_with is not None and i == 2:
+                    raise self.fail_with
+                yield router_pb2.ChatResponse(
+                    request_id=request.request_id,
+                    seq=i + 1,
+                    delta=router_pb2.TokenDelta(text=word, token_ids=[i], index=i),
+                )
+            end = router_pb2.TurnEnd(
+                finish_reason=common_pb2.FINISH_REASON_STOP,
+                usage=common_pb2.Usage(prompt_tokens=5, completion_tokens=len(WORDS)),
+                model=f"served-for-{principal.tenant}",
+            )
+            yield router_pb2.ChatResponse(request_id=request.request_id, seq=len(WORDS) + 1, end=end)
+        except asyncio.CancelledError:
+            self.cancelled.append(request.request_id)
+            raise
+
+
+def submit_request(text: str = "Write four words.", key: str = "") -> router_pb2.SubmitTaskRequest:
+    chat = router_pb2.ChatRequest(messages=[common_pb2.ChatMessage(role="user", content=text)])
+    return router_pb2.SubmitTaskRequest(request=chat, idempotency_key=key)
+
+
+@pytest.fixture()
+async def redis_client(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.from_url(redis_server.url)
+    yield client
+    await client.aclose()
+
+
+async def wait_for_state(api: TaskApi, task_id: str, state: int, timeout: float = 5.0) -> router_pb2.Task:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        task = await api.GetTask(ACME, router_pb2.GetTaskRequest(task_id=task_id))
+        if task.state == state or asyncio.get_running_loop().time() > deadline:
+            return task
+        await asyncio.sleep(0.05)
+
+
+async def test_submitted_task_runs_and_keeps_its_result_with_a_ttl(redis_client: aioredis.Redis) -> None:
+    api = TaskApi(redis_client, FakeRunTurn(), "r1", TaskSettings(result_ttl_s=120, block_ms=100))
+    await api.start()
+    try:
+        task = await api.SubmitTask(ACME, submit_request())
+        assert task.state == router_pb2.TASK_STATE_QUEUED and task.task_id
+        done = await wait_for_state(api, task.task_id, router_pb2.TASK_STATE_SUCCEEDED)
+        assert done.state == router_pb2.TASK_STATE_SUCCEEDED
+        assert done.text == "The quick brown fox"
+        assert done.end.usage.completion_tokens == 4 and done.end.model == "served-for-acme"
+        assert done.result_ttl_seconds == 120
+        assert 0 < await redis_client.ttl(task_key(task.task_id)) <= 120
+        # Acknowledged and removed from the work queue.
+        assert await redis_client.xlen(STREAM_KEY) == 0
+    finally:
+        await api.stop()
+
+
+async def test_watch_streams_state_then_every_token_once_then_the_end(redis_client: aioredis.Redis) -> None:
+    api = TaskApi(redis_client, FakeRunTurn(delay_s=0.05), "r1", TaskSettings(block_ms=100))
+    task = await api.SubmitTask(ACME, submit_request())
+    events: list[router_pb2.TaskEvent] = []
+
+    async def watch() -> None:
+        async for event in api.WatchTask(ACME, router_pb2.WatchTaskRequest(task_id=task.task_id)):
+            events.append(event)
+
+    watcher = asyncio.create_task(watch())
+    await asyncio.sleep(0.1)
+    await api.start()
+    try:
+        await asyncio.wait_for(watcher, 10)
+    finally:
+        await api.stop()
+    states = [e.task.state for e in events if e.HasField("task")]
+    assert states == [
+        router_pb2.TASK_STATE_QUEUED,
+        router_pb2.TASK_STATE_RUNNING,
+        router_pb2.TASK_STATE_SUCCEEDED,
+    ]
+    assert "".join(e.delta.text for e in events if e.HasField("delta")) == "The quick brown fox"
+    assert events[-1].task.text == "The quick brown fox"
+    # Watching a finished task gives its final state at once.
+    late = [e async for e in api.WatchTask(ACME, router_pb2.WatchTaskRequest(task_id=task.task_id))]
+    assert len(late) == 1 and late[0].task.state == router_pb2.TASK_STATE_SUCCEEDED
+
+
+async def test_cancel_stops_a_running_generation(redis_client: aioredis.Redis) -> None:
+    run_turn = FakeRunTurn(delay_s=0.3)
+    api = TaskApi(redis_client, run_turn, "r1", TaskSettings(block_ms=100))
+    await api.start()
+    try:
+        task = await api.SubmitTask(ACME, submit_request())
+        await wait_for_state(api, task.task_id, router_pb2.TASK_STATE_RUNNING)
+        cancelled = await api.CancelTask(ACME, router_pb2.CancelTaskRequest(task_id=task.task_id))
+        assert cancelled.state == router_pb2.TASK_STATE_CANCELLED
+        assert run_turn.cancelled == [f"task-{task.task_id}"]
+        assert len(cancelled.text) < len("The quick brown fox")
+    finally:
+        await api.stop()
+
+
+async def test_cancel_of_a_queued_task_is_immediate_and_it_never_runs(redis_client: aioredis.Redis) -> None:
+    run_turn = FakeRunTurn()
+    api = TaskApi(redis_client, run_turn, "r1", TaskSettings(block_ms=100))
+    task = await api.SubmitTask(ACME, submit_request())
+    cancelled = await api.CancelTask(ACME, router_pb2.CancelTaskRequest(task_id=task.task_id))
+    assert cancelled.state == router_pb2.TASK_STATE_CANCELLED
+    await api.start()
+    try:
+        await asyncio.sleep(0.3)
+        assert run_turn.started == []
+        assert await redis_client.xlen(STREAM_KEY) == 0
+    finally:
+        await api.stop()
+
+
+async def test_failure_is_recorded_with_its_reason(redis_client: aioredis.Redis) -> None:
+    api = TaskApi(
+        redis_client,
+        FakeRunTurn(fail_with=errors.DependencyUnavailable("no replica can serve")),
+        "r1",
+        TaskSettings(block_ms=100),
+    )
+    await api.start()
+    try:
+        task = await api.SubmitTask(ACME, submit_request())
+        failed = await wait_for_state(api, task.task_id, router_pb2.TASK_STATE_FAILED)
+        assert failed.state == router_pb2.TASK_STATE_FAILED
+        assert failed.error_message == "UNAVAILABLE: no replica can serve"
+    finally:
+        await api.stop()
+
+
+async def test_another_tenant_cannot_see_watch_or_cancel_a_task(redis_client: aioredis.Redis) -> None:
+    api = TaskApi(redis_client, FakeRunTurn(), "r1")
+    task = await api.SubmitTask(ACME, submit_request())
+    with pytest.raises(errors.PermissionDenied, match="belongs to another tenant"):
+        await api.GetTask(GLOBEX, router_pb2.GetTaskRequest(task_id=task.task_id))
+    with pytest.raises(errors.PermissionDenied):
+        await api.CancelTask(GLOBEX, router_pb2.CancelTaskRequest(task_id=task.task_id))
+    with pytest.raises(errors.PermissionDenied):
+        async for _ in api.WatchTask(GLOBEX, router_pb2.WatchTaskRequest(task_id=task.task_id)):
+            pass
+    with pytest.raises(errors.NotFound, match="unknown or expired"):
+        await api.GetTask(ACME, router_pb2.GetTaskRequest(task_id="0" * 32))
+
+
+async def test_bad_submissions_name_the_field(redis_client: aioredis.Redis) -> None:
+    api = TaskApi(redis_client, FakeRunTurn(), "r1")
+    with pytest.raises(errors.InvalidArgument, match=r"request\.messages"):
+        await api.SubmitTask(ACME, router_pb2.SubmitTaskRequest())
+    with pytest.raises(errors.InvalidArgument, match="idempotency_key"):
+        await api.SubmitTask(ACME, submit_request(key="k" * 300))
+    with pytest.raises(errors.InvalidArgument, match="task_id"):
+        await api.GetTask(ACME, router_pb2.GetTaskRequest())
+
+
+async def test_same_idempotency_key_returns_the_same_task_per_tenant(redis_client: aioredis.Redis) -> None:
+    api = TaskApi(redis_client, FakeRunTurn(), "r1")
+    first = await api.SubmitTask(ACME, submit_request(key="order-42"))
+    again = await api.SubmitTask(ACME, submit_request(key="order-42"))
+    other_tenant = await api.SubmitTask(GLOBEX, submit_request(key="order-42"))
+    assert again.task_id == first.task_id
+    assert other_tenant.task_id != first.task_id
+
+
+async def test_task_of_a_router_that_died_mid_run_is_taken_over(redis_client: aioredis.Redis) -> None:
+    settings = TaskSettings(visibility_timeout_s=0.6, block_ms=100)
+    dead = TaskApi(redis_client, FakeRunTurn(), "dead-router", settings)
+    task = await dead.SubmitTask(ACME, submit_request())
+    # A router takes the task, starts it, and dies (kill -9): no acknowledgement, no heartbeat.
+    await dead.store.ensure_group()
+    taken = await dead.store.take_new("dead-router", 1, 100)
+    assert [t for _, t in taken] == [task.task_id]
+    record = await dead.store.get(task.task_id)
+    assert record is not None
+    await dead.store.transition(record, {router_pb2.TASK_STATE_QUEUED}, router_pb2.TASK_STATE_RUNNING)
+    await dead.store.append_delta(task.task_id, router_pb2.TokenDelta(text="The qu"))
+
+    survivor = TaskApi(redis_client, FakeRunTurn(), "survivor", settings)
+    await survivor.start()
+    try:
+        done = await wait_for_state(survivor, task.task_id, router_pb2.TASK_STATE_SUCCEEDED, timeout=10)
+        assert done.state == router_pb2.TASK_STATE_SUCCEEDED
+        assert done.text == "The quick brown fox"  # the new attempt's text only, not the old one's prefix
+    finally:
+        await survivor.stop()
+
+
+async def test_a_long_running_task_is_not_stolen_from_a_live_router(redis_client: aioredis.Redis) -> None:
+    settings = TaskSettings(visibility_timeout_s=0.6, block_ms=100)
+    slow = FakeRunTurn(delay_s=0.4)  # 1.6 s in all: well past the visibility timeout
+    owner = TaskApi(redis_client, slow, "owner", settings)
+    other_turn = FakeRunTurn()
+    other = TaskApi(redis_client, other_turn, "other", settings)
+    await owner.start()
+    task = await owner.SubmitTask(ACME, submit_request())
+    await wait_for_state(owner, task.task_id, router_pb2.TASK_STATE_RUNNING)
+    await other.start()
+    try:
+        done = await wait_for_state(owner, task.task_id, router_pb2.TASK_STATE_SUCCEEDED, timeout=10)
+        assert done.state == router_pb2.TASK_STATE_SUCCEEDED
+        assert other_turn.started == []
+    finally:
+        await owner.stop()
+        await other.stop()
+
+
+class FakeRateLimitedRunTurn(FakeRunTurn):
+    """Stands in for the turn pipeline of a key over its rate limit: refuses the first calls."""
+
+    def __init__(self, refusals: int) -> None:
+        super().__init__()
+        self.refusals = refusals
+
+    async def __call__(
+        self, principal: Principal, request: router_pb2.ChatRequest
+    ) -> AsyncIterator[router_pb2.ChatResponse]:
+        if self.refusals > 0:
+            self.refusals -= 1
+            raise errors.Overloaded("rate limit exceeded for API key acme-1", retry_after_s=0.1)
+        async for response in super().__call__(principal, request):
+            yield response
+
+
+async def test_a_rate_limited_task_waits_for_its_turn_instead_of_failing(
+    redis_client: aioredis.Redis,
+) -> None:
+    run_turn = FakeRateLimitedRunTurn(refusals=2)
+    api = TaskApi(redis_client, run_turn, "r1", TaskSettings(block_ms=100))
+    await api.start()
+    try:
+        task = await api.SubmitTask(ACME, submit_request())
+        done = await wait_for_state(api, task.task_id, router_pb2.TASK_STATE_SUCCEEDED)
+        assert done.state == router_pb2.TASK_STATE_SUCCEEDED and done.text == "The quick brown fox"
+        assert run_turn.refusals == 0
+    finally:
+        await api.stop()
+    impatient = TaskApi(
+        redis_client,
+        FakeRateLimitedRunTurn(refusals=100),
+        "r2",
+        TaskSettings(block_ms=100, overload_wait_s=0.3),
+    )
+    await impatient.start()
+    try:
+        task = await impatient.SubmitTask(ACME, submit_request())
+        failed = await wait_for_state(impatient, task.task_id, router_pb2.TASK_STATE_FAILED)
+        assert failed.state == router_pb2.TASK_STATE_FAILED
+        assert failed.error_message.startswith("RESOURCE_EXHAUSTED: rate limit exceeded")
+    finally:
+        await impatient.stop()
