@@ -34,6 +34,28 @@ def build_engine(
     return LLMEngine(EngineConfig(**options))
 
 
+def reset_prefix_cache(engine: Any) -> None:
+    """Forget prompts cached by earlier rounds, so every round prefills what it would cold.
+
+    Prefix sharing within a round is fair (transformers' continuous batching shares too,
+    and its manager is rebuilt per run); reuse across repeated rounds is not. Uses the
+    engine's own `reset_prefix_cache()` when it has one; otherwise swaps in a fresh,
+    empty block manager of the same size, which is valid only while the engine is idle.
+    """
+    if engine.has_unfinished_requests():
+        raise RuntimeError("cannot reset the prefix cache while requests are running")
+    reset = getattr(engine, "reset_prefix_cache", None)
+    if callable(reset):
+        reset()
+        return
+    from services.inference.block_manager import BlockManager
+
+    old = engine.block_manager
+    fresh = BlockManager(old.num_blocks, old.block_size)
+    engine.block_manager = fresh
+    engine.scheduler.block_manager = fresh
+
+
 def run_llm_mesh(engine: Any, workload: Workload) -> MethodRun:
     """Feed requests at their arrival times and step the engine until all finish.
 
@@ -42,6 +64,7 @@ def run_llm_mesh(engine: Any, workload: Workload) -> MethodRun:
     """
     from services.inference.sampling import SamplingParams
 
+    reset_prefix_cache(engine)
     pending = list(workload.requests)
     timings: dict[str, RequestTiming] = {}
     finished = 0

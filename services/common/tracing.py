@@ -115,26 +115,32 @@ def exporter_from_env() -> tuple[SpanExporter, bool] | None:
     return None
 
 
-def setup(service_name: str, exporter: SpanExporter | None = None) -> TracerProvider:
+def setup(service_name: str, exporter: SpanExporter | None = None) -> TracerProvider | None:
     """Install a tracer provider for this process and trace-propagating gRPC client channels.
 
     ``exporter`` overrides the environment's choice (tests pass an in-memory one).
-    Without any exporter spans are still created, so trace ids propagate, but
-    nothing leaves the process.
+    With no exporter at all tracing stays off: no span is made and no interceptor
+    touches a call, so the token path pays nothing for traces nobody collects.
     """
     global _provider
-    provider = TracerProvider(resource=Resource.create({"service.name": f"llm-mesh-{service_name}"}))
     if exporter is not None:
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        processor: SimpleSpanProcessor | BatchSpanProcessor = SimpleSpanProcessor(exporter)
     else:
         chosen = exporter_from_env()
-        if chosen is not None:
-            env_exporter, batched = chosen
-            processor = BatchSpanProcessor(env_exporter) if batched else SimpleSpanProcessor(env_exporter)
-            provider.add_span_processor(processor)
+        if chosen is None:
+            return None
+        env_exporter, batched = chosen
+        processor = BatchSpanProcessor(env_exporter) if batched else SimpleSpanProcessor(env_exporter)
+    provider = TracerProvider(resource=Resource.create({"service.name": f"llm-mesh-{service_name}"}))
+    provider.add_span_processor(processor)
     _provider = provider
     install_channel_interceptors()
     return provider
+
+
+def enabled() -> bool:
+    """True once :func:`setup` found somewhere to send spans."""
+    return _provider is not None
 
 
 def shutdown() -> None:
@@ -245,7 +251,7 @@ class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         full_method = handler_call_details.method
         # Health checks and reflection would drown every real trace.
-        if handler is None or full_method.startswith(("/grpc.health", "/grpc.reflection")):
+        if handler is None or not enabled() or full_method.startswith(("/grpc.health", "/grpc.reflection")):
             return handler
         metadata = tuple(handler_call_details.invocation_metadata or ())
         name = full_method.lstrip("/")
@@ -339,6 +345,8 @@ def _mark_failed(span: Span, exc: BaseException) -> None:
 
 
 def _with_traceparent(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+    if not enabled():
+        return details
     metadata = inject_metadata(list(details.metadata or ()))
     return grpc.aio.ClientCallDetails(
         details.method,
@@ -358,7 +366,7 @@ class _UnaryUnaryTracing(grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
         method = _method_name(client_call_details)
         stage_name = CLIENT_STAGE_NAMES.get(method)
-        if stage_name is None:
+        if stage_name is None or not enabled():
             return await continuation(_with_traceparent(client_call_details), request)
         # A CLIENT span for the stages worth naming; the callee's SERVER span becomes its child.
         with tracer().start_as_current_span(

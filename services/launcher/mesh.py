@@ -190,11 +190,13 @@ class LocalMesh:
             )
             return
         assert self.router is not None
-        host, port = GATEWAY_LISTEN.rsplit(":", 1)
+        host, fixed = GATEWAY_LISTEN.rsplit(":", 1)
+        port = free_port(host) if self.config.ephemeral else int(fixed)
+        listen = f"{host}:{port}"
         self.gateway = self._spawn(
-            "gateway", [str(GATEWAY_BINARY), "--listen", GATEWAY_LISTEN, "--upstream", self.router.address]
+            "gateway", [str(GATEWAY_BINARY), "--listen", listen, "--upstream", self.router.address]
         )
-        self.gateway.wait_port(host, int(port), deadline)
+        self.gateway.wait_port(host, port, deadline)
 
     def first_dead(self) -> ChildProcess | None:
         """A child that exited on its own, if any (the launcher then stops the rest)."""

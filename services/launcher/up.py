@@ -13,8 +13,10 @@ from types import FrameType
 
 from services.launcher.children import ChildFailed
 from services.launcher.lock import AlreadyRunning, MeshLock, port_in_use
-from services.launcher.mesh import DEFAULT_MODEL, ROOT, ROUTER_PORT, LocalMesh, MeshConfig
+from services.launcher.mesh import DEFAULT_MODEL, RETRIEVER_PORT, ROOT, ROUTER_PORT, LocalMesh, MeshConfig
 
+DEFAULT_ROUTER = f"127.0.0.1:{ROUTER_PORT}"
+DEFAULT_RETRIEVER = f"127.0.0.1:{RETRIEVER_PORT}"
 # Tests and scripts wait for this exact line.
 READY_LINE = "llm-mesh is up"
 
@@ -81,17 +83,24 @@ def ready_block(mesh: LocalMesh, config: MeshConfig) -> str:
     lines = [READY_LINE]
     for name, address in endpoints.items():
         extra = f"   metrics http://{metrics[name]}/metrics" if name in metrics else ""
+        if name == "gateway":
+            extra = f"   REST: curl http://{address}/healthz"
         lines.append(f"  {name:<12} {address}{extra}")
     lines.append(f"  {'redis':<12} {mesh.redis_url}" if mesh.redis is None else "")
     lines.append(f"  {'milvus':<12} {config.milvus}")
     lines.append(f"  {'logs':<12} {config.data_dir / 'logs'}")
+    # Name addresses only where they differ from the clients' defaults.
+    to_router = "" if router == DEFAULT_ROUTER else f" --router {router}"
+    retriever = endpoints.get("retriever", "")
+    to_retriever = "" if retriever == DEFAULT_RETRIEVER else f" --retriever-addr {retriever}"
+    data_dir = "" if config.data_dir == (ROOT / "data").resolve() else f" --data-dir {config.data_dir}"
     lines += [
         "try it:",
         f'  grpcurl -plaintext -d \'{{"messages":[{{"role":"user","content":"What is llm-mesh?"}}],'
         f'"sampling":{{"max_tokens":64}}}}\' {router} llmmesh.v1.Router/Complete',
-        f"  llm-mesh chat --router {router}",
-        f"  llm-mesh ingest examples/docs && llm-mesh ask --router {router} --rag 'How do I stop llm-mesh?'",
-        f"  llm-mesh status --router {router}",
+        f"  llm-mesh chat{to_router}",
+        f"  llm-mesh ingest{to_retriever} examples/docs && llm-mesh ask{to_router} --rag 'How do I stop llm-mesh?'",
+        f"  llm-mesh status{to_router}{data_dir}",
         f"stop: Ctrl-C here, or kill -TERM {os.getpid()}",
     ]
     return "\n".join(line for line in lines if line)

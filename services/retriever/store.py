@@ -174,7 +174,11 @@ class MilvusStore:
         if is_lite_uri(uri):
             Path(uri).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
         self._client = self._call(lambda: MilvusClient(uri=uri, timeout=timeout_s))
-        self._call(self._ensure_collections)
+        try:
+            self._call(self._ensure_collections)
+        except BaseException:
+            self.close()  # also stops Milvus Lite's threads, so the file is not left locked
+            raise
 
     # -- lifecycle -------------------------------------------------------
 
@@ -201,11 +205,13 @@ class MilvusStore:
                 self._client.create_collection(
                     name,
                     schema=schema,
-                    index_params=index,
                     consistency_level=CONSISTENCY,
                     properties=expected,
                     timeout=self._timeout,
                 )
+                # sync=False: loading waits for the index anyway, and the index-progress poll
+                # needs AllocTimestamp, which Milvus Lite lacks (it logs errors and sleeps).
+                self._client.create_index(name, index, sync=False, timeout=self._timeout)
             else:
                 found = self._client.describe_collection(name, timeout=self._timeout).get("properties", {})
                 recorded = {k: str(found.get(k, "")) for k in expected}

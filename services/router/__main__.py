@@ -8,6 +8,7 @@ from services.router.health import EjectionConfig
 from services.router.policies import POLICY_NAMES
 from services.router.relay import RelayConfig
 from services.router.runtime import RouterRuntime, RouterSettings, static_replicas
+from services.router.task_api import TaskSettings, add_task_arguments
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     add("--health-interval-s", type=float, default=1.0, help="active health and load polling period")
     add("--probe-interval-s", type=float, default=30.0, help="one-token generation probe period (0 = off)")
     add("--cache-ttl-seconds", type=int, default=3600, help="exact-cache entry lifetime")
+    add_task_arguments(parser)
     args = parser.parse_args(argv)
     try:
         settings = RouterSettings(
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
             health_interval_s=args.health_interval_s,
             probe_interval_s=args.probe_interval_s,
             cache_ttl_seconds=args.cache_ttl_seconds,
+            tasks=TaskSettings.from_args(args),
         )
         runtime = RouterRuntime(settings)
     except ValueError as exc:

@@ -138,10 +138,10 @@ class ActiveHealthChecker:
                 replica.model = info.model_id
                 self.pool.models_changed()
         except grpc.aio.AioRpcError as exc:
-            replica.serving = False
+            self.pool.set_serving(replica, False)
             log.debug("health check of %s failed: %s", replica.address, exc.code().name)
             return
-        replica.serving = serving
+        self.pool.set_serving(replica, serving)
         try:
             replica.last_load = await replica.stub.GetLoad(
                 inference_pb2.GetLoadRequest(), timeout=self.timeout_s

@@ -135,6 +135,8 @@ class ReplicaPool:
         self.replicas: dict[str, Replica] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self.on_models_changed: list[Callable[[], None]] = []
+        #: Called when a replica stops taking work (ejected, or its health check fails).
+        self.on_unavailable: list[Callable[[Replica], None]] = []
 
     def set_addresses(self, addresses: Iterable[str]) -> None:
         """Make the pool exactly ``addresses``; a removed replica's channel closes after its streams."""
@@ -182,6 +184,18 @@ class ReplicaPool:
         duration = replica.outlier.eject()
         metrics.EJECTIONS.inc()
         log.warning("ejected %s for %.0f s after %s", replica.address, duration, kind.value)
+        self.notify_unavailable(replica)
+
+    def set_serving(self, replica: Replica, serving: bool) -> None:
+        was = replica.serving
+        replica.serving = serving
+        if was and not serving:
+            log.warning("replica %s is not serving", replica.address)
+            self.notify_unavailable(replica)
+
+    def notify_unavailable(self, replica: Replica) -> None:
+        for callback in self.on_unavailable:
+            callback(replica)
 
     def statuses(self) -> list[router_pb2.ReplicaStatus]:
         wall_ms, mono = int(time.time() * 1000), time.monotonic()

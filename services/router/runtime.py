@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import os
 import random
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,11 +19,13 @@ from services.router.models import ModelCatalog
 from services.router.pins import AffinityPins
 from services.router.policies import make_policy
 from services.router.pool import ReplicaDiscovery, ReplicaPool, parse_address_list
+from services.router.prewarm import SessionMover
 from services.router.ratelimit import InflightLimiter, RateLimiter
 from services.router.relay import Relay, RelayConfig
 from services.router.replay import ReplayBuffer
 from services.router.response_cache import ExactCache, SemanticCache
 from services.router.servicer import RouterServicer, TaskBackend
+from services.router.task_api import TaskApi, TaskSettings
 from services.router.turn import TurnPipeline, TurnServices
 
 log = logging.getLogger("llmmesh.router")
@@ -55,6 +55,7 @@ class RouterSettings:
     health_interval_s: float = 1.0
     probe_interval_s: float = 30.0
     cache_ttl_seconds: int = 3600
+    tasks: TaskSettings | None = None
 
     def __post_init__(self) -> None:
         if not (self.replicas or self.replicas_dns or self.replicas_file):
@@ -103,6 +104,7 @@ class RouterRuntime:
             self.pipeline, self.authenticator, self.pool, settings.policy, self.replay, None, None
         )
         self._channels: list[grpc.aio.Channel] = []
+        self.mover: SessionMover | None = None
 
     @staticmethod
     def _redis(url: str | None) -> Any:
@@ -131,6 +133,8 @@ class RouterRuntime:
             self.servicer.retriever = retriever  # type: ignore[assignment]
         if session is not None or retriever is not None:
             self.services.context = ConversationContext(session, retriever)  # type: ignore[arg-type]
+        self.mover = SessionMover(self.pool, self.services.relay, self.services.pins, self.services.context)
+        self.services.on_session_served = self.mover.note
         self.tasks = self._task_api()
         if self.tasks is not None:
             self.servicer.tasks = self.tasks
@@ -144,13 +148,8 @@ class RouterRuntime:
 
     def _task_api(self) -> TaskBackend | None:
         if self.redis is None:
-            return None
-        try:
-            from services.router.task_api import TaskApi
-        except ImportError:  # the task API lands separately; until then tasks answer FAILED_PRECONDITION
-            return None
-        consumer = f"router-{socket.gethostname()}-{os.getpid()}"
-        api: TaskBackend = TaskApi(self.redis, self.pipeline.run_turn, consumer)
+            return None  # tasks answer FAILED_PRECONDITION "needs --redis-url"
+        api: TaskBackend = TaskApi(self.redis, self.pipeline.run_turn, settings=self.settings.tasks)
         return api
 
     async def drain(self) -> None:
@@ -158,6 +157,8 @@ class RouterRuntime:
             await self.tasks.stop()
 
     async def close(self) -> None:
+        if self.mover is not None:
+            await self.mover.stop()
         await self.health.stop()
         await self.discovery.stop()
         await self.pool.close()

@@ -57,6 +57,8 @@ class TurnServices:
     semantic_cache: SemanticCache | None = None
     context: ConversationContext | None = None
     replay: ReplayBuffer | None = None
+    #: Told where each session's turn ran, to move and pre-warm sessions off a lost replica.
+    on_session_served: Callable[[str, str, str], None] | None = None
     clock: Callable[[], float] = time.monotonic
 
 
@@ -227,8 +229,11 @@ class TurnPipeline:
                 yield response
             return
 
-        if request.session_id and outcome.replica and outcome.replica != pinned:
-            await s.pins.set(tenant, request.session_id, outcome.replica)
+        if request.session_id and outcome.replica:
+            if outcome.replica != pinned:
+                await s.pins.set(tenant, request.session_id, outcome.replica)
+            if s.on_session_served is not None:
+                s.on_session_served(outcome.replica, tenant, request.session_id)
         answer = "".join(outcome.text_parts)
         finished = outcome.finished
         version = await self._save(tenant, request, new_messages, answer, state)

@@ -32,16 +32,20 @@ DRIVEN = {
         "llmmesh_prefix_cache_hit_tokens_total",
     ],
 }
-# Exported (HELP/TYPE) but only non-zero under faults, overload or concurrency this test does not cause.
+# Exported (HELP/TYPE) but only non-zero under faults or overload this test does not cause.
 DECLARED = {
     "router": [
         "llmmesh_router_retries",
         "llmmesh_router_failovers",
         "llmmesh_router_replica_ejections",
         "llmmesh_router_rate_limited",
-        "llmmesh_router_in_flight",
     ],
-    "inference-0": ["llmmesh_queue_depth", "llmmesh_running_batch_size", "llmmesh_kv_cache_usage_ratio"],
+    "inference-0": ["llmmesh_queue_depth"],
+}
+# Gauges: non-zero while a generation runs.
+BUSY = {
+    "router": ["llmmesh_router_in_flight"],
+    "inference-0": ["llmmesh_running_batch_size", "llmmesh_kv_cache_usage_ratio"],
 }
 SERVICE_LABEL = {
     "router": "router",
@@ -88,7 +92,7 @@ def complete(stub: router_pb2_grpc.RouterStub, text: str, **fields: Any) -> rout
 
 
 def drive_traffic(mesh: LaunchedMesh) -> str:
-    """A RAG turn in a session (every service takes part), then one prompt twice (an exact-cache hit).
+    """A RAG turn in a session (every service takes part), then one prompt twice (a cache hit).
 
     Returns the request id of the RAG turn.
     """
@@ -103,15 +107,42 @@ def drive_traffic(mesh: LaunchedMesh) -> str:
         )
         assert rag_turn.end.session_version >= 1
         prompt = f"Repeat after me: observability {uuid.uuid4().hex[:6]}"
-        first = complete(stub, prompt)
-        second = complete(stub, prompt)
-    assert first.end.cache_layer == router_pb2.CACHE_LAYER_UNSPECIFIED
-    assert second.end.cache_layer == router_pb2.CACHE_LAYER_EXACT
+        # Both cache layers are consulted: exact (Redis) and semantic (the retriever's CacheLookup).
+        both_caches = router_pb2.CachePolicy(mode=router_pb2.CACHE_MODE_DEFAULT, semantic=True)
+        first = complete(stub, prompt, cache=both_caches)
+        second = complete(stub, prompt, cache=both_caches)
+    # The first may already be a semantic hit on an earlier run's near-identical prompt;
+    # the second is answered from a cache either way.
+    assert first.end.cache_layer != router_pb2.CACHE_LAYER_EXACT
+    assert second.end.cache_layer in (router_pb2.CACHE_LAYER_EXACT, router_pb2.CACHE_LAYER_SEMANTIC)
     assert second.text == first.text
     return rag_turn.request_id
 
 
+def scrape_mid_generation(mesh: LaunchedMesh) -> dict[str, dict[str, float]]:
+    """Router and replica metrics scraped while an answer is still streaming."""
+    request = router_pb2.ChatRequest(
+        messages=[common_pb2.ChatMessage(role="user", content="Count slowly from one to fifty.")],
+        sampling=common_pb2.SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True),
+        cache=router_pb2.CachePolicy(mode=router_pb2.CACHE_MODE_BYPASS),
+    )
+    with grpc.insecure_channel(mesh.router) as channel:
+        replies = router_pb2_grpc.RouterStub(channel).ChatStream(request, timeout=180)
+        for reply in replies:
+            if reply.HasField("delta") and reply.delta.index >= 2:
+                break
+        busy = {name: scrape(mesh.metrics[name])[0] for name in BUSY}
+        replies.cancel()
+    return busy
+
+
 def test_every_service_exports_the_golden_metrics_after_traffic(mesh: LaunchedMesh) -> None:
+    busy = scrape_mid_generation(mesh)
+    for name, gauges in BUSY.items():
+        for gauge in gauges:
+            assert busy[name].get(gauge, 0.0) > 0, (
+                f"{name}: {gauge} is {busy[name].get(gauge)} mid-generation"
+            )
     drive_traffic(mesh)
     for name, address in mesh.metrics.items():
         assert requests_by_service(address, SERVICE_LABEL[name]) > 0, f"{name}: no llmmesh_requests_total"
@@ -178,3 +209,16 @@ def test_one_trace_spans_router_session_retriever_and_inference(mesh: LaunchedMe
     assert stages["prefill"]["end_ns"] <= stages["decode"]["start_ns"] + 1
     search = next(s for s in spans if s["name"] == "llmmesh.v1.Retriever/Search")
     assert by_id[search["parent_span_id"]]["name"] == "retrieval"
+
+
+def test_cache_lookup_has_its_own_span_in_the_trace(mesh: LaunchedMesh) -> None:
+    drive_traffic(mesh)
+    spans = read_spans(mesh)
+    by_id = {s["span_id"]: s for s in spans}
+    lookups = [s for s in spans if s["name"] == "llmmesh.v1.Retriever/CacheLookup"]
+    assert lookups, sorted({s["name"] for s in spans})
+    lookup = lookups[-1]
+    client = by_id[lookup["parent_span_id"]]
+    assert client["name"] == "semantic cache lookup" and client["service"] == "llm-mesh-router"
+    assert by_id[client["parent_span_id"]]["name"] == "llmmesh.v1.Router/Complete"
+    assert client["trace_id"] == lookup["trace_id"]

@@ -21,19 +21,21 @@ from services.router.auth import KeyLimits
 from services.router.keys import add_key
 from tests.support.gateway import GATEWAY_DIR, GatewayProcess, ensure_gateway_built
 from tests.support.processes import ServiceProcess
+from tests.support.redis import RedisServer
 
-pytestmark = pytest.mark.timeout(300)
+# Generous: the first test also waits for a cold `make gateway` (apt, Go build) and the model load.
+pytestmark = pytest.mark.timeout(900)
 
 # A question the small model answers at length; greedy, so runs are comparable.
 PROMPT = [{"role": "user", "content": "Count from one to one hundred in words."}]
 
 
-def chat_body(max_tokens: int, *, ignore_eos: bool = False, **extra: Any) -> dict[str, Any]:
+def chat_body(max_tokens: int, *, ignore_eos: bool = False) -> dict[str, Any]:
     """A ChatRequest as JSON; the response cache is bypassed so every call generates."""
     sampling: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0}
     if ignore_eos:
         sampling["ignore_eos"] = True
-    return {"messages": PROMPT, "sampling": sampling, "cache": {"mode": "CACHE_MODE_BYPASS"}, **extra}
+    return {"messages": PROMPT, "sampling": sampling, "cache": {"mode": "CACHE_MODE_BYPASS"}}
 
 
 @pytest.fixture(scope="session")
@@ -63,9 +65,19 @@ def replica(model_path: Path) -> Iterator[ServiceProcess]:
 
 
 @pytest.fixture(scope="module")
-def router(replica: ServiceProcess, api_keys: tuple[Path, str, str]) -> Iterator[ServiceProcess]:
-    args = ["--replicas", replica.address, "--api-keys-file", str(api_keys[0]), "--metrics-port", "0"]
-    proc = ServiceProcess("services.router", args).start()
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """Redis for the router's async tasks and shared rate-limit buckets."""
+    server = RedisServer(tmp_path_factory.mktemp("gateway-redis")).start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="module")
+def router(
+    replica: ServiceProcess, api_keys: tuple[Path, str, str], redis: RedisServer
+) -> Iterator[ServiceProcess]:
+    args = ["--replicas", replica.address, "--api-keys-file", str(api_keys[0]), "--redis-url", redis.url]
+    proc = ServiceProcess("services.router", [*args, "--metrics-port", "0"]).start()
     yield proc
     proc.stop()
 
@@ -202,6 +214,28 @@ def test_client_disconnect_cancels_generation_on_replica(
     wait_replica_idle(replica, 5)
 
 
+def test_tasks_are_submitted_read_and_cancelled_over_rest(client: httpx.Client) -> None:
+    short = client.post("/v1/tasks", json={"request": chat_body(6, ignore_eos=True)})
+    long = client.post("/v1/tasks", json={"request": chat_body(2000, ignore_eos=True)})
+    assert short.status_code == long.status_code == 200, (short.text, long.text)
+    short_id, long_id = short.json()["task_id"], long.json()["task_id"]
+
+    def state(task_id: str) -> str:
+        response = client.get(f"/v1/tasks/{task_id}")
+        assert response.status_code == 200, response.text
+        return str(response.json()["state"])
+
+    wait_for(lambda: state(short_id) == "TASK_STATE_SUCCEEDED", 60, "short task succeeded")
+    cancelled = client.delete(f"/v1/tasks/{long_id}")
+    missing = client.get("/v1/tasks/no-such-task")
+
+    assert cancelled.status_code == 200
+    wait_for(lambda: state(long_id) == "TASK_STATE_CANCELLED", 30, "long task cancelled")
+    assert client.get(f"/v1/tasks/{short_id}").json()["end"]["usage"]["completion_tokens"] == 6
+    assert missing.status_code == 404
+    assert_error_body(missing, grpc.StatusCode.NOT_FOUND)
+
+
 # --- done when 2: errors map to the HTTP statuses a REST user expects ---
 
 
@@ -294,7 +328,9 @@ def test_oversized_body_is_413_and_never_reaches_router(client: httpx.Client, ro
     assert with_length.status_code == 413
     assert "larger than" in with_length.json()["message"]
     assert chunked.status_code == 413
-    assert router_requests(router, "Complete") == before
+    # The one request the router saw is the small one sent after them.
+    assert client.post("/v1/complete", json=chat_body(1)).status_code == 200
+    assert router_requests(router, "Complete") == before + 1
 
 
 # --- done when 3: the OpenAPI spec ---

@@ -44,7 +44,10 @@ def retriever(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProce
         service.start()
         yield service
     finally:
-        service.stop()
+        code = service.stop()
+    # SIGTERM drains, closes Milvus Lite (its in-process server) and exits cleanly.
+    assert code == 0, service.output()
+    assert "MilvusLite server stopped" in service.output()
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,9 @@ Generations stay short (≤ 24 tokens): the CI machine runs them on CPU.
 
 from __future__ import annotations
 
+import itertools
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,7 +47,9 @@ class Mesh:
         for replica in self.replicas:
             if replica.proc is None or replica.proc.poll() is not None:
                 continue
-            with urllib.request.urlopen(f"http://127.0.0.1:{replica.metrics_port}/metrics", timeout=5) as page:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{replica.metrics_port}/metrics", timeout=5
+            ) as page:
                 for line in page.read().decode().splitlines():
                     if line.startswith(("llmmesh_generation_tokens_total ", "llmmesh_prompt_tokens_total ")):
                         total += float(line.split()[1])
@@ -99,7 +103,9 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterator
 def test_a_session_stays_on_one_replica_for_20_turns_and_carries_its_history(mesh: Mesh) -> None:
     homes, prompt_sizes, versions = set(), [], []
     for turn in range(20):
-        answer = read_turn(mesh.stub.ChatStream(user_turn(f"Say a word, number {turn}.", 2, session_id="engine-s1")))
+        answer = read_turn(
+            mesh.stub.ChatStream(user_turn(f"Say a word, number {turn}.", 2, session_id="engine-s1"))
+        )
         end = answer.end
         assert not end.degraded, end.degraded_reasons
         homes.add(end.replica)
@@ -107,8 +113,8 @@ def test_a_session_stays_on_one_replica_for_20_turns_and_carries_its_history(mes
         versions.append(end.session_version)
     assert len(homes) == 1
     # Every turn's prompt holds the whole conversation so far, so it only grows.
-    assert all(b > a for a, b in zip(prompt_sizes, prompt_sizes[1:], strict=False))
-    assert all(b > a for a, b in zip(versions, versions[1:], strict=False))
+    assert all(b > a for a, b in itertools.pairwise(prompt_sizes))
+    assert all(b > a for a, b in itertools.pairwise(versions))
     # The warm replica reuses the session's prefix from its cache.
     last = read_turn(mesh.stub.ChatStream(user_turn("And one more.", 1, session_id="engine-s1"))).end
     assert last.replica in homes and last.usage.cached_prompt_tokens > 0
@@ -121,7 +127,9 @@ def test_rag_puts_retrieved_chunks_into_the_prompt_and_cites_them(mesh: Mesh) ->
     )
     parts = [
         retriever_pb2.IngestRequest(
-            header=retriever_pb2.DocumentHeader(document_id="zorblax", title="Zorblax manual", mime_type="text/plain")
+            header=retriever_pb2.DocumentHeader(
+                document_id="zorblax", title="Zorblax manual", mime_type="text/plain"
+            )
         ),
         retriever_pb2.IngestRequest(data=text.encode()),
     ]
@@ -166,11 +174,39 @@ def test_client_deadline_and_cancel_reach_the_replica(mesh: Mesh) -> None:
     assert wait_until_idle(mesh.replicas, timeout=5.0) < 5.0
 
 
+def test_a_lost_replicas_session_moves_to_a_prewarmed_successor(mesh: Mesh) -> None:
+    """Kills the session's replica; the next turn finds its history already in the new replica's cache."""
+    session = "engine-prewarm"
+    topics = ["the history of lighthouses", "how tides work", "why the sea is salty"]
+    homes = set()
+    for topic in topics:
+        text = f"Please explain {topic} in simple words for a curious child who likes boats."
+        homes.add(
+            read_turn(mesh.stub.ChatStream(user_turn(text, 4, session_id=session, cache=BYPASS))).end.replica
+        )
+    assert len(homes) == 1
+    home = homes.pop()
+    next(r for r in mesh.replicas if r.address == home).kill()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        pool = mesh.stub.ListReplicas(router_pb2.ListReplicasRequest(), timeout=5).replicas
+        if any(r.address == home and r.health == router_pb2.REPLICA_HEALTH_NOT_SERVING for r in pool):
+            break
+        time.sleep(0.1)
+    time.sleep(2.0)  # the move and the one-token pre-warm generation
+    end = read_turn(mesh.stub.ChatStream(user_turn("Thanks!", 2, session_id=session, cache=BYPASS))).end
+    assert end.replica != home
+    assert end.usage.prompt_tokens > 100
+    # Everything but the new message (and the partial last KV block) came from the prefix cache.
+    assert end.usage.cached_prompt_tokens >= end.usage.prompt_tokens - 40
+
+
 def test_kill_9_mid_stream_gives_exactly_the_uninterrupted_greedy_tokens(mesh: Mesh) -> None:
     """Runs last in this module: it kills one of the replicas."""
     request = user_turn("Write a short poem about the sea.", 24, ignore_eos=True, cache=BYPASS)
     start = inference_pb2.GenerateStart(messages=request.messages, sampling=request.sampling)
-    with grpc.insecure_channel(mesh.replicas[0].address) as channel:
+    alive = next(r for r in mesh.replicas if r.proc is not None and r.proc.poll() is None)
+    with grpc.insecure_channel(alive.address) as channel:
         direct = inference_pb2_grpc.InferenceStub(channel).Generate(
             iter([inference_pb2.GenerateRequest(start=start)]), timeout=120
         )

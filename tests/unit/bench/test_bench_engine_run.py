@@ -31,6 +31,8 @@ def test_tiny_uniform_run_writes_comparable_json_with_identical_fp32_tokens(
             "--only",
             "llm_mesh,hf_static",
             "--no-compile",
+            "--rounds",
+            "2",
             "--json",
             str(out),
         ]
@@ -53,5 +55,8 @@ def test_tiny_uniform_run_writes_comparable_json_with_identical_fp32_tokens(
     assert doc["token_check"]["compared"] == {"hf_static": 4}
     assert doc["token_check"]["mismatches"] == {"hf_static": 0}
     assert doc["settings"]["total_tokens"] == 16
+    # Two interleaved rounds, each timing both methods; the headline figures are their medians.
+    assert doc["rounds"] == 2
+    assert [set(r) for r in doc["per_round"]] == [{"llm_mesh", "hf_static"}] * 2
     assert doc["ratios"]["hf_static"]["tok_s"] > 0
     assert set(doc["targets"]) == {"tok_s_vs_hf_static"}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -111,3 +113,37 @@ def test_traceparent_round_trips_through_metadata(spans: InMemorySpanExporter) -
     from opentelemetry import trace
 
     assert trace.get_current_span(context).get_span_context().span_id == span.get_span_context().span_id
+
+
+def _clear_trace_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in (tracing.OTLP_ENDPOINT_ENV, tracing.TRACE_FILE_ENV, tracing.TRACE_CONSOLE_ENV):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_without_an_exporter_tracing_stays_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    _clear_trace_env(monkeypatch)
+    tracing.shutdown()
+    assert tracing.setup("test") is None
+    assert not tracing.enabled()
+    with tracing.stage("unseen"):
+        # Nothing is traced, so nothing is added to outgoing calls either.
+        assert tracing.inject_metadata([("x-llmmesh-tenant", "t1")]) == [("x-llmmesh-tenant", "t1")]
+
+
+def test_trace_file_gets_one_json_span_per_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _clear_trace_env(monkeypatch)
+    path = tmp_path / "spans.jsonl"
+    monkeypatch.setenv(tracing.TRACE_FILE_ENV, str(path))
+    tracing.setup("router")
+    try:
+        with tracing.stage("cache lookup", layer="exact") as outer, tracing.stage("retrieval"):
+            pass
+    finally:
+        tracing.shutdown()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["name"] for r in records] == ["retrieval", "cache lookup"]
+    inner, parent = records
+    assert parent["service"] == "llm-mesh-router"
+    assert parent["attributes"] == {"layer": "exact"}
+    assert inner["parent_span_id"] == parent["span_id"] == format(outer.get_span_context().span_id, "016x")
+    assert inner["trace_id"] == parent["trace_id"]

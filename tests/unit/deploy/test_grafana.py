@@ -7,6 +7,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from tests.unit.deploy.metric_names import exported_metric_names
+
 ROOT = Path(__file__).resolve().parents[3]
 DASHBOARD = ROOT / "deploy" / "grafana" / "llm-mesh.json"
 METRIC_RE = re.compile(r"\bllmmesh_[a-z0-9_]+")
@@ -16,18 +18,6 @@ SERIES_SUFFIXES = ("_bucket", "_count", "_sum", "_created")
 
 def dashboard() -> dict[str, Any]:
     return json.loads(DASHBOARD.read_text())
-
-
-def exported_metric_names() -> set[str]:
-    """Names passed to prometheus_client constructors anywhere in services/."""
-    names: set[str] = set()
-    for path in (ROOT / "services").rglob("*.py"):
-        if "gen" in path.parts:
-            continue
-        text = path.read_text()
-        names |= set(re.findall(r'(?:Counter|Gauge|Histogram|Summary)\(\s*"(llmmesh_[a-z0-9_]+)"', text))
-    # prometheus_client appends _total to counters it is given without it.
-    return names | {f"{n}_total" for n in names}
 
 
 def queried_metric_names() -> set[str]:

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from tests.unit.deploy.kustomize import load_documents, render
+from tests.unit.deploy.metric_names import exported_metric_names
 
 ROOT = Path(__file__).resolve().parents[3]
 K8S = ROOT / "deploy" / "k8s"
@@ -89,6 +90,8 @@ def test_autoscaling_inference_on_queue_depth_and_router_on_cpu() -> None:
     assert inference["spec"]["scaleTargetRef"]["name"] == "inference"
     (metric,) = inference["spec"]["metrics"]
     assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == "llmmesh_queue_depth"
+    # The replicas really export the gauge the autoscaler scales on.
+    assert "llmmesh_queue_depth" in exported_metric_names()
     router = find(objects, "HorizontalPodAutoscaler", "router")
     (cpu,) = router["spec"]["metrics"]
     assert cpu["type"] == "Resource" and cpu["resource"]["name"] == "cpu"

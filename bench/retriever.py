@@ -1,0 +1,271 @@
+"""Retriever benchmark: ingest throughput, and Milvus search at 10k chunks against exact numpy search.
+
+    python -m bench.retriever                          # defaults: ~1,000 embedded chunks, 10,000 in Milvus
+    python -m bench.retriever --embedded-chunks 10000  # embed every chunk (slow on CPU)
+    llm-mesh bench retriever --json bench/results/retriever.json
+
+Ingest runs the service's own pipeline in-process (parse → chunk → embed →
+Milvus upsert with the version flip) on synthetic topic documents, and reports
+chunks per second. For search, the collection is then filled up to
+``--chunks`` vectors: the embedded chunks plus, if needed, synthetic vectors
+drawn around them (a random embedded chunk plus Gaussian noise, re-normalized),
+so the set keeps the clustered shape of real embeddings without hours of CPU
+embedding. Queries are embedded questions. Each query runs through Milvus (HNSW,
+COSINE, tenant filter, Strong consistency) and through brute-force numpy cosine
+over exactly the same vectors; we report p50/p95 latency of both, the speed
+ratio, and Milvus's recall@10 against the exact answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+
+from bench.timings import percentile
+from services.retriever.chunking import ChunkingPolicy, TokenChunker
+from services.retriever.corpus import Corpus, DocumentUpload
+from services.retriever.embedder import DEFAULT_EMBEDDING_MODEL, Embedder, Vectors, normalize_rows
+from services.retriever.store import ChunkRow, DocumentRecord, MilvusStore, digest
+
+TENANT = "bench"
+_TOPIC_WORDS = {
+    "astronomy": "star galaxy orbit telescope planet comet nebula gravity eclipse moon light-year supernova",
+    "baking": "flour dough oven yeast crust knead butter sugar proof loaf pastry crumb",
+    "sailing": "wind sail hull keel tack harbour mast rudder knot anchor tide compass",
+    "medicine": "patient dose symptom vaccine clinic diagnosis fever surgery nurse antibiotic blood scan",
+    "finance": "interest loan bond equity dividend inflation budget tax account ledger audit market",
+    "gardening": "soil seed compost prune root bloom mulch weed harvest greenhouse shade water",
+    "networking": "packet router latency bandwidth protocol socket firewall subnet switch cable dns tls",
+    "music": "chord melody rhythm tempo scale violin piano harmony choir concert score octave",
+    "geology": "rock mineral fault quake basalt granite erosion sediment fossil crust magma quartz",
+    "cycling": "chain gear brake tyre saddle pedal frame wheel spoke derailleur climb sprint",
+    "law": "court judge contract appeal statute tenant lease verdict witness clause liability plaintiff",
+    "cooking": "pan simmer garlic onion sauce roast spice broth knife chop grill season",
+}
+TOPICS: dict[str, list[str]] = {topic: words.split() for topic, words in _TOPIC_WORDS.items()}
+_COMMON_WORDS = "the a of and to in is that for with on as by this it from at which when can be often most"
+COMMON = _COMMON_WORDS.split()
+
+
+@dataclass
+class RetrieverBenchResult:
+    when_utc: str
+    machine: str
+    embedding_model: str
+    chunk_tokens: int
+    documents: int
+    embedded_chunks: int
+    ingest_seconds: float
+    ingest_chunks_per_s: float
+    milvus_chunks: int
+    queries: int
+    query_embed_p50_ms: float
+    milvus_p50_ms: float
+    milvus_p95_ms: float
+    numpy_p50_ms: float
+    numpy_p95_ms: float
+    milvus_over_numpy_p50: float
+    recall_at_10: float
+
+
+def synthetic_document(rng: random.Random, topic: str, sentences: int) -> str:
+    words = TOPICS[topic]
+    lines = []
+    for _ in range(sentences):
+        picked = [
+            rng.choice(words) if rng.random() < 0.55 else rng.choice(COMMON)
+            for _ in range(rng.randint(8, 16))
+        ]
+        lines.append(" ".join(picked).capitalize() + ".")
+    return " ".join(lines)
+
+
+def synthetic_question(rng: random.Random) -> str:
+    topic = rng.choice(sorted(TOPICS))
+    return f"What about {' '.join(rng.sample(TOPICS[topic], 3))} {rng.choice(COMMON)} {rng.choice(TOPICS[topic])}?"
+
+
+def machine_description() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        if names:
+            cpu = names[0]
+    except OSError:
+        pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return f"{cpu}, {os.cpu_count()} CPUs, load average {load:.1f} at start"
+
+
+def fill_vectors(store: MilvusStore, base: Vectors, count: int, seed: int, noise: float) -> Vectors:
+    """Writes ``count`` synthetic chunk vectors drawn around ``base``, in documents of 10 chunks."""
+    rng = np.random.default_rng(seed)
+    picks = base[rng.integers(0, len(base), size=count)]
+    vectors = normalize_rows(picks + rng.normal(0.0, noise, size=picks.shape).astype(np.float32))
+    for start in range(0, count, 10):
+        block = vectors[start : start + 10]
+        record = DocumentRecord(
+            TENANT,
+            f"fill-{start:06d}",
+            "fill",
+            "text/plain",
+            "",
+            {},
+            "-",
+            1,
+            len(block),
+            int(time.time() * 1000),
+        )
+        rows = [ChunkRow(i, f"synthetic chunk {start + i}", "", 0) for i in range(len(block))]
+        store.write_chunks(record, rows, block)
+        store.put_document(record)
+    return vectors
+
+
+def exact_top_k(matrix: Vectors, query: Vectors, k: int) -> list[int]:
+    scores = matrix @ query
+    top = np.argpartition(-scores, k)[:k]
+    return [int(i) for i in top[np.argsort(-scores[top])]]
+
+
+def run_bench(args: argparse.Namespace) -> RetrieverBenchResult:
+    rng = random.Random(args.seed)
+    machine = machine_description()
+    embedder = Embedder(args.embedding_model, device=args.device)
+    chunker = TokenChunker(embedder.token_spans, ChunkingPolicy(args.chunk_tokens, args.chunk_tokens // 5))
+    with tempfile.TemporaryDirectory(prefix="bench-retriever-") as tmp:
+        store = MilvusStore(str(Path(tmp) / "milvus.db"), embedder.model_name, embedder.dimension)
+        try:
+            corpus = Corpus(store, embedder, chunker)
+            topics = sorted(TOPICS)
+            # ~ chunk_tokens*0.8 new tokens per chunk; a sentence is ~14 tokens.
+            sentences = max(4, int(args.chunk_tokens * 0.8 * 10 / 14))
+            documents = embedded = 0
+            started = time.perf_counter()
+            while embedded < args.embedded_chunks:
+                text = synthetic_document(rng, topics[documents % len(topics)], sentences)
+                result = corpus.ingest(
+                    TENANT, DocumentUpload(f"doc-{documents:05d}", text.encode(), "text/plain")
+                )
+                embedded += result.chunks
+                documents += 1
+            ingest_seconds = time.perf_counter() - started
+
+            # Exactly what Milvus holds, read back, so both searches rank the same vectors.
+            ids, base = read_back_vectors(store, embedder.dimension)
+            if args.chunks > len(base):
+                fill_vectors(store, base, args.chunks - len(base), args.seed, args.noise)
+                ids, base = read_back_vectors(store, embedder.dimension)
+
+            questions = [synthetic_question(rng) for _ in range(args.queries)]
+            embed_ms = []
+            query_vectors = []
+            for question in questions:
+                t0 = time.perf_counter()
+                query_vectors.append(embedder.embed([question])[0])
+                embed_ms.append((time.perf_counter() - t0) * 1000)
+
+            milvus_ms, numpy_ms, recalls = [], [], []
+            for q in query_vectors[:3]:  # warm both paths
+                store.search_chunks(TENANT, q, 10, {})
+                exact_top_k(base, q, 10)
+            for q in query_vectors:
+                t0 = time.perf_counter()
+                hits = store.search_chunks(TENANT, q, 10, {})
+                milvus_ms.append((time.perf_counter() - t0) * 1000)
+                t0 = time.perf_counter()
+                exact = exact_top_k(base, q, 10)
+                numpy_ms.append((time.perf_counter() - t0) * 1000)
+                exact_ids = {ids[i] for i in exact}
+                recalls.append(len(exact_ids & {h.chunk_id for h in hits}) / 10)
+        finally:
+            store.close()
+    return RetrieverBenchResult(
+        when_utc=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        machine=machine,
+        embedding_model=embedder.model_name,
+        chunk_tokens=args.chunk_tokens,
+        documents=documents,
+        embedded_chunks=embedded,
+        ingest_seconds=round(ingest_seconds, 2),
+        ingest_chunks_per_s=round(embedded / ingest_seconds, 1),
+        milvus_chunks=len(base),
+        queries=len(query_vectors),
+        query_embed_p50_ms=round(percentile(embed_ms, 50), 2),
+        milvus_p50_ms=round(percentile(milvus_ms, 50), 2),
+        milvus_p95_ms=round(percentile(milvus_ms, 95), 2),
+        numpy_p50_ms=round(percentile(numpy_ms, 50), 3),
+        numpy_p95_ms=round(percentile(numpy_ms, 95), 3),
+        milvus_over_numpy_p50=round(percentile(milvus_ms, 50) / max(percentile(numpy_ms, 50), 1e-9), 1),
+        recall_at_10=round(float(np.mean(recalls)), 4),
+    )
+
+
+def read_back_vectors(store: MilvusStore, dimension: int) -> tuple[list[str], Vectors]:
+    """Chunk ids and vectors of the bench tenant, as Milvus stores them."""
+    client = store._client  # the bench reads raw rows; the service never needs to
+    iterator = client.query_iterator(
+        store.names.chunks,
+        batch_size=1000,
+        filter=f'tenant_key == "{digest(TENANT)}"',
+        output_fields=["chunk_id", "vector"],
+    )
+    ids: list[str] = []
+    rows: list[list[float]] = []
+    try:
+        while batch := iterator.next():
+            ids += [row["chunk_id"] for row in batch]
+            rows += [row["vector"] for row in batch]
+    finally:
+        iterator.close()
+    return ids, np.asarray(rows, dtype=np.float32).reshape(-1, dimension)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--chunks", type=int, default=10_000, help="vectors in Milvus for the search phase")
+    parser.add_argument(
+        "--embedded-chunks", type=int, default=1_000, help="chunks ingested through the pipeline"
+    )
+    parser.add_argument("--chunk-tokens", type=int, default=200, help="chunk size in tokens")
+    parser.add_argument("--queries", type=int, default=200, help="search queries to time")
+    parser.add_argument(
+        "--noise", type=float, default=0.02, help="std-dev per dimension of the synthetic fill"
+    )
+    parser.add_argument(
+        "--embedding-model", default=DEFAULT_EMBEDDING_MODEL, help="sentence-transformers model"
+    )
+    parser.add_argument("--device", default="cpu", help="embedding device")
+    parser.add_argument("--seed", type=int, default=7, help="random seed")
+    parser.add_argument("--json", type=Path, default=None, help="also write the result here")
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    result = run_bench(args)
+    for key, value in asdict(result).items():
+        print(f"{key:>24}: {value}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(asdict(result), indent=2) + "\n")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.retriever", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

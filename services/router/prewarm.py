@@ -1,0 +1,118 @@
+"""Moves a lost replica's sessions to their ring successors and pre-warms the new replica's prefix cache.
+
+When a replica is ejected or stops serving, each session this router recently
+sent there is re-pinned to the replica its next turn would pick (the ring
+successor under affinity), and that replica is sent the session's history as
+a one-token generation, so the next turn finds its prefix already cached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import grpc
+
+from services.common import errors
+from services.gen.llmmesh.v1 import common_pb2, inference_pb2
+from services.router.context import ConversationContext, build_messages
+from services.router.pins import AffinityPins
+from services.router.pool import Replica, ReplicaPool
+
+if TYPE_CHECKING:
+    from services.router.relay import Relay
+
+log = logging.getLogger("llmmesh.router.prewarm")
+
+
+class SessionMover:
+    """Remembers which sessions each replica holds warm; moves them when the replica goes."""
+
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        relay: Relay,
+        pins: AffinityPins,
+        context: ConversationContext | None,
+        sessions_per_replica: int = 256,
+        history_token_budget: int = 2048,
+    ) -> None:
+        self.pool = pool
+        self.relay = relay
+        self.pins = pins
+        self.context = context
+        self.sessions_per_replica = sessions_per_replica
+        self.history_token_budget = history_token_budget
+        self._recent: dict[str, OrderedDict[tuple[str, str], None]] = {}
+        self._tasks: set[asyncio.Task[int]] = set()
+        pool.on_unavailable.append(self.replica_lost)
+
+    def note(self, replica: str, tenant: str, session_id: str) -> None:
+        """A turn of this session just ran on ``replica``."""
+        recent = self._recent.setdefault(replica, OrderedDict())
+        recent[(tenant, session_id)] = None
+        recent.move_to_end((tenant, session_id))
+        while len(recent) > self.sessions_per_replica:
+            recent.popitem(last=False)
+
+    def replica_lost(self, replica: Replica) -> None:
+        sessions = self._recent.pop(replica.address, None)
+        if not sessions or replica.model is None:
+            return
+        task = asyncio.get_running_loop().create_task(
+            self.move(replica.address, replica.model, list(sessions))
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def move(self, lost: str, model: str, sessions: list[tuple[str, str]]) -> int:
+        """Re-pin and pre-warm ``sessions``; returns how many were pre-warmed."""
+        warmed = 0
+        for tenant, session_id in sessions:
+            if await self.pins.get(tenant, session_id) not in (lost, None):
+                continue  # another router or a later turn already moved it
+            picked = self.relay.pick([model], f"{tenant}:{session_id}", {lost}, None)
+            if picked is None:
+                return warmed
+            target = picked[0]
+            await self.pins.set(tenant, session_id, target.address)
+            self.note(target.address, tenant, session_id)
+            if await self.prewarm(target, tenant, session_id):
+                warmed += 1
+        log.info("moved %d sessions off %s (%d pre-warmed)", len(sessions), lost, warmed)
+        return warmed
+
+    async def prewarm(self, target: Replica, tenant: str, session_id: str) -> bool:
+        if self.context is None or self.context.session is None:
+            return False
+        try:
+            history = await self.context.load_history(tenant, session_id, self.history_token_budget)
+        except (errors.MeshError, grpc.aio.AioRpcError) as exc:
+            log.debug("no history to pre-warm %s: %s", session_id, exc)
+            return False
+        if not history.turns:
+            return False
+        messages = build_messages(history.system_prompt, history.turns, [], [])
+        start = inference_pb2.GenerateStart(
+            request_id=f"prewarm-{session_id}",
+            messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
+            sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0),
+        )
+        call = target.stub.Generate(timeout=30)  # type: ignore[call-arg]
+        try:
+            await call.write(inference_pb2.GenerateRequest(start=start))
+            async for response in call:
+                if response.HasField("finished"):
+                    return True
+        except grpc.aio.AioRpcError as exc:
+            log.debug("pre-warm of %s on %s failed: %s", session_id, target.address, exc.code().name)
+        finally:
+            call.cancel()
+        return False
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

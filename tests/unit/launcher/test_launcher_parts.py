@@ -1,0 +1,76 @@
+"""The launcher's parts without a mesh: the plan, the single-instance lock, process-group shutdown."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from services.launcher.children import ChildFailed, ChildProcess
+from services.launcher.lock import AlreadyRunning, MeshLock
+from services.launcher.mesh import MeshConfig
+
+
+def test_plan_uses_the_documented_ports_or_free_ones(tmp_path: Path) -> None:
+    fixed = MeshConfig(data_dir=tmp_path, replicas=3)
+    assert [fixed.inference_port(i) for i in range(3)] == [50052, 50062, 50072]
+    assert fixed.milvus == str(tmp_path / "milvus.db")
+    ephemeral = MeshConfig(data_dir=tmp_path, router_port=0, milvus_uri="http://milvus:19530")
+    assert ephemeral.inference_port(1) == 0 and ephemeral.port(50054) == 0
+    assert ephemeral.milvus == "http://milvus:19530"
+    command = fixed.service_command("services.session", 50054, "--redis-url", "redis://x:1/0")
+    assert command[1:] == [
+        "-m", "services.session", "--host", "127.0.0.1", "--port", "50054", "--metrics-port", "0",
+        "--redis-url", "redis://x:1/0",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "flag"), [("replicas", 0, "--replicas"), ("router_port", 70000, "--port")]
+)
+def test_plan_rejects_bad_flags_by_name(tmp_path: Path, field: str, value: int, flag: str) -> None:
+    with pytest.raises(ValueError, match=f"^{flag} must be"):
+        MeshConfig(data_dir=tmp_path, **{field: value})  # type: ignore[arg-type]
+
+
+def test_second_lock_names_the_running_launcher_until_it_is_released(tmp_path: Path) -> None:
+    first = MeshLock(tmp_path)
+    first.acquire()
+    first.record(router="127.0.0.1:50051")
+    try:
+        with pytest.raises(AlreadyRunning, match=rf"pid {os.getpid()}, router 127\.0\.0\.1:50051"):
+            MeshLock(tmp_path).acquire()
+    finally:
+        first.release()
+    again = MeshLock(tmp_path)
+    again.acquire()
+    again.release()
+
+
+def test_terminate_reaches_everything_the_child_started(tmp_path: Path) -> None:
+    # A shell that starts a grandchild and ignores SIGTERM itself: only the group SIGKILL ends it.
+    script = "trap '' TERM; sleep 300 & echo started; wait"
+    child = ChildProcess("stubborn", ["/bin/sh", "-c", script], tmp_path / "stubborn.log", dict(os.environ))
+    child.start()
+    deadline = time.monotonic() + 10
+    while "started" not in child.tail() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert child.pid is not None
+    family = [psutil.Process(child.pid), *psutil.Process(child.pid).children(recursive=True)]
+    assert len(family) == 2
+    child.terminate()
+    child.wait_exit(timeout=1.0)
+    _, alive = psutil.wait_procs(family, timeout=5)
+    assert not alive
+    assert "started" in (tmp_path / "stubborn.log").read_text()
+
+
+def test_a_child_that_exits_early_fails_with_its_last_words(tmp_path: Path) -> None:
+    command = [sys.executable, "-c", "print('no model here'); raise SystemExit(3)"]
+    child = ChildProcess("inference-0", command, tmp_path / "inference-0.log", dict(os.environ)).start()
+    with pytest.raises(ChildFailed, match=r"inference-0 exited \(code 3\)[\s\S]*no model here"):
+        child.wait_serving(time.monotonic() + 10)

@@ -1,0 +1,92 @@
+"""Outlier ejection (backoff 30 s × n, never over half the pool) and model selection: pure logic, fake clock."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.common import errors
+from services.router.health import EjectionConfig, FailureKind, OutlierDetector, may_eject
+from services.router.models import ModelCatalog
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_consecutive_failures_eject_and_a_success_resets_the_streak() -> None:
+    detector = OutlierDetector(EjectionConfig(consecutive_failures=3), FakeClock())
+    assert not detector.record_failure(FailureKind.ERROR)
+    detector.record_success()
+    assert not detector.record_failure(FailureKind.STALL)
+    assert not detector.record_failure(FailureKind.TTFT_TIMEOUT)
+    assert detector.record_failure(FailureKind.ERROR)
+    assert detector.last_failure is FailureKind.ERROR
+
+
+def test_ejection_lasts_30s_times_the_number_of_ejections() -> None:
+    clock = FakeClock()
+    detector = OutlierDetector(EjectionConfig(consecutive_failures=1, base_ejection_s=30), clock)
+    for n in (1, 2, 3):
+        assert detector.record_failure(FailureKind.ERROR)
+        assert detector.eject() == 30 * n
+        assert detector.ejected
+        clock.now += 30 * n - 0.1
+        assert detector.ejected
+        clock.now += 0.2
+        assert not detector.ejected  # re-admitted after its backoff
+    assert detector.ejection_count == 3
+
+
+def test_never_more_than_half_the_pool_is_ejected() -> None:
+    assert may_eject(0, 4, 0.5) and may_eject(1, 4, 0.5)
+    assert not may_eject(2, 4, 0.5)
+    assert not may_eject(0, 1, 0.5)  # a pool of one keeps its only replica
+    assert may_eject(0, 2, 0.5) and not may_eject(1, 2, 0.5)
+
+
+def test_ejection_config_rejects_nonsense() -> None:
+    with pytest.raises(ValueError, match="consecutive_failures"):
+        EjectionConfig(consecutive_failures=0)
+
+
+def test_aliases_resolve_and_fallbacks_follow_in_order() -> None:
+    catalog = ModelCatalog.from_flags("fast=small,quality=big", "big:medium,medium:small")
+    known = {"small", "medium", "big"}
+    assert catalog.plan("fast", known) == ["small"]
+    assert catalog.plan("quality", known) == ["big", "medium", "small"]
+    assert catalog.plan("medium", known) == ["medium", "small"]
+
+
+def test_default_model_is_the_only_one_or_the_configured_one() -> None:
+    assert ModelCatalog().plan("", {"m"}) == ["m"]
+    assert ModelCatalog(default_model="b").plan("", {"a", "b"}) == ["b"]
+
+
+def test_canary_takes_its_share_of_requests() -> None:
+    catalog = ModelCatalog.from_flags(canary="m=m-v2:0.1")
+    catalog._rng = random.Random(4)
+    picks = [catalog.plan("m", {"m", "m-v2"})[0] for _ in range(2000)]
+    share = picks.count("m-v2") / len(picks)
+    assert 0.07 < share < 0.13
+    # The stable version stays the fallback of a canary request.
+    assert catalog.plan("m", {"m", "m-v2"})[-1] == "m"
+
+
+def test_unknown_model_names_the_field_and_empty_pool_is_unavailable() -> None:
+    with pytest.raises(errors.InvalidArgument, match="model"):
+        ModelCatalog().plan("nope", {"m"})
+    with pytest.raises(errors.DependencyUnavailable):
+        ModelCatalog().plan("m", set())
+
+
+def test_bad_flags_are_rejected_by_name() -> None:
+    with pytest.raises(ValueError, match="--model-aliases"):
+        ModelCatalog.from_flags(aliases="fast")
+    with pytest.raises(ValueError, match="--canary"):
+        ModelCatalog.from_flags(canary="m=m-v2:1.5")

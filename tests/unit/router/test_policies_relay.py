@@ -1,0 +1,87 @@
+"""Relay helpers without servers: chunk coalescing under backpressure, address parsing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from services.gen.llmmesh.v1 import inference_pb2
+from services.router.pool import parse_address, parse_address_list
+from services.router.relay import RelayConfig, coalesce_chunks
+from services.router.turn import merged_delta
+
+
+def chunk(index: int) -> inference_pb2.TokenChunk:
+    return inference_pb2.TokenChunk(text=f" t{index}", token_ids=[index], index=index)
+
+
+async def fake_replica_stream(
+    n: int, fail_after: int | None = None
+) -> AsyncIterator[inference_pb2.TokenChunk]:
+    """A stand-in for the relay: n chunks as fast as the loop allows."""
+    for i in range(n):
+        if fail_after is not None and i == fail_after:
+            raise ConnectionError("replica went away")
+        yield chunk(i)
+        await asyncio.sleep(0)
+
+
+async def test_a_slow_consumer_gets_tokens_merged_in_order_and_none_lost() -> None:
+    batches = []
+    async for batch in coalesce_chunks(fake_replica_stream(50)):
+        batches.append(batch)
+        await asyncio.sleep(0.002)  # a client that reads slower than tokens arrive
+    ids = [t for b in batches for c in b for t in c.token_ids]
+    assert ids == list(range(50))
+    assert len(batches) < 25  # merged: far fewer messages than tokens
+    delta = merged_delta(batches[1])
+    assert delta.index == batches[1][0].index
+    assert list(delta.token_ids) == [t for c in batches[1] for t in c.token_ids]
+    assert delta.text == "".join(c.text for c in batches[1])
+
+
+async def test_a_fast_consumer_gets_every_chunk_on_its_own() -> None:
+    batches = [b async for b in coalesce_chunks(fake_replica_stream(20))]
+    assert [len(b) for b in batches] == [1] * 20
+
+
+async def test_an_error_arrives_after_the_tokens_before_it() -> None:
+    got = []
+    with pytest.raises(ConnectionError, match="went away"):
+        async for batch in coalesce_chunks(fake_replica_stream(10, fail_after=5)):
+            got.extend(c.index for c in batch)
+    assert got == [0, 1, 2, 3, 4]
+
+
+async def test_a_consumer_that_stops_closes_the_source_at_once() -> None:
+    closed = asyncio.Event()
+
+    async def endless() -> AsyncIterator[inference_pb2.TokenChunk]:
+        try:
+            i = 0
+            while True:
+                yield chunk(i)
+                i += 1
+                await asyncio.sleep(0.001)
+        finally:
+            closed.set()  # where the relay cancels the replica's call
+
+    stream = coalesce_chunks(endless())
+    await anext(stream)
+    await stream.aclose()
+    assert closed.is_set()
+
+
+def test_addresses_are_validated() -> None:
+    assert parse_address_list("a:1, b:2\n# comment\nc:3 # trailing") == ["a:1", "b:2", "c:3"]
+    assert parse_address("[::1]:50052") == "[::1]:50052"
+    for bad in ["nohost", "host:", "host:99999", ":80"]:
+        with pytest.raises(ValueError, match="host:port"):
+            parse_address(bad)
+
+
+def test_relay_config_rejects_nonsense() -> None:
+    with pytest.raises(ValueError, match="--max-attempts"):
+        RelayConfig(max_attempts=0)
