@@ -21,10 +21,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import psutil
@@ -37,6 +36,10 @@ from services.gen.llmmesh.v1 import (
     router_pb2,
     router_pb2_grpc,
 )
+
+if TYPE_CHECKING:
+    from services.gen.llmmesh.v1.inference_pb2_grpc import InferenceAsyncStub
+    from services.gen.llmmesh.v1.router_pb2_grpc import RouterAsyncStub
 
 ROOT = Path(__file__).resolve().parents[1]
 LISTEN_RE = re.compile(r"llm-mesh \S+ listening on (\S+):(\d+)")
@@ -163,11 +166,11 @@ def turn(text: str, max_tokens: int) -> router_pb2.ChatRequest:
     )
 
 
-async def routed_stream(stub: router_pb2_grpc.RouterStub, request: router_pb2.ChatRequest) -> StreamTiming:
+async def routed_stream(stub: RouterAsyncStub, request: router_pb2.ChatRequest) -> StreamTiming:
     started = time.perf_counter()
     first: float | None = None
     tokens = 0
-    call: AsyncIterator[router_pb2.ChatResponse] = stub.ChatStream(request, timeout=600)  # type: ignore[assignment]
+    call = stub.ChatStream(request, timeout=600)
     async for response in call:
         if response.HasField("delta"):
             if first is None:
@@ -177,9 +180,7 @@ async def routed_stream(stub: router_pb2_grpc.RouterStub, request: router_pb2.Ch
     return StreamTiming((first or end) - started, end - started, tokens)
 
 
-async def direct_stream(
-    stub: inference_pb2_grpc.InferenceStub, request: router_pb2.ChatRequest
-) -> StreamTiming:
+async def direct_stream(stub: InferenceAsyncStub, request: router_pb2.ChatRequest) -> StreamTiming:
     start = inference_pb2.GenerateStart(messages=request.messages, sampling=request.sampling)
     started = time.perf_counter()
     first: float | None = None
@@ -207,11 +208,11 @@ async def measure_overhead(
         grpc.aio.insecure_channel(router.address) as rch,
         grpc.aio.insecure_channel(replica.address) as dch,
     ):
-        rstub = router_pb2_grpc.RouterStub(rch)
-        dstub = inference_pb2_grpc.InferenceStub(dch)
+        rstub: RouterAsyncStub = router_pb2_grpc.RouterStub(rch)  # type: ignore[assignment]
+        dstub: InferenceAsyncStub = inference_pb2_grpc.InferenceStub(dch)  # type: ignore[assignment]
         for i in range(warmup + streams):
             request = turn(f"benchmark prompt {i % 7}", tokens)
-            d = await direct_stream(dstub, request)  # type: ignore[arg-type]
+            d = await direct_stream(dstub, request)
             r = await routed_stream(rstub, request)
             if i >= warmup:
                 direct.append(d)
@@ -239,7 +240,7 @@ async def measure_overhead(
 
 async def measure_throughput(router: Service, concurrency: int, tokens: int, rounds: int) -> Throughput:
     async with grpc.aio.insecure_channel(router.address) as channel:
-        stub = router_pb2_grpc.RouterStub(channel)
+        stub: RouterAsyncStub = router_pb2_grpc.RouterStub(channel)  # type: ignore[assignment]
         await routed_stream(stub, turn("warm up", 8))
         cpu_before = router.cpu_seconds()
         started = time.perf_counter()
@@ -257,7 +258,7 @@ async def measure_throughput(router: Service, concurrency: int, tokens: int, rou
 async def measure_concurrency(router: Service, streams: int, tokens: int) -> Concurrency:
     # Several client channels: one HTTP/2 connection caps concurrent streams (often at 100).
     channels = [grpc.aio.insecure_channel(router.address) for _ in range(max(1, streams // 90))]
-    stubs = [router_pb2_grpc.RouterStub(c) for c in channels]
+    stubs: list[RouterAsyncStub] = [router_pb2_grpc.RouterStub(c) for c in channels]  # type: ignore[misc]
     errors: dict[str, int] = {}
 
     async def one(i: int) -> bool:
@@ -272,48 +273,56 @@ async def measure_concurrency(router: Service, streams: int, tokens: int) -> Con
     ok = await asyncio.gather(*(one(i) for i in range(streams)))
     wall = time.perf_counter() - started
     for c in channels:
-        await c.close()
+        await c.close(None)
     succeeded = sum(ok)
     return Concurrency(streams, succeeded, streams - succeeded, wall, errors)
 
 
 async def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
-    # Unpaced: the replica sends as fast as it can, so the router's own cost shows.
-    replicas = [Service("services.router.synthetic_replica", []).start() for _ in range(2)]
-    router = Service(
-        "services.router",
-        ["--replicas", ",".join(r.address for r in replicas), "--policy", "least", "--max-in-flight", "8192"],
-    ).start()
-    paced = [
-        Service(
-            "services.router.synthetic_replica", ["--tokens-per-second", str(args.paced_tokens_per_second)]
-        )
-        for _ in range(2)
-    ]
-    paced_router: Service | None = None
+    """Two routers, each over two synthetic token sources: unpaced (the router is the bottleneck) and paced."""
+    unpaced = [Service("services.router.synthetic_replica", []) for _ in range(2)]
+    pace = ["--tokens-per-second", str(args.paced_tokens_per_second)]
+    paced = [Service("services.router.synthetic_replica", pace) for _ in range(2)]
+    routers: list[Service] = []
     try:
-        for p in paced:
-            p.start()
-        paced_router = Service(
-            "services.router",
-            [
+        for s in [*unpaced, *paced]:
+            s.start()
+        for group in (unpaced, paced):
+            flags = [
                 "--replicas",
-                ",".join(p.address for p in paced),
+                ",".join(r.address for r in group),
                 "--policy",
                 "least",
                 "--max-in-flight",
                 "8192",
-            ],
-        ).start()
-        for s in [*replicas, router, *paced, paced_router]:
+            ]
+            routers.append(Service("services.router", flags).start())
+        for s in [*unpaced, *paced, *routers]:
             await s.wait_serving()
-        overhead = await measure_overhead("synthetic", router, replicas[0], args.streams, args.tokens)
-        throughput = await measure_throughput(router, args.concurrency, args.throughput_tokens, args.rounds)
+        fast_router, paced_router = routers
+        overhead = await measure_overhead(
+            "synthetic-unpaced", fast_router, unpaced[0], args.streams, args.tokens
+        )
+        paced_overhead = await measure_overhead(
+            f"synthetic-{args.paced_tokens_per_second:g}-tok/s",
+            paced_router,
+            paced[0],
+            args.paced_streams,
+            args.paced_tokens,
+        )
+        throughput = await measure_throughput(
+            fast_router, args.concurrency, args.throughput_tokens, args.rounds
+        )
         concurrent = await measure_concurrency(paced_router, args.concurrent_streams, args.concurrent_tokens)
     finally:
-        for s in [router, *replicas, *paced, *([paced_router] if paced_router else [])]:
+        for s in [*routers, *unpaced, *paced]:
             s.stop()
-    return {"overhead": asdict(overhead), "throughput": asdict(throughput), "concurrency": asdict(concurrent)}
+    return {
+        "overhead_unpaced": asdict(overhead),
+        "overhead_paced": asdict(paced_overhead),
+        "throughput": asdict(throughput),
+        "concurrency": asdict(concurrent),
+    }
 
 
 async def run_engine(args: argparse.Namespace) -> dict[str, Any]:
@@ -342,8 +351,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrent-streams", type=int, default=1000, help="streams started at once")
     parser.add_argument("--concurrent-tokens", type=int, default=32, help="tokens per concurrent stream")
     parser.add_argument(
-        "--paced-tokens-per-second", type=float, default=20.0, help="synthetic pace, 1,000 streams"
+        "--paced-tokens-per-second", type=float, default=100.0, help="pace of the paced synthetic sources"
     )
+    parser.add_argument("--paced-streams", type=int, default=60, help="paired streams on paced sources")
+    parser.add_argument("--paced-tokens", type=int, default=32, help="tokens per paced overhead stream")
     parser.add_argument("--skip-engine", action="store_true", help="synthetic token source only")
     parser.add_argument(
         "--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"), help="real engine model"
@@ -360,17 +371,23 @@ def run(args: argparse.Namespace) -> int:
     if not args.skip_engine:
         results["engine"] = asyncio.run(run_engine(args))
     print(json.dumps(results, indent=2))
-    o = results["synthetic"]["overhead"]
-    t = results["synthetic"]["throughput"]
-    c = results["synthetic"]["concurrency"]
+    syn = results["synthetic"]
+    for key in ("overhead_unpaced", "overhead_paced"):
+        o = syn[key]
+        print(
+            f"{o['source']}: {o['tokens_per_stream']} tokens/stream, router adds p50 {o['added_p50_ms']:.3f} ms,"
+            f" p99 {o['added_p99_ms']:.3f} ms per stream (TTFT +{o['added_ttft_p50_ms']:.3f} ms p50)"
+        )
+    t, c = syn["throughput"], syn["concurrency"]
     print(
-        f"\nsynthetic: added p50 {o['added_p50_ms']:.3f} ms, p99 {o['added_p99_ms']:.3f} ms per stream;"
-        f" relayed {t['tokens_per_s']:.0f} tok/s wall, {t['tokens_per_router_cpu_s']:.0f} tok per router CPU-s;"
-        f" {c['succeeded']}/{c['streams']} concurrent streams ok"
+        f"relayed {t['tokens_per_s']:.0f} tok/s wall, {t['tokens_per_router_cpu_s']:.0f} tok per router CPU-s;"
+        f" {c['succeeded']}/{c['streams']} concurrent streams ok in {c['wall_s']:.1f} s"
     )
     if "engine" in results:
         e = results["engine"]["overhead"]
-        print(f"engine: added p50 {e['added_p50_ms']:.3f} ms, p99 {e['added_p99_ms']:.3f} ms per stream")
+        print(
+            f"engine: router adds p50 {e['added_p50_ms']:.3f} ms, p99 {e['added_p99_ms']:.3f} ms per stream"
+        )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

@@ -43,8 +43,13 @@ install_packages() {
     { "${sudo[@]}" apt-get update && "${sudo[@]}" apt-get install -y --no-install-recommends "${PACKAGES[@]}"; }
 }
 
-if [[ -n "$(missing_tools)" ]]; then
-  install_packages "$(missing_tools | paste -sd, -)"
+missing="$(missing_tools | paste -sd, -)"
+if [[ -n "$missing" ]]; then
+  install_packages "$missing"
+fi
+# Go keeps its build cache under $HOME; CI shells may have none.
+if [[ -z "${GOCACHE:-}" && -z "${HOME:-}" ]]; then
+  export GOCACHE="$HERE/bin/.gocache"
 fi
 
 rm -rf "$BUILD"

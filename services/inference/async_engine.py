@@ -45,6 +45,7 @@ class AsyncEngine:
         self._stopped = False
         self.draining = False
         self._load = engine.load()
+        self._preemptions_seen = 0
         self._thread = threading.Thread(target=self._run, name="llmmesh-engine", daemon=True)
         self._thread.start()
 
@@ -178,6 +179,10 @@ class AsyncEngine:
         metrics.QUEUE_DEPTH.set(load.waiting)
         metrics.RUNNING_BATCH.set(load.running)
         metrics.KV_CACHE_USAGE.set(load.kv_blocks_used / max(1, load.kv_blocks_total))
+        preemptions = self.engine.num_preemptions
+        if preemptions > self._preemptions_seen:
+            metrics.PREEMPTIONS.inc(preemptions - self._preemptions_seen)
+            self._preemptions_seen = preemptions
 
 
 def _record_finished(out: RequestOutput) -> None:

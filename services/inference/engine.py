@@ -94,6 +94,8 @@ class LLMEngine:
         self._abort_lock = threading.Lock()
         self._eos_ids = _eos_ids(self.runner.model, self.tokenizer)
         self._recent: deque[tuple[float, int]] = deque()
+        # Sequences preempted so far (KV dropped for recompute): a sign the cache is too small.
+        self.num_preemptions = 0
 
     # -- admission -----------------------------------------------------------
     def validate(
@@ -162,6 +164,7 @@ class LLMEngine:
     # -- the loop ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        self.num_preemptions += len(plan.preempted)
         sampled = self.runner.execute(plan.scheduled) if plan.scheduled else []
         outputs = self._drain_aborts()
         outputs += self._update(plan, sampled)

@@ -33,3 +33,6 @@ PREFIX_CACHE_HIT_TOKENS = Counter(
 )
 PROMPT_TOKENS = Counter("llmmesh_prompt_tokens_total", "Prompt tokens of finished generations.")
 GENERATION_TOKENS = Counter("llmmesh_generation_tokens_total", "Tokens generated.")
+PREEMPTIONS = Counter(
+    "llmmesh_preemptions_total", "Sequences whose KV was dropped for lack of blocks (recomputed later)."
+)

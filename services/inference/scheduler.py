@@ -109,14 +109,17 @@ class Scheduler:
                 )
                 out.errored.append(seq)
                 continue
-            if not seq.block_table:
-                cached = self.block_manager.match_prefix(seq)
-                seq.num_computed_tokens = cached
-                if seq.num_preemptions == 0:
-                    seq.num_cached_prompt_tokens = cached
+            cached = self.block_manager.match_prefix(seq)
+            seq.num_computed_tokens = cached
+            if seq.num_preemptions == 0:
+                seq.num_cached_prompt_tokens = cached
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.allocate(seq, n):
-                break  # keep its prefix blocks; it goes first next step
+                # Waiting sequences hold no blocks (else they could starve the running
+                # batch); its prefix stays cached and is matched again next time.
+                self.block_manager.free(seq)
+                seq.num_computed_tokens = 0
+                break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:

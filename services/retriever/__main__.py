@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from services.common.server import run
 from services.common.settings import EnvArgumentParser, add_server_args, server_options
 from services.retriever.config import RetrieverConfig
@@ -10,6 +12,8 @@ from services.retriever.runtime import RetrieverRuntime
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Models are read from local directories only; never let a library reach for the hub.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parser = EnvArgumentParser(prog="python -m services.retriever", description=__doc__)
     add_server_args(parser, default_port=50053)
     parser.add_argument(

@@ -174,6 +174,7 @@ class Corpus:
 
     def ingest(self, tenant: str, upload: DocumentUpload) -> IngestResult:
         """Stores the document unless identical content is already stored."""
+        self._store.require_model()
         check_document_id(upload.document_id, "header.document_id")
         check_metadata(upload.metadata, "header.metadata")
         if len(upload.title) > MAX_TITLE_CHARS:
@@ -189,6 +190,7 @@ class Corpus:
             current = self._store.get_document(tenant, upload.document_id)
             if (
                 current is not None
+                and not current.deleted
                 and current.content_hash == content_hash
                 and (current.title, current.mime_type, current.metadata) == (title, mime_type, metadata)
             ):
@@ -202,7 +204,7 @@ class Corpus:
                 raise InvalidArgument("data", "document has no text to index")
             vectors = self._embedder.embed([embedding_text(title, c) for c in chunks])
 
-            version = current.version + 1 if current is not None else 1
+            version = current.last_version + 1 if current is not None else 1
             record = DocumentRecord(
                 tenant=tenant,
                 document_id=upload.document_id,
@@ -217,7 +219,9 @@ class Corpus:
             )
             # Leftovers of an interrupted earlier ingest (never made current) must not share our version.
             self._store.delete_chunks(
-                tenant, upload.document_id, keep_version=current.version if current else None
+                tenant,
+                upload.document_id,
+                keep_version=current.version if current and not current.deleted else None,
             )
             rows = [ChunkRow(c.position, c.text, c.heading, c.page) for c in chunks]
             self._store.write_chunks(record, rows, vectors)
@@ -252,10 +256,11 @@ class Corpus:
     def delete(self, tenant: str, document_id: str) -> int:
         check_document_id(document_id)
         with self._lock_for(tenant, document_id):
-            if self._store.get_document(tenant, document_id) is None:
+            record = self._store.get_document(tenant, document_id)
+            if record is None or record.deleted:
                 raise NotFound(f"document {document_id!r} not found")
-            # Record first: from this instant no search returns the document's chunks.
-            self._store.delete_document_record(tenant, document_id)
+            # Tombstone first: from this instant no search returns the document's chunks.
+            self._store.put_tombstone(record)
             return self._store.delete_chunks(tenant, document_id)
 
     def list(self, tenant: str, page_size: int, page_token: str) -> tuple[list[DocumentRecord], str]:
@@ -266,6 +271,3 @@ class Corpus:
         records = self._store.list_documents(tenant, after, size + 1)
         next_token = encode_page_token(records[size - 1].document_id) if len(records) > size else ""
         return records[:size], next_token
-
-    def document(self, tenant: str, document_id: str) -> DocumentRecord | None:
-        return self._store.get_document(tenant, document_id)

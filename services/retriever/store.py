@@ -15,7 +15,7 @@ import json
 import logging
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -74,7 +74,12 @@ def metadata_condition(metadata_filter: Mapping[str, str]) -> str:
 
 @dataclass(frozen=True)
 class DocumentRecord:
-    """A document's current state; its ``version`` names the chunks readers may see."""
+    """A document's current state; its ``version`` names the chunks readers may see.
+
+    A deleted document keeps its row as a tombstone with the version negated, so
+    a later re-ingest continues the numbering: a cache entry that cited version 1
+    of the deleted document must not come back to life when a new version 1 appears.
+    """
 
     tenant: str
     document_id: str
@@ -86,6 +91,15 @@ class DocumentRecord:
     version: int
     chunks: int
     updated_at_ms: int
+
+    @property
+    def deleted(self) -> bool:
+        return self.version < 0
+
+    @property
+    def last_version(self) -> int:
+        """The newest version number ever used, deleted or not."""
+        return abs(self.version)
 
 
 @dataclass(frozen=True)
@@ -164,15 +178,17 @@ class MilvusStore:
         names: CollectionNames | None = None,
         timeout_s: float = 10.0,
     ) -> None:
-        self.uri = check_milvus_uri(uri)
+        check_milvus_uri(uri)
+        if is_lite_uri(uri):
+            uri = str(Path(uri).expanduser())
+            Path(uri).resolve().parent.mkdir(parents=True, exist_ok=True)
+        self.uri = uri
         self.model_name = model_name
         self.dimension = dimension
         self.names = names or CollectionNames.with_prefix("llmmesh")
         self._timeout = timeout_s
         # Set when existing collections were built by another model: vector calls are refused.
         self.mismatch: str | None = None
-        if is_lite_uri(uri):
-            Path(uri).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
         self._client = self._call(lambda: MilvusClient(uri=uri, timeout=timeout_s))
         try:
             self._call(self._ensure_collections)
@@ -289,7 +305,8 @@ class MilvusStore:
         except grpc.RpcError as exc:
             raise DependencyUnavailable(f"Milvus at {self.uri} is unreachable: {exc}") from exc
 
-    def _require_model(self) -> None:
+    def require_model(self) -> None:
+        """Raises FAILED_PRECONDITION when the collections were built by another embedding model."""
         if self.mismatch is not None:
             raise FailedPrecondition(self.mismatch)
 
@@ -327,14 +344,14 @@ class MilvusStore:
         return _document_from_row(tenant, rows[0]) if rows else None
 
     def current_versions(self, tenant: str, document_keys: Iterable[str]) -> dict[str, int]:
-        """document_key → current version, for the keys that still have a document record."""
+        """document_key → current version, for the keys whose document exists (tombstones left out)."""
         keys = sorted(set(document_keys))
         if not keys:
             return {}
         tenant_key = digest(tenant)
         rows = self._query(
             self.names.documents,
-            f'tenant_key == "{tenant_key}" and document_key in {json.dumps(keys)}',
+            f'tenant_key == "{tenant_key}" and version > 0 and document_key in {json.dumps(keys)}',
             ["document_key", "version"],
         )
         return {row["document_key"]: int(row["version"]) for row in rows}
@@ -357,13 +374,14 @@ class MilvusStore:
         }
         self._upsert(self.names.documents, [row])
 
-    def delete_document_record(self, tenant: str, document_id: str) -> None:
-        self._delete(self.names.documents, f'document_key == "{digest(tenant, document_id)}"')
+    def put_tombstone(self, record: DocumentRecord) -> None:
+        """Marks the document deleted: from this write on, no search returns its chunks."""
+        self.put_document(replace(record, version=-record.last_version, chunks=0, content_hash=""))
 
     def list_documents(self, tenant: str, after_id: str, limit: int) -> list[DocumentRecord]:
         """Up to ``limit`` documents with ids sorted after ``after_id`` (``""`` = from the start)."""
         tenant_key = digest(tenant)
-        condition = f'tenant_key == "{tenant_key}"'
+        condition = f'tenant_key == "{tenant_key}" and version > 0'
         if after_id:
             condition += f" and document_id > {json.dumps(after_id, ensure_ascii=False)}"
         iterator = self._call(
@@ -393,7 +411,7 @@ class MilvusStore:
 
     def write_chunks(self, record: DocumentRecord, chunks: Sequence[ChunkRow], vectors: Vectors) -> None:
         """Stores ``chunks`` under ``record.version``; invisible until that version is made current."""
-        self._require_model()
+        self.require_model()
         document_key = digest(record.tenant, record.document_id)
         tenant_key = digest(record.tenant)
         rows = [
@@ -439,7 +457,7 @@ class MilvusStore:
         metadata_filter: Mapping[str, str],
         with_vectors: bool = False,
     ) -> list[ChunkHit]:
-        self._require_model()
+        self.require_model()
         condition = f'tenant_key == "{digest(tenant)}"'
         if metadata_filter:
             condition += " and " + metadata_condition(metadata_filter)
@@ -503,7 +521,7 @@ class MilvusStore:
         expires_at_ms: int,
         cited: Sequence[tuple[str, int]],
     ) -> None:
-        self._require_model()
+        self.require_model()
         row = {
             "entry_id": entry_id,
             "tenant_key": digest(tenant),
@@ -519,7 +537,7 @@ class MilvusStore:
 
     def search_cache(self, scope_key: str, vector: Vectors, now_ms: int, limit: int) -> list[CacheRow]:
         """Live entries in the scope nearest to ``vector``, most similar first."""
-        self._require_model()
+        self.require_model()
         result = self._call(
             lambda: self._client.search(
                 self.names.cache,

@@ -363,8 +363,9 @@ async def coalesce_chunks(
     task = asyncio.create_task(pump())
     try:
         while True:
-            await wake.wait()
-            wake.clear()
+            if not pending and not finished:
+                await wake.wait()
+                wake.clear()
             if pending:
                 batch = pending[:]
                 pending.clear()

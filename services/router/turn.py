@@ -184,7 +184,8 @@ class TurnPipeline:
         chunks = await self._retrieve(tenant, request, new_messages, state)
         messages = self._build(history, chunks, new_messages)
         cache_mode = request.cache.mode
-        key = exact_cache_key(models[0], messages, request.sampling)
+        caching = s.exact_cache is not None or (request.cache.semantic and s.semantic_cache is not None)
+        key = exact_cache_key(models[0], messages, request.sampling) if caching else None
         may_read = cache_mode in (router_pb2.CACHE_MODE_UNSPECIFIED, router_pb2.CACHE_MODE_DEFAULT)
         may_fill = cache_mode != router_pb2.CACHE_MODE_BYPASS
 

@@ -231,6 +231,13 @@ def test_calls_without_a_tenant_are_refused(stub: retriever_pb2_grpc.RetrieverSt
     assert TENANT_KEY in (error.details() or "")
 
 
+def test_an_ingest_stream_must_start_with_its_header(stub: retriever_pb2_grpc.RetrieverStub) -> None:
+    for messages in ([pb.IngestRequest(data=b"orphan bytes")], []):
+        error = rpc_error(stub.Ingest, iter(messages), metadata=meta(), timeout=10)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (error.details() or "").startswith("header:")
+
+
 BROKEN_PDF = text_pdf([["A page that will be cut short."]])[:150]
 
 

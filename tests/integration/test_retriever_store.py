@@ -258,3 +258,22 @@ def test_reingesting_a_cited_document_retires_the_cached_answer(
     assert cache.lookup(scope, "how much is a museum ticket") is None
     with pytest.raises(NotFound, match="cited document 'prices'"):
         cache.store(scope, "how much is a museum ticket", "ten euros", cited=[("prices", 0)])
+
+
+def test_a_deleted_document_keeps_its_version_count_so_old_answers_stay_dead(
+    cache: SemanticCache, corpus: Corpus, store: ObservedStore
+) -> None:
+    tenant = "tombstone"
+    scope = CacheScope(tenant, "smollm2", "")
+    first = corpus.ingest(tenant, upload("menu", "soup of the day is tomato"))
+    cache.store(scope, "what is the soup of the day", "tomato", cited=[("menu", first.version)])
+    assert corpus.delete(tenant, "menu") == first.chunks
+    assert corpus.search(tenant, SearchQuery("soup of the day")) == []
+    assert corpus.list(tenant, 10, "") == ([], "")
+    with pytest.raises(NotFound):
+        corpus.delete(tenant, "menu")
+
+    again = corpus.ingest(tenant, upload("menu", "soup of the day is leek"))
+    assert again.version == first.version + 1
+    assert cache.lookup(scope, "what is the soup of the day") is None
+    assert [r.document_id for r in corpus.list(tenant, 10, "")[0]] == ["menu"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -22,6 +23,12 @@ def gateway_build_inputs() -> list[Path]:
         GATEWAY_DIR / "build.sh",
         *sorted(ROOT.glob("protos/llmmesh/v1/*.proto")),
     ]
+
+
+def go_environment() -> dict[str, str]:
+    """The environment build.sh compiles in: GOPATH mode over the generated code and Debian's sources."""
+    gopath = f"{GATEWAY_DIR / 'build' / 'gopath'}:/usr/share/gocode"
+    return {**os.environ, "GO111MODULE": "off", "GOPROXY": "off", "GOPATH": gopath, "CGO_ENABLED": "0"}
 
 
 def ensure_gateway_built(timeout: float = 900.0) -> Path:

@@ -33,6 +33,9 @@ def test_tiny_uniform_run_writes_comparable_json_with_identical_fp32_tokens(
             "--no-compile",
             "--rounds",
             "2",
+            # One thread: on a shared 2-core box two spinning torch threads crawl.
+            "--threads",
+            "1",
             "--json",
             str(out),
         ]

@@ -85,3 +85,31 @@ def test_addresses_are_validated() -> None:
 def test_relay_config_rejects_nonsense() -> None:
     with pytest.raises(ValueError, match="--max-attempts"):
         RelayConfig(max_attempts=0)
+
+
+async def test_pick_refuses_when_the_predicted_queue_wait_exceeds_the_deadline() -> None:
+    from services.common import errors
+    from services.router.policies import AffinityPolicy, LeastOutstandingPolicy
+    from services.router.pool import ReplicaPool
+    from services.router.relay import Relay
+
+    pool = ReplicaPool()
+    # Channels connect lazily: no server is needed to build the pool.
+    pool.set_addresses(["127.0.0.1:1", "127.0.0.1:2"])
+    try:
+        for replica in pool.replicas.values():
+            replica.model, replica.serving = "m", True
+            replica.ttft.observe(0.5)
+            replica.last_load.waiting = 10  # ≈ 5 s before a new request would start
+        relay = Relay(pool, AffinityPolicy(LeastOutstandingPolicy()), clock=lambda: 0.0)
+        with pytest.raises(errors.DeadlineExceeded, match="predicted queue wait"):
+            relay.pick(["m"], None, set(), deadline=1.0)
+        picked = relay.pick(["m"], None, set(), deadline=60.0)
+        assert picked is not None and picked[1] == "m"
+        # A pinned replica keeps its session while it is within the load bound …
+        assert relay.pick(["m"], "s", set(), None, preferred="127.0.0.1:2")[0].address == "127.0.0.1:2"  # type: ignore[index]
+        # … and an excluded (failed) one is never picked again for this turn.
+        again = relay.pick(["m"], "s", {"127.0.0.1:2"}, None, preferred="127.0.0.1:2")
+        assert again is not None and again[0].address == "127.0.0.1:1"
+    finally:
+        await pool.close()

@@ -1,0 +1,156 @@
+"""The inference replica under tight limits: tiny KV cache (preemption), tiny queue (overload), shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from google.rpc import error_details_pb2, status_pb2
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from tests.support.inference import Generation, generate, greedy
+from tests.support.processes import ServiceProcess
+
+pytestmark = pytest.mark.timeout(300)
+
+# 8 blocks x 16 slots = 128 KV slots: four ~45-token sequences cannot all stay resident.
+KV_BLOCKS = 8
+MAX_QUEUED = 4
+MAX_SEQS = 4
+
+
+@pytest.fixture(scope="module")
+def replica(model_path: Path) -> Iterator[ServiceProcess]:
+    proc = ServiceProcess(
+        "services.inference",
+        [
+            "--model", str(model_path),
+            "--kv-blocks", str(KV_BLOCKS),
+            "--block-size", "16",
+            "--max-queued-requests", str(MAX_QUEUED),
+            "--max-num-seqs", str(MAX_SEQS),
+            "--metrics-port", "0",
+            "--grace-seconds", "60",
+        ],
+    )  # fmt: skip
+    try:
+        proc.start()
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture()
+async def stub(replica: ServiceProcess) -> AsyncIterator[inference_pb2_grpc.InferenceStub]:
+    async with grpc.aio.insecure_channel(replica.address) as channel:
+        yield inference_pb2_grpc.InferenceStub(channel)
+
+
+def metric(replica: ServiceProcess, name: str) -> float:
+    """Sum of a metric's samples on the replica's Prometheus endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{replica.metrics_port}/metrics", timeout=5) as resp:
+        body = resp.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in body.splitlines()
+        if line.startswith(name) and (line[len(name)] in " {")
+    )
+
+
+PROMPTS = [
+    "The four seasons of the year are",
+    "A good recipe for bread needs flour, water,",
+    "Robots that learn to paint start by",
+    "The longest river in the world is",
+]
+
+
+async def test_preemption_under_a_tiny_kv_cache_still_gives_exact_outputs(
+    replica: ServiceProcess, stub: inference_pb2_grpc.InferenceStub, model_path: Path
+) -> None:
+    max_tokens = 28
+    starts = [
+        inference_pb2.GenerateStart(prompt=p, sampling=greedy(max_tokens, ignore_eos=True)) for p in PROMPTS
+    ]
+    results = await asyncio.gather(*(generate(stub, s) for s in starts))
+
+    assert metric(replica, "llmmesh_preemptions_total") > 0, "the cache was meant to be too small"
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+    for prompt, got in zip(PROMPTS, results, strict=True):
+        assert got.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        ids = tokenizer.encode(prompt)
+        with torch.inference_mode():
+            out = model.generate(
+                # eos_token_id=-1: keep going past EOS, as ignore_eos does (the bench peers do the same).
+                torch.tensor([ids]),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=-1,
+            )
+        assert got.token_ids == out[0, len(ids) :].tolist()
+    load = await stub.GetLoad(inference_pb2.GetLoadRequest())
+    assert load.running == 0 and load.kv_blocks_used == 0
+
+
+async def _try_generate(stub: inference_pb2_grpc.InferenceStub, i: int) -> Generation | grpc.aio.AioRpcError:
+    start = inference_pb2.GenerateStart(prompt=f"Request number {i} says", sampling=greedy(2))
+    try:
+        return await generate(stub, start, timeout=60)
+    except grpc.aio.AioRpcError as err:
+        return err
+
+
+async def test_overload_is_refused_at_once_with_retry_info(
+    replica: ServiceProcess, stub: inference_pb2_grpc.InferenceStub
+) -> None:
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    outcomes = await asyncio.wait_for(asyncio.gather(*(_try_generate(stub, i) for i in range(24))), 120)
+
+    refused = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
+    served = [o for o in outcomes if isinstance(o, Generation)]
+    assert refused, "24 simultaneous requests against a queue of 4 must overflow it"
+    assert served, "the queue still serves what it admitted"
+    for err in refused:
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "queue is full" in (err.details() or "")
+        details = dict(err.trailing_metadata() or ())["grpc-status-details-bin"]
+        status = status_pb2.Status.FromString(details)  # type: ignore[arg-type]
+        info = error_details_pb2.RetryInfo()
+        assert status.details[0].Unpack(info) and info.retry_delay.seconds >= 1
+    for gen in served:
+        assert gen.finish_reason == common_pb2.FINISH_REASON_LENGTH and len(gen.token_ids) == 2
+    assert loop.time() - started < 120
+    assert metric(replica, "llmmesh_inference_requests_total") >= len(served)
+
+
+async def test_sigterm_finishes_in_flight_work_then_exits(
+    replica: ServiceProcess, stub: inference_pb2_grpc.InferenceStub
+) -> None:
+    start = inference_pb2.GenerateStart(prompt="Slowly, the robot", sampling=greedy(20, ignore_eos=True))
+    call = stub.Generate(timeout=120)
+    await call.write(inference_pb2.GenerateRequest(start=start))
+    first = await call.read()
+    assert first.HasField("chunk")
+
+    replica.signal(signal.SIGTERM)
+    tokens = list(first.chunk.token_ids)
+    finished: Any = None
+    while (response := await call.read()) is not grpc.aio.EOF:
+        if response.HasField("chunk"):
+            tokens.extend(response.chunk.token_ids)
+        else:
+            finished = response.finished
+    assert finished is not None and finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert len(tokens) == 20
+    assert replica.proc is not None
+    assert await asyncio.to_thread(replica.proc.wait, 60) == 0

@@ -1,0 +1,248 @@
+"""Security through the router (reliability matrix row 12).
+
+API keys decide who calls; the tenant comes from the key, never from the
+client's own ``x-llmmesh-*`` metadata; one tenant cannot reach another's
+session, document or task; a key bursting 10× its quota is limited while
+other keys keep full success and their latency; a keepalive ping flood gets
+GOAWAY. Replicas are synthetic token sources (fake, no model).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import pytest
+
+from services.gen.llmmesh.v1 import retriever_pb2, router_pb2, router_pb2_grpc
+from services.router.auth import KeyLimits
+from services.router.keys import add_key, revoke_key
+from tests.reliability.mesh_support import Mesh, chat, synthetic_replica
+from tests.support.processes import ServiceProcess
+from tests.support.redis import RedisServer
+
+QUOTA_RPS = 4.0  # the bursting key's requests per second (and burst)
+
+
+class Door:
+    """A router with API keys, Redis, session service, retriever and a synthetic replica."""
+
+    def __init__(self, mesh: Mesh, keys: dict[str, str], keys_file: Path) -> None:
+        self.mesh = mesh
+        self.keys = keys
+        self.keys_file = keys_file
+        self.channel = grpc.insecure_channel(mesh.router.address)
+        self.stub = router_pb2_grpc.RouterStub(self.channel)
+
+    def auth(self, name: str, *extra: tuple[str, str]) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.keys[name]}"), *extra)
+
+
+@pytest.fixture(scope="module")
+def door(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Door]:
+    tmp = Path(tmp_path_factory.mktemp("security"))
+    keys_file = tmp / "keys.yaml"
+    quota = KeyLimits(requests_per_second=QUOTA_RPS, burst=int(QUOTA_RPS))
+    keys = {
+        "acme": add_key(keys_file, "acme", "acme-main")[0],
+        "globex": add_key(keys_file, "globex", "globex-main")[0],
+        "bursty": add_key(keys_file, "initech", "initech-bursty", quota)[0],
+        "steady": add_key(keys_file, "initech", "initech-steady", quota)[0],
+        "old": add_key(keys_file, "acme", "acme-old")[0],
+    }
+    m = Mesh()
+    try:
+        m.redis = RedisServer(tmp / "redis").start()
+        m.session = ServiceProcess("services.session", ["--redis-url", m.redis.url, "--log-level", "WARNING"])
+        m.session.start(timeout=120)
+        retriever = ServiceProcess(
+            "services.retriever", ["--milvus-uri", str(tmp / "milvus.db"), "--log-level", "WARNING"]
+        )
+        m.routers.append(retriever)  # stopped with the routers
+        retriever.start(timeout=300)
+        m.replicas = [synthetic_replica()]
+        m.replicas[0].start(timeout=120)
+        m.start_router("--api-keys-file", str(keys_file), "--retriever-addr", retriever.address)
+        d = Door(m, keys, keys_file)
+        yield d
+        d.channel.close()
+    finally:
+        m.stop()
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [(), (("authorization", "Bearer llmk_made-up"),), (("authorization", "Basic YWRtaW46YWRtaW4="),)],
+    ids=["missing", "wrong", "not-bearer"],
+)
+def test_missing_or_wrong_key_is_unauthenticated_on_every_rpc(
+    door: Door, metadata: tuple[tuple[str, str], ...]
+) -> None:
+    calls = [
+        lambda: door.stub.Complete(chat("hi"), metadata=metadata, timeout=10),
+        lambda: list(door.stub.ChatStream(chat("hi"), metadata=metadata, timeout=10)),
+        lambda: door.stub.SubmitTask(router_pb2.SubmitTaskRequest(request=chat("hi")), metadata=metadata, timeout=10),
+        lambda: door.stub.ListReplicas(router_pb2.ListReplicasRequest(), metadata=metadata, timeout=10),
+        lambda: door.stub.SearchDocuments(retriever_pb2.SearchRequest(query="x"), metadata=metadata, timeout=10),
+    ]
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as refused:
+            call()
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, refused.value.details()
+
+
+def test_revoked_key_is_unauthenticated(door: Door) -> None:
+    assert door.stub.Complete(chat("still valid"), metadata=door.auth("old"), timeout=10).token_ids
+    revoke_key(door.keys_file, "acme-old")
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            door.stub.Complete(chat("after revoke"), metadata=door.auth("old"), timeout=10)
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+            break
+        assert time.monotonic() < deadline, "revoked key still accepted 10 s after the file changed"
+        time.sleep(0.2)
+
+
+def smuggle(tenant: str) -> tuple[tuple[str, str], ...]:
+    """Internal metadata a client has no business sending."""
+    return (("x-llmmesh-tenant", tenant), ("x-llmmesh-user", f"{tenant}-admin"))
+
+
+def test_another_tenants_session_is_permission_denied_even_with_smuggled_metadata(door: Door) -> None:
+    first = door.stub.Complete(chat("my secret is 42", 4, session_id="globex-private-session"),
+                               metadata=door.auth("globex"), timeout=10)  # fmt: skip
+    assert first.end.session_version >= 1
+    for metadata in (door.auth("acme"), door.auth("acme", *smuggle("globex"))):
+        with pytest.raises(grpc.RpcError) as denied:
+            door.stub.Complete(chat("what is the secret?", 4, session_id="globex-private-session"),
+                               metadata=metadata, timeout=10)  # fmt: skip
+        assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED, denied.value.details()
+
+
+def test_another_tenants_task_is_permission_denied_even_with_smuggled_metadata(door: Door) -> None:
+    task = door.stub.SubmitTask(
+        router_pb2.SubmitTaskRequest(request=chat("private job", 4)), metadata=door.auth("globex"), timeout=10
+    )
+    for metadata in (door.auth("acme"), door.auth("acme", *smuggle("globex"))):
+        for call in (
+            lambda: door.stub.GetTask(router_pb2.GetTaskRequest(task_id=task.task_id), metadata=metadata, timeout=10),
+            lambda: door.stub.CancelTask(router_pb2.CancelTaskRequest(task_id=task.task_id), metadata=metadata, timeout=10),
+        ):
+            with pytest.raises(grpc.RpcError) as denied:
+                call()
+            assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED, denied.value.details()
+
+
+def test_another_tenants_document_is_out_of_reach_even_with_smuggled_metadata(door: Door) -> None:
+    header = retriever_pb2.DocumentHeader(document_id="globex-plan", mime_type="text/plain")
+    body = b"The globex launch code word is heliotrope. It is confidential."
+    requests = [retriever_pb2.IngestRequest(header=header), retriever_pb2.IngestRequest(data=body)]
+    assert door.stub.IngestDocument(iter(requests), metadata=door.auth("globex"), timeout=120).chunks >= 1
+    for metadata in (door.auth("acme"), door.auth("acme", *smuggle("globex"))):
+        found = door.stub.SearchDocuments(
+            retriever_pb2.SearchRequest(query="launch code word heliotrope"), metadata=metadata, timeout=60
+        )
+        assert all(c.document_id != "globex-plan" for c in found.chunks), "search crossed tenants"
+        listed = door.stub.ListDocuments(retriever_pb2.ListDocumentsRequest(), metadata=metadata, timeout=30)
+        assert all(d.document_id != "globex-plan" for d in listed.documents)
+        with pytest.raises(grpc.RpcError) as denied:
+            door.stub.DeleteDocument(
+                retriever_pb2.DeleteDocumentRequest(document_id="globex-plan"), metadata=metadata, timeout=30
+            )
+        # NOT_FOUND as well as PERMISSION_DENIED keeps the tenant out; the retriever does not
+        # even say the document exists (docs/reliability.md, row 12).
+        assert denied.value.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.NOT_FOUND)
+    mine = door.stub.ListDocuments(retriever_pb2.ListDocumentsRequest(), metadata=door.auth("globex"), timeout=30)
+    assert "globex-plan" in {d.document_id for d in mine.documents}, "the other tenant's delete went through"
+
+
+def timed_complete(door: Door, name: str, i: int) -> tuple[str, float]:
+    started = time.perf_counter()
+    try:
+        door.stub.Complete(chat(f"{name} {i}", 2), metadata=door.auth(name), timeout=10)
+        code = "OK"
+    except grpc.RpcError as err:
+        code = err.code().name
+    return code, time.perf_counter() - started
+
+
+def p99(samples: list[float]) -> float:
+    ordered = sorted(samples)
+    return ordered[int(0.99 * (len(ordered) - 1))]
+
+
+def test_a_key_bursting_ten_times_its_quota_is_limited_while_another_keeps_full_success(door: Door) -> None:
+    seconds, spacing = 3.0, 0.3  # the steady key stays under its quota: ~3.3 calls/s
+
+    def steady(offset: int) -> list[tuple[str, float]]:
+        out = []
+        for i in range(int(seconds / spacing)):
+            out.append(timed_complete(door, "steady", offset + i))
+            time.sleep(spacing)
+        return out
+
+    baseline = steady(0)
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        bursting = []
+        measuring = pool.submit(steady, 100)
+        # The bursting key sends 10x its quota for as long as the steady key measures.
+        started = time.perf_counter()
+        for i in range(int(10 * QUOTA_RPS * seconds)):
+            time.sleep(max(0.0, started + i / (10 * QUOTA_RPS) - time.perf_counter()))
+            bursting.append(pool.submit(timed_complete, door, "bursty", i))
+        during = measuring.result()
+        burst_codes = [f.result()[0] for f in bursting]
+
+    assert [code for code, _ in baseline] == ["OK"] * len(baseline)
+    assert set(burst_codes) <= {"OK", "RESOURCE_EXHAUSTED"}, set(burst_codes)
+    # About burst + rate x time get through; the rest is refused.
+    assert burst_codes.count("OK") <= QUOTA_RPS * (seconds + 1) + QUOTA_RPS, burst_codes.count("OK")
+    assert [code for code, _ in during] == ["OK"] * len(during), "the other key lost requests"
+    # Its latency is unhurt: p99 within 2x the quiet baseline (a 20 ms floor: 10 samples on a shared machine).
+    quiet, loud = p99([t for _, t in baseline]), p99([t for _, t in during])
+    print(f"row 12: steady key p99 {quiet * 1000:.1f} ms quiet, {loud * 1000:.1f} ms during a 10x burst")
+    assert loud <= max(2 * quiet, quiet + 0.02), (quiet, loud)
+
+
+def test_keepalive_ping_flood_gets_goaway(door: Door) -> None:
+    """Raw HTTP/2 PINGs with no call open: past the ping policy's strikes the server says GOAWAY."""
+    port = door.mesh.router.port
+    assert port is not None
+    conn = h2.connection.H2Connection(config=h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    goaway: h2.events.ConnectionTerminated | None = None
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(conn.data_to_send())
+        deadline = time.monotonic() + 10
+        sent = 0
+        while goaway is None and time.monotonic() < deadline:
+            if sent < 50:
+                conn.ping(sent.to_bytes(8, "big"))
+                sent += 1
+                sock.sendall(conn.data_to_send())
+            sock.settimeout(0.05)
+            try:
+                data = sock.recv(65536)
+            except TimeoutError:
+                continue
+            if not data:
+                break
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.ConnectionTerminated):
+                    goaway = event
+            sock.sendall(conn.data_to_send())
+    assert goaway is not None, f"no GOAWAY after {sent} pings"
+    assert goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    assert b"too_many_pings" in (goaway.additional_data or b"")
+    # The router still serves everyone else.
+    assert door.stub.Complete(chat("after the flood", 2), metadata=door.auth("acme"), timeout=10).token_ids

@@ -1,0 +1,71 @@
+"""Incremental detokenizer: whole characters only, stop strings across token boundaries, resume priming."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from services.inference.detokenizer import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path: Path) -> Any:
+    return AutoTokenizer.from_pretrained(str(model_path))
+
+
+def stream(detok: IncrementalDetokenizer, ids: list[int]) -> tuple[list[str], str | None]:
+    pieces: list[str] = []
+    for t in ids:
+        update = detok.add(t)
+        pieces.append(update.text)
+        if update.matched_stop is not None:
+            return pieces, update.matched_stop
+    pieces.append(detok.flush())
+    return pieces, None
+
+
+def test_multibyte_characters_split_across_tokens_are_never_emitted_half_way(tokenizer: Any) -> None:
+    text = "Café 🤖🎨 naïve 日本語"
+    ids = tokenizer.encode(text)
+    # The emoji and CJK characters span several byte-level tokens each.
+    assert any("\ufffd" in tokenizer.decode([t]) for t in ids)
+    pieces, _ = stream(IncrementalDetokenizer(tokenizer), ids)
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text
+
+
+def test_stop_string_spanning_tokens_ends_the_text_before_it(tokenizer: Any) -> None:
+    text = "The robot painted a sunset. THE END of the story."
+    ids = tokenizer.encode(text)
+    stop = "E END"  # starts inside "THE" and runs into the next token
+    pieces, matched = stream(IncrementalDetokenizer(tokenizer, stop=(stop,)), ids)
+    assert matched == stop
+    assert "".join(pieces) == "The robot painted a sunset. TH"
+    assert all(stop not in p for p in pieces)
+
+
+def test_text_that_might_start_a_stop_string_is_held_then_released(tokenizer: Any) -> None:
+    ids = tokenizer.encode("a cat and a dog")
+    detok = IncrementalDetokenizer(tokenizer, stop=("catastrophe",))
+    pieces, matched = stream(detok, ids)
+    assert matched is None
+    assert "".join(pieces) == "a cat and a dog"
+    # Nothing of " cat…" may leave before we know it is not "catastrophe".
+    assert pieces[1] == ""
+
+
+def test_the_earliest_of_several_stop_strings_wins(tokenizer: Any) -> None:
+    ids = tokenizer.encode("one two three four")
+    pieces, matched = stream(IncrementalDetokenizer(tokenizer, stop=("four", "two")), ids)
+    assert matched == "two"
+    assert "".join(pieces) == "one "
+
+
+def test_primed_tokens_are_not_re_emitted_and_spacing_continues(tokenizer: Any) -> None:
+    ids = tokenizer.encode("Once upon a time there was a robot")
+    detok = IncrementalDetokenizer(tokenizer, prime=ids[:4])
+    pieces, _ = stream(detok, ids[4:])
+    assert "".join(pieces) == tokenizer.decode(ids[4:])
