@@ -59,3 +59,9 @@ bench-engine: setup
 
 clean:
 	rm -rf services/gen $(STAMPS) .mypy_cache .ruff_cache .pytest_cache
+
+.PHONY: reliability-full
+## reliability-full: the reliability matrix at full size (1,000 streams, 500 cancels, …) and the load report
+reliability-full: setup
+	LLMMESH_RELIABILITY_SCALE=full $(PY) -m pytest tests/reliability -q -s
+	$(PY) -m bench.load --concurrency 10,100,1000 --failover-seconds 12 --json bench/results/load-synthetic.json

@@ -24,7 +24,10 @@ class PhaseClock:
 
     def __init__(self) -> None:
         self.current: dict[str, float] = defaultdict(float)
-        self.totals: dict[str, dict[str, float]] = {"decode": defaultdict(float), "prefill": defaultdict(float)}
+        self.totals: dict[str, dict[str, float]] = {
+            "decode": defaultdict(float),
+            "prefill": defaultdict(float),
+        }
         self.steps = {"decode": 0, "prefill": 0}
 
     def wrap(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -41,7 +44,9 @@ class PhaseClock:
         inner = self.current
         execute = inner.pop("execute", 0.0)
         # Execute's remainder is Python building index/mask tensors and stacking rows.
-        inner["prep"] = execute - inner.get("forward", 0.0) - inner.get("lm_head", 0.0) - inner.get("sample", 0.0)
+        inner["prep"] = (
+            execute - inner.get("forward", 0.0) - inner.get("lm_head", 0.0) - inner.get("sample", 0.0)
+        )
         inner["update"] = total - execute - inner.get("schedule", 0.0)
         for phase in PHASES:
             self.totals[kind][phase] += inner.get(phase, 0.0)
@@ -59,11 +64,15 @@ def instrument(engine: Any, clock: PhaseClock) -> None:
     head = runner.lm_head
     started: list[float] = []
     head.register_forward_pre_hook(lambda *_: started.append(time.perf_counter()))
-    head.register_forward_hook(lambda *_: clock.current.__setitem__("lm_head", time.perf_counter() - started.pop()))
+    head.register_forward_hook(
+        lambda *_: clock.current.__setitem__("lm_head", time.perf_counter() - started.pop())
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.engine_profile", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.engine_profile", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--model", default="models/SmolLM2-135M-Instruct")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--num-requests", type=int, default=64)
@@ -86,7 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     engine = mesh_method.build_engine(
-        args.model, args.dtype, "cpu", max_num_seqs=64, max_num_batched_tokens=None, compile_model=args.compile
+        args.model,
+        args.dtype,
+        "cpu",
+        max_num_seqs=64,
+        max_num_batched_tokens=None,
+        compile_model=args.compile,
     )
     work = workloads.uniform(engine.tokenizer, args.num_requests, args.max_tokens)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -101,9 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     traced = False
     started = time.perf_counter()
     while engine.has_unfinished_requests():
-        prefilling = any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or bool(
-            engine.scheduler.waiting
-        )
+        prefilling = any(
+            s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running
+        ) or bool(engine.scheduler.waiting)
         full_decode = not prefilling and len(engine.scheduler.running) == len(work.requests)
         if full_decode and not traced and args.trace_steps > 0:
             traced = True

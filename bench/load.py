@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
@@ -35,6 +35,9 @@ from google.rpc import error_details_pb2, status_pb2
 from bench.router import Service
 from bench.timings import percentile
 from services.gen.llmmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+if TYPE_CHECKING:
+    from services.gen.llmmesh.v1.router_pb2_grpc import RouterAsyncStub
 
 # Many streams share one HTTP/2 connection badly on a busy loop; spread them over a few.
 CLIENT_CHANNELS = 8
@@ -86,10 +89,10 @@ class ClientPool:
 
     def __init__(self, address: str, channels: int = CLIENT_CHANNELS) -> None:
         self.channels = [grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) for _ in range(channels)]
-        self.stubs = [router_pb2_grpc.RouterStub(c) for c in self.channels]
+        self.stubs: list[RouterAsyncStub] = [router_pb2_grpc.RouterStub(c) for c in self.channels]  # type: ignore[misc]
         self._next = itertools.count()
 
-    def stub(self) -> router_pb2_grpc.RouterStub:
+    def stub(self) -> RouterAsyncStub:
         return self.stubs[next(self._next) % len(self.stubs)]
 
     async def close(self) -> None:
@@ -97,7 +100,7 @@ class ClientPool:
 
 
 async def stream_once(
-    stub: router_pb2_grpc.RouterStub,
+    stub: RouterAsyncStub,
     request: router_pb2.ChatRequest,
     metadata: Metadata = (),
     timeout_s: float = 60.0,
@@ -383,13 +386,14 @@ async def failover_phase(
     victim.proc.send_signal(signal.SIGKILL)
     marks["kill -9 of one replica"] = time.perf_counter() - t0
     async with grpc.aio.insecure_channel(mesh.router.address) as channel:
-        stub = router_pb2_grpc.RouterStub(channel)
+        stub: RouterAsyncStub = router_pb2_grpc.RouterStub(channel)  # type: ignore[assignment]
         while time.perf_counter() - t0 < seconds:
             pool = await stub.ListReplicas(router_pb2.ListReplicasRequest(), timeout=5)
             gone = [
                 r
                 for r in pool.replicas
-                if r.address == victim.address and (r.ejected or r.health != router_pb2.REPLICA_HEALTH_SERVING)
+                if r.address == victim.address
+                and (r.ejected or r.health != router_pb2.REPLICA_HEALTH_SERVING)
             ]
             if gone and "replica out of the pool" not in marks:
                 marks["replica out of the pool"] = time.perf_counter() - t0
@@ -405,7 +409,9 @@ def _levels(raw: str) -> list[int]:
     try:
         levels = [int(x) for x in raw.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--concurrency: expected numbers like 10,100,1000, got {raw!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"--concurrency: expected numbers like 10,100,1000, got {raw!r}"
+        ) from None
     if not levels or min(levels) < 1:
         raise argparse.ArgumentTypeError("--concurrency: every level must be >= 1")
     return levels
@@ -418,9 +424,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--model", default=None, help="real engine replicas with this model; unset = synthetic token sources")
     add("--tokens-per-second", type=float, default=50.0, help="per stream, synthetic token sources only")
     add("--policy", default="auto", help="router --policy for the mesh started here")
-    add("--concurrency", dest="concurrency_levels", type=_levels, default=[10, 100, 1000], help="levels, e.g. 10,100,1000")
+    add(
+        "--concurrency",
+        dest="concurrency_levels",
+        type=_levels,
+        default=[10, 100, 1000],
+        help="levels, e.g. 10,100,1000",
+    )
     add("--turns-per-client", type=int, default=2, help="closed loop: turns each client sends per level")
-    add("--mode", choices=("closed", "open"), default="closed", help="closed-loop clients or open-loop arrivals")
+    add(
+        "--mode",
+        choices=("closed", "open"),
+        default="closed",
+        help="closed-loop clients or open-loop arrivals",
+    )
     add("--rate", type=float, default=50.0, help="open loop: arrivals per second")
     add("--max-tokens", type=int, default=16, help="tokens per answer")
     add("--failover-seconds", type=float, default=0.0, help="also run a kill -9 phase this long (0 = off)")
@@ -456,11 +473,17 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             outcomes, t0, marks = await failover_phase(
                 mesh, args.failover_concurrency, args.failover_seconds, make, args.failover_seconds / 3
             )
-            summary = summarize(args.label, "failover", args.failover_concurrency, outcomes, args.failover_seconds)
+            summary = summarize(
+                args.label, "failover", args.failover_concurrency, outcomes, args.failover_seconds
+            )
             result["failover"] = {**asdict(summary), "marks_s": marks}
             print(json.dumps(result["failover"]), flush=True)
             plot_failover(
-                outcomes, t0, marks, Path(args.plots) / f"failover-{slug}.png", f"kill -9 under load ({args.label})"
+                outcomes,
+                t0,
+                marks,
+                Path(args.plots) / f"failover-{slug}.png",
+                f"kill -9 under load ({args.label})",
             )
     finally:
         if mesh is not None:

@@ -8,9 +8,9 @@ Ingest runs the service's own pipeline in-process (parse → chunk → embed →
 Milvus upsert with the version flip) on synthetic topic documents, and reports
 chunks per second. For search, the collection is then filled up to
 ``--chunks`` vectors: the embedded chunks plus, if needed, synthetic vectors
-drawn around them (a random embedded chunk plus Gaussian noise, re-normalized),
-so the set keeps the clustered shape of real embeddings without hours of CPU
-embedding. Queries are embedded questions. Each query runs through Milvus (HNSW,
+drawn between them (a random point between two embedded chunks plus a little
+Gaussian noise, re-normalized), so the set keeps the shape of real embeddings
+without an hour of CPU embedding. Queries are embedded questions. Each query runs through Milvus (HNSW,
 COSINE, tenant filter, Strong consistency) and through brute-force numpy cosine
 over exactly the same vectors; we report p50/p95 latency of both, the speed
 ratio, and Milvus's recall@10 against the exact answer.
@@ -63,6 +63,7 @@ class RetrieverBenchResult:
     machine: str
     embedding_model: str
     chunk_tokens: int
+    search_ef: int
     documents: int
     embedded_chunks: int
     ingest_seconds: float
@@ -109,12 +110,16 @@ def machine_description() -> str:
 
 
 def fill_vectors(store: MilvusStore, base: Vectors, count: int, seed: int, noise: float) -> Vectors:
-    """Writes ``count`` synthetic chunk vectors drawn around ``base``, in documents of 10 chunks."""
+    """Writes ``count`` synthetic chunk vectors shaped like ``base``, in documents of 100 chunks."""
     rng = np.random.default_rng(seed)
-    picks = base[rng.integers(0, len(base), size=count)]
-    vectors = normalize_rows(picks + rng.normal(0.0, noise, size=picks.shape).astype(np.float32))
-    for start in range(0, count, 10):
-        block = vectors[start : start + 10]
+    # A random point between two embedded chunks, jittered: spread like real embeddings, no duplicates.
+    first = base[rng.integers(0, len(base), size=count)]
+    second = base[rng.integers(0, len(base), size=count)]
+    weight = np.asarray(rng.uniform(0.0, 1.0, size=(count, 1)), dtype=np.float32)
+    mixed = weight * first + (1.0 - weight) * second
+    vectors = normalize_rows(mixed + np.asarray(rng.normal(0.0, noise, size=mixed.shape), dtype=np.float32))
+    for start in range(0, count, 100):
+        block = vectors[start : start + 100]
         record = DocumentRecord(
             TENANT,
             f"fill-{start:06d}",
@@ -145,7 +150,9 @@ def run_bench(args: argparse.Namespace) -> RetrieverBenchResult:
     embedder = Embedder(args.embedding_model, device=args.device)
     chunker = TokenChunker(embedder.token_spans, ChunkingPolicy(args.chunk_tokens, args.chunk_tokens // 5))
     with tempfile.TemporaryDirectory(prefix="bench-retriever-") as tmp:
-        store = MilvusStore(str(Path(tmp) / "milvus.db"), embedder.model_name, embedder.dimension)
+        store = MilvusStore(
+            str(Path(tmp) / "milvus.db"), embedder.model_name, embedder.dimension, search_ef=args.search_ef
+        )
         try:
             corpus = Corpus(store, embedder, chunker)
             topics = sorted(TOPICS)
@@ -196,6 +203,7 @@ def run_bench(args: argparse.Namespace) -> RetrieverBenchResult:
         machine=machine,
         embedding_model=embedder.model_name,
         chunk_tokens=args.chunk_tokens,
+        search_ef=args.search_ef,
         documents=documents,
         embedded_chunks=embedded,
         ingest_seconds=round(ingest_seconds, 2),
@@ -240,12 +248,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-tokens", type=int, default=200, help="chunk size in tokens")
     parser.add_argument("--queries", type=int, default=200, help="search queries to time")
     parser.add_argument(
-        "--noise", type=float, default=0.02, help="std-dev per dimension of the synthetic fill"
+        "--noise", type=float, default=0.01, help="std-dev per dimension of the synthetic fill"
     )
     parser.add_argument(
         "--embedding-model", default=DEFAULT_EMBEDDING_MODEL, help="sentence-transformers model"
     )
     parser.add_argument("--device", default="cpu", help="embedding device")
+    parser.add_argument("--search-ef", type=int, default=64, help="HNSW ef, as the service's --search-ef")
     parser.add_argument("--seed", type=int, default=7, help="random seed")
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
 

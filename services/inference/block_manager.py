@@ -114,6 +114,16 @@ class BlockManager:
                 block.tokens = tokens
                 self._by_hash[h] = block.block_id
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix held by no sequence (benchmarks start each round cold)."""
+        while self._evictable:
+            block_id, _ = self._evictable.popitem(last=False)
+            block = self.blocks[block_id]
+            block.block_hash = None
+            block.tokens = ()
+            self._free.append(block_id)
+        self._by_hash = {h: b for h, b in self._by_hash.items() if self.blocks[b].ref_count > 0}
+
     # -- allocation ------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Give ``seq`` room for ``num_new_tokens`` more computed tokens; False (nothing taken) if no room."""

@@ -279,6 +279,10 @@ class LLMEngine:
             tokens_per_second=tokens / THROUGHPUT_WINDOW_S,
         )
 
+    def reset_prefix_cache(self) -> None:
+        """Drop cached prefixes no request holds."""
+        self.block_manager.reset_prefix_cache()
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Run ``prompts`` to completion together; returns each one's generated token ids."""
         ids = [f"generate-{i}-{random.getrandbits(32):08x}" for i in range(len(prompts))]

@@ -38,15 +38,17 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 @dataclass
 class ForwardContext:
-    """Per-step attention metadata, shared by every layer of one forward."""
+    """Per-step attention metadata, shared by every layer of one forward.
+
+    transformers hands extra forward kwargs down to the attention function, so the
+    context travels as the ``paged_context`` kwarg: no global state, and a compiled
+    forward sees its tensors as ordinary inputs.
+    """
 
     kv_caches: list[torch.Tensor]  # per layer: [2, num_slots + 1, kv_heads, head_dim]
     slot_mapping: torch.Tensor  # [B * T] where each new token's K/V goes (pads -> the spare slot)
-    gather_slots: torch.Tensor  # [B, L] the cache slots each row attends over, in position order
+    gather_slots: torch.Tensor  # [B * L] the cache slots each row attends over, in position order
     attn_mask: torch.Tensor  # [B, 1, T, L] True where query t may see key l
-
-
-_context: ForwardContext | None = None
 
 
 def paged_attention(
@@ -57,18 +59,22 @@ def paged_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    paged_context: ForwardContext | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Write this step's K/V into the paged cache, then attend over each row's blocks."""
-    ctx = _context
-    assert ctx is not None, "paged attention called outside ModelRunner.execute"
+    ctx = paged_context
+    if ctx is None:
+        raise RuntimeError("paged attention needs the `paged_context` forward kwarg (see ModelRunner)")
     batch, kv_heads, steps, head_dim = key.shape
     cache = ctx.kv_caches[module.layer_idx]  # type: ignore[index]
     k_cache, v_cache = cache[0], cache[1]
     k_cache.index_copy_(0, ctx.slot_mapping, key.transpose(1, 2).reshape(batch * steps, kv_heads, head_dim))
     v_cache.index_copy_(0, ctx.slot_mapping, value.transpose(1, 2).reshape(batch * steps, kv_heads, head_dim))
-    keys = k_cache[ctx.gather_slots].transpose(1, 2)  # [B, kv_heads, L, D]
-    values = v_cache[ctx.gather_slots].transpose(1, 2)
+    span = ctx.gather_slots.shape[0] // batch
+    # index_select is cheaper than advanced indexing for this gather.
+    keys = k_cache.index_select(0, ctx.gather_slots).view(batch, span, kv_heads, head_dim).transpose(1, 2)
+    values = v_cache.index_select(0, ctx.gather_slots).view(batch, span, kv_heads, head_dim).transpose(1, 2)
     out = F.scaled_dot_product_attention(
         query, keys, values, attn_mask=ctx.attn_mask, scale=scaling, enable_gqa=True
     )
@@ -146,9 +152,9 @@ class ModelRunner:
         self.lm_head: Any = self.model.get_output_embeddings()
         self.sampler = Sampler()
         self._block_offsets = torch.arange(self.block_size, device=self.device)
-        self._forward = self._decoder_forward
-        if config.compile:
-            self._forward = self._compiled_forward()
+        # Decode steps only (shape [B, 1]) are compiled: prefill shapes vary too much.
+        self._decode_forward = self._compiled_forward() if config.compile else self._decoder_forward
+        self._forward = self._run_forward
 
     def _bytes_per_block(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
@@ -168,28 +174,37 @@ class ModelRunner:
 
         # Freezing pre-packs weights for oneDNN/MKL (and AMX for bf16): the main CPU win.
         inductor_config.freezing = True
+        # Static shapes: decode batches are padded to BATCH_BUCKETS and attention spans to
+        # powers of two, so a handful of graphs covers every step.
         return torch.compile(self._decoder_forward, dynamic=False)
 
-    def _decoder_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        out = self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+    def _run_forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, context: ForwardContext
+    ) -> torch.Tensor:
+        if input_ids.shape[1] == 1:
+            return self._decode_forward(input_ids, position_ids, context)  # type: ignore[no-any-return]
+        return self._decoder_forward(input_ids, position_ids, context)
+
+    def _decoder_forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, context: ForwardContext
+    ) -> torch.Tensor:
+        out = self.decoder(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, paged_context=context
+        )
         return out.last_hidden_state  # type: ignore[no-any-return]
 
     @torch.inference_mode()
     def execute(self, scheduled: Seq[ScheduledSequence]) -> list[int]:
         """Run one step; returns the drawn token of every chunk that reached its sequence's end, in order."""
-        global _context
         decodes = [s for s in scheduled if s.num_tokens == 1]
         prefills = [s for s in scheduled if s.num_tokens > 1]
         rows: dict[int, torch.Tensor] = {}
-        try:
-            for group in (decodes, prefills):
-                if group:
-                    hidden = self._run_group(group)
-                    for s, h in zip(group, hidden, strict=True):
-                        if s.samples:
-                            rows[id(s)] = h
-        finally:
-            _context = None
+        for group in (decodes, prefills):
+            if group:
+                hidden = self._run_group(group)
+                for s, h in zip(group, hidden, strict=True):
+                    if s.samples:
+                        rows[id(s)] = h
         sampling = [s for s in scheduled if s.samples]
         if not sampling:
             return []
@@ -204,15 +219,16 @@ class ModelRunner:
 
     def _run_group(self, group: list[ScheduledSequence]) -> list[torch.Tensor]:
         """One forward over rows padded to the longest chunk; returns each row's last hidden state."""
-        global _context
         steps = max(s.num_tokens for s in group)
         rows = len(group)
-        padded_rows = rows
-        if self.config.compile and steps == 1:
-            padded_rows = next((b for b in BATCH_BUCKETS if b >= rows), rows)
         bs = self.block_size
         pad_slot = self.num_slots
         max_blocks = max(-(-(s.start + s.num_tokens) // bs) for s in group)
+        padded_rows = rows
+        if self.config.compile and steps == 1:
+            # Few distinct shapes, few compiled graphs.
+            padded_rows = next((b for b in BATCH_BUCKETS if b >= rows), rows)
+            max_blocks = 1 << (max_blocks - 1).bit_length()
         ids: list[list[int]] = []
         positions: list[list[int]] = []
         slots: list[int] = []
@@ -235,16 +251,16 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         position_ids = torch.tensor(positions, dtype=torch.long, device=dev)
         block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
-        gather = (block_tables[:, :, None] * bs + self._block_offsets).reshape(padded_rows, max_blocks * bs)
+        gather = (block_tables[:, :, None] * bs + self._block_offsets).reshape(-1)
         key_pos = torch.arange(max_blocks * bs, device=dev)
         mask = (key_pos[None, None, :] <= position_ids[:, :, None]).unsqueeze(1)
-        _context = ForwardContext(
+        context = ForwardContext(
             kv_caches=self.kv_caches,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             gather_slots=gather,
             attn_mask=mask,
         )
-        hidden = self._forward(input_ids, position_ids)
+        hidden = self._forward(input_ids, position_ids, context)
         last = torch.tensor([s.num_tokens - 1 for s in group], device=dev)
         return list(hidden[torch.arange(rows, device=dev), last])
 

@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--milvus-timeout-seconds", type=float, default=10.0, help="bound on each Milvus call"
     )
+    parser.add_argument("--search-ef", type=int, default=64, help="HNSW search breadth (recall vs speed)")
     args = parser.parse_args(argv)
     try:
         config = RetrieverConfig(
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
             cache_threshold=args.cache_threshold,
             cache_ttl_seconds=args.cache_ttl_seconds,
             milvus_timeout_seconds=args.milvus_timeout_seconds,
+            search_ef=args.search_ef,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -23,6 +23,7 @@ class RetrieverConfig:
     cache_threshold: float = DEFAULT_THRESHOLD
     cache_ttl_seconds: int = DEFAULT_TTL_SECONDS
     milvus_timeout_seconds: float = 10.0
+    search_ef: int = 64
 
     def __post_init__(self) -> None:
         check_milvus_uri(self.milvus_uri)
@@ -42,5 +43,7 @@ class RetrieverConfig:
             )
         if self.milvus_timeout_seconds <= 0:
             raise ValueError(f"--milvus-timeout-seconds must be > 0, got {self.milvus_timeout_seconds}")
+        if self.search_ef < 1:
+            raise ValueError(f"--search-ef must be >= 1, got {self.search_ef}")
         if self.device not in {"auto", "cpu", "cuda"} and not self.device.startswith("cuda:"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")

@@ -58,6 +58,10 @@ class Embedder:
     ) -> None:
         from sentence_transformers import SentenceTransformer
 
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model_name, location = resolve_model(name_or_path)
         self._model = SentenceTransformer(location, device=device, local_files_only=True)
         native = self._model.get_embedding_dimension()

@@ -39,13 +39,8 @@ class RetrieverRuntime:
 
     async def start(self, health: HealthReporter) -> None:
         config = self.config
-        device = config.device
-        if device == "auto":
-            import torch
-
-            device = "cuda" if torch.cuda.is_available() else "cpu"
         embedder = await asyncio.to_thread(
-            Embedder, config.embedding_model, config.embedding_dimension, device
+            Embedder, config.embedding_model, config.embedding_dimension, config.device
         )
         policy = ChunkingPolicy(config.chunk_tokens, config.chunk_overlap_tokens)
         if policy.max_tokens > embedder.max_tokens:
@@ -76,6 +71,7 @@ class RetrieverRuntime:
                     embedder.dimension,
                     names,
                     self.config.milvus_timeout_seconds,
+                    self.config.search_ef,
                 )
             except DependencyUnavailable as exc:
                 # Keep trying (NOT_SERVING); calls meanwhile get UNAVAILABLE with this reason.

@@ -177,8 +177,13 @@ class MilvusStore:
         dimension: int,
         names: CollectionNames | None = None,
         timeout_s: float = 10.0,
+        search_ef: int = 64,
     ) -> None:
         check_milvus_uri(uri)
+        if search_ef < 1:
+            raise ValueError(f"--search-ef must be >= 1, got {search_ef}")
+        # HNSW candidate list per search: larger finds more true neighbours, more slowly.
+        self.search_ef = search_ef
         if is_lite_uri(uri):
             uri = str(Path(uri).expanduser())
             Path(uri).resolve().parent.mkdir(parents=True, exist_ok=True)
@@ -333,6 +338,18 @@ class MilvusStore:
             batch = rows[start : start + _WRITE_BATCH]
             self._call(functools.partial(self._client.upsert, collection, batch, timeout=self._timeout))
 
+    def _settle(self, *collections: str) -> None:
+        """Moves fresh rows from Milvus Lite's memtable into indexed segments.
+
+        Milvus Lite searches rows still in its memtable by brute force in Python
+        (about 0.4 s per search at 10k rows); a flush (tens of ms) puts them in a
+        segment that gets an HNSW index in the background. A Milvus server indexes
+        growing segments itself and dislikes frequent flushes, so it is left alone.
+        """
+        if is_lite_uri(self.uri):
+            for collection in collections:
+                self._call(functools.partial(self._client.flush, collection, timeout=self._timeout))
+
     def _delete(self, collection: str, filter_: str) -> None:
         self._call(lambda: self._client.delete(collection, filter=filter_, timeout=self._timeout))
 
@@ -373,6 +390,7 @@ class MilvusStore:
             "vector": [0.0] * _PLACEHOLDER_DIM,
         }
         self._upsert(self.names.documents, [row])
+        self._settle(self.names.chunks, self.names.documents)
 
     def put_tombstone(self, record: DocumentRecord) -> None:
         """Marks the document deleted: from this write on, no search returns its chunks."""
@@ -380,32 +398,25 @@ class MilvusStore:
 
     def list_documents(self, tenant: str, after_id: str, limit: int) -> list[DocumentRecord]:
         """Up to ``limit`` documents with ids sorted after ``after_id`` (``""`` = from the start)."""
-        tenant_key = digest(tenant)
-        condition = f'tenant_key == "{tenant_key}" and version > 0'
+        base = f'tenant_key == "{digest(tenant)}" and version > 0'
         if after_id:
-            condition += f" and document_id > {json.dumps(after_id, ensure_ascii=False)}"
-        iterator = self._call(
-            lambda: self._client.query_iterator(
-                self.names.documents,
-                batch_size=1000,
-                filter=condition,
-                output_fields=["document_id"],
-                timeout=self._timeout,
-            )
-        )
-        ids: list[str] = []
-        try:
-            while batch := self._call(iterator.next):
-                ids.extend(row["document_id"] for row in batch)
-        finally:
-            iterator.close()
-        page = sorted(ids)[:limit]
+            base += f" and document_id > {json.dumps(after_id, ensure_ascii=False)}"
+        # Milvus returns rows in no particular order and at most MAX_QUERY_WINDOW per query. When a
+        # window comes back full, the `limit` smallest ids are all <= the limit-th smallest id in it,
+        # so narrow the range to that and ask again (plain timed queries: an iterator could hang).
+        condition = base
+        while True:
+            rows = self._query(self.names.documents, condition, ["document_id"], limit=MAX_QUERY_WINDOW)
+            ids = sorted(row["document_id"] for row in rows)
+            if len(ids) < MAX_QUERY_WINDOW or len(ids) <= limit:
+                break
+            condition = f"{base} and document_id <= {json.dumps(ids[limit - 1], ensure_ascii=False)}"
+        page = ids[:limit]
         if not page:
             return []
         keys = [digest(tenant, d) for d in page]
         rows = self._query(self.names.documents, f"document_key in {json.dumps(keys)}", ["*"])
-        records = [_document_from_row(tenant, row) for row in rows]
-        return sorted(records, key=lambda r: r.document_id)
+        return sorted((_document_from_row(tenant, row) for row in rows), key=lambda r: r.document_id)
 
     # -- chunks ----------------------------------------------------------
 
@@ -481,7 +492,7 @@ class MilvusStore:
                 limit=limit,
                 filter=condition,
                 output_fields=fields,
-                search_params={"metric_type": "COSINE", "params": {"ef": max(64, limit)}},
+                search_params={"metric_type": "COSINE", "params": {"ef": max(self.search_ef, limit)}},
                 consistency_level=CONSISTENCY,
                 timeout=self._timeout,
             )
@@ -534,6 +545,7 @@ class MilvusStore:
             "vector": vector.tolist(),
         }
         self._upsert(self.names.cache, [row])
+        self._settle(self.names.cache)
 
     def search_cache(self, scope_key: str, vector: Vectors, now_ms: int, limit: int) -> list[CacheRow]:
         """Live entries in the scope nearest to ``vector``, most similar first."""
@@ -545,7 +557,7 @@ class MilvusStore:
                 limit=limit,
                 filter=f'scope_key == "{scope_key}" and expires_at_ms > {int(now_ms)}',
                 output_fields=["prompt", "answer", "created_at_ms", "expires_at_ms", "cited"],
-                search_params={"metric_type": "COSINE", "params": {"ef": 64}},
+                search_params={"metric_type": "COSINE", "params": {"ef": self.search_ef}},
                 consistency_level=CONSISTENCY,
                 timeout=self._timeout,
             )

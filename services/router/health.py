@@ -106,14 +106,16 @@ class ActiveHealthChecker:
         self.probe_every_s = probe_every_s
         self.timeout_s = timeout_s
         self._task: asyncio.Task[None] | None = None
+        self._probes: set[asyncio.Task[None]] = set()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="router-health")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in [self._task, *self._probes] if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _loop(self) -> None:
         while True:
@@ -150,7 +152,11 @@ class ActiveHealthChecker:
             # A broken load report is not a dead replica: balance on what this router sees.
             log.warning("GetLoad of %s failed: %s %s", replica.address, exc.code().name, exc.details())
         if serving and self.probe_every_s and time.monotonic() - replica.last_probe >= self.probe_every_s:
-            await self.probe(replica)
+            # In the background: a busy engine's probe must not hold up everyone's load polling.
+            replica.last_probe = time.monotonic()
+            task = asyncio.create_task(self.probe(replica))
+            self._probes.add(task)
+            task.add_done_callback(self._probes.discard)
 
     async def probe(self, replica: Replica) -> None:
         """One-token generation: health SERVING does not prove the engine loop is alive."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import logging
 import os
 import random
 import time
@@ -26,6 +27,8 @@ from services.common import errors
 from services.common.server import HealthReporter, run
 from services.common.settings import EnvArgumentParser, add_server_args, server_options
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+log = logging.getLogger("llmmesh.synthetic")
 
 VOCAB_SIZE = 49152
 DEFAULT_MAX_TOKENS = 16
@@ -48,6 +51,8 @@ class SyntheticConfig:
     fail_rate: float = 0.0
     #: Waiting-queue bound reported in GetLoad.
     max_queued_requests: int = 256
+    #: Log each generation's request id and the deadline it arrived with (tests check propagation).
+    log_requests: bool = False
 
     def __post_init__(self) -> None:
         if self.tokens_per_second < 0 or self.ttft_s < 0:
@@ -100,6 +105,10 @@ class SyntheticInference(inference_pb2_grpc.InferenceServicer):
         if first is None or first.WhichOneof("action") != "start":
             raise errors.InvalidArgument("start", "the first GenerateRequest must be `start`")
         start = first.start
+        if self.config.log_requests:
+            remaining = context.time_remaining()
+            deadline = "none" if remaining is None or remaining > 1e6 else f"{remaining:.3f}"
+            log.info("generate request_id=%s deadline_s=%s", start.request_id, deadline)
         if self.config.fail_rate and self._rng.random() < self.config.fail_rate:
             raise errors.DependencyUnavailable("synthetic failure injected (--fail-rate)")
         max_tokens = (
@@ -236,6 +245,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--fail-rate", type=float, default=0.0, help="share of calls refused with UNAVAILABLE"
     )
+    parser.add_argument("--log-requests", action="store_true", help="log each request id and its deadline")
     return parser.parse_args(argv)
 
 
@@ -248,6 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         tokens_per_chunk=args.tokens_per_chunk,
         exit_after_tokens=args.exit_after_tokens,
         fail_rate=args.fail_rate,
+        log_requests=args.log_requests,
     )
     run(server_options("synthetic-replica", args), SyntheticRuntime(config))
 

@@ -1,4 +1,4 @@
-"""The turn pipeline: rate limit → cache → history → RAG → pick replica → relay → save → fill cache.
+"""The turn pipeline: admission → history → RAG → cache → pick replica → relay → save → fill cache.
 
 One authenticated turn in, a stream of ChatResponse out (tokens, then one
 TurnEnd), each numbered ``(request_id, seq)``. Chat, ChatStream, Complete and
@@ -7,7 +7,6 @@ async tasks all run turns through here.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -27,6 +26,7 @@ from services.router.pool import ReplicaPool
 from services.router.ratelimit import InflightLimiter, RateLimiter
 from services.router.relay import Relay, RelayOutcome, coalesce_chunks
 from services.router.replay import ReplayBuffer
+from services.router.replay_writer import ReplayWriter
 from services.router.response_cache import (
     CachedAnswer,
     ExactCache,
@@ -89,38 +89,6 @@ def merged_delta(batch: list[inference_pb2.TokenChunk]) -> router_pb2.TokenDelta
     )
 
 
-class _ReplayWriter:
-    """Copies a turn's messages to the replay buffer off the hot path, in order."""
-
-    def __init__(self, buffer: ReplayBuffer, request_id: str, tenant: str) -> None:
-        self.buffer = buffer
-        self.request_id = request_id
-        self.tenant = tenant
-        self._queue: asyncio.Queue[tuple[int, bytes] | None] = asyncio.Queue()
-        self._task = asyncio.create_task(self._run())
-        self._failed = False
-
-    def put(self, response: router_pb2.ChatResponse) -> None:
-        if not self._failed:
-            self._queue.put_nowait((response.seq, response.SerializeToString()))
-
-    async def _run(self) -> None:
-        while (item := await self._queue.get()) is not None:
-            try:
-                await self.buffer.append(self.request_id, self.tenant, item[0], item[1])
-            except Exception as exc:  # Resume is best effort: a Redis outage must not fail the answer
-                log.warning("replay buffer for %s stopped: %s", self.request_id, exc)
-                self._failed = True
-                return
-        with contextlib.suppress(Exception):
-            await self.buffer.finish(self.request_id)
-
-    async def close(self) -> None:
-        self._queue.put_nowait(None)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.shield(self._task), timeout=5.0)
-
-
 @dataclass
 class TurnState:
     """Bookkeeping of one turn while it runs."""
@@ -146,7 +114,7 @@ class TurnPipeline:
         validate(request)
         s = self.s
         state = TurnState(request.request_id or uuid.uuid4().hex, s.clock())
-        writer = _ReplayWriter(s.replay, state.request_id, principal.tenant) if s.replay is not None else None
+        writer = ReplayWriter(s.replay, state.request_id, principal.tenant) if s.replay is not None else None
         metrics.IN_FLIGHT.inc()
         slot = s.inflight.slot() if s.inflight is not None else contextlib.nullcontext()
         try:

@@ -21,8 +21,8 @@ from tests.support.processes import ServiceProcess
 
 pytestmark = pytest.mark.timeout(300)
 
-# 8 blocks x 16 slots = 128 KV slots: four ~45-token sequences cannot all stay resident.
-KV_BLOCKS = 8
+# 6 blocks x 16 slots = 96 KV slots: four ~28-token sequences cannot all stay resident.
+KV_BLOCKS = 6
 MAX_QUEUED = 4
 MAX_SEQS = 4
 
@@ -76,7 +76,7 @@ PROMPTS = [
 async def test_preemption_under_a_tiny_kv_cache_still_gives_exact_outputs(
     replica: ServiceProcess, stub: inference_pb2_grpc.InferenceStub, model_path: Path
 ) -> None:
-    max_tokens = 28
+    max_tokens = 20
     starts = [
         inference_pb2.GenerateStart(prompt=p, sampling=greedy(max_tokens, ignore_eos=True)) for p in PROMPTS
     ]

@@ -83,7 +83,7 @@ async def test_concurrent_greedy_generations_match_transformers_token_for_token(
     _, tokenizer = reference
     cases: list[tuple[inference_pb2.GenerateStart, list[int], int]] = []
     for i in range(8):
-        max_tokens = 6 + 5 * i
+        max_tokens = 5 + 3 * i
         if i % 2 == 0:
             messages = [Message("user", STORY.format(i=i) + " Make it" + " very" * (3 * i) + " short.")]
             start = inference_pb2.GenerateStart(
@@ -93,7 +93,7 @@ async def test_concurrent_greedy_generations_match_transformers_token_for_token(
             )
             ids = prompt_token_ids(tokenizer, messages, "")
         else:
-            prompt = "The history of painting " * (1 + 4 * i) + "begins with"
+            prompt = "The history of painting " * (1 + 2 * i) + "begins with"
             start = inference_pb2.GenerateStart(
                 request_id=f"exact-{i}", prompt=prompt, sampling=greedy(max_tokens)
             )

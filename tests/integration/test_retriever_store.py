@@ -173,21 +173,26 @@ def test_metadata_filter_matches_values_with_quotes_and_backslashes(corpus: Corp
         SearchQuery("quarterly plan", metadata_filter={'team"] or 1 == 1 or metadata["x': "y"})
 
 
-def test_documents_are_listed_in_pages_in_id_order(corpus: Corpus) -> None:
-    tenant = "lister"
-    ids = [f"doc-{i:02d}" for i in (5, 1, 7, 3, 2, 6, 4)]
+@pytest.mark.parametrize("query_window", [16_384, 4], ids=["one-query", "window-smaller-than-tenant"])
+def test_documents_are_listed_in_pages_in_id_order(
+    corpus: Corpus, monkeypatch: pytest.MonkeyPatch, query_window: int
+) -> None:
+    # A tiny query window makes listing narrow its id range, as it must past 16,384 documents.
+    monkeypatch.setattr("services.retriever.store.MAX_QUERY_WINDOW", query_window)
+    tenant = f"lister-{query_window}"
+    ids = [f"doc-{i:02d}" for i in (5, 1, 7, 3, 2, 6, 4, 9, 8)]
     for document_id in ids:
         corpus.ingest(tenant, upload(document_id, f"page listing test {document_id}"))
     listed: list[str] = []
     token = ""
     pages = 0
     while True:
-        records, token = corpus.list(tenant, 3, token)
+        records, token = corpus.list(tenant, 2, token)
         listed += [r.document_id for r in records]
         pages += 1
         if not token:
             break
-    assert (listed, pages) == (sorted(ids), 3)
+    assert (listed, pages) == (sorted(ids), 5)
     with pytest.raises(InvalidArgument, match="page_token"):
         corpus.list(tenant, 3, "%%%not-a-token")
     with pytest.raises(InvalidArgument, match="page_size"):

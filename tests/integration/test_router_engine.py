@@ -193,7 +193,7 @@ def test_a_lost_replicas_session_moves_to_a_prewarmed_successor(mesh: Mesh) -> N
         if any(r.address == home and r.health == router_pb2.REPLICA_HEALTH_NOT_SERVING for r in pool):
             break
         time.sleep(0.1)
-    time.sleep(2.0)  # the move and the one-token pre-warm generation
+    time.sleep(3.0)  # the move and the one-token pre-warm generation
     end = read_turn(mesh.stub.ChatStream(user_turn("Thanks!", 2, session_id=session, cache=BYPASS))).end
     assert end.replica != home
     assert end.usage.prompt_tokens > 100

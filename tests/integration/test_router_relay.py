@@ -84,7 +84,10 @@ def mesh(redis_module: RedisServer, keys_file: Path) -> Iterator[tuple[ServicePr
 @pytest.fixture(scope="module")
 def slow_mesh() -> Iterator[tuple[ServiceProcess, list[ServiceProcess]]]:
     """Replicas that take 1.5 s to the first token, then 10 tokens/s: time to cancel mid-way."""
-    replicas = [synthetic_replica("--ttft-ms", "1500", "--tokens-per-second", "10") for _ in range(2)]
+    replicas = [
+        synthetic_replica("--ttft-ms", "1500", "--tokens-per-second", "10", "--log-requests")
+        for _ in range(2)
+    ]
     router: ServiceProcess | None = None
     try:
         for r in replicas:
@@ -264,11 +267,14 @@ def test_client_deadline_reaches_the_replica(slow_mesh: tuple[ServiceProcess, li
     router, replicas = slow_mesh
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as caught:
-        router_stub(router).Complete(user_turn("slow", 5), timeout=0.5)
+        router_stub(router).Complete(user_turn("slow", 5, request_id="deadline-1"), timeout=0.5)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert time.monotonic() - started < 1.5
-    # The replica's call carried the deadline: its generation ends without the router cancelling it later.
-    assert wait_until_idle(replicas, timeout=2.0) < 2.0
+    assert time.monotonic() - started < 2.5
+    # The replica's call carried the client's deadline (minus the time already spent), never more.
+    logged = [line for r in replicas for line in r.lines if "request_id=deadline-1 " in line]
+    assert len(logged) == 1
+    assert 0.0 < float(logged[0].rsplit("deadline_s=", 1)[1]) <= 0.5
+    assert wait_until_idle(replicas, timeout=3.0) < 2.0
 
 
 def test_client_cancel_frees_the_replica_at_once(
@@ -280,7 +286,7 @@ def test_client_cancel_frees_the_replica_at_once(
     assert all(m.HasField("delta") for m in got)
     assert sum(running_sequences(r) for r in replicas) == 1
     stream.cancel()
-    assert wait_until_idle(replicas, timeout=2.0) < 1.0
+    assert wait_until_idle(replicas, timeout=3.0) < 2.0
 
 
 def test_chat_cancel_message_ends_the_turn_as_cancelled(
@@ -300,7 +306,7 @@ def test_chat_cancel_message_ends_the_turn_as_cancelled(
         got_token.set()
     assert responses[-1].end.finish_reason == common_pb2.FINISH_REASON_CANCELLED
     assert responses[-1].seq == len(responses)
-    assert wait_until_idle(replicas, timeout=2.0) < 1.0
+    assert wait_until_idle(replicas, timeout=3.0) < 2.0
 
 
 def test_kill_9_mid_stream_fails_over_without_losing_or_repeating_a_token() -> None:
@@ -378,3 +384,30 @@ def test_no_replica_is_unavailable_or_a_flagged_degraded_answer() -> None:
         for p in [router, replica]:
             if p is not None:
                 p.stop()
+
+
+async def test_replay_writer_batches_messages_without_losing_or_reordering_any(
+    redis_module: RedisServer,
+) -> None:
+    import redis.asyncio
+
+    from services.router.replay import ReplayBuffer
+    from services.router.replay_writer import ReplayWriter
+
+    client = redis.asyncio.Redis.from_url(redis_module.url)
+    try:
+        buffer = ReplayBuffer(client)
+        writer = ReplayWriter(buffer, "batched-1", "acme")
+        sent = [
+            router_pb2.ChatResponse(request_id="batched-1", seq=i, delta=router_pb2.TokenDelta(text=f" {i}"))
+            for i in range(1, 301)
+        ]
+        for message in sent:  # all queued at once: the writer has to batch them
+            writer.put(message)
+        await writer.close()
+        replayed = [
+            router_pb2.ChatResponse.FromString(p) async for p in buffer.read_after("batched-1", "acme", 0)
+        ]
+        assert replayed == sent
+    finally:
+        await client.aclose()

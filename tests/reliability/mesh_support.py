@@ -46,7 +46,9 @@ class Mesh:
     def router(self) -> ServiceProcess:
         return self.routers[-1]
 
-    def start_router(self, *args: str, port: int | None = None, env: dict[str, str] | None = None) -> ServiceProcess:
+    def start_router(
+        self, *args: str, port: int | None = None, env: dict[str, str] | None = None
+    ) -> ServiceProcess:
         argv = ["--replicas", ",".join(r.address for r in self.replicas), "--health-interval-s", "0.2"]
         argv += ["--probe-interval-s", "0", "--log-level", "WARNING"]
         if self.redis is not None:

@@ -11,6 +11,7 @@ import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import pytest
@@ -18,6 +19,9 @@ import pytest
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.reliability.mesh_support import sized
 from tests.support.processes import ServiceProcess
+
+if TYPE_CHECKING:
+    from services.gen.llmmesh.v1.inference_pb2_grpc import InferenceAsyncStub
 
 STREAMS = sized(64, 500)
 
@@ -35,27 +39,29 @@ def engine(model_path: Path) -> Iterator[ServiceProcess]:
 def long_start(i: int) -> inference_pb2.GenerateStart:
     return inference_pb2.GenerateStart(
         request_id=f"storm-{i}",
-        messages=[common_pb2.ChatMessage(role="user", content=f"Write a very long essay about rivers ({i}).")],
+        messages=[
+            common_pb2.ChatMessage(role="user", content=f"Write a very long essay about rivers ({i}).")
+        ],
         sampling=common_pb2.SamplingParams(max_tokens=512, temperature=0.0, ignore_eos=True),
     )
 
 
-async def load(stub: inference_pb2_grpc.InferenceStub) -> inference_pb2.LoadReport:
+async def load(stub: InferenceAsyncStub) -> inference_pb2.LoadReport:
     return await stub.GetLoad(inference_pb2.GetLoadRequest(), timeout=5)
 
 
 @pytest.mark.slow
 async def test_cancel_storm_frees_every_sequence_and_kv_block_within_a_second(engine: ServiceProcess) -> None:
     async with grpc.aio.insecure_channel(engine.address) as channel:
-        stub = inference_pb2_grpc.InferenceStub(channel)
-        calls = [stub.Generate(timeout=300) for _ in range(STREAMS)]
+        stub: InferenceAsyncStub = inference_pb2_grpc.InferenceStub(channel)  # type: ignore[assignment]
+        calls = [stub.Generate(timeout=300) for _ in range(STREAMS)]  # type: ignore[call-arg]
         for i, call in enumerate(calls):
             await call.write(inference_pb2.GenerateRequest(start=long_start(i)))
         got_token = [False] * STREAMS
 
         async def read_first(i: int) -> None:
             response = await calls[i].read()
-            got_token[i] = response is not grpc.aio.EOF and response.HasField("chunk")
+            got_token[i] = isinstance(response, inference_pb2.GenerateResponse) and response.HasField("chunk")
 
         readers = [asyncio.create_task(read_first(i)) for i in range(STREAMS)]
         # Mid-generation: wait until the running batch is producing tokens.

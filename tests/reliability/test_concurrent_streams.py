@@ -70,7 +70,9 @@ async def test_concurrent_streams_complete_exactly_with_bounded_load_under_affin
 
     # Bounded loads: judged while most streams are in flight (the placement decision's regime).
     busy = [s for s in samples if sum(s) >= 0.8 * STREAMS]
-    assert busy, f"never saw {0.8 * STREAMS:.0f} streams in flight: {max(map(sum, samples), default=0)} at most"
+    assert busy, (
+        f"never saw {0.8 * STREAMS:.0f} streams in flight: {max(map(sum, samples), default=0)} at most"
+    )
     for sample in busy:
         bound = math.ceil((1 + EPSILON) * sum(sample) / len(sample)) + 1
         assert max(sample) <= bound, f"in flight per replica {sample} exceeds ⌈1.25·avg⌉+1 = {bound}"

@@ -66,7 +66,9 @@ async def test_three_times_capacity_is_refused_fast_and_accepted_work_keeps_capa
         rss_after = router.memory_info().rss
 
     refusal_p99_ms = sorted(o.latency_s * 1000 for o in overload if not o.ok)[-max(1, len(overload) // 100)]
-    print(f"row 9: capacity {capacity:.1f}/s, accepted at 3x {accepted:.1f}/s, refusal p99 {refusal_p99_ms:.1f} ms")
+    print(
+        f"row 9: capacity {capacity:.1f}/s, accepted at 3x {accepted:.1f}/s, refusal p99 {refusal_p99_ms:.1f} ms"
+    )
     assert all(o.ok for o in baseline), {o.code for o in baseline}
     refused = [o for o in overload if o.code == "RESOURCE_EXHAUSTED"]
     codes = {o.code for o in overload}

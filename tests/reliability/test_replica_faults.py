@@ -60,7 +60,9 @@ async def test_kill_9_of_one_replica_under_load_loses_and_repeats_no_token(tmp_p
         assert_exact(after)
         assert all(o.replica != victim.address and o.retries == 0 and o.failovers == 0 for o in after)
         pool = {r.address: r for r in list_replicas(m.router.address)}
-        assert pool[victim.address].health != router_pb2.REPLICA_HEALTH_SERVING or pool[victim.address].ejected
+        assert (
+            pool[victim.address].health != router_pb2.REPLICA_HEALTH_SERVING or pool[victim.address].ejected
+        )
 
 
 async def test_sigterm_drain_of_a_replica_under_load_gives_clients_zero_errors(tmp_path: Path) -> None:
@@ -69,7 +71,9 @@ async def test_sigterm_drain_of_a_replica_under_load_gives_clients_zero_errors(t
     replica_args = [drain, ("--tokens-per-second", "20"), ("--tokens-per-second", "20")]
     with mesh(None, replica_args, "--max-in-flight", "4096") as m:
         victim = m.replicas[0]
-        load = asyncio.create_task(run_closed_loop(m.router.address, clients, clients * 4, turn, timeout_s=60))
+        load = asyncio.create_task(
+            run_closed_loop(m.router.address, clients, clients * 4, turn, timeout_s=60)
+        )
         await asyncio.sleep(1.0)
         victim_streams = {r.address: r.in_flight for r in list_replicas(m.router.address)}[victim.address]
         victim.signal(signal.SIGTERM)

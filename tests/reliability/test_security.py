@@ -89,9 +89,13 @@ def test_missing_or_wrong_key_is_unauthenticated_on_every_rpc(
     calls = [
         lambda: door.stub.Complete(chat("hi"), metadata=metadata, timeout=10),
         lambda: list(door.stub.ChatStream(chat("hi"), metadata=metadata, timeout=10)),
-        lambda: door.stub.SubmitTask(router_pb2.SubmitTaskRequest(request=chat("hi")), metadata=metadata, timeout=10),
+        lambda: door.stub.SubmitTask(
+            router_pb2.SubmitTaskRequest(request=chat("hi")), metadata=metadata, timeout=10
+        ),
         lambda: door.stub.ListReplicas(router_pb2.ListReplicasRequest(), metadata=metadata, timeout=10),
-        lambda: door.stub.SearchDocuments(retriever_pb2.SearchRequest(query="x"), metadata=metadata, timeout=10),
+        lambda: door.stub.SearchDocuments(
+            retriever_pb2.SearchRequest(query="x"), metadata=metadata, timeout=10
+        ),
     ]
     for call in calls:
         with pytest.raises(grpc.RpcError) as refused:
@@ -133,13 +137,14 @@ def test_another_tenants_task_is_permission_denied_even_with_smuggled_metadata(d
     task = door.stub.SubmitTask(
         router_pb2.SubmitTaskRequest(request=chat("private job", 4)), metadata=door.auth("globex"), timeout=10
     )
+    rpcs = [
+        (door.stub.GetTask, router_pb2.GetTaskRequest(task_id=task.task_id)),
+        (door.stub.CancelTask, router_pb2.CancelTaskRequest(task_id=task.task_id)),
+    ]
     for metadata in (door.auth("acme"), door.auth("acme", *smuggle("globex"))):
-        for call in (
-            lambda: door.stub.GetTask(router_pb2.GetTaskRequest(task_id=task.task_id), metadata=metadata, timeout=10),
-            lambda: door.stub.CancelTask(router_pb2.CancelTaskRequest(task_id=task.task_id), metadata=metadata, timeout=10),
-        ):
+        for rpc, request in rpcs:
             with pytest.raises(grpc.RpcError) as denied:
-                call()
+                rpc(request, metadata=metadata, timeout=10)  # type: ignore[operator]
             assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED, denied.value.details()
 
 
@@ -162,7 +167,9 @@ def test_another_tenants_document_is_out_of_reach_even_with_smuggled_metadata(do
         # NOT_FOUND as well as PERMISSION_DENIED keeps the tenant out; the retriever does not
         # even say the document exists (docs/reliability.md, row 12).
         assert denied.value.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.NOT_FOUND)
-    mine = door.stub.ListDocuments(retriever_pb2.ListDocumentsRequest(), metadata=door.auth("globex"), timeout=30)
+    mine = door.stub.ListDocuments(
+        retriever_pb2.ListDocumentsRequest(), metadata=door.auth("globex"), timeout=30
+    )
     assert "globex-plan" in {d.document_id for d in mine.documents}, "the other tenant's delete went through"
 
 

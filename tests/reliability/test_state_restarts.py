@@ -36,7 +36,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_tasks(stub: router_pb2_grpc.RouterStub, task_ids: list[str], timeout: float) -> list[router_pb2.Task]:
+def wait_tasks(
+    stub: router_pb2_grpc.RouterStub, task_ids: list[str], timeout: float
+) -> list[router_pb2.Task]:
     deadline = time.monotonic() + timeout
     pending = set(task_ids)
     done: dict[str, router_pb2.Task] = {}
@@ -85,6 +87,7 @@ def test_redis_restart_under_load_loses_no_acknowledged_turn_or_accepted_task(tm
         accepted: list[str] = []
         codes: list[str] = []
         details: list[str] = []
+        degraded: list[str] = []  # answered, but the turn was not saved: flagged as degraded
         turn_number = [0]
         lock = threading.Lock()
 
@@ -102,10 +105,14 @@ def test_redis_restart_under_load_loses_no_acknowledged_turn_or_accepted_task(tm
             codes.append("OK")
             if reply.end.session_version > 0 and not reply.end.degraded:
                 acked.append((f"redis-outage-{worker}", text))
+            elif reply.end.degraded:
+                degraded.extend(reply.end.degraded_reasons)
 
         def task_client(worker: int) -> None:
             try:
-                task = stub.SubmitTask(router_pb2.SubmitTaskRequest(request=chat(f"task {worker}", 8)), timeout=10)
+                task = stub.SubmitTask(
+                    router_pb2.SubmitTaskRequest(request=chat(f"task {worker}", 8)), timeout=10
+                )
                 accepted.append(task.task_id)
                 codes.append("OK")
             except grpc.RpcError as err:
@@ -124,7 +131,9 @@ def test_redis_restart_under_load_loses_no_acknowledged_turn_or_accepted_task(tm
         deadline = time.monotonic() + 15
         while True:
             try:
-                reply = stub.Complete(chat("after the outage", 4, session_id="redis-outage-after"), timeout=10)
+                reply = stub.Complete(
+                    chat("after the outage", 4, session_id="redis-outage-after"), timeout=10
+                )
                 if reply.end.session_version > 0:
                     break
             except grpc.RpcError:
@@ -143,11 +152,16 @@ def test_redis_restart_under_load_loses_no_acknowledged_turn_or_accepted_task(tm
         ]
         channel.close()
 
-    print(f"row 4: {len(acked)} turns acknowledged, {len(accepted)} tasks accepted, codes {sorted(set(codes))}")
+    print(
+        f"row 4: {len(acked)} turns acknowledged, {len(accepted)} tasks accepted, codes {sorted(set(codes))}, "
+        f"{len(degraded)} degraded answers, e.g. {degraded[:1]}"
+    )
     assert "OK" in codes and len(acked) > 10
     unexpected = sorted({d for d in details if not d.split(": ")[1].startswith("UNAVAILABLE")})
-    assert set(codes) <= {"OK", "UNAVAILABLE", "INTERNAL"}, f"outage answered with {unexpected}"
-    assert "UNAVAILABLE" in codes, "the outage was not seen at all: the test did not test anything"
+    assert set(codes) <= {"OK", "UNAVAILABLE"}, f"outage answered with {unexpected}"
+    assert "UNAVAILABLE" in codes or degraded, (
+        "the outage was not seen at all: the test did not test anything"
+    )
     assert not lost, f"{len(lost)} acknowledged turns lost, e.g. {lost[:3]}"
     assert [t.state for t in tasks] == [router_pb2.TASK_STATE_SUCCEEDED] * len(tasks), [
         (t.task_id, t.state, t.error_message) for t in tasks if t.state != router_pb2.TASK_STATE_SUCCEEDED
@@ -171,7 +185,9 @@ def test_router_kill_9_and_restart_keeps_clients_sessions_and_tasks(tmp_path: Pa
             home[f"sticky-{i}"] = reply.end.replica
         assert len(set(home.values())) == 3
         tasks = [
-            stub.SubmitTask(router_pb2.SubmitTaskRequest(request=chat(f"long task {i}", 100)), timeout=10).task_id
+            stub.SubmitTask(
+                router_pb2.SubmitTaskRequest(request=chat(f"long task {i}", 100)), timeout=10
+            ).task_id
             for i in range(3)
         ]
         time.sleep(0.5)  # the tasks are running (100 tokens at 50/s: 2 s) when the router dies

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.gen.llmmesh.v1 import session_pb2, session_pb2_grpc
+from services.gen.llmmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, session_pb2, session_pb2_grpc
 from tests.support.certs import CertPaths, make_certs
 from tests.support.processes import ServiceProcess
 from tests.support.redis import RedisServer
 
 TENANT = (("x-llmmesh-tenant", "acme"),)
+SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 @pytest.fixture(scope="module")
@@ -68,4 +71,49 @@ def test_plaintext_client_is_refused(mtls_service: ServiceProcess) -> None:
         stub = session_pb2_grpc.SessionStub(channel)
         with pytest.raises(grpc.RpcError) as err:
             stub.CreateSession(session_pb2.CreateSessionRequest(), metadata=TENANT, timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.fixture(scope="module")
+def tls_router(certs: CertPaths) -> Iterator[ServiceProcess]:
+    """The router's front door with TLS, in front of a synthetic token source (fake replica)."""
+    replica = ServiceProcess("services.router.synthetic_replica", ["--log-level", "WARNING"])
+    router: ServiceProcess | None = None
+    try:
+        replica.start(timeout=120)
+        router = ServiceProcess(
+            "services.router",
+            [
+                "--replicas", replica.address, "--probe-interval-s", "0", "--log-level", "WARNING",
+                "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
+            ],
+        )  # fmt: skip
+        # Health checks speak plaintext: wait for the TLS client's own call instead.
+        router.start(wait_serving=False, timeout=120)
+        yield router
+    finally:
+        if router is not None:
+            router.stop()
+        replica.stop()
+
+
+def test_router_front_door_serves_tls_clients_and_refuses_plaintext(
+    tls_router: ServiceProcess, certs: CertPaths
+) -> None:
+    request = router_pb2.ChatRequest(
+        messages=[common_pb2.ChatMessage(role="user", content="hello over TLS")],
+        sampling=common_pb2.SamplingParams(max_tokens=3, temperature=0.0),
+    )
+    creds = grpc.ssl_channel_credentials(root_certificates=certs.ca.read_bytes())
+    with grpc.secure_channel(f"localhost:{tls_router.port}", creds) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        deadline = time.monotonic() + 60
+        while health.Check(health_pb2.HealthCheckRequest(), timeout=5, wait_for_ready=True).status != SERVING:
+            assert time.monotonic() < deadline, "router never SERVING over TLS"
+            time.sleep(0.2)
+        reply = router_pb2_grpc.RouterStub(channel).Complete(request, timeout=30)
+        assert len(reply.token_ids) == 3
+    with grpc.insecure_channel(f"127.0.0.1:{tls_router.port}") as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            router_pb2_grpc.RouterStub(channel).Complete(request, timeout=5)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
@@ -112,4 +113,30 @@ async def test_pick_refuses_when_the_predicted_queue_wait_exceeds_the_deadline()
         again = relay.pick(["m"], "s", {"127.0.0.1:2"}, None, preferred="127.0.0.1:2")
         assert again is not None and again[0].address == "127.0.0.1:1"
     finally:
+        await pool.close()
+
+
+async def test_discovery_follows_the_replicas_file_and_dns(tmp_path: Path) -> None:
+    import os
+
+    from services.router.pool import ReplicaDiscovery, ReplicaPool
+
+    path = tmp_path / "replicas.txt"
+    path.write_text("127.0.0.1:7001\n127.0.0.1:7002  # second\n")
+    pool = ReplicaPool()
+    discovery = ReplicaDiscovery(pool, static=["127.0.0.1:7000"], dns="localhost:7100", file=str(path))
+    try:
+        await discovery.start()
+        assert {"127.0.0.1:7000", "127.0.0.1:7001", "127.0.0.1:7002"} <= set(pool.replicas)
+        assert any(a.endswith(":7100") for a in pool.replicas)  # localhost resolved
+        path.write_text("127.0.0.1:7003\n")
+        os.utime(path, (1, 1))  # a new mtime, whatever the file system's resolution
+        assert discovery.read_file()
+        discovery._apply()
+        assert "127.0.0.1:7003" in pool.replicas and "127.0.0.1:7001" not in pool.replicas
+        path.write_text("not an address\n")
+        os.utime(path, (2, 2))
+        assert not discovery.read_file()  # a broken file keeps the last good list
+    finally:
+        await discovery.stop()
         await pool.close()

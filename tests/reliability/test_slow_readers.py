@@ -1,0 +1,102 @@
+"""Slow readers that never drain their streams (reliability matrix row 6, second half).
+
+Clients open long ChatStream calls through the router and then advertise an
+HTTP/2 receive window of zero, so the router can send them nothing. Flow
+control must push back all the way to the replica: the router's memory stays
+bounded and healthy clients' p99 stays within 2x of the baseline. Replicas are
+synthetic token sources (fake, unpaced: they produce as fast as they may).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from collections.abc import Iterator
+
+import grpc
+import h2.config
+import h2.connection
+import h2.settings
+import psutil
+import pytest
+
+from services.gen.llmmesh.v1 import router_pb2, router_pb2_grpc
+from tests.reliability.mesh_support import Mesh, chat, mesh, sized
+
+SLOW_READERS = sized(100, 500)
+
+
+@pytest.fixture(scope="module")
+def unpaced_mesh() -> Iterator[Mesh]:
+    with mesh(None, [("--tokens-per-chunk", "4")] * 2, "--max-in-flight", "4096") as m:
+        yield m
+
+
+def p99_latency(address: str, calls: int = 100) -> float:
+    with grpc.insecure_channel(address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        samples = []
+        for i in range(calls):
+            started = time.perf_counter()
+            stub.Complete(chat(f"healthy {i}", 4), timeout=10)
+            samples.append(time.perf_counter() - started)
+    samples.sort()
+    return samples[int(0.99 * (len(samples) - 1))]
+
+
+def open_never_reading_stream(port: int, request: router_pb2.ChatRequest) -> socket.socket:
+    """A ChatStream whose client window is zero: the server may send headers, never data."""
+    config = h2.config.H2Configuration(client_side=True)
+    conn = h2.connection.H2Connection(config=config)
+    conn.local_settings = h2.settings.Settings(
+        client=True, initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0}
+    )
+    conn.initiate_connection()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    stream_id = conn.get_next_available_stream_id()
+    conn.send_headers(
+        stream_id,
+        [
+            (":method", "POST"), (":scheme", "http"), (":path", "/llmmesh.v1.Router/ChatStream"),
+            (":authority", f"127.0.0.1:{port}"), ("content-type", "application/grpc"), ("te", "trailers"),
+        ],
+    )  # fmt: skip
+    payload = request.SerializeToString()
+    conn.send_data(stream_id, struct.pack(">BI", 0, len(payload)) + payload, end_stream=True)
+    sock.sendall(conn.data_to_send())
+    return sock
+
+
+def test_slow_readers_keep_router_memory_bounded_and_healthy_clients_fast(unpaced_mesh: Mesh) -> None:
+    router = unpaced_mesh.router
+    assert router.proc is not None and router.port is not None
+    process = psutil.Process(router.proc.pid)
+    p99_latency(router.address, 20)  # warm up
+    baseline = p99_latency(router.address)
+    rss_before = process.memory_info().rss
+
+    readers: list[socket.socket] = []
+    try:
+        for i in range(SLOW_READERS):
+            readers.append(open_never_reading_stream(router.port, chat(f"never read {i}", 8000)))
+        time.sleep(2.0)  # unpaced replicas would have produced every token by now without back-pressure
+        under_load = p99_latency(router.address)
+        rss_after = process.memory_info().rss
+        in_flight = sum(
+            r.in_flight
+            for r in router_pb2_grpc.RouterStub(grpc.insecure_channel(router.address))
+            .ListReplicas(router_pb2.ListReplicasRequest(), timeout=5)
+            .replicas
+        )
+    finally:
+        for s in readers:
+            s.close()
+
+    print(
+        f"row 6: {SLOW_READERS} slow readers, router RSS +{(rss_after - rss_before) / 2**20:.1f} MiB, "
+        f"healthy p99 {baseline * 1000:.1f} -> {under_load * 1000:.1f} ms"
+    )
+    assert in_flight >= SLOW_READERS // 2, "the slow readers' streams never reached a replica"
+    assert rss_after - rss_before < 64 * 1024 * 1024, "router memory grew by more than 64 MiB"
+    assert under_load <= max(2 * baseline, baseline + 0.01), (baseline, under_load)
