@@ -307,7 +307,12 @@ def tokens_per_second_series(
 
 
 def plot_failover(
-    outcomes: Sequence[StreamOutcome], t0: float, marks: dict[str, float], path: Path, title: str
+    outcomes: Sequence[StreamOutcome],
+    t0: float,
+    marks: dict[str, float],
+    path: Path,
+    title: str,
+    until_s: float = math.inf,
 ) -> None:
     """Tokens/s over time during a kill -9, with the kill and the ejection marked."""
     import matplotlib
@@ -316,6 +321,9 @@ def plot_failover(
     import matplotlib.pyplot as plt
 
     xs, ys = tokens_per_second_series(outcomes, t0)
+    # The last bins only hold the streams still draining after the load stopped.
+    keep = [i for i, x in enumerate(xs) if x + 0.25 <= until_s]
+    xs, ys = [xs[i] for i in keep], [ys[i] for i in keep]
     fig, ax = plt.subplots(figsize=(9, 4))
     ax.plot(xs, ys, drawstyle="steps-post")
     for (name, at), style in zip(marks.items(), ("r--", "k:", "g-."), strict=False):
@@ -476,7 +484,13 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             summary = summarize(
                 args.label, "failover", args.failover_concurrency, outcomes, args.failover_seconds
             )
-            result["failover"] = {**asdict(summary), "marks_s": marks}
+            moved = [o for o in outcomes if o.failovers]
+            result["failover"] = {
+                **asdict(summary),
+                "marks_s": marks,
+                "streams_failed_over": len(moved),
+                "failed_over_contiguous": sum(1 for o in moved if o.ok and o.contiguous),
+            }
             print(json.dumps(result["failover"]), flush=True)
             plot_failover(
                 outcomes,
@@ -484,6 +498,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                 marks,
                 Path(args.plots) / f"failover-{slug}.png",
                 f"kill -9 under load ({args.label})",
+                until_s=args.failover_seconds,
             )
     finally:
         if mesh is not None:

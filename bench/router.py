@@ -317,12 +317,36 @@ async def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         for s in [*routers, *unpaced, *paced]:
             s.stop()
-    return {
+    results = {
         "overhead_unpaced": asdict(overhead),
         "overhead_paced": asdict(paced_overhead),
         "throughput": asdict(throughput),
         "concurrency": asdict(concurrent),
     }
+    # Router cost is per gRPC message, not per token: the same run with several tokens per chunk.
+    for size in args.multi_token_chunks:
+        results[f"throughput_{size}_tokens_per_chunk"] = asdict(await chunked_throughput(args, size))
+    return results
+
+
+async def chunked_throughput(args: argparse.Namespace, tokens_per_chunk: int) -> Throughput:
+    replicas = [
+        Service("services.router.synthetic_replica", ["--tokens-per-chunk", str(tokens_per_chunk)])
+        for _ in range(2)
+    ]
+    router: Service | None = None
+    try:
+        for r in replicas:
+            r.start()
+        flags = ["--replicas", ",".join(r.address for r in replicas), "--policy", "least"]
+        router = Service("services.router", flags).start()
+        for service in [*replicas, router]:
+            await service.wait_serving()
+        return await measure_throughput(router, args.concurrency, args.throughput_tokens, args.rounds)
+    finally:
+        for started in [router, *replicas]:
+            if started is not None:
+                started.stop()
 
 
 async def run_engine(args: argparse.Namespace) -> dict[str, Any]:
@@ -355,6 +379,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--paced-streams", type=int, default=60, help="paired streams on paced sources")
     parser.add_argument("--paced-tokens", type=int, default=32, help="tokens per paced overhead stream")
+    parser.add_argument(
+        "--multi-token-chunks",
+        type=lambda text: [int(x) for x in text.split(",") if x],
+        default=[4],
+        help="also measure throughput with this many tokens per replica message (comma list; '' = skip)",
+    )
     parser.add_argument("--skip-engine", action="store_true", help="synthetic token source only")
     parser.add_argument(
         "--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"), help="real engine model"
@@ -383,6 +413,12 @@ def run(args: argparse.Namespace) -> int:
         f"relayed {t['tokens_per_s']:.0f} tok/s wall, {t['tokens_per_router_cpu_s']:.0f} tok per router CPU-s;"
         f" {c['succeeded']}/{c['streams']} concurrent streams ok in {c['wall_s']:.1f} s"
     )
+    for size in args.multi_token_chunks:
+        m = syn[f"throughput_{size}_tokens_per_chunk"]
+        print(
+            f"{size} tokens/chunk: relayed {m['tokens_per_s']:.0f} tok/s wall,"
+            f" {m['tokens_per_router_cpu_s']:.0f} tok per router CPU-s"
+        )
     if "engine" in results:
         e = results["engine"]["overhead"]
         print(

@@ -123,7 +123,8 @@ class ReplayBuffer:
                         f"generation {request_id!r} stalled: no message for {self.stall_timeout_s:.0f}s"
                     )
                 # Wait for the next entry instead of polling in a tight loop.
-                await self.redis.xread({key: cursor}, count=1, block=self.poll_block_ms)
+                # Shielded: see tasks.py on cancelling a blocking read (the client may go away here).
+                await asyncio.shield(self.redis.xread({key: cursor}, count=1, block=self.poll_block_ms))
                 continue
             idle_since = asyncio.get_running_loop().time()
             for entry_id, fields in entries:

@@ -232,7 +232,10 @@ class TaskApi:
         """Stop taking tasks; let running ones finish for ``grace_s``, then leave the rest to other routers."""
         self._stopping = True
         if self._worker is not None:
-            self._worker.cancel()
+            # The loop notices the flag when its blocking read returns; cancel only if it does not.
+            done, _ = await asyncio.wait({self._worker}, timeout=self.settings.block_ms / 1000 + 2.0)
+            if not done:
+                self._worker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._worker
             self._worker = None
@@ -248,7 +251,7 @@ class TaskApi:
         loop = asyncio.get_running_loop()
         next_reclaim = 0.0
         next_heartbeat = loop.time() + self.settings.visibility_timeout_s / 3
-        while True:
+        while not self._stopping:
             try:
                 now = loop.time()
                 if now >= next_heartbeat:
@@ -270,6 +273,8 @@ class TaskApi:
                     continue
                 block = min(self.settings.block_ms, int(self.settings.visibility_timeout_s * 1000 / 3))
                 for entry_id, task_id in await self.store.take_new(self.consumer, free, block):
+                    if self._stopping:
+                        break  # left pending: reclaimed by another router once idle
                     self._launch(entry_id, task_id)
             except asyncio.CancelledError:
                 raise

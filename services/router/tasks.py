@@ -13,10 +13,17 @@ Layout (``<id>`` in braces is a Redis Cluster hash tag, so one task's keys share
   WatchTask follows.
 
 All three expire ``result_ttl_s`` after the task ends.
+
+Blocking reads (XREAD/XREADGROUP … BLOCK) are shielded from cancellation: a
+read cancelled mid-block leaves its connection mid-reply, and redis-py then
+closes it under the pool lock, stalling every other Redis call of the router
+(for up to ``socket_connect_timeout``, forever when that is unset). Shielded,
+the read finishes within its BLOCK time and returns its connection cleanly.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -315,7 +322,9 @@ class TaskStore:
 
     async def read_events(self, task_id: str, cursor: str, block_ms: int) -> list[tuple[str, bytes, bytes]]:
         """Events after ``cursor`` as (id, kind, payload); waits up to ``block_ms`` for the first."""
-        found = await self.redis.xread({events_key(task_id): cursor}, count=256, block=block_ms)
+        found = await asyncio.shield(
+            self.redis.xread({events_key(task_id): cursor}, count=256, block=block_ms)
+        )
         events: list[tuple[str, bytes, bytes]] = []
         for _, entries in found or ():
             for entry_id, fields in entries:
@@ -329,7 +338,9 @@ class TaskStore:
 
     async def take_new(self, consumer: str, count: int, block_ms: int) -> list[tuple[str, str]]:
         """Up to ``count`` never-delivered entries as (entry id, task id); blocks up to ``block_ms``."""
-        found = await self.redis.xreadgroup(GROUP, consumer, {STREAM_KEY: ">"}, count=count, block=block_ms)
+        found = await asyncio.shield(
+            self.redis.xreadgroup(GROUP, consumer, {STREAM_KEY: ">"}, count=count, block=block_ms)
+        )
         return [
             (eid.decode(), fields[b"task_id"].decode())
             for _, entries in found or ()

@@ -88,3 +88,35 @@ async def test_cancel_storm_frees_every_sequence_and_kv_block_within_a_second(en
         for task in readers:
             task.cancel()
     print(f"row 7: {STREAMS} cancels, engine idle and KV free after {freed_after * 1000:.0f} ms")
+
+
+async def test_a_cancel_right_after_start_always_ends_the_stream(engine: ServiceProcess) -> None:
+    """A cancel that lands before the engine thread picked the request up must still end the RPC.
+
+    It used to be dropped with its queue entry while the stream waited for output forever
+    (until the client's deadline): see docs/reliability.md, row 7.
+    """
+    tries = sized(100, 500)
+    async with grpc.aio.insecure_channel(engine.address) as channel:
+        stub: InferenceAsyncStub = inference_pb2_grpc.InferenceStub(channel)  # type: ignore[assignment]
+
+        async def start_then_cancel(i: int) -> str:
+            call = stub.Generate(timeout=10)  # type: ignore[call-arg]
+            await call.write(inference_pb2.GenerateRequest(start=long_start(10_000 + i)))
+            await call.write(
+                inference_pb2.GenerateRequest(cancel=inference_pb2.CancelGeneration(reason="now"))
+            )
+            await call.done_writing()
+            try:
+                async for _ in call:
+                    pass
+            except grpc.aio.AioRpcError as err:
+                return err.code().name
+            return "OK"
+
+        codes = await asyncio.gather(*(start_then_cancel(i) for i in range(tries)))
+        report = await load(stub)
+    hung = codes.count("DEADLINE_EXCEEDED")
+    assert hung == 0, f"{hung} of {tries} streams cancelled right after start never ended"
+    assert set(codes) == {"OK"}, set(codes)
+    assert report.running == 0 and report.waiting == 0, report

@@ -50,8 +50,8 @@ def assert_complete_and_exact(outcomes: list[StreamOutcome]) -> None:
 
 @pytest.mark.slow
 async def test_concurrent_streams_complete_exactly_with_bounded_load_under_affinity(tmp_path: Path) -> None:
-    # 20 tokens/s: each stream lasts ~0.8 s, so all of them are in flight together.
-    replica_args = [("--tokens-per-second", "20")] * 3
+    # 8 tokens/s: each stream lasts ~2 s, so (nearly) all of them are in flight together.
+    replica_args = [("--tokens-per-second", "8")] * 3
     router_args = ("--policy", "affinity", "--epsilon", str(EPSILON), "--max-in-flight", str(4 * STREAMS))
     with mesh(tmp_path, replica_args, *router_args, with_session=True) as m:
         stop = asyncio.Event()
@@ -69,7 +69,7 @@ async def test_concurrent_streams_complete_exactly_with_bounded_load_under_affin
     assert len({o.replica for o in outcomes}) == 3, "affinity left a replica idle"
 
     # Bounded loads: judged while most streams are in flight (the placement decision's regime).
-    busy = [s for s in samples if sum(s) >= 0.8 * STREAMS]
+    busy = [s for s in samples if sum(s) >= 0.7 * STREAMS]
     assert busy, (
         f"never saw {0.8 * STREAMS:.0f} streams in flight: {max(map(sum, samples), default=0)} at most"
     )

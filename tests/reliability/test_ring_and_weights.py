@@ -37,11 +37,11 @@ def test_adding_a_replica_moves_about_one_nth_of_sessions_all_to_the_newcomer() 
 
 
 async def test_a_replica_slowed_by_200_ms_gets_a_smaller_share_under_weighted_response_time() -> None:
-    turns = sized(90, 600)
+    turns = sized(150, 600)
     m = Mesh()
     proxy: FaultProxy | None = None
     try:
-        m.replicas = [synthetic_replica("--tokens-per-second", "100") for _ in range(3)]
+        m.replicas = [synthetic_replica("--tokens-per-second", "1000") for _ in range(3)]
         for r in m.replicas:
             r.start(timeout=120)
         proxy = FaultProxy(m.replicas[2].address).start()
@@ -65,5 +65,6 @@ async def test_a_replica_slowed_by_200_ms_gets_a_smaller_share_under_weighted_re
     shares = Counter(o.replica for o in outcomes)
     slow_share = shares[slowed] / turns
     print(f"row 13: slowed replica share {slow_share:.2f} of {turns} turns ({dict(shares)})")
-    # An even split would be 1/3: the slow one must get clearly less, but not nothing.
-    assert slow_share < 0.6 / 3, shares
+    # An even split would be 1/3 each; WRT weighs by 1/expected time, so the slowed one gets
+    # clearly less (under a tenth here), but not nothing: its stats stay fresh.
+    assert 0 < slow_share < 0.2, shares

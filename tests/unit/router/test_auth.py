@@ -130,7 +130,7 @@ async def test_keys_added_to_redis_are_accepted_after_refresh(redis_server: Redi
     assert proc.returncode == 0, proc.stderr
     key = proc.stdout.strip()
     assert key.startswith("llmk_")
-    client = aioredis.from_url(redis_server.url)
+    client = aioredis.from_url(redis_server.url, socket_timeout=5, socket_connect_timeout=2)
     try:
         stored = b"".join(await client.hvals("llm:apikeys"))
         assert key.encode() not in stored

@@ -61,7 +61,7 @@ def submit_request(text: str = "Write four words.", key: str = "") -> router_pb2
 
 @pytest.fixture()
 async def redis_client(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.from_url(redis_server.url)
+    client = aioredis.from_url(redis_server.url, socket_timeout=5, socket_connect_timeout=2)
     yield client
     await client.aclose()
 
