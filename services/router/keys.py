@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
                 asyncio.run(_store_in_redis(args.redis_url, record))
             # The key itself is shown exactly once; only its hash is kept.
             print(key)
-            print(f"id={record.key_id} tenant={record.tenant} created={_now()}", file=sys.stderr)
+            print(f"created key id={record.key_id} tenant={record.tenant} at {_now()}", file=sys.stderr)
         elif args.action == "revoke":
             if args.file is not None:
                 record = revoke_key(args.file, args.key_id)

@@ -287,9 +287,12 @@ class TaskApi:
         self._running[entry_id] = run
         TASKS_RUNNING.set(len(self._running))
 
-        def done(_: asyncio.Task[None]) -> None:
+        def done(finished: asyncio.Task[None]) -> None:
             self._running.pop(entry_id, None)
             TASKS_RUNNING.set(len(self._running))
+            if not finished.cancelled() and (exc := finished.exception()) is not None:
+                # Most likely Redis went away mid-task: the entry stays pending and is retried.
+                log.warning("task %s interrupted, left for a retry: %s: %s", task_id, type(exc).__name__, exc)
 
         run.add_done_callback(done)
 

@@ -139,6 +139,27 @@ async def test_keys_added_to_redis_are_accepted_after_refresh(redis_server: Redi
             auth.authenticate(bearer(key))
         await auth.refresh()
         assert auth.authenticate(bearer(key)) == Principal("acme", "r1")
+        revoked = await asyncio.to_thread(
+            subprocess.run,
+            [
+                sys.executable,
+                "-m",
+                "services.router.keys",
+                "revoke",
+                "--redis-url",
+                redis_server.url,
+                "--id",
+                "r1",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert revoked.returncode == 0, revoked.stderr
+        await auth.refresh()
+        with pytest.raises(errors.Unauthenticated, match="r1 has been revoked"):
+            auth.authenticate(bearer(key))
     finally:
         await client.aclose()
 
