@@ -45,10 +45,54 @@ class ForwardContext:
     forward sees its tensors as ordinary inputs.
     """
 
-    kv_caches: list[torch.Tensor]  # per layer: [2, num_slots + 1, kv_heads, head_dim]
+    k_caches: list[torch.Tensor]  # per layer: [num_slots + 1, kv_heads, head_dim]
+    v_caches: list[torch.Tensor]
     slot_mapping: torch.Tensor  # [B * T] where each new token's K/V goes (pads -> the spare slot)
     gather_slots: torch.Tensor  # [B * L] the cache slots each row attends over, in position order
     attn_mask: torch.Tensor  # [B, 1, T, L] True where query t may see key l
+
+
+# A custom op, opaque to torch.compile: declaring the cache mutation lets inductor
+# update the caches in place instead of copying them whole around every graph.
+@torch.library.custom_op("llmmesh::paged_attention", mutates_args=("k_cache", "v_cache"))
+def paged_attention_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    gather_slots: torch.Tensor,
+    attn_mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Write this step's K/V into the cache, attend over each row's slots; returns [B, T, heads, D]."""
+    batch, kv_heads, steps, head_dim = key.shape
+    k_cache.index_copy_(0, slot_mapping, key.transpose(1, 2).reshape(batch * steps, kv_heads, head_dim))
+    v_cache.index_copy_(0, slot_mapping, value.transpose(1, 2).reshape(batch * steps, kv_heads, head_dim))
+    span = gather_slots.shape[0] // batch
+    # index_select is cheaper than advanced indexing for this gather.
+    keys = k_cache.index_select(0, gather_slots).view(batch, span, kv_heads, head_dim).transpose(1, 2)
+    values = v_cache.index_select(0, gather_slots).view(batch, span, kv_heads, head_dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=attn_mask, scale=scale, enable_gqa=True
+    )
+    return out.transpose(1, 2).contiguous()
+
+
+@paged_attention_op.register_fake
+def _paged_attention_shape(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    gather_slots: torch.Tensor,
+    attn_mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
 
 
 def paged_attention(
@@ -62,23 +106,24 @@ def paged_attention(
     paged_context: ForwardContext | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Write this step's K/V into the paged cache, then attend over each row's blocks."""
+    """transformers' attention hook: route each layer to the paged-attention op."""
     ctx = paged_context
     if ctx is None:
         raise RuntimeError("paged attention needs the `paged_context` forward kwarg (see ModelRunner)")
-    batch, kv_heads, steps, head_dim = key.shape
-    cache = ctx.kv_caches[module.layer_idx]  # type: ignore[index]
-    k_cache, v_cache = cache[0], cache[1]
-    k_cache.index_copy_(0, ctx.slot_mapping, key.transpose(1, 2).reshape(batch * steps, kv_heads, head_dim))
-    v_cache.index_copy_(0, ctx.slot_mapping, value.transpose(1, 2).reshape(batch * steps, kv_heads, head_dim))
-    span = ctx.gather_slots.shape[0] // batch
-    # index_select is cheaper than advanced indexing for this gather.
-    keys = k_cache.index_select(0, ctx.gather_slots).view(batch, span, kv_heads, head_dim).transpose(1, 2)
-    values = v_cache.index_select(0, ctx.gather_slots).view(batch, span, kv_heads, head_dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=ctx.attn_mask, scale=scaling, enable_gqa=True
+    layer: int = module.layer_idx  # type: ignore[assignment]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = paged_attention_op(
+        query,
+        key,
+        value,
+        ctx.k_caches[layer],
+        ctx.v_caches[layer],
+        ctx.slot_mapping,
+        ctx.gather_slots,
+        ctx.attn_mask,
+        scale,
     )
-    return out.transpose(1, 2).contiguous(), None
+    return out, None
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention)
@@ -141,13 +186,15 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = config.num_kv_blocks or self._auto_num_blocks()
         self.num_slots = self.num_blocks * self.block_size
+
         # One spare slot at the end takes the K/V of padding tokens.
-        self.kv_caches = [
-            torch.zeros(
-                2, self.num_slots + 1, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device
+        def cache() -> torch.Tensor:
+            return torch.zeros(
+                self.num_slots + 1, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device
             )
-            for _ in range(self.num_layers)
-        ]
+
+        self.k_caches = [cache() for _ in range(self.num_layers)]
+        self.v_caches = [cache() for _ in range(self.num_layers)]
         self.decoder: Any = self.model.base_model
         self.lm_head: Any = self.model.get_output_embeddings()
         self.sampler = Sampler()
@@ -255,7 +302,8 @@ class ModelRunner:
         key_pos = torch.arange(max_blocks * bs, device=dev)
         mask = (key_pos[None, None, :] <= position_ids[:, :, None]).unsqueeze(1)
         context = ForwardContext(
-            kv_caches=self.kv_caches,
+            k_caches=self.k_caches,
+            v_caches=self.v_caches,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             gather_slots=gather,
             attn_mask=mask,

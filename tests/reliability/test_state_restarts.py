@@ -218,5 +218,7 @@ def test_router_kill_9_and_restart_keeps_clients_sessions_and_tasks(tmp_path: Pa
     moved = {sid: (home[sid], r.end.replica) for sid, r in replies.items() if r.end.replica != home[sid]}
     assert not moved, f"sessions left their replica after the restart: {moved}"
     assert all(r.end.session_version >= 2 for r in replies.values()), "history was lost"
-    assert [t.state for t in finished] == [router_pb2.TASK_STATE_SUCCEEDED] * len(tasks)
+    assert [t.state for t in finished] == [router_pb2.TASK_STATE_SUCCEEDED] * len(tasks), [
+        (t.task_id, t.state, t.error_message) for t in finished
+    ]
     assert all(t.end.usage.completion_tokens == 100 for t in finished)

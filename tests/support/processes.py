@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -15,6 +16,21 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it when the test process dies.
+
+    A test run killed by a timeout never reaches its fixtures' teardown; this keeps
+    its servers from outliving it.
+    """
+    import ctypes
+
+    with contextlib.suppress(OSError):  # not Linux: nothing to do
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 LISTEN_RE = re.compile(r"llm-mesh (\S+) listening on (\S+):(\d+)")
 METRICS_RE = re.compile(r"llm-mesh (\S+) metrics on (\S+):(\d+)")
 
@@ -46,7 +62,13 @@ class ServiceProcess:
         if "--port" not in self.args:
             cmd += ["--port", "0"]
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            cmd,
+            cwd=ROOT,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=die_with_parent,
         )
         threading.Thread(target=self._pump, daemon=True).start()
         deadline = time.monotonic() + timeout
