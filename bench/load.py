@@ -437,9 +437,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="concurrency_levels",
         type=_levels,
         default=[10, 100, 1000],
-        help="levels, e.g. 10,100,1000",
+        help="levels, e.g. 10,100,1000 (open loop: each level sends N x turns-per-client arrivals)",
     )
-    add("--turns-per-client", type=int, default=2, help="closed loop: turns each client sends per level")
+    add("--turns-per-client", type=int, default=2, help="turns each client sends per level")
     add(
         "--mode",
         choices=("closed", "open"),
@@ -458,7 +458,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
     mesh = None if args.router else await OwnMesh.start(args)
     address = args.router or (mesh.router.address if mesh else "")
-    slug = "real" if args.model else "synthetic"
+    slug = ("real" if args.model else "synthetic") + ("-open" if args.mode == "open" else "")
     result: dict[str, Any] = {"label": args.label, "machine": machine(), "levels": []}
     try:
         make = turn_factory(args.max_tokens, f"{slug}-warmup")

@@ -2,9 +2,10 @@
 
 The model definition comes from transformers; attention is ours. We register a
 paged attention function with transformers' ``AttentionInterface`` and hand it
-per-step metadata (slot mapping, gathered block slots, mask) through a module
-level forward context, so every decoder layer writes its new K/V into the paged
-cache and attends over the sequence's blocks.
+per-step metadata (slot mapping, gathered block slots, mask) in a forward-context
+object passed as a forward kwarg, so every decoder layer writes its new K/V into
+the paged cache and attends over the sequence's blocks. Decode steps run all
+sequences as one [B, 1] forward; the LM head runs on last positions only.
 """
 
 from __future__ import annotations
@@ -217,10 +218,14 @@ class ModelRunner:
         return max(2, min(wanted, cap // self._bytes_per_block()))
 
     def _compiled_forward(self) -> Any:
+        import torch._dynamo.config as dynamo_config
         import torch._inductor.config as inductor_config
 
         # Freezing pre-packs weights for oneDNN/MKL (and AMX for bf16): the main CPU win.
         inductor_config.freezing = True
+        # One graph per (batch bucket, span bucket): more than dynamo's default of 8,
+        # past which it would silently run the rest eagerly.
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
         # Static shapes: decode batches are padded to BATCH_BUCKETS and attention spans to
         # powers of two, so a handful of graphs covers every step.
         return torch.compile(self._decoder_forward, dynamic=False)

@@ -142,6 +142,19 @@ async def test_client_going_away_frees_the_sequence(stub: inference_pb2_grpc.Inf
     assert after.running == 0 and after.kv_blocks_used == 0
 
 
+async def test_deadline_ends_the_generation_and_frees_the_sequence(
+    stub: inference_pb2_grpc.InferenceStub,
+) -> None:
+    start = inference_pb2.GenerateStart(
+        prompt="List every prime number:", sampling=greedy(400, ignore_eos=True)
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await generate(stub, start, timeout=1.0)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    after = await wait_idle(stub)
+    assert after.running == 0 and after.waiting == 0 and after.kv_blocks_used == 0
+
+
 async def test_shared_long_prefix_is_served_from_the_prefix_cache(
     stub: inference_pb2_grpc.InferenceStub,
 ) -> None:

@@ -26,6 +26,16 @@ def sized(ci: int, full: int) -> int:
     return full if FULL else ci
 
 
+@contextlib.contextmanager
+def running(module: str, args: list[str], timeout: float = 300.0) -> Iterator[ServiceProcess]:
+    """One service process, started (slow starts allowed) and always stopped, even on failure."""
+    proc = ServiceProcess(module, args)
+    try:
+        yield proc.start(timeout=timeout)
+    finally:
+        proc.stop()
+
+
 def synthetic_replica(*args: str) -> ServiceProcess:
     """A synthetic token source (a load-testing fake replica, no model) as a process."""
     return ServiceProcess(
@@ -41,6 +51,8 @@ class Mesh:
     session: ServiceProcess | None = None
     replicas: list[ServiceProcess] = field(default_factory=list)
     routers: list[ServiceProcess] = field(default_factory=list)
+    #: Other services the routers call (e.g. a retriever).
+    others: list[ServiceProcess] = field(default_factory=list)
 
     @property
     def router(self) -> ServiceProcess:
@@ -62,7 +74,7 @@ class Mesh:
         return router.start(timeout=120)
 
     def stop(self) -> None:
-        for p in [*reversed(self.routers), *self.replicas, self.session]:
+        for p in [*reversed(self.routers), *self.replicas, *self.others, self.session]:
             if p is not None:
                 with contextlib.suppress(Exception):
                     p.stop(timeout=15)

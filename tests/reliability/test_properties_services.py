@@ -26,7 +26,7 @@ from services.gen.llmmesh.v1 import (
     router_pb2,
     router_pb2_grpc,
 )
-from tests.reliability.mesh_support import sized, synthetic_replica
+from tests.reliability.mesh_support import running, sized, synthetic_replica
 from tests.reliability.property_support import check_status
 from tests.support.processes import ServiceProcess
 from tests.support.protofuzz import messages
@@ -52,7 +52,7 @@ def retriever(tmp_path_factory: pytest.TempPathFactory) -> Iterator[retriever_pb
     data = Path(tmp_path_factory.mktemp("retriever"))
     args = ["--milvus-uri", str(data / "milvus.db"), "--log-level", "WARNING"]
     with (
-        ServiceProcess("services.retriever", args).start(timeout=300) as proc,
+        running("services.retriever", args) as proc,
         grpc.insecure_channel(proc.address) as channel,
     ):
         stub = retriever_pb2_grpc.RetrieverStub(channel)
@@ -102,7 +102,7 @@ def finished_generations(metrics_port: int) -> float:
 @pytest.fixture(scope="module")
 def engine(model_path: Path) -> Iterator[ServiceProcess]:
     args = ["--model", str(model_path), "--device", "cpu", "--metrics-port", "0", "--log-level", "WARNING"]
-    with ServiceProcess("services.inference", args).start(timeout=300) as proc:
+    with running("services.inference", args) as proc:
         yield proc
 
 

@@ -18,8 +18,7 @@ import grpc
 import pytest
 
 from services.gen.llmmesh.v1 import retriever_pb2, retriever_pb2_grpc
-from tests.reliability.mesh_support import sized
-from tests.support.processes import ServiceProcess
+from tests.reliability.mesh_support import running, sized
 from tests.support.proxy import FaultProxy
 
 TENANT = (("x-llmmesh-tenant", "acme"),)
@@ -65,7 +64,7 @@ def retriever(milvus_behind_proxy: FaultProxy) -> Iterator[retriever_pb2_grpc.Re
         "--milvus-timeout-seconds", str(MILVUS_TIMEOUT_S), "--log-level", "WARNING",
     ]  # fmt: skip
     with (
-        ServiceProcess("services.retriever", args).start(timeout=300) as proc,
+        running("services.retriever", args) as proc,
         grpc.insecure_channel(proc.address) as channel,
     ):
         yield retriever_pb2_grpc.RetrieverStub(channel)

@@ -66,7 +66,7 @@ def door(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Door]:
         retriever = ServiceProcess(
             "services.retriever", ["--milvus-uri", str(tmp / "milvus.db"), "--log-level", "WARNING"]
         )
-        m.routers.append(retriever)  # stopped with the routers
+        m.others.append(retriever)
         retriever.start(timeout=300)
         m.replicas = [synthetic_replica()]
         m.replicas[0].start(timeout=120)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,21 +16,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it when the test process dies.
-
-    A test run killed by a timeout never reaches its fixtures' teardown; this keeps
-    its servers from outliving it.
-    """
-    import ctypes
-
-    with contextlib.suppress(OSError):  # not Linux: nothing to do
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
+# A test run killed by a timeout never reaches its fixtures' teardown; children
+# started through `setpriv --pdeathsig` get SIGTERM when the test process dies.
+# (A preexec_fn would force fork() in a process that has gRPC threads, which
+# gRPC's fork handlers do not survive.)
+SETPRIV = shutil.which("setpriv")
+DIE_WITH_PARENT = [SETPRIV, "--pdeathsig", "TERM"] if SETPRIV else []
 LISTEN_RE = re.compile(r"llm-mesh (\S+) listening on (\S+):(\d+)")
 METRICS_RE = re.compile(r"llm-mesh (\S+) metrics on (\S+):(\d+)")
 
@@ -58,7 +49,7 @@ class ServiceProcess:
         return f"127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 180.0, wait_serving: bool = True) -> ServiceProcess:
-        cmd = [sys.executable, "-m", self.module, *self.args]
+        cmd = [*DIE_WITH_PARENT, sys.executable, "-m", self.module, *self.args]
         if "--port" not in self.args:
             cmd += ["--port", "0"]
         self.proc = subprocess.Popen(
@@ -68,7 +59,6 @@ class ServiceProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            preexec_fn=die_with_parent,
         )
         threading.Thread(target=self._pump, daemon=True).start()
         deadline = time.monotonic() + timeout
@@ -132,7 +122,8 @@ class ServiceProcess:
         return self.proc.returncode
 
     def __enter__(self) -> ServiceProcess:
-        return self.start()
+        # `with ServiceProcess(...).start(...)` must not start a second process.
+        return self if self.proc is not None else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
