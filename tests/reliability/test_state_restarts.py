@@ -22,7 +22,6 @@ import grpc
 from services.gen.llmmesh.v1 import router_pb2, router_pb2_grpc, session_pb2, session_pb2_grpc
 from tests.reliability.mesh_support import chat, mesh, sized
 from tests.support.processes import ServiceProcess
-from tests.support.proxy import FaultProxy
 
 # Short visibility timeout: a surviving router reclaims a dead one's task within seconds.
 TASK_ENV = {"LLMMESH_TASK_VISIBILITY_SECONDS": "1.5"}
@@ -175,11 +174,8 @@ def test_router_kill_9_and_restart_keeps_clients_sessions_and_tasks(tmp_path: Pa
     with mesh(tmp_path, [("--tokens-per-second", "50")] * 3, with_session=True, router_env=TASK_ENV) as m:
         # Start over on a fixed port, so clients can wait for the same address to come back.
         m.routers.pop().stop()
-        # The router reaches the replicas through fault proxies: slowing them while it restarts
-        # makes its first health check slow, so the new router's start-up order is visible.
-        proxies = [FaultProxy(r.address).start() for r in m.replicas]
         # Round robin: a session's replica comes only from its pin, not from a hash of its id.
-        router_args = ("--policy", "round_robin", "--replicas", ",".join(p.address for p in proxies))
+        router_args = ("--policy", "round_robin")
         m.start_router(*router_args, port=port, env=TASK_ENV)
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         stub = router_pb2_grpc.RouterStub(channel)
@@ -214,17 +210,11 @@ def test_router_kill_9_and_restart_keeps_clients_sessions_and_tasks(tmp_path: Pa
         # Clients wait for the router to come back; by then the dead router's claims on its tasks
         # have expired (visibility 1.5 s), so the new router takes them over as it starts.
         time.sleep(2.0)
-        for proxy in proxies:
-            proxy.delay_s = 0.5
-        m.start_router(*router_args, port=port, env=TASK_ENV)  # returns once SERVING
-        for proxy in proxies:
-            proxy.delay_s = 0.0
+        m.start_router(*router_args, port=port, env=TASK_ENV)
         for t in waiting:
             t.join(90)
         finished = wait_tasks(stub, tasks, timeout=60)
         channel.close()
-        for proxy in proxies:
-            proxy.stop()
 
     assert not failures, failures
     moved = {sid: (home[sid], r.end.replica) for sid, r in replies.items() if r.end.replica != home[sid]}
