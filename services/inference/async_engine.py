@@ -32,6 +32,10 @@ class _Pending:
     resume_token_ids: Seq[int]
     sink: asyncio.Queue[RequestOutput | BaseException]
     loop: asyncio.AbstractEventLoop
+    # Cancelled before the engine thread took it: the thread admits and aborts it at
+    # once, so the stream still gets its CANCELLED final output (dropping the entry
+    # here left the stream waiting forever).
+    aborted: bool = False
 
 
 class AsyncEngine:
@@ -103,11 +107,10 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         with self._cond:
-            # Not yet handed to the engine: just drop it.
             for p in self._pending:
                 if p.request_id == request_id:
-                    self._pending.remove(p)
-                    self._sinks.pop(request_id, None)
+                    p.aborted = True
+                    self._cond.notify()
                     return
             self.engine.abort_request(request_id)
             self._cond.notify()
@@ -131,6 +134,8 @@ class AsyncEngine:
             for p in pending:
                 try:
                     engine.add_request(p.request_id, p.prompt_token_ids, p.params, p.resume_token_ids)
+                    if p.aborted:
+                        engine.abort_request(p.request_id)
                 except Exception as exc:  # admission raced the bound; tell that caller only
                     self._forget(p.request_id)
                     p.loop.call_soon_threadsafe(p.sink.put_nowait, exc)
