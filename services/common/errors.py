@@ -99,6 +99,16 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         return exc.code
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(exc, (ConnectionError, TimeoutError)):
+    if isinstance(exc, (ConnectionError, TimeoutError)) or _is_dependency_outage(exc):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
+
+
+def _is_dependency_outage(exc: BaseException) -> bool:
+    """Redis and Milvus clients raise their own connection errors (not the builtins):
+    an outage of a dependency is UNAVAILABLE to our caller, never INTERNAL."""
+    module = type(exc).__module__
+    if not module.startswith(("redis", "pymilvus")):
+        return False
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return bool(names & {"ConnectionError", "TimeoutError", "MilvusUnavailableException"})

@@ -6,6 +6,7 @@ from services.common.server import run
 from services.common.settings import EnvArgumentParser, add_server_args, server_options
 from services.router.health import EjectionConfig
 from services.router.policies import POLICY_NAMES
+from services.router.pool import ReplicaTls
 from services.router.relay import RelayConfig
 from services.router.runtime import RouterRuntime, RouterSettings, static_replicas
 from services.router.task_api import TaskSettings, add_task_arguments
@@ -37,6 +38,11 @@ def main(argv: list[str] | None = None) -> None:
     add("--health-interval-s", type=float, default=1.0, help="active health and load polling period")
     add("--probe-interval-s", type=float, default=30.0, help="one-token generation probe period (0 = off)")
     add("--cache-ttl-seconds", type=int, default=3600, help="exact-cache entry lifetime")
+    add(
+        "--replica-tls-ca", default=None, help="PEM CA that signed the replicas' certificates (dial with TLS)"
+    )
+    add("--replica-tls-cert", default=None, help="PEM client certificate shown to replicas (mTLS)")
+    add("--replica-tls-key", default=None, help="PEM private key of --replica-tls-cert")
     add_task_arguments(parser)
     args = parser.parse_args(argv)
     try:
@@ -67,6 +73,9 @@ def main(argv: list[str] | None = None) -> None:
             probe_interval_s=args.probe_interval_s,
             cache_ttl_seconds=args.cache_ttl_seconds,
             tasks=TaskSettings.from_args(args),
+            replica_tls=ReplicaTls.from_files(
+                args.replica_tls_ca, args.replica_tls_cert, args.replica_tls_key
+            ),
         )
         runtime = RouterRuntime(settings)
     except ValueError as exc:

@@ -13,6 +13,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,48 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 ]
 
 
+@dataclass(frozen=True)
+class ReplicaTls:
+    """PEM material for dialling replicas over TLS; with a certificate and key, mutual TLS."""
+
+    root_certificates: bytes | None = None
+    private_key: bytes | None = None
+    certificate_chain: bytes | None = None
+
+    @classmethod
+    def from_files(cls, ca: str | None, cert: str | None, key: str | None) -> ReplicaTls | None:
+        """None when no flag is set (plaintext); raises ValueError naming the flag at fault."""
+        if ca is None and cert is None and key is None:
+            return None
+        if (cert is None) != (key is None):
+            raise ValueError("--replica-tls-cert and --replica-tls-key go together")
+        return cls(
+            root_certificates=_read_pem("--replica-tls-ca", ca),
+            private_key=_read_pem("--replica-tls-key", key),
+            certificate_chain=_read_pem("--replica-tls-cert", cert),
+        )
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        # No CA given: the replicas' certificates are checked against the system roots.
+        return grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
+
+
+def _read_pem(flag: str, path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot read: {exc.strerror or exc}") from exc
+
+
+def open_channel(address: str, tls: ReplicaTls | None) -> grpc.aio.Channel:
+    """A channel to one replica: plaintext, or TLS when the router has replica TLS settings."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(address, tls.credentials(), options=CHANNEL_OPTIONS)
+
+
 def parse_address(raw: str) -> str:
     """Validate ``host:port``; raises ValueError naming the flag's format."""
     host, sep, port = raw.strip().rpartition(":")
@@ -59,10 +102,14 @@ class Replica:
     """One inference replica as this router sees it."""
 
     def __init__(
-        self, address: str, ejection: EjectionConfig, clock: Callable[[], float] = time.monotonic
+        self,
+        address: str,
+        ejection: EjectionConfig,
+        clock: Callable[[], float] = time.monotonic,
+        tls: ReplicaTls | None = None,
     ) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = open_channel(address, tls)
         self.stub: InferenceAsyncStub = inference_pb2_grpc.InferenceStub(self.channel)  # type: ignore[assignment]
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.model: str | None = None
@@ -128,10 +175,14 @@ class ReplicaPool:
     """Every known replica, by address; candidates per model; outlier ejection."""
 
     def __init__(
-        self, ejection: EjectionConfig | None = None, clock: Callable[[], float] = time.monotonic
+        self,
+        ejection: EjectionConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        tls: ReplicaTls | None = None,
     ) -> None:
         self.ejection = ejection or EjectionConfig()
         self._clock = clock
+        self.tls = tls
         self.replicas: dict[str, Replica] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self.on_models_changed: list[Callable[[], None]] = []
@@ -143,7 +194,7 @@ class ReplicaPool:
         wanted = set(addresses)
         for address in sorted(wanted - self.replicas.keys()):
             log.info("replica %s added", address)
-            self.replicas[address] = Replica(address, self.ejection, self._clock)
+            self.replicas[address] = Replica(address, self.ejection, self._clock, self.tls)
         for address in sorted(self.replicas.keys() - wanted):
             log.info("replica %s removed", address)
             replica = self.replicas.pop(address)

@@ -333,18 +333,29 @@ class Relay:
         return AttemptFailed(f"{code.name}: {exc.details()}", FailureKind.ERROR)
 
 
+#: Chunks a relay holds for a client that is not reading. Past this the pump stops reading the
+#: replica, so HTTP/2 flow control stalls that replica's stream instead of growing router memory.
+MAX_PENDING_CHUNKS = 64
+
+
 async def coalesce_chunks(
     source: AsyncIterator[inference_pb2.TokenChunk],
+    max_pending: int = MAX_PENDING_CHUNKS,
 ) -> AsyncIterator[list[inference_pb2.TokenChunk]]:
     """Batches of chunks: everything that arrived while the previous batch was being sent.
 
     Each gRPC message costs the router far more than each token in it, so when
     the client side falls behind (a slow reader, a busy router) the tokens that
     piled up go out as one message instead of many. An idle router sends every
-    chunk on its own at once, so latency does not suffer.
+    chunk on its own at once, so latency does not suffer. At most ``max_pending``
+    chunks wait: a client that stops reading stops its replica stream too.
     """
+    if max_pending < 1:
+        raise ValueError("max_pending must be >= 1")
     pending: list[inference_pb2.TokenChunk] = []
     wake = asyncio.Event()
+    room = asyncio.Event()
+    room.set()
     failure: list[BaseException] = []
     finished = False
 
@@ -354,6 +365,9 @@ async def coalesce_chunks(
             async for chunk in source:
                 pending.append(chunk)
                 wake.set()
+                if len(pending) >= max_pending:
+                    room.clear()
+                    await room.wait()
         except Exception as exc:  # handed to the consumer, in order, after the tokens before it
             failure.append(exc)
         finally:
@@ -369,6 +383,7 @@ async def coalesce_chunks(
             if pending:
                 batch = pending[:]
                 pending.clear()
+                room.set()
                 yield batch
             elif finished:
                 if failure:

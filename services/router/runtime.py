@@ -18,7 +18,7 @@ from services.router.health import ActiveHealthChecker, EjectionConfig
 from services.router.models import ModelCatalog
 from services.router.pins import AffinityPins
 from services.router.policies import make_policy
-from services.router.pool import ReplicaDiscovery, ReplicaPool, parse_address_list
+from services.router.pool import ReplicaDiscovery, ReplicaPool, ReplicaTls, parse_address_list
 from services.router.prewarm import SessionMover
 from services.router.ratelimit import InflightLimiter, RateLimiter
 from services.router.relay import Relay, RelayConfig
@@ -56,6 +56,8 @@ class RouterSettings:
     probe_interval_s: float = 30.0
     cache_ttl_seconds: int = 3600
     tasks: TaskSettings | None = None
+    #: How replicas are dialled: None = plaintext.
+    replica_tls: ReplicaTls | None = None
 
     def __post_init__(self) -> None:
         if not (self.replicas or self.replicas_dns or self.replicas_file):
@@ -72,7 +74,7 @@ class RouterRuntime:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
         self.redis = self._redis(settings.redis_url)
-        self.pool = ReplicaPool(settings.ejection)
+        self.pool = ReplicaPool(settings.ejection, tls=settings.replica_tls)
         self.discovery = ReplicaDiscovery(
             self.pool, settings.replicas, settings.replicas_dns, settings.replicas_file
         )
@@ -138,12 +140,14 @@ class RouterRuntime:
         self.tasks = self._task_api()
         if self.tasks is not None:
             self.servicer.tasks = self.tasks
-            await self.tasks.start()
         await self.discovery.start()
         await self.health.check_all()  # know the pool before admitting the first request
         self.health.start()
         if self.authenticator.redis is not None:
             self.authenticator.start_refresh()
+        if self.tasks is not None:
+            # Only now: a task taken over from a dead router would otherwise run against an empty pool.
+            await self.tasks.start()
         await health.set_serving(True)
 
     def _task_api(self) -> TaskBackend | None:

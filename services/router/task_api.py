@@ -40,6 +40,10 @@ MAX_IDEMPOTENCY_KEY = 256
 QUEUED_OR_RUNNING = frozenset({router_pb2.TASK_STATE_QUEUED, router_pb2.TASK_STATE_RUNNING})
 
 
+class Redeliver(Exception):
+    """The turn could not start (no replica reachable, before any token): run the task again later."""
+
+
 @dataclass(frozen=True)
 class TaskSettings:
     """How the task worker behaves; every router of a deployment should agree on these."""
@@ -326,6 +330,14 @@ class TaskApi:
         record.attempts += 1
         try:
             final_state, end, error = await self._generate(record)
+        except Redeliver as exc:
+            # Left unacknowledged: once idle past the visibility timeout, a router (maybe this
+            # one) reclaims it; that wait is the back-off while the replicas come back.
+            log.warning(
+                "task %s goes back to the queue (attempt %d): %s", record.task_id, record.attempts, exc
+            )
+            await self.store.transition(record, {router_pb2.TASK_STATE_RUNNING}, router_pb2.TASK_STATE_QUEUED)
+            return
         except asyncio.CancelledError:
             if self._stopping:
                 raise  # left pending on purpose: another router finishes it
@@ -389,9 +401,15 @@ class TaskApi:
         except errors.MeshError as exc:
             if isinstance(exc, errors.Overloaded) and not record.text:
                 raise  # refused before the first token: _generate waits and retries
-            return router_pb2.TASK_STATE_FAILED, b"", f"{exc.code.name}: {exc}"
+            message = f"{exc.code.name}: {exc}"
+            if exc.code == grpc.StatusCode.UNAVAILABLE and self._may_redeliver(record):
+                raise Redeliver(message) from exc
+            return router_pb2.TASK_STATE_FAILED, b"", message
         except grpc.aio.AioRpcError as exc:
-            return router_pb2.TASK_STATE_FAILED, b"", f"{exc.code().name}: {exc.details()}"
+            message = f"{exc.code().name}: {exc.details()}"
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and self._may_redeliver(record):
+                raise Redeliver(message) from exc
+            return router_pb2.TASK_STATE_FAILED, b"", message
         except ValueError as exc:
             return router_pb2.TASK_STATE_FAILED, b"", f"INVALID_ARGUMENT: {exc}"
         finally:
@@ -406,6 +424,10 @@ class TaskApi:
         if end.finish_reason == common_pb2.FINISH_REASON_CANCELLED:
             return router_pb2.TASK_STATE_CANCELLED, _end_bytes(end), "cancelled"
         return router_pb2.TASK_STATE_SUCCEEDED, _end_bytes(end), ""
+
+    def _may_redeliver(self, record: TaskRecord) -> bool:
+        """Nothing streamed yet and runs left: failing now would only report a passing outage."""
+        return not record.text and record.attempts < self.settings.max_attempts
 
     async def _finish(self, record: TaskRecord, state: int, *, end: bytes = b"", error: str = "") -> None:
         _, changed = await self.store.transition(record, QUEUED_OR_RUNNING, state, end=end, error=error)

@@ -7,6 +7,7 @@ async tasks all run turns through here.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -15,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common import errors
+from services.common import errors, tracing
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, retriever_pb2, router_pb2
 from services.router import metrics
 from services.router.auth import Principal
@@ -123,10 +124,30 @@ class TurnPipeline:
                     if writer is not None:
                         writer.put(response)
                     yield response
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client cancelled or went away: a Resume must still learn how the turn ended,
+            # with the same TurnEnd Chat sends (next seq, CANCELLED), before the buffer finishes.
+            if writer is not None:
+                writer.put(self._stopped(state, request, common_pb2.FINISH_REASON_CANCELLED))
+            raise
+        except Exception as exc:
+            # The client gets a gRPC status; the replay buffer gets an ERROR TurnEnd saying why.
+            if writer is not None:
+                writer.put(self._stopped(state, request, common_pb2.FINISH_REASON_ERROR, str(exc)))
+            raise
         finally:
             metrics.IN_FLIGHT.dec()
             if writer is not None:
                 await writer.close()
+
+    def _stopped(
+        self, state: TurnState, request: router_pb2.ChatRequest, reason: int, error: str = ""
+    ) -> router_pb2.ChatResponse:
+        """The TurnEnd of a turn that did not end by itself (cancelled, or failed with a status)."""
+        return self._message(
+            state,
+            end=router_pb2.TurnEnd(finish_reason=reason, session_id=request.session_id, error_message=error),  # type: ignore[arg-type]
+        )
 
     def _message(self, state: TurnState, **event: Any) -> router_pb2.ChatResponse:
         state.seq += 1
@@ -286,7 +307,8 @@ class TurnPipeline:
         s = self.s
         if key is not None and s.exact_cache is not None:
             try:
-                hit = await s.exact_cache.get(tenant, key)
+                with tracing.stage("exact cache lookup"):
+                    hit = await s.exact_cache.get(tenant, key)
             except errors.DependencyUnavailable as exc:
                 state.degraded.append(f"exact cache: {exc}")
             else:

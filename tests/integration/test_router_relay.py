@@ -309,6 +309,30 @@ def test_chat_cancel_message_ends_the_turn_as_cancelled(
     assert wait_until_idle(replicas, timeout=3.0) < 2.0
 
 
+def test_resume_of_a_cancelled_chat_turn_ends_with_its_cancelled_turn_end(
+    mesh: tuple[ServiceProcess, list[ServiceProcess]],
+) -> None:
+    router, _ = mesh
+    stub = router_stub(router)
+    got_token = threading.Event()
+
+    def client_messages() -> Iterator[router_pb2.ChatRequest]:
+        yield user_turn("a long answer to cancel", 4000, request_id="resume-cancelled-1")
+        got_token.wait(10)
+        yield router_pb2.ChatRequest(cancel=True)
+
+    responses = []
+    for response in stub.Chat(client_messages(), metadata=CAROL, timeout=30):
+        responses.append(response)
+        got_token.set()
+    assert responses[-1].end.finish_reason == common_pb2.FINISH_REASON_CANCELLED
+    # Resume waits for the buffer's finish, so it can only end after the CANCELLED TurnEnd was stored.
+    replayed = read_turn(
+        stub.Resume(router_pb2.ResumeRequest(request_id="resume-cancelled-1"), metadata=CAROL, timeout=10)
+    )
+    assert replayed.messages == responses
+
+
 def test_kill_9_mid_stream_fails_over_without_losing_or_repeating_a_token() -> None:
     replicas = [synthetic_replica("--tokens-per-second", "40") for _ in range(3)]
     router: ServiceProcess | None = None

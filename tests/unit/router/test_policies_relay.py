@@ -75,6 +75,26 @@ async def test_a_consumer_that_stops_closes_the_source_at_once() -> None:
     assert closed.is_set()
 
 
+async def test_a_consumer_that_stops_reading_stops_the_source_at_the_bound() -> None:
+    produced = 0
+
+    async def endless() -> AsyncIterator[inference_pb2.TokenChunk]:
+        nonlocal produced
+        while True:
+            yield chunk(produced)
+            produced += 1
+            await asyncio.sleep(0)
+
+    stream = coalesce_chunks(endless(), max_pending=8)
+    first = await anext(stream)
+    await asyncio.sleep(0.05)  # the client reads nothing: the source must not run ahead unbounded
+    assert produced <= len(first) + 8 + 1
+    batch = await anext(stream)  # reading again lets the source continue, merged and in order
+    assert [c.index for c in batch] == list(range(len(first), len(first) + len(batch)))
+    assert len(batch) == 8
+    await stream.aclose()
+
+
 def test_addresses_are_validated() -> None:
     assert parse_address_list("a:1, b:2\n# comment\nc:3 # trailing") == ["a:1", "b:2", "c:3"]
     assert parse_address("[::1]:50052") == "[::1]:50052"
