@@ -36,6 +36,11 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.enable_retries", 0),  # the relay retries itself, on another replica
+    # A client that stops reading must stall its replica's stream, not fill the
+    # router's memory: a small fixed per-stream window (token streams need little),
+    # and no BDP probing, which would otherwise keep growing it underneath us.
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", 8192),
 ]
 
 
