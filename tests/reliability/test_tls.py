@@ -117,3 +117,51 @@ def test_router_front_door_serves_tls_clients_and_refuses_plaintext(
         with pytest.raises(grpc.RpcError) as err:
             router_pb2_grpc.RouterStub(channel).Complete(request, timeout=5)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_router_reaches_an_mtls_replica_only_with_its_client_certificate(certs: CertPaths) -> None:
+    """mTLS between services: a replica that demands client certificates, and two routers."""
+    replica = ServiceProcess(
+        "services.router.synthetic_replica",
+        [
+            "--log-level", "WARNING", "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
+            "--tls-client-ca", str(certs.ca),
+        ],
+    )  # fmt: skip
+    routers: list[ServiceProcess] = []
+    try:
+        replica.start(wait_serving=False, timeout=120)
+        common = [
+            "--replicas",
+            f"localhost:{replica.port}",
+            "--probe-interval-s",
+            "0",
+            "--log-level",
+            "WARNING",
+        ]
+        with_cert = ServiceProcess(
+            "services.router",
+            [
+                *common, "--replica-tls-ca", str(certs.ca), "--replica-tls-cert", str(certs.client_cert),
+                "--replica-tls-key", str(certs.client_key),
+            ],
+        )  # fmt: skip
+        without_cert = ServiceProcess("services.router", [*common, "--replica-tls-ca", str(certs.ca)])
+        routers = [with_cert, without_cert]
+        for router in routers:
+            router.start(timeout=120)
+        request = router_pb2.ChatRequest(
+            messages=[common_pb2.ChatMessage(role="user", content="hello over mTLS")],
+            sampling=common_pb2.SamplingParams(max_tokens=3, temperature=0.0),
+        )
+        with grpc.insecure_channel(with_cert.address) as channel:
+            reply = router_pb2_grpc.RouterStub(channel).Complete(request, timeout=30)
+            assert len(reply.token_ids) == 3
+        # The replica refuses the handshake of a router without a client certificate.
+        with grpc.insecure_channel(without_cert.address) as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                router_pb2_grpc.RouterStub(channel).Complete(request, timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        for p in [*routers, replica]:
+            p.stop()
