@@ -85,10 +85,10 @@ class IngestResult:
 
 @dataclass(frozen=True)
 class SearchQuery:
-    """A validated search; ``top_k`` 0 means the default."""
+    """A validated search; ``top_k`` None (unset) means the default."""
 
     text: str
-    top_k: int = 0
+    top_k: int | None = None
     min_score: float | None = None
     metadata_filter: Mapping[str, str] = field(default_factory=dict)
     rerank: bool = False
@@ -98,9 +98,9 @@ class SearchQuery:
             raise InvalidArgument("query", "must not be empty")
         if len(self.text) > MAX_QUERY_CHARS:
             raise InvalidArgument("query", f"must be at most {MAX_QUERY_CHARS} characters")
-        if not 0 <= self.top_k <= MAX_TOP_K:
+        if self.top_k is not None and not 1 <= self.top_k <= MAX_TOP_K:
             raise InvalidArgument(
-                "top_k", f"must be in 1..{MAX_TOP_K} (0 = {DEFAULT_TOP_K}), got {self.top_k}"
+                "top_k", f"must be in 1..{MAX_TOP_K} (unset = {DEFAULT_TOP_K}), got {self.top_k}"
             )
         if self.min_score is not None and not (
             math.isfinite(self.min_score) and -1.0 <= self.min_score <= 1.0
@@ -112,7 +112,7 @@ class SearchQuery:
 
     @property
     def limit(self) -> int:
-        return self.top_k or DEFAULT_TOP_K
+        return DEFAULT_TOP_K if self.top_k is None else self.top_k
 
 
 def check_metadata(metadata: Mapping[str, str], field_name: str) -> None:

@@ -130,7 +130,7 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         tenant = tenant_of(context)
         query = SearchQuery(
             text=request.query,
-            top_k=request.top_k,
+            top_k=request.top_k if request.HasField("top_k") else None,
             min_score=request.min_score if request.HasField("min_score") else None,
             metadata_filter=dict(request.metadata_filter),
             rerank=request.rerank,

@@ -278,6 +278,7 @@ def test_bad_documents_are_refused_and_leave_the_stored_version_alone(
 @pytest.mark.parametrize(
     ("request_fields", "field"),
     [
+        ({"query": "pumps", "top_k": 0}, "top_k"),
         ({"query": "pumps", "top_k": 101}, "top_k"),
         ({"query": "pumps", "top_k": 4_000_000_000}, "top_k"),
         ({"query": "pumps", "min_score": 1.5}, "min_score"),
