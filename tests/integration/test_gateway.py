@@ -207,7 +207,7 @@ def test_client_disconnect_cancels_generation_on_replica(
         assert response.status_code == 200
         first = json.loads(next(response.iter_lines()))
         assert "delta" in first["result"]
-        wait_for(lambda: replica_running(replica) == 1, 5, "generation running on the replica")
+        wait_for(lambda: replica_running(replica) == 1, 20, "generation running on the replica")
     # Leaving the block closed the connection mid-stream.
 
     wait_for(lambda: replica_cancelled(replica) == cancelled_before + 1, 15, "generation cancelled")
