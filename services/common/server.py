@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from services.common import errors, tracing
+from services.common.handlers import wrap_handler
 from services.common.metrics import REQUEST_SECONDS, REQUESTS
 from services.common.settings import ServerOptions
 
@@ -165,44 +166,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 REQUESTS.labels(service, method, code).inc()
                 REQUEST_SECONDS.labels(service, method).observe(time.perf_counter() - started)
 
-        if handler.unary_unary:
-            inner_uu = handler.unary_unary
-
-            async def uu(request: Any, context: Any) -> Any:
-                return await run_unary(inner_uu, request, context)
-
-            return grpc.unary_unary_rpc_method_handler(
-                uu, handler.request_deserializer, handler.response_serializer
-            )
-        if handler.stream_unary:
-            inner_su = handler.stream_unary
-
-            async def su(request_iterator: Any, context: Any) -> Any:
-                return await run_unary(inner_su, request_iterator, context)
-
-            return grpc.stream_unary_rpc_method_handler(
-                su, handler.request_deserializer, handler.response_serializer
-            )
-        if handler.unary_stream:
-            inner_us = handler.unary_stream
-
-            # Must itself be an async generator function: grpc.aio only streams from those.
-            async def us(request: Any, context: Any) -> AsyncIterator[Any]:
-                async for item in run_stream(inner_us, request, context):
-                    yield item
-
-            return grpc.unary_stream_rpc_method_handler(
-                us, handler.request_deserializer, handler.response_serializer
-            )
-        inner_ss = handler.stream_stream
-
-        async def ss(request_iterator: Any, context: Any) -> AsyncIterator[Any]:
-            async for item in run_stream(inner_ss, request_iterator, context):
-                yield item
-
-        return grpc.stream_stream_rpc_method_handler(
-            ss, handler.request_deserializer, handler.response_serializer
-        )
+        return wrap_handler(handler, run_unary, run_stream)
 
 
 def server_channel_options(options: ServerOptions) -> list[tuple[str, Any]]:

@@ -36,6 +36,8 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from services.common.handlers import wrap_handler
+
 log = logging.getLogger("llmmesh.tracing")
 
 TRACE_FILE_ENV = "LLMMESH_TRACE_FILE"
@@ -294,45 +296,7 @@ class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
             finally:
                 span.end()
 
-        if handler.unary_unary:
-            inner_uu = handler.unary_unary
-
-            async def uu(request: Any, context: Any) -> Any:
-                return await run_unary(inner_uu, request, context)
-
-            return grpc.unary_unary_rpc_method_handler(
-                uu, handler.request_deserializer, handler.response_serializer
-            )
-        if handler.stream_unary:
-            inner_su = handler.stream_unary
-
-            async def su(request_iterator: Any, context: Any) -> Any:
-                return await run_unary(inner_su, request_iterator, context)
-
-            return grpc.stream_unary_rpc_method_handler(
-                su, handler.request_deserializer, handler.response_serializer
-            )
-        if handler.unary_stream:
-            inner_us = handler.unary_stream
-
-            # Async generator functions, not plain functions returning one: grpc.aio picks
-            # its threaded path for anything else.
-            async def us(request: Any, context: Any) -> AsyncIterator[Any]:
-                async for item in run_stream(inner_us, request, context):
-                    yield item
-
-            return grpc.unary_stream_rpc_method_handler(
-                us, handler.request_deserializer, handler.response_serializer
-            )
-        inner_ss = handler.stream_stream
-
-        async def ss(request_iterator: Any, context: Any) -> AsyncIterator[Any]:
-            async for item in run_stream(inner_ss, request_iterator, context):
-                yield item
-
-        return grpc.stream_stream_rpc_method_handler(
-            ss, handler.request_deserializer, handler.response_serializer
-        )
+        return wrap_handler(handler, run_unary, run_stream)
 
 
 def _mark_failed(span: Span, exc: BaseException) -> None:
