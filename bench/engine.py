@@ -54,10 +54,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arrival-rate", type=float, default=2.0, help="mixed: Poisson arrivals per second")
     parser.add_argument("--seed", type=int, default=0, help="mixed: seed for arrivals and lengths")
     parser.add_argument(
+        "--model-impl",
+        choices=("auto", "native", "transformers"),
+        default="auto",
+        help="llm-mesh forward: native Llama (auto for SmolLM2) or transformers' modules",
+    )
+    parser.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="torch.compile the llm-mesh engine (slow warm-up, faster steps)",
+        default=False,
+        help="torch.compile llm-mesh's transformers forward (slow warm-up; the native forward is eager)",
     )
     parser.add_argument(
         "--max-num-seqs", type=int, default=64, help="llm-mesh running batch and static wave size"
@@ -157,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
 
     runners: dict[str, Callable[[Workload], MethodRun]] = {}
+    engine: Any = None
     if any(m != "llm_mesh" for m in methods):
         console.print(f"loading HF model ({args.dtype}) …")
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -172,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
             hf_model, w, pad_token_id, args.cb_page_size
         )
     if "llm_mesh" in methods:
-        console.print(f"building llm-mesh engine ({args.dtype}, compile={args.compile}) …")
+        console.print(f"building llm-mesh engine ({args.dtype}, {args.model_impl}, compile={args.compile}) …")
         engine = mesh_method.build_engine(
             args.model,
             args.dtype,
@@ -180,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             compile_model=args.compile,
+            model_impl=args.model_impl,
         )
         runners["llm_mesh"] = lambda w: mesh_method.run_llm_mesh(engine, w)
 
@@ -231,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
             "num_requests": len(workload.requests),
             "total_tokens": workload.total_tokens,
             "compile": args.compile,
+            "model_impl": engine.runner.model_impl if engine is not None else None,
             "max_num_seqs": args.max_num_seqs,
             "naive_requests": args.naive_requests,
             "warmup": args.warmup,

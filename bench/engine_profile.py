@@ -59,8 +59,12 @@ def instrument(engine: Any, clock: PhaseClock) -> None:
     runner = engine.runner
     engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
     runner.execute = clock.wrap("execute", runner.execute)
-    runner._forward = clock.wrap("forward", runner._forward)
     runner.sampler = clock.wrap("sample", runner.sampler)
+    if runner.native is not None:
+        runner.native.hidden_states = clock.wrap("forward", runner.native.hidden_states)
+        runner.native.logits = clock.wrap("lm_head", runner.native.logits)
+        return
+    runner._forward = clock.wrap("forward", runner._forward)
     head = runner.lm_head
     started: list[float] = []
     head.register_forward_pre_hook(lambda *_: started.append(time.perf_counter()))
@@ -79,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--model-impl", choices=("auto", "native", "transformers"), default="auto")
     parser.add_argument("--trace-steps", type=int, default=5, help="decode steps under torch.profiler")
     parser.add_argument("--top", type=int, default=15, help="operators to list")
     args = parser.parse_args(argv)
@@ -101,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=64,
         max_num_batched_tokens=None,
         compile_model=args.compile,
+        model_impl=args.model_impl,
     )
     work = workloads.uniform(engine.tokenizer, args.num_requests, args.max_tokens)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)

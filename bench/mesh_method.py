@@ -17,6 +17,7 @@ def build_engine(
     max_num_seqs: int,
     max_num_batched_tokens: int | None,
     compile_model: bool,
+    model_impl: str = "auto",
 ) -> Any:
     """An `LLMEngine` with the benchmark's batch limits (imported here: it loads torch)."""
     from services.inference.config import EngineConfig
@@ -28,6 +29,7 @@ def build_engine(
         "device": device,
         "max_num_seqs": max_num_seqs,
         "compile": compile_model,
+        "model_impl": model_impl,
     }
     if max_num_batched_tokens is not None:
         options["max_num_batched_tokens"] = max_num_batched_tokens

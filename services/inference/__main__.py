@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from services.common.server import run
 from services.common.settings import EnvArgumentParser, add_server_args, server_options
-from services.inference.config import DEVICES, DTYPES, EngineConfig
+from services.inference.config import DEVICES, DTYPES, MODEL_IMPLS, EngineConfig
 from services.inference.runtime import InferenceRuntime
 
 
@@ -21,7 +21,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-blocks", type=int, default=None, help="KV-cache blocks (default: auto)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     parser.add_argument("--max-model-len", type=int, default=None, help="context cap (default: the model's)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the forward (slow start)")
+    parser.add_argument(
+        "--model-impl",
+        default="auto",
+        choices=MODEL_IMPLS,
+        help="native: flat-batch Llama forward; transformers: any causal LM; auto: native when possible",
+    )
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile the transformers forward (slow start)"
+    )
     args = parser.parse_args(argv)
     config = EngineConfig(
         model=args.model,
@@ -35,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
         max_queued_requests=args.max_queued_requests,
         max_model_len=args.max_model_len,
         compile=args.compile,
+        model_impl=args.model_impl,
     )
     run(server_options("inference", args), InferenceRuntime(config))
 

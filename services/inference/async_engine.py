@@ -176,6 +176,9 @@ class AsyncEngine:
             engine.step()
         except Exception:
             log.exception("engine could not release aborted requests")
+        finally:
+            # A failed step may have offered blocks it never filled (in-step prefix sharing).
+            engine.reset_prefix_cache()
         self._publish_load()
 
     def _publish_load(self) -> None:

@@ -99,10 +99,16 @@ class BlockManager:
             self._evictable.pop(block_id, None)
         block.ref_count += 1
 
-    def commit(self, seq: Sequence) -> None:
-        """Register ``seq``'s newly full and computed blocks for reuse by later requests."""
+    def commit(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Register ``seq``'s full blocks among its first ``num_tokens`` for reuse by later requests.
+
+        ``num_tokens`` defaults to the computed tokens. The scheduler passes the end of a
+        chunk it has just scheduled, so sequences admitted later in the same step share
+        those blocks; the runner writes a step's prefill K/V before any row attends.
+        """
         hashes = self._seq_hashes.setdefault(seq.request_id, [])
-        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        upto = seq.num_computed_tokens if num_tokens is None else num_tokens
+        full = min(upto // self.block_size, len(seq.block_table))
         while len(hashes) < full:
             i = len(hashes)
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# native: our flat-batch Llama forward (llama.py); transformers: the model's own modules
+# with paged attention (any causal LM); auto: native when the architecture allows.
+MODEL_IMPLS = ("auto", "native", "transformers")
 
 
 @dataclass(frozen=True)
@@ -26,10 +29,13 @@ class EngineConfig:
     max_model_len: int | None = None
     # torch.compile the forward with bucketed batch sizes (slow warm-up, faster steps).
     compile: bool = False
+    model_impl: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be one of {DEVICES} or cuda:N, got {self.device!r}")
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_queued_requests"):

@@ -1,11 +1,16 @@
 """Owns torch: the weights, the paged KV tensors, and one forward per scheduled batch.
 
-The model definition comes from transformers; attention is ours. We register a
-paged attention function with transformers' ``AttentionInterface`` and hand it
-per-step metadata (slot mapping, gathered block slots, mask) in a forward-context
-object passed as a forward kwarg, so every decoder layer writes its new K/V into
-the paged cache and attends over the sequence's blocks. Decode steps run all
-sequences as one [B, 1] forward; the LM head runs on last positions only.
+Two implementations run a step. Llama-family models (SmolLM2 included) use the
+native forward in ``llama.py``: every scheduled token of the step in one flat
+batch, fused matmuls, pre-packed weights. Any other transformers causal LM runs
+through its own modules with our attention: we register a paged attention
+function with transformers' ``AttentionInterface`` and hand it per-step metadata
+(slot mapping, gathered block slots, mask) in a forward-context object passed as
+a forward kwarg, so every decoder layer writes its new K/V into the paged cache
+and attends over the sequence's blocks; decodes run as one [B, 1] forward and
+prefill chunks as one padded forward. Either way the LM head runs on sampled
+positions only, and every layer writes the K/V of all prefill chunks of a step
+before any chunk attends, which in-step prefix sharing (scheduler) relies on.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from services.inference import llama
 from services.inference.config import EngineConfig
 from services.inference.sampler import Sampler
 from services.inference.scheduler import ScheduledSequence
@@ -130,6 +136,14 @@ def paged_attention(
 AttentionInterface.register(ATTENTION_NAME, paged_attention)
 
 
+@dataclass(frozen=True)
+class _ModelFacts:
+    """What the engine reads from a model once the native forward has taken its weights."""
+
+    config: Any
+    generation_config: Any
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
@@ -188,20 +202,35 @@ class ModelRunner:
         self.num_blocks = config.num_kv_blocks or self._auto_num_blocks()
         self.num_slots = self.num_blocks * self.block_size
 
-        # One spare slot at the end takes the K/V of padding tokens.
+        self.sampler = Sampler()
+        self._block_offsets = torch.arange(self.block_size, device=self.device)
+        self.native: llama.LlamaForward | None = None
+        if config.model_impl == "native" and not llama.supports(self.model):
+            raise ValueError(f"--model-impl native supports Llama-family models, not {mc.model_type!r}")
+        if config.model_impl != "transformers" and llama.supports(self.model):
+            self.native = llama.LlamaForward(self.model, self.max_model_len)
+            # The native forward holds its own (packed) copies: keep only what the engine reads.
+            self.model = _ModelFacts(mc, getattr(self.model, "generation_config", None))
+
+        # One spare slot at the end takes the K/V of padding tokens. The native forward
+        # keeps each KV head's slots together ([kv_heads, slots, D]) so gathered keys feed
+        # batched matmuls without a copy; transformers' path keeps [slots, kv_heads, D].
         def cache() -> torch.Tensor:
-            return torch.zeros(
-                self.num_slots + 1, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device
-            )
+            slots, heads, dim = self.num_slots + 1, self.num_kv_heads, self.head_dim
+            shape = (heads, slots, dim) if self.native is not None else (slots, heads, dim)
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
         self.k_caches = [cache() for _ in range(self.num_layers)]
         self.v_caches = [cache() for _ in range(self.num_layers)]
-        self.decoder: Any = self.model.base_model
-        self.lm_head: Any = self.model.get_output_embeddings()
-        self.sampler = Sampler()
-        self._block_offsets = torch.arange(self.block_size, device=self.device)
+        self.model_impl = "native" if self.native is not None else "transformers"
+        log.info("model implementation: %s", self.model_impl)
+        self.decoder: Any = None if self.native is not None else self.model.base_model
+        self.lm_head: Any = (
+            self.native.logits if self.native is not None else self.model.get_output_embeddings()
+        )
         # Decode steps only (shape [B, 1]) are compiled: prefill shapes vary too much.
-        self._decode_forward = self._compiled_forward() if config.compile else self._decoder_forward
+        compiled = config.compile and self.native is None
+        self._decode_forward = self._compiled_forward() if compiled else self._decoder_forward
         self._forward = self._run_forward
 
     def _bytes_per_block(self) -> int:
@@ -248,10 +277,27 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: Seq[ScheduledSequence]) -> list[int]:
         """Run one step; returns the drawn token of every chunk that reached its sequence's end, in order."""
+        sampling = [s for s in scheduled if s.samples]
+        if self.native is not None:
+            logits = self._native_logits(scheduled)
+        else:
+            logits = self._transformers_logits(scheduled)
+        if logits is None:
+            return []
+        return self.sampler(
+            logits,
+            [s.seq.params for s in sampling],
+            [s.seq.seed for s in sampling],
+            [s.seq.num_output_tokens for s in sampling],
+            [s.seq.token_ids for s in sampling],
+        )
+
+    def _transformers_logits(self, scheduled: Seq[ScheduledSequence]) -> torch.Tensor | None:
         decodes = [s for s in scheduled if s.num_tokens == 1]
         prefills = [s for s in scheduled if s.num_tokens > 1]
         rows: dict[int, torch.Tensor] = {}
-        for group in (decodes, prefills):
+        # Prefill chunks first: a row may read blocks another chunk of this step fills.
+        for group in (prefills, decodes):
             if group:
                 hidden = self._run_group(group)
                 for s, h in zip(group, hidden, strict=True):
@@ -259,14 +305,105 @@ class ModelRunner:
                         rows[id(s)] = h
         sampling = [s for s in scheduled if s.samples]
         if not sampling:
-            return []
-        logits = self.lm_head(torch.stack([rows[id(s)] for s in sampling]))
-        return self.sampler(
-            logits,
-            [s.seq.params for s in sampling],
-            [s.seq.seed for s in sampling],
-            [s.seq.num_output_tokens for s in sampling],
-            [s.seq.token_ids for s in sampling],
+            return None
+        return self.lm_head(torch.stack([rows[id(s)] for s in sampling]))  # type: ignore[no-any-return]
+
+    def _native_logits(self, scheduled: Seq[ScheduledSequence]) -> torch.Tensor | None:
+        assert self.native is not None
+        step = self._step_inputs(scheduled)
+        if step.sample_index.numel() == 0:
+            # Nothing to sample (only mid-prompt chunks): still run the layers for their K/V.
+            self.native.hidden_states(step, self.k_caches, self.v_caches)
+            return None
+        hidden = self.native.hidden_states(step, self.k_caches, self.v_caches)
+        return self.native.logits(hidden)
+
+    def _step_inputs(self, scheduled: Seq[ScheduledSequence]) -> llama.StepInputs:
+        """The flat batch of a step: decode rows first, then prefill chunks."""
+        bs = self.block_size
+        dev = self.device
+        decodes = [s for s in scheduled if s.num_tokens == 1]
+        prefills = [s for s in scheduled if s.num_tokens > 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        flat_index: dict[int, int] = {}  # id(chunk) -> flat index of its last token
+        for s in (*decodes, *prefills):
+            start, n, table, tokens = s.start, s.num_tokens, s.seq.block_table, s.seq.token_ids
+            ids.extend(tokens[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            flat_index[id(s)] = len(ids) - 1
+        position_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        decode_rows = self._decode_rows(decodes, position_t[: len(decodes)]) if decodes else None
+        prefill_rows = self._prefill_rows(prefills) if prefills else None
+        sample_index = [flat_index[id(s)] for s in scheduled if s.samples]
+        return llama.StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=position_t,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            decode=decode_rows,
+            prefill=prefill_rows,
+            sample_index=torch.tensor(sample_index, dtype=torch.long, device=dev),
+        )
+
+    def _block_tables(self, group: Seq[ScheduledSequence], max_blocks: int) -> torch.Tensor:
+        # Short tables are padded with block 0; those keys are masked out.
+        return torch.tensor(
+            [
+                s.seq.block_table[:max_blocks] + [0] * (max_blocks - len(s.seq.block_table[:max_blocks]))
+                for s in group
+            ],
+            dtype=torch.long,
+            device=self.device,
+        )
+
+    def _decode_rows(self, decodes: list[ScheduledSequence], positions: torch.Tensor) -> llama.DecodeRows:
+        bs = self.block_size
+        max_blocks = max(s.start // bs + 1 for s in decodes)
+        tables = self._block_tables(decodes, max_blocks)
+        span = max_blocks * bs
+        key_pos = torch.arange(span, device=self.device)
+        visible = key_pos[None, :] <= positions[:, None]
+        bias = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(
+            ~visible, float("-inf")
+        )
+        return llama.DecodeRows(
+            count=len(decodes),
+            gather_slots=(tables[:, :, None] * bs + self._block_offsets).reshape(-1),
+            span=span,
+            mask_bias=bias[None, :, None, :],
+        )
+
+    def _prefill_rows(self, prefills: list[ScheduledSequence]) -> llama.PrefillRows:
+        bs = self.block_size
+        dev = self.device
+        steps = max(s.num_tokens for s in prefills)
+        max_blocks = max(-(-(s.start + s.num_tokens) // bs) for s in prefills)
+        tables = self._block_tables(prefills, max_blocks)
+        span = max_blocks * bs
+        # Pad queries sit at position 0: they see only key 0 and never produce NaN.
+        padded_positions = torch.tensor(
+            [list(range(s.start, s.start + s.num_tokens)) + [0] * (steps - s.num_tokens) for s in prefills],
+            dtype=torch.long,
+            device=dev,
+        )
+        key_pos = torch.arange(span, device=dev)
+        mask = (key_pos[None, None, :] <= padded_positions[:, :, None]).unsqueeze(1)
+        pad_index = None
+        if any(s.num_tokens != steps for s in prefills):
+            pad_index = torch.tensor(
+                [r * steps + j for r, s in enumerate(prefills) for j in range(s.num_tokens)],
+                dtype=torch.long,
+                device=dev,
+            )
+        return llama.PrefillRows(
+            rows=len(prefills),
+            steps=steps,
+            pad_index=pad_index,
+            gather_slots=(tables[:, :, None] * bs + self._block_offsets).reshape(-1),
+            span=span,
+            mask=mask,
         )
 
     def _run_group(self, group: list[ScheduledSequence]) -> list[torch.Tensor]:

@@ -2,7 +2,8 @@
 
 Pure Python (no torch). Running sequences go first (decodes and unfinished
 prefill chunks), then waiting ones are admitted while the token budget, the
-sequence cap and the KV blocks allow. A long prompt is split into chunks so it
+sequence cap and the KV blocks allow. A waiting request reuses cached prefix
+blocks, including blocks a prefill chunk earlier in the same step is filling. A long prompt is split into chunks so it
 never stalls running decodes. When blocks run out, the most recently admitted
 running sequence is preempted (its KV is dropped and recomputed later).
 """
@@ -91,7 +92,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, n))
+                self._schedule(out, seq, n)
                 budget -= n
                 i += 1
                 continue
@@ -125,9 +126,19 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             self.running.append(seq)
-            out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, n))
+            self._schedule(out, seq, n)
             budget -= n
         return out
+
+    def _schedule(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        start = seq.num_computed_tokens
+        out.scheduled.append(ScheduledSequence(seq, start, n))
+        if n > 1:
+            # In-step prefix sharing: the blocks this prefill chunk fills are offered at
+            # once, so waiting requests with the same prefix (64 chats behind one system
+            # prompt) compute it once in this step instead of once each. Only prefill
+            # chunks: the runner writes their K/V before any row of the step attends.
+            self.block_manager.commit(seq, start + n)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

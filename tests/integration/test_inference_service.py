@@ -80,6 +80,31 @@ STORY = "Write a short story about a robot named R{i} who learns to paint."
 async def test_concurrent_greedy_generations_match_transformers_token_for_token(
     stub: inference_pb2_grpc.InferenceStub, reference: tuple[Any, Any]
 ) -> None:
+    # The default (native Llama) forward. The story prompts share the chat template's
+    # system prompt and arrive together, so in-step prefix sharing is exercised too.
+    await check_concurrent_greedy_generations(stub, reference)
+
+
+async def test_the_transformers_implementation_matches_token_for_token(
+    model_path: Path, reference: tuple[Any, Any]
+) -> None:
+    # Any non-Llama model runs through transformers' own modules with our paged attention.
+    proc = ServiceProcess(
+        "services.inference",
+        ["--model", str(model_path), "--kv-blocks", str(KV_BLOCKS), "--model-impl", "transformers"],
+    )
+    try:
+        proc.start()
+        async with grpc.aio.insecure_channel(proc.address) as channel:
+            await check_concurrent_greedy_generations(inference_pb2_grpc.InferenceStub(channel), reference)
+    finally:
+        proc.stop()
+
+
+async def check_concurrent_greedy_generations(
+    stub: inference_pb2_grpc.InferenceStub, reference: tuple[Any, Any]
+) -> None:
+    """8 concurrent greedy generations of different lengths each equal ``model.generate`` alone."""
     _, tokenizer = reference
     cases: list[tuple[inference_pb2.GenerateStart, list[int], int]] = []
     for i in range(8):

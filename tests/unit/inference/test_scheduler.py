@@ -160,3 +160,50 @@ def test_finish_of_a_waiting_request_releases_everything() -> None:
     sched.schedule()
     sched.finish(queued, SequenceStatus.FINISHED_ABORTED)
     assert list(sched.waiting) == [] and queued.is_finished
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once() -> None:
+    # Three chats behind one 9-token system prompt, all waiting at once: the first
+    # computes the prefix, the others reuse its two full blocks in the same step.
+    sched = make(num_blocks=32, block_size=4, budget=100)
+    system = list(range(100, 109))
+    chats = [
+        Sequence(
+            request_id=f"c{i}",
+            token_ids=[*system, 200 + i, 300 + i],
+            num_prompt_tokens=11,
+            params=SamplingParams(max_tokens=1),
+        )
+        for i in range(3)
+    ]
+    for chat in chats:
+        sched.add(chat)
+    out = sched.schedule()
+    assert [(c.start, c.num_tokens) for c in out.scheduled] == [(0, 11), (8, 3), (8, 3)]
+    assert out.num_batched_tokens == 17  # not 33
+    assert [c.num_cached_prompt_tokens for c in chats] == [0, 8, 8]
+    first_blocks = chats[0].block_table[:2]
+    assert chats[1].block_table[:2] == first_blocks and chats[2].block_table[:2] == first_blocks
+    # Each keeps its own block for the tokens where it differs.
+    assert len({chats[i].block_table[2] for i in range(3)}) == 3
+
+
+def test_a_decode_step_offers_no_unfilled_blocks() -> None:
+    # A block a decode row completes is only offered once computed (after the step).
+    sched = make(num_blocks=32, block_size=4, budget=100)
+    first = seq("first", 7, max_tokens=4)
+    sched.add(first)
+    fake_runner_step(sched, sched.schedule())  # prefill 7 tokens, draws token 8
+    twin = Sequence(
+        request_id="twin",
+        token_ids=[*first.token_ids, 99],
+        num_prompt_tokens=9,
+        params=SamplingParams(max_tokens=1),
+    )
+    sched.add(twin)
+    out = sched.schedule()  # first decodes position 7 (fills block 1); twin is admitted
+    assert [(c.seq.request_id, c.start, c.num_tokens) for c in out.scheduled] == [
+        ("first", 7, 1),
+        ("twin", 4, 5),
+    ]
+    assert twin.num_cached_prompt_tokens == 4
