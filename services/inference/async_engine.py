@@ -3,11 +3,15 @@
 The event loop never waits on torch: requests and aborts are handed to the
 engine thread through locked queues, and outputs come back with
 ``call_soon_threadsafe``. When idle, the engine thread sleeps on a condition.
+A stream whose reader fell behind (its previous message still being written)
+gets the outputs that piled up merged into one, as vLLM's output collector does:
+the cost of a gRPC message, here and in the router, is per message, not per token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -36,6 +40,24 @@ class _Pending:
     # once, so the stream still gets its CANCELLED final output (dropping the entry
     # here left the stream waiting forever).
     aborted: bool = False
+
+
+def merge_outputs(outputs: Seq[RequestOutput]) -> RequestOutput:
+    """One output for consecutive outputs of one request: all their tokens and text, in order.
+
+    It starts at the first tokens' ``index`` and ends as the last output does
+    (finished, reason, usage, timings), so a reader sees the same answer in fewer messages.
+    """
+    last = outputs[-1]
+    if len(outputs) == 1:
+        return last
+    first_with_tokens = next((o for o in outputs if o.new_token_ids), last)
+    return dataclasses.replace(
+        last,
+        new_token_ids=[t for o in outputs for t in o.new_token_ids],
+        text="".join(o.text for o in outputs),
+        index=first_with_tokens.index,
+    )
 
 
 class AsyncEngine:
@@ -87,11 +109,23 @@ class AsyncEngine:
             self._cond.notify()
         finished = False
         last_token_at: float | None = None
+        failure: BaseException | None = None
         try:
             while True:
                 item = await sink.get()
                 if isinstance(item, BaseException):
                     raise item
+                if not item.finished and not sink.empty():
+                    # The reader was busy (its last message still being written): send what piled up as one.
+                    batch = [item]
+                    while not item.finished and not sink.empty():
+                        queued = sink.get_nowait()
+                        if isinstance(queued, BaseException):
+                            failure = queued  # raised once the tokens before it are out
+                            break
+                        batch.append(queued)
+                        item = queued
+                    item = merge_outputs(batch)
                 if item.new_token_ids:
                     now = time.monotonic()
                     if last_token_at is not None:
@@ -101,6 +135,8 @@ class AsyncEngine:
                 if item.finished:
                     finished = True
                     return
+                if failure is not None:
+                    raise failure
         finally:
             if not finished:
                 self.abort(request_id)

@@ -112,6 +112,33 @@ class StepInputs:
     sample_index: torch.Tensor
 
 
+class Scratch:
+    """Reusable buffers for the per-layer K/V gathers.
+
+    A gather for 64 rows of 800 positions is tens of MB: allocated fresh each layer it
+    is mmapped and page-faulted every time (glibc serves large blocks with mmap), which
+    cost 7x the copy itself. One buffer per name, grown when a step needs more.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        numel = 1
+        for size in shape:
+            numel *= size
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._buffers[name] = buf
+        return buf[:numel].view(shape)
+
+
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``cache[:, slots]`` for a [kv_heads, slots, D] cache, written into ``out``."""
+    return torch.index_select(cache, 1, slots, out=out)
+
+
 class LlamaForward:
     """Runs steps of a Llama-family model whose weights it took from ``model``."""
 
@@ -129,6 +156,7 @@ class LlamaForward:
         self.layers = [self._layer(layer) for layer in decoder.layers]
         self.lm_head = Linear(model.get_output_embeddings().weight)
         self.cos, self.sin = self._rotary_tables(decoder.rotary_emb, max_positions)
+        self.scratch = Scratch()
 
     @staticmethod
     def _layer(layer: Any) -> LayerWeights:
@@ -211,8 +239,11 @@ class LlamaForward:
         # time setting up. The cache is [kv_heads, slots, D], so the gathered keys are
         # already [kv_heads, rows, span, D] and feed the matmuls without a copy.
         b, kv_heads, dim, span = rows.count, self.num_kv_heads, self.head_dim, rows.span
-        keys = k_cache.index_select(1, rows.gather_slots).view(kv_heads, b, span, dim)
-        values = v_cache.index_select(1, rows.gather_slots).view(kv_heads, b, span, dim)
+        shape = (kv_heads, b * span, dim)
+        keys = gather_slots(k_cache, rows.gather_slots, self.scratch.get("k", shape, k_cache))
+        values = gather_slots(v_cache, rows.gather_slots, self.scratch.get("v", shape, v_cache))
+        keys = keys.view(kv_heads, b, span, dim)
+        values = values.view(kv_heads, b, span, dim)
         queries = q.view(b, kv_heads, self.group, dim).transpose(0, 1)
         scores = torch.matmul(queries, keys.transpose(-1, -2)) * self.scale + rows.mask_bias
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -228,8 +259,11 @@ class LlamaForward:
             padded = q.new_zeros(r * t, heads, dim).index_copy_(0, rows.pad_index, q)
         else:
             padded = q
-        keys = k_cache.index_select(1, rows.gather_slots).view(kv_heads, r, span, dim).transpose(0, 1)
-        values = v_cache.index_select(1, rows.gather_slots).view(kv_heads, r, span, dim).transpose(0, 1)
+        shape = (kv_heads, r * span, dim)
+        keys = gather_slots(k_cache, rows.gather_slots, self.scratch.get("prefill_k", shape, k_cache))
+        values = gather_slots(v_cache, rows.gather_slots, self.scratch.get("prefill_v", shape, v_cache))
+        keys = keys.view(kv_heads, r, span, dim).transpose(0, 1)
+        values = values.view(kv_heads, r, span, dim).transpose(0, 1)
         out = F.scaled_dot_product_attention(
             padded.view(r, t, heads, dim).transpose(1, 2),
             keys,

@@ -16,6 +16,7 @@ before any chunk attends, which in-step prefix sharing (scheduler) relies on.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -35,12 +36,16 @@ log = logging.getLogger("llmmesh.inference.runner")
 
 ATTENTION_NAME = "llmmesh_paged"
 MAX_MODEL_LEN_CAP = 8192
-# Auto-sized KV caches stay under this many bytes on CPU (the host runs other services too).
-CPU_KV_MEMORY_CAP = 1 << 30
+# Auto-sized KV caches stay under this many bytes on CPU (as vLLM's CPU default): the
+# host runs other services too. Pages are touched only as blocks fill, so an idle
+# replica costs little. 64 sequences of ~1,000 fp32 tokens of SmolLM2 fit without preemption.
+CPU_KV_MEMORY_CAP = 4 << 30
 # On CUDA, auto-sized KV caches take at most this share of the free memory after loading.
 CUDA_KV_MEMORY_SHARE = 0.5
 # Decode batches are padded up to one of these sizes when compiling, so few graphs cover all.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# glibc's ceiling for M_MMAP_THRESHOLD on 64-bit (4 MiB * sizeof(long)).
+GLIBC_MMAP_THRESHOLD_MAX = 32 * 1024 * 1024
 
 
 @dataclass
@@ -175,12 +180,57 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(p))
 
 
+def keep_large_allocations_mapped() -> bool:
+    """Ask glibc to serve big temporaries from its heap and keep them, not mmap/munmap each.
+
+    A forward allocates tens-of-MB activations per layer; mmapped blocks are
+    page-faulted in on every use, which on CPU cost more than the ops writing them.
+    Raising the mmap and trim thresholds to their maximum keeps freed blocks for
+    reuse. A no-op (False) off glibc.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    ok = mallopt(m_mmap_threshold, GLIBC_MMAP_THRESHOLD_MAX) == 1
+    return mallopt(m_trim_threshold, 1 << 30) == 1 and ok
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on CPU its pages are mapped lazily, so an unused KV cache costs no RAM.
+
+    ``torch.zeros`` writes every byte (a 4 GiB cache is 4 GiB resident at start);
+    numpy's calloc gets fresh zero pages from the OS that become resident only when
+    a block is written. Masked-out keys must still read as zeros (never NaN).
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    numel = 1
+    for size in shape:
+        numel *= size
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(numel * itemsize, dtype=np.uint8))
+    return raw.view(dtype).view(shape)
+
+
 class ModelRunner:
     """Loads the model, allocates the KV cache, and runs scheduled batches."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu" and os.environ.get("LLMMESH_GLIBC_TUNING", "1") != "0":
+            log.info("glibc malloc tuned for large activations: %s", keep_large_allocations_mapped())
         self.dtype = resolve_dtype(config.dtype, self.device)
         started = time.perf_counter()
         self.model: Any = load_model(config.model, self.device, self.dtype)
@@ -218,7 +268,7 @@ class ModelRunner:
         def cache() -> torch.Tensor:
             slots, heads, dim = self.num_slots + 1, self.num_kv_heads, self.head_dim
             shape = (heads, slots, dim) if self.native is not None else (slots, heads, dim)
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+            return zeroed(shape, self.dtype, self.device)
 
         self.k_caches = [cache() for _ in range(self.num_layers)]
         self.v_caches = [cache() for _ in range(self.num_layers)]
