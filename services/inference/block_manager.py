@@ -46,7 +46,8 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: deque[int] = deque(range(num_blocks))
+        # A stack, lowest ids on top: a fresh pool hands out blocks 0, 1, 2, ...
+        self._free: deque[int] = deque(reversed(range(num_blocks)))
         # Unreferenced blocks that still hold a reusable prefix, least recently used first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._by_hash: dict[int, int] = {}
@@ -144,7 +145,9 @@ class BlockManager:
 
     def _pop_free(self) -> int:
         if self._free:
-            block_id = self._free.popleft()
+            # Most recently freed first: its pages are resident and likely still in cache
+            # (the CPU cache is mapped lazily, so a never-used block costs page faults).
+            block_id = self._free.pop()
         else:
             # Evict the least recently used cached prefix.
             block_id, _ = self._evictable.popitem(last=False)

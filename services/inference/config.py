@@ -30,6 +30,9 @@ class EngineConfig:
     # torch.compile the forward with bucketed batch sizes (slow warm-up, faster steps).
     compile: bool = False
     model_impl: str = "auto"
+    # Native forward: MiB for contiguous decode K/V rows (decode_slab.py); 0 disables.
+    # 1 GiB holds 64 fp32 SmolLM2 rows of up to 256 tokens; longer batches gather instead.
+    decode_slab_mib: int = 1024
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
@@ -41,6 +44,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_queued_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.decode_slab_mib < 0:
+            raise ValueError(f"decode_slab_mib must be >= 0, got {self.decode_slab_mib}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from services.inference.decode_slab import DecodeSlab
+
 log = logging.getLogger("llmmesh.inference.llama")
 
 # Architectures whose decoder layers are exactly Llama's (no biases, no extra norms).
@@ -76,14 +78,20 @@ class LayerWeights:
 
 @dataclass
 class DecodeRows:
-    """The single-token rows of a step (the first ``count`` tokens of the flat batch)."""
+    """The single-token rows of a step (the first ``count`` tokens of the flat batch).
+
+    Keys come from the decode slab when it holds the batch (row i of the batch is
+    slab row i), else they are gathered from the paged cache through ``gather_slots``.
+    """
 
     count: int
-    # [count * span] cache slots each row attends over, in position order.
-    gather_slots: torch.Tensor
     span: int
-    # [1, count, 1, span] 0 where the key is visible, -inf where not.
+    # Slab: [count, 1, 1, span]; gather: [1, count, 1, span]. 0 where the key is visible, -inf not.
     mask_bias: torch.Tensor
+    # [count * span] cache slots each row attends over, in position order (gather only).
+    gather_slots: torch.Tensor | None = None
+    slab: DecodeSlab | None = None
+    positions: torch.Tensor | None = None  # [count] each row's new position (slab only)
 
 
 @dataclass
@@ -199,7 +207,7 @@ class LlamaForward:
         x = self.embed.index_select(0, step.input_ids)
         cos = self.cos.index_select(0, step.positions)[:, None, :]
         sin = self.sin.index_select(0, step.positions)[:, None, :]
-        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
+        for index, (layer, k_cache, v_cache) in enumerate(zip(self.layers, k_caches, v_caches, strict=True)):
             h = self._rms_norm(x, layer.input_norm)
             q, k, v = layer.qkv(h).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
             q = self._rotate(q.view(n, heads, dim), cos, sin)
@@ -207,8 +215,14 @@ class LlamaForward:
             # Every row's K/V is written before any row attends: a prefill row may
             # read blocks another row of this same step fills (in-step prefix sharing).
             k_cache.index_copy_(1, step.slot_mapping, k.transpose(0, 1))
-            v_cache.index_copy_(1, step.slot_mapping, v.view(n, kv_heads, dim).transpose(0, 1))
-            attn = self._attention(q, k_cache, v_cache, step)
+            v = v.view(n, kv_heads, dim)
+            v_cache.index_copy_(1, step.slot_mapping, v.transpose(0, 1))
+            decode = step.decode
+            if decode is not None and decode.slab is not None:
+                rows = torch.arange(decode.count, device=x.device)
+                decode.slab.k[index][rows, :, decode.positions] = k[: decode.count]
+                decode.slab.v[index][rows, :, decode.positions] = v[: decode.count]
+            attn = self._attention(q, index, k_cache, v_cache, step)
             x = x + layer.o(attn.view(n, heads * dim))
             h = self._rms_norm(x, layer.post_attention_norm)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
@@ -219,26 +233,35 @@ class LlamaForward:
         return self.lm_head(hidden)
 
     def _attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs
+        self, q: torch.Tensor, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs
     ) -> torch.Tensor:
         decode, prefill = step.decode, step.prefill
         if decode is not None and prefill is None:
-            return self._decode_attention(q, k_cache, v_cache, decode)
+            return self._decode_attention(q, layer, k_cache, v_cache, decode)
         if prefill is not None and decode is None:
             return self._prefill_attention(q, k_cache, v_cache, prefill)
         assert decode is not None and prefill is not None
-        head = self._decode_attention(q[: decode.count], k_cache, v_cache, decode)
+        head = self._decode_attention(q[: decode.count], layer, k_cache, v_cache, decode)
         tail = self._prefill_attention(q[decode.count :], k_cache, v_cache, prefill)
         return torch.cat((head, tail))
 
     def _decode_attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: DecodeRows
+        self, q: torch.Tensor, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: DecodeRows
     ) -> torch.Tensor:
         # One query per row: the heads sharing a KV head form a [group, D] matrix, so
-        # two batched matmuls per KV head do the work SDPA's kernel spends most of its
-        # time setting up. The cache is [kv_heads, slots, D], so the gathered keys are
-        # already [kv_heads, rows, span, D] and feed the matmuls without a copy.
+        # two batched matmuls do the work SDPA's kernel spends most of its time setting up.
         b, kv_heads, dim, span = rows.count, self.num_kv_heads, self.head_dim, rows.span
+        if rows.slab is not None:
+            # Slab rows [b, kv_heads, span, D] are a view: nothing is copied.
+            keys = rows.slab.k[layer][:b, :, :span]
+            values = rows.slab.v[layer][:b, :, :span]
+            queries = q.view(b, kv_heads, self.group, dim)
+            scores = torch.matmul(queries, keys.transpose(-1, -2)) * self.scale + rows.mask_bias
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            return torch.matmul(probs, values).reshape(b, self.num_heads, dim)
+        # Gathered from the [kv_heads, slots, D] cache the keys are already
+        # [kv_heads, rows, span, D] and feed the matmuls without a further copy.
+        assert rows.gather_slots is not None
         shape = (kv_heads, b * span, dim)
         keys = gather_slots(k_cache, rows.gather_slots, self.scratch.get("k", shape, k_cache))
         values = gather_slots(v_cache, rows.gather_slots, self.scratch.get("v", shape, v_cache))

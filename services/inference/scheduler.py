@@ -25,6 +25,9 @@ class ScheduledSequence:
     seq: Sequence
     start: int
     num_tokens: int
+    # Admitted from the waiting queue in this step: its matched prefix may include
+    # blocks another chunk of this same step is still filling.
+    admitted: bool = False
 
     @property
     def samples(self) -> bool:
@@ -126,13 +129,13 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             self.running.append(seq)
-            self._schedule(out, seq, n)
+            self._schedule(out, seq, n, admitted=True)
             budget -= n
         return out
 
-    def _schedule(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+    def _schedule(self, out: SchedulerOutput, seq: Sequence, n: int, admitted: bool = False) -> None:
         start = seq.num_computed_tokens
-        out.scheduled.append(ScheduledSequence(seq, start, n))
+        out.scheduled.append(ScheduledSequence(seq, start, n, admitted))
         if n > 1:
             # In-step prefix sharing: the blocks this prefill chunk fills are offered at
             # once, so waiting requests with the same prefix (64 chats behind one system

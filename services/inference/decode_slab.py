@@ -1,0 +1,156 @@
+"""Contiguous K/V rows for the decode batch, so decode attention reads the cache in place.
+
+With a paged cache, every decode step gathers each row's blocks into a dense
+tensor before attending: for 64 rows that copy costs as much as the attention
+itself, every layer, every step. The slab keeps one row per decoding sequence,
+``[rows, kv_heads, length, head_dim]`` per layer, with the running rows packed at
+the front, so ``slab[:n, :, :span]`` is a view the batched matmuls read directly.
+
+A sequence's row is filled from the paged cache once, when it starts decoding;
+each step then writes the new token's K/V to both the paged cache (which stays
+the source of truth for prefix reuse and preemption) and the slab. Rows of
+sequences that stop decoding are released and the last row moves into the hole.
+The slab is a copy, so it has a byte budget: when the batch's longest context
+would need more, the step falls back to gathering from the paged cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+# The slab's length grows in powers of two from here.
+MIN_LENGTH = 64
+
+
+@dataclass(frozen=True)
+class SlabRow:
+    """One decoding sequence as the slab sees it."""
+
+    request_id: str
+    position: int  # where this step's token goes; [0, position) is already in the cache
+    block_table: Seq[int]  # the sequence's paged-cache blocks
+
+
+class DecodeSlab:
+    """Per-layer K/V rows for up to ``max_rows`` decoding sequences."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        max_rows: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        budget_bytes: int,
+    ) -> None:
+        self.num_layers = num_layers
+        self.max_rows = max_rows
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = device
+        self.budget_bytes = budget_bytes
+        self.length = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self._row_of: dict[str, int] = {}
+        self._filled: dict[str, int] = {}  # request id -> positions present in its row
+
+    def bytes_for(self, length: int) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.max_rows * self.num_kv_heads * length * self.head_dim * elem
+
+    @property
+    def rows_in_use(self) -> int:
+        return len(self._row_of)
+
+    def release_all(self, free_memory: bool = False) -> None:
+        self._row_of.clear()
+        self._filled.clear()
+        if free_memory:
+            self.k, self.v, self.length = [], [], 0
+
+    def prepare(
+        self, rows: Seq[SlabRow], k_caches: Seq[torch.Tensor], v_caches: Seq[torch.Tensor]
+    ) -> list[int] | None:
+        """Give every row a slab row holding its past K/V; returns each row's index.
+
+        Called every step (with no rows when nothing decodes), so a sequence that
+        stopped decoding (finished, aborted, preempted) always loses its row before
+        it could decode again. None when the rows do not fit the budget (or the row
+        cap): the caller gathers from the paged cache instead, and the slab is
+        dropped to free its memory.
+        """
+        if not rows:
+            self.release_all()
+            return []
+        longest = max(r.position for r in rows) + 1
+        length = max(MIN_LENGTH, self.length)
+        while length < longest:
+            length *= 2
+        if len(rows) > self.max_rows or self.bytes_for(length) > self.budget_bytes:
+            self.release_all(free_memory=True)
+            return None
+        wanted = {r.request_id for r in rows}
+        for rid in [rid for rid in self._row_of if rid not in wanted]:
+            self._release(rid)
+        if length != self.length:
+            self._resize(length)
+        for r in rows:
+            if r.request_id not in self._row_of:
+                self._row_of[r.request_id] = len(self._row_of)
+                self._filled[r.request_id] = 0
+            self._fill(r, k_caches, v_caches)
+        return [self._row_of[r.request_id] for r in rows]
+
+    def _release(self, request_id: str) -> None:
+        row = self._row_of.pop(request_id)
+        self._filled.pop(request_id)
+        last = len(self._row_of)  # the highest row still in use, if any
+        if row == last:
+            return
+        moved = next(rid for rid, r in self._row_of.items() if r == last)
+        used = self._filled[moved]
+        for k, v in zip(self.k, self.v, strict=True):
+            k[row, :, :used] = k[last, :, :used]
+            v[row, :, :used] = v[last, :, :used]
+        self._row_of[moved] = row
+
+    def _resize(self, length: int) -> None:
+        shape = (self.max_rows, self.num_kv_heads, length, self.head_dim)
+        old_k, old_v, old_length = self.k, self.v, self.length
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        n = len(self._row_of)
+        keep = min(old_length, length)
+        if old_k and n:
+            for new, old in zip((*self.k, *self.v), (*old_k, *old_v), strict=True):
+                new[:n, :, :keep] = old[:n, :, :keep]
+        self.length = length
+
+    def _fill(self, row: SlabRow, k_caches: Seq[torch.Tensor], v_caches: Seq[torch.Tensor]) -> None:
+        done = self._filled[row.request_id]
+        if done >= row.position:
+            return
+        index = self._row_of[row.request_id]
+        table, size = row.block_table, self.block_size
+        slots = torch.tensor(
+            [table[p // size] * size + p % size for p in range(done, row.position)],
+            dtype=torch.long,
+            device=self.device,
+        )
+        for k, v, k_cache, v_cache in zip(self.k, self.v, k_caches, v_caches, strict=True):
+            k[index, :, done : row.position] = k_cache.index_select(1, slots)
+            v[index, :, done : row.position] = v_cache.index_select(1, slots)
+        self._filled[row.request_id] = row.position
+
+    def advance(self, rows: Seq[SlabRow]) -> None:
+        """Record that the forward wrote each row's token at its position."""
+        for r in rows:
+            self._filled[r.request_id] = r.position + 1

@@ -1,0 +1,126 @@
+"""AsyncEngine streaming: a reader that falls behind gets what piled up as one output, none lost."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from services.common import errors
+from services.inference.async_engine import AsyncEngine, merge_outputs
+from services.inference.engine import EngineLoad, RequestOutput, Timings, Usage
+from services.inference.sampling import SamplingParams
+from services.inference.sequence import FinishReason
+
+
+class FakeTokenEngine:
+    """Stands in for LLMEngine (no model): one token per step for its one request, as fast as it can.
+
+    With ``fail_after`` the step after that many tokens raises, as a broken model step would.
+    """
+
+    def __init__(self, tokens: int, fail_after: int | None = None) -> None:
+        self.config = SimpleNamespace(max_queued_requests=8)
+        self.num_preemptions = 0
+        self.tokens = tokens
+        self.fail_after = fail_after
+        self.sent = 0
+        self.request_id: str | None = None
+        self.all_sent = threading.Event()
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(0, 1 if self.request_id else 0, 0, 16, 0, 0.0)
+
+    def validate(self, prompt: list[int], params: SamplingParams, resume: object) -> None:
+        return None
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, resume: object) -> None:
+        self.request_id = request_id
+
+    def abort_request(self, request_id: str) -> None:
+        self.request_id = None
+
+    def reset_prefix_cache(self) -> None:
+        return None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.request_id is not None
+
+    def step(self) -> list[RequestOutput]:
+        if self.request_id is None:
+            return []
+        if self.fail_after is not None and self.sent == self.fail_after:
+            self.all_sent.set()
+            raise RuntimeError("model step failed")
+        i = self.sent
+        self.sent += 1
+        if self.sent < self.tokens:
+            return [RequestOutput(self.request_id, [100 + i], f" w{i}", i)]
+        rid, self.request_id = self.request_id, None
+        self.all_sent.set()
+        return [
+            RequestOutput(
+                rid,
+                [100 + i],
+                f" w{i}",
+                i,
+                finished=True,
+                finish_reason=FinishReason.LENGTH,
+                usage=Usage(prompt_tokens=3, completion_tokens=self.tokens, cached_prompt_tokens=0),
+                timings=Timings(total_ms=1.0),
+            )
+        ]
+
+
+async def read_slowly(engine: AsyncEngine, fake: FakeTokenEngine, got: list[RequestOutput]) -> None:
+    stream = engine.generate("r1", [1, 2, 3], SamplingParams(max_tokens=fake.tokens))
+    async for out in stream:
+        got.append(out)
+        # The servicer is still writing this message: everything else the engine makes meanwhile queues up.
+        await asyncio.to_thread(fake.all_sent.wait, 5.0)
+
+
+async def test_a_reader_that_falls_behind_gets_the_piled_up_tokens_as_one_output() -> None:
+    fake = FakeTokenEngine(tokens=20)
+    engine = AsyncEngine(fake)  # type: ignore[arg-type]
+    got: list[RequestOutput] = []
+    try:
+        await read_slowly(engine, fake, got)
+    finally:
+        engine.close()
+    assert [t for o in got for t in o.new_token_ids] == [100 + i for i in range(20)]
+    assert "".join(o.text for o in got) == "".join(f" w{i}" for i in range(20))
+    assert len(got) < 20  # merged: fewer messages than tokens
+    position = 0
+    for out in got:  # each output's index is where its first token sits in the answer
+        assert out.index == position
+        position += len(out.new_token_ids)
+    assert got[-1].finished and got[-1].finish_reason == FinishReason.LENGTH
+    assert got[-1].usage is not None and got[-1].usage.completion_tokens == 20
+    assert not any(o.finished for o in got[:-1])
+
+
+async def test_an_engine_failure_reaches_the_reader_after_the_tokens_before_it() -> None:
+    fake = FakeTokenEngine(tokens=20, fail_after=5)
+    engine = AsyncEngine(fake)  # type: ignore[arg-type]
+    got: list[RequestOutput] = []
+    try:
+        with pytest.raises(errors.DependencyUnavailable, match="engine failed"):
+            await read_slowly(engine, fake, got)
+    finally:
+        engine.close()
+    assert [t for o in got for t in o.new_token_ids] == [100 + i for i in range(5)]
+
+
+def test_merge_keeps_the_first_index_and_the_last_outputs_end() -> None:
+    outs = [
+        RequestOutput("r", [7], "a", 4),
+        RequestOutput("r", [8], "", 5),  # a token whose text is still held back by the detokenizer
+        RequestOutput("r", [9], "bc", 6, finished=True, finish_reason=FinishReason.STOP, matched_stop="c"),
+    ]
+    merged = merge_outputs(outs)
+    assert (merged.new_token_ids, merged.text, merged.index) == ([7, 8, 9], "abc", 4)
+    assert merged.finished and merged.finish_reason == FinishReason.STOP and merged.matched_stop == "c"
+    assert merge_outputs(outs[:1]) is outs[0]

@@ -1,0 +1,80 @@
+"""Decode slab: rows hold exactly the paged cache's K/V, survive compaction and growth, respect the budget."""
+
+from __future__ import annotations
+
+import torch
+
+from services.inference.decode_slab import DecodeSlab, SlabRow
+
+LAYERS, KV_HEADS, DIM, BLOCK = 2, 3, 4, 4
+NUM_BLOCKS = 64
+
+
+def caches() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Paged caches ([kv_heads, slots, D]) whose every slot holds distinct values."""
+    slots = NUM_BLOCKS * BLOCK + 1
+    k = [torch.randn(KV_HEADS, slots, DIM) for _ in range(LAYERS)]
+    v = [torch.randn(KV_HEADS, slots, DIM) for _ in range(LAYERS)]
+    return k, v
+
+
+def slab(budget: int = 1 << 30, rows: int = 8) -> DecodeSlab:
+    return DecodeSlab(LAYERS, rows, BLOCK, KV_HEADS, DIM, torch.float32, torch.device("cpu"), budget)
+
+
+def paged(cache: torch.Tensor, table: list[int], length: int) -> torch.Tensor:
+    """[kv_heads, length, D]: a sequence's first ``length`` positions read through its block table."""
+    slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(length)]
+    return cache[:, slots]
+
+
+def test_rows_hold_each_sequence_past_keys_and_values_in_order() -> None:
+    k, v = caches()
+    s = slab()
+    rows = [SlabRow("a", 6, [5, 9]), SlabRow("b", 3, [2])]
+    index = s.prepare(rows, k, v)
+    assert index == [0, 1]
+    for layer in range(LAYERS):
+        assert torch.equal(s.k[layer][0, :, :6], paged(k[layer], [5, 9], 6))
+        assert torch.equal(s.v[layer][1, :, :3], paged(v[layer], [2], 3))
+
+
+def test_a_finished_row_is_replaced_by_the_last_one_with_its_data() -> None:
+    k, v = caches()
+    s = slab()
+    s.prepare([SlabRow("a", 5, [1, 2]), SlabRow("b", 5, [3, 4]), SlabRow("c", 7, [6, 7])], k, v)
+    # "a" stops decoding: "c" moves into row 0 and still reads its own positions.
+    index = s.prepare([SlabRow("b", 5, [3, 4]), SlabRow("c", 7, [6, 7])], k, v)
+    assert index == [1, 0]
+    assert s.rows_in_use == 2
+    for layer in range(LAYERS):
+        assert torch.equal(s.k[layer][0, :, :7], paged(k[layer], [6, 7], 7))
+        assert torch.equal(s.k[layer][1, :, :5], paged(k[layer], [3, 4], 5))
+
+
+def test_a_longer_context_grows_the_slab_and_keeps_the_rows() -> None:
+    k, v = caches()
+    s = slab()
+    table = list(range(20, 40))
+    s.prepare([SlabRow("a", 10, table)], k, v)
+    assert s.length == 64
+    s.prepare([SlabRow("a", 70, table)], k, v)  # 70 positions no longer fit in 64
+    assert s.length == 128
+    for layer in range(LAYERS):
+        assert torch.equal(s.v[layer][0, :, :70], paged(v[layer], table, 70))
+
+
+def test_over_budget_falls_back_to_gathering_and_frees_the_slab() -> None:
+    k, v = caches()
+    s = slab(budget=slab().bytes_for(64))
+    assert s.prepare([SlabRow("a", 10, [1, 2, 3])], k, v) == [0]
+    assert s.prepare([SlabRow("a", 100, list(range(30)))], k, v) is None
+    assert s.length == 0 and s.k == []
+
+
+def test_a_step_with_no_decodes_releases_every_row() -> None:
+    k, v = caches()
+    s = slab()
+    s.prepare([SlabRow("a", 4, [1])], k, v)
+    assert s.prepare([], k, v) == []
+    assert s.rows_in_use == 0
