@@ -31,11 +31,21 @@ SUPPORTED_MODEL_TYPES = frozenset({"llama"})
 PACK_ROWS_HINT = 64
 
 
+# Rotary variants whose frequencies depend on the sequence length: not a fixed table.
+DYNAMIC_ROPE_TYPES = frozenset({"dynamic", "longrope"})
+
+
+def rope_type(config: Any) -> str:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return str(params.get("rope_type", params.get("type", "default")))
+
+
 def supports(model: Any) -> bool:
     """True when ``model`` is a Llama-family causal LM this forward reproduces exactly."""
     config = model.config
     return (
         getattr(config, "model_type", None) in SUPPORTED_MODEL_TYPES
+        and rope_type(config) not in DYNAMIC_ROPE_TYPES
         and not getattr(config, "attention_bias", False)
         and not getattr(config, "mlp_bias", False)
         and getattr(config, "hidden_act", "silu") == "silu"
