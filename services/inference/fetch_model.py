@@ -62,12 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-gguf", action="store_true", help="keep the GGUF beside it")
     args = parser.parse_args(argv)
     out: Path = args.out
-    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+    gguf_dir = out.parent / "gguf"
+    ready = (out / "config.json").exists() and any(out.glob("*.safetensors"))
+    if ready and (not args.keep_gguf or (gguf_dir / GGUF_NAME).exists()):
         print(f"model ready: {out}")
         return 0
-    gguf_dir = out.parent / "gguf"
     gguf = download_gguf(gguf_dir)
-    convert(gguf, out)
+    if not ready:
+        convert(gguf, out)
     if not args.keep_gguf:
         shutil.rmtree(gguf_dir, ignore_errors=True)
     print(f"model ready: {out}")
