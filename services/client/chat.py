@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import queue
+import signal
 import sys
 import threading
 
@@ -178,6 +179,9 @@ class ChatTerminal:
 def run(args: argparse.Namespace) -> int:
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401 - line editing and history for input()
+    # Ctrl-C is how an answer is interrupted, even when a parent started us with SIGINT
+    # ignored (a shell's `cmd &`, nohup): Python would then inherit SIG_IGN.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     channel, stub = open_router(args.router)
     try:
         return ChatTerminal(args, stub).loop()
