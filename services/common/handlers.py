@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import grpc
@@ -17,43 +18,27 @@ def wrap_handler(
     """The same RPC, with its behaviour called through ``run_unary`` / ``run_stream``.
 
     Both take ``(behavior, request_or_iterator, context)``; the handler's kind and its
-    (de)serializers are kept.
+    (de)serializers are kept. The behaviour is bound with ``functools.partial``, not
+    a wrapper function: grpc.aio only streams from async generator functions, which
+    ``inspect`` sees through a partial, and every streamed message would otherwise
+    pass through one more generator frame.
     """
     if handler.unary_unary:
-        inner_uu = handler.unary_unary
-
-        async def uu(request: Any, context: Any) -> Any:
-            return await run_unary(inner_uu, request, context)
-
         return grpc.unary_unary_rpc_method_handler(
-            uu, handler.request_deserializer, handler.response_serializer
+            partial(run_unary, handler.unary_unary), handler.request_deserializer, handler.response_serializer
         )
     if handler.stream_unary:
-        inner_su = handler.stream_unary
-
-        async def su(request_iterator: Any, context: Any) -> Any:
-            return await run_unary(inner_su, request_iterator, context)
-
         return grpc.stream_unary_rpc_method_handler(
-            su, handler.request_deserializer, handler.response_serializer
+            partial(run_unary, handler.stream_unary),
+            handler.request_deserializer,
+            handler.response_serializer,
         )
     if handler.unary_stream:
-        inner_us = handler.unary_stream
-
-        # Must itself be an async generator function: grpc.aio only streams from those.
-        async def us(request: Any, context: Any) -> AsyncIterator[Any]:
-            async for item in run_stream(inner_us, request, context):
-                yield item
-
         return grpc.unary_stream_rpc_method_handler(
-            us, handler.request_deserializer, handler.response_serializer
+            partial(run_stream, handler.unary_stream),
+            handler.request_deserializer,
+            handler.response_serializer,
         )
-    inner_ss = handler.stream_stream
-
-    async def ss(request_iterator: Any, context: Any) -> AsyncIterator[Any]:
-        async for item in run_stream(inner_ss, request_iterator, context):
-            yield item
-
     return grpc.stream_stream_rpc_method_handler(
-        ss, handler.request_deserializer, handler.response_serializer
+        partial(run_stream, handler.stream_stream), handler.request_deserializer, handler.response_serializer
     )

@@ -158,6 +158,10 @@ class RateLimiter:
             return principal.limits
         return self.default_limits
 
+    def counts_tokens(self, principal: Principal, limits: KeyLimits | None = None) -> bool:
+        """Whether the key has a token budget (else ``record_tokens`` has nothing to do)."""
+        return not token_bucket(self.limits_for(principal, limits)).unlimited
+
     async def admit_request(self, principal: Principal, limits: KeyLimits | None = None) -> None:
         """Take one request; ``Overloaded`` (with retry-after) when the key is over its limits."""
         spec = self.limits_for(principal, limits)

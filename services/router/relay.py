@@ -278,33 +278,31 @@ class Relay:
         finished = False
         try:
             await call.write(inference_pb2.GenerateRequest(start=request))
-            while True:
-                response = await call.read()
-                if response is grpc.aio.EOF:  # type: ignore[attr-defined]
-                    raise AttemptFailed("stream ended without a final message", FailureKind.ERROR)
-                assert isinstance(response, inference_pb2.GenerateResponse)
-                if response.HasField("chunk"):
-                    chunk = response.chunk
-                    now = clock()
-                    if not watchdog.started:
-                        watchdog.started = True
-                        replica.ttft.observe(now - sent_at)
-                    else:
-                        replica.itl.observe((now - last_at) / max(1, len(chunk.token_ids)))
-                    last_at = watchdog.last_progress = now
-                    outcome.token_ids.extend(chunk.token_ids)
-                    outcome.text_parts.append(chunk.text)
+            # The per-message path: one read, one clock read, each field read once, nothing copied.
+            async for response in call:
+                if not response.HasField("chunk"):
+                    done = response.finished
+                    if done.finish_reason == common_pb2.FINISH_REASON_ERROR:
+                        raise AttemptFailed(f"replica error: {done.error_message}", FailureKind.ERROR)
+                    finished = True
+                    outcome.finished = done
+                    self.pool.report_success(replica)
+                    return
+                chunk = response.chunk
+                token_ids = chunk.token_ids
+                now = clock()
+                if watchdog.started:
+                    replica.itl.observe((now - last_at) / (len(token_ids) or 1))
+                else:
+                    watchdog.started = True
+                    replica.ttft.observe(now - sent_at)
                     if outcome.first_token_at is None:
                         outcome.first_token_at = now
-                    yield chunk
-                    continue
-                done = response.finished
-                if done.finish_reason == common_pb2.FINISH_REASON_ERROR:
-                    raise AttemptFailed(f"replica error: {done.error_message}", FailureKind.ERROR)
-                finished = True
-                outcome.finished = done
-                self.pool.report_success(replica)
-                return
+                last_at = watchdog.last_progress = now
+                outcome.token_ids.extend(token_ids)
+                outcome.text_parts.append(chunk.text)
+                yield chunk
+            raise AttemptFailed("stream ended without a final message", FailureKind.ERROR)
         except grpc.aio.AioRpcError as exc:
             raise self._classify(exc, deadline) from None
         except asyncio.CancelledError:
@@ -391,6 +389,7 @@ async def coalesce_chunks(
                 return
     finally:
         # The consumer went away (cancel, disconnect, error): stop the relay, which cancels the replica call.
+        # (A finished pump needs no await: that would only cost the turn's end one more loop iteration.)
         if not task.done():
             task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+            await asyncio.gather(task, return_exceptions=True)

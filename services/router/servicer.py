@@ -141,9 +141,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     turns.put_nowait(message)
             turns.put_nowait(None)
 
-        async def produce(request: router_pb2.ChatRequest, last_seq: list[int]) -> None:
+        async def produce(request: router_pb2.ChatRequest, sent: list[router_pb2.ChatResponse]) -> None:
             async for response in self.pipeline.run_turn(principal, request, deadline):
-                last_seq[0] = response.seq
+                sent[:] = [response]
                 out.put_nowait(response)
 
         reader = asyncio.create_task(read_client())
@@ -151,17 +151,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             while (request := await turns.get()) is not None:
                 if not request.request_id:
                     request.request_id = uuid.uuid4().hex
-                last_seq = [0]
-                task = asyncio.create_task(produce(request, last_seq))
+                last: list[router_pb2.ChatResponse] = []  # the turn's latest message
+                task = asyncio.create_task(produce(request, last))
                 running[:] = [task]
                 # A done-callback (not a finally) marks the end even if cancelled before it ran.
                 task.add_done_callback(lambda _: out.put_nowait(TURN_DONE))
                 while not isinstance(item := await out.get(), _TurnDone):
                     yield item
-                if task.cancelled():
+                # A turn whose TurnEnd is out (cancelled while it finished its bookkeeping) has ended.
+                if task.cancelled() and not (last and last[0].HasField("end")):
                     yield router_pb2.ChatResponse(
                         request_id=request.request_id,
-                        seq=last_seq[0] + 1,
+                        seq=last[0].seq + 1 if last else 1,
                         end=router_pb2.TurnEnd(
                             finish_reason=common_pb2.FINISH_REASON_CANCELLED, session_id=request.session_id
                         ),

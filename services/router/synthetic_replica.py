@@ -45,6 +45,9 @@ class SyntheticConfig:
     ttft_s: float = 0.0
     #: Tokens sent per chunk message.
     tokens_per_chunk: int = 1
+    #: Paced tokens that fell due while the previous message was still being written go out
+    #: as one chunk, as the inference servicer sends them (needs ``tokens_per_second``).
+    coalesce: bool = False
     #: Kill the whole process (os._exit) once this many tokens were sent in all; 0 = never.
     exit_after_tokens: int = 0
     #: Share of Generate calls refused with UNAVAILABLE before any token.
@@ -61,6 +64,8 @@ class SyntheticConfig:
             raise ValueError("--tokens-per-chunk must be >= 1")
         if not 0.0 <= self.fail_rate <= 1.0:
             raise ValueError("--fail-rate must be in [0, 1]")
+        if self.coalesce and not self.tokens_per_second:
+            raise ValueError("--coalesce needs --tokens-per-second: unpaced tokens are always due")
 
 
 def prompt_key(start: inference_pb2.GenerateStart) -> bytes:
@@ -152,6 +157,10 @@ class SyntheticInference(inference_pb2_grpc.InferenceServicer):
                 reason = common_pb2.FINISH_REASON_CANCELLED
                 break
             n = min(cfg.tokens_per_chunk, max_tokens - index)
+            if cfg.coalesce:
+                # Every token due by now: an engine keeps generating while the last write is in flight.
+                due = int((time.perf_counter() - first_at) * cfg.tokens_per_second) + 1
+                n = max(n, min(due - generated, max_tokens - index))
             ids = [synthetic_token(key, index + i) for i in range(n)]
             yield inference_pb2.GenerateResponse(
                 chunk=inference_pb2.TokenChunk(
@@ -164,7 +173,7 @@ class SyntheticInference(inference_pb2_grpc.InferenceServicer):
             if cfg.exit_after_tokens and self.tokens_sent >= cfg.exit_after_tokens:
                 os._exit(1)  # failure injection: die like a kill -9, mid-stream
             if interval:
-                next_at += interval
+                next_at = first_at + generated / cfg.tokens_per_second if cfg.coalesce else next_at + interval
                 delay = next_at - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
@@ -240,6 +249,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ttft-ms", type=float, default=0.0, help="delay before the first token")
     parser.add_argument("--tokens-per-chunk", type=int, default=1, help="tokens per chunk message")
     parser.add_argument(
+        "--coalesce",
+        action="store_true",
+        help="send the paced tokens that fell due during the previous write as one chunk (as the engine does)",
+    )
+    parser.add_argument(
         "--exit-after-tokens", type=int, default=0, help="die after this many tokens (0 = never)"
     )
     parser.add_argument(
@@ -256,6 +270,7 @@ def main(argv: list[str] | None = None) -> None:
         tokens_per_second=args.tokens_per_second,
         ttft_s=args.ttft_ms / 1000.0,
         tokens_per_chunk=args.tokens_per_chunk,
+        coalesce=args.coalesce,
         exit_after_tokens=args.exit_after_tokens,
         fail_rate=args.fail_rate,
         log_requests=args.log_requests,

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,16 +78,22 @@ def validate(request: router_pb2.ChatRequest) -> None:
         raise errors.InvalidArgument("rag.top_k", f"must be in 0..20, got {request.rag.top_k}")
 
 
-def merged_delta(batch: list[inference_pb2.TokenChunk]) -> router_pb2.TokenDelta:
-    """One TokenDelta for consecutive chunks."""
+def token_message(
+    request_id: str, seq: int, batch: list[inference_pb2.TokenChunk]
+) -> router_pb2.ChatResponse:
+    """One ChatResponse whose TokenDelta carries consecutive chunks, filled in place (no copy of a delta)."""
+    response = router_pb2.ChatResponse(request_id=request_id, seq=seq)
+    delta = response.delta
     first = batch[0]
+    delta.index = first.index
     if len(batch) == 1:
-        return router_pb2.TokenDelta(text=first.text, token_ids=first.token_ids, index=first.index)
-    return router_pb2.TokenDelta(
-        text="".join(c.text for c in batch),
-        token_ids=[t for c in batch for t in c.token_ids],
-        index=first.index,
-    )
+        delta.text = first.text
+        delta.token_ids.extend(first.token_ids)
+    else:
+        delta.text = "".join(c.text for c in batch)
+        for c in batch:
+            delta.token_ids.extend(c.token_ids)
+    return response
 
 
 @dataclass
@@ -100,6 +106,8 @@ class TurnState:
     degraded: list[str] = field(default_factory=list)
     citations: list[router_pb2.Citation] = field(default_factory=list)
     session: SessionHistory | None = None
+    #: The TurnEnd was made: nothing follows it, not even a CANCELLED one.
+    ended: bool = False
 
 
 class TurnPipeline:
@@ -107,6 +115,8 @@ class TurnPipeline:
 
     def __init__(self, services: TurnServices) -> None:
         self.s = services
+        # Bookkeeping tasks still running (asyncio keeps only weak references to tasks).
+        self._pending: set[asyncio.Future[Any]] = set()
 
     async def run_turn(
         self, principal: Principal, request: router_pb2.ChatRequest, deadline: float | None = None
@@ -123,16 +133,18 @@ class TurnPipeline:
                 async for response in self._turn(principal, request, deadline, state):
                     if writer is not None:
                         writer.put(response)
+                        if state.ended:
+                            writer.end()  # the TurnEnd and the end marker go to Redis in one write
                     yield response
         except (asyncio.CancelledError, GeneratorExit):
             # The client cancelled or went away: a Resume must still learn how the turn ended,
             # with the same TurnEnd Chat sends (next seq, CANCELLED), before the buffer finishes.
-            if writer is not None:
+            if writer is not None and not state.ended:
                 writer.put(self._stopped(state, request, common_pb2.FINISH_REASON_CANCELLED))
             raise
         except Exception as exc:
             # The client gets a gRPC status; the replay buffer gets an ERROR TurnEnd saying why.
-            if writer is not None:
+            if writer is not None and not state.ended:
                 writer.put(self._stopped(state, request, common_pb2.FINISH_REASON_ERROR, str(exc)))
             raise
         finally:
@@ -169,8 +181,7 @@ class TurnPipeline:
                 yield response
             return
         new_messages = [(m.role, m.content) for m in request.messages]
-        history = await self._history(tenant, request, state)
-        chunks = await self._retrieve(tenant, request, new_messages, state)
+        history, chunks, pinned = await self._lookups(tenant, request, new_messages, state)
         messages = self._build(history, chunks, new_messages)
         cache_mode = request.cache.mode
         caching = s.exact_cache is not None or (request.cache.semantic and s.semantic_cache is not None)
@@ -195,19 +206,22 @@ class TurnPipeline:
             sampling=request.sampling,
         )
         session_key = f"{tenant}:{request.session_id}" if request.session_id else None
-        pinned = await s.pins.get(tenant, request.session_id) if request.session_id else None
         outcome = RelayOutcome()
+        clock = s.clock
+        request_id = state.request_id
         previous_at: float | None = None
         try:
             relayed = s.relay.generate(start, models, outcome, deadline, session_key, pinned)
+            # The per-message path: one clock read, one histogram sample, one proto built in place.
             async for batch in coalesce_chunks(relayed):
-                now = s.clock()
+                now = clock()
                 if previous_at is None:
                     metrics.TTFT.observe(now - state.started)
                 else:
                     metrics.INTER_TOKEN.observe(now - previous_at)
                 previous_at = now
-                yield self._message(state, delta=merged_delta(batch))
+                state.seq += 1
+                yield token_message(request_id, state.seq, batch)
         except errors.DependencyUnavailable as exc:
             if outcome.token_ids:
                 # Tokens already reached the client: end the turn in-band rather than break the stream.
@@ -219,25 +233,78 @@ class TurnPipeline:
                 yield response
             return
 
-        if request.session_id and outcome.replica:
-            if outcome.replica != pinned:
-                await s.pins.set(tenant, request.session_id, outcome.replica)
-            if s.on_session_served is not None:
-                s.on_session_served(outcome.replica, tenant, request.session_id)
+        if request.session_id and outcome.replica and s.on_session_served is not None:
+            s.on_session_served(outcome.replica, tenant, request.session_id)
+        # The pin and the token charge change nothing in the TurnEnd: they are written while it goes
+        # out, and the turn (so the call) ends only once they landed.
+        bookkeeping = self._bookkeeping(principal, request, outcome, pinned)
         answer = "".join(outcome.text_parts)
         finished = outcome.finished
-        version = await self._save(tenant, request, new_messages, answer, state)
-        if s.rate_limiter is not None and finished is not None:
-            await s.rate_limiter.record_tokens(
-                principal, finished.usage.prompt_tokens + finished.usage.completion_tokens
+        complete = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+        fill = may_fill and finished is not None and finished.finish_reason in complete
+        if fill and state.session is not None:
+            # The session version and cache-fill errors are in the TurnEnd: both before it, at once.
+            version, _ = await asyncio.gather(
+                self._save(tenant, request, new_messages, answer, state),
+                self._cache_fill(tenant, key, request, outcome, answer, messages, state),
             )
+        else:
+            version = await self._save(tenant, request, new_messages, answer, state)
+            if fill:
+                await self._cache_fill(tenant, key, request, outcome, answer, messages, state)
         if finished is not None:
             metrics.TOKENS.labels(direction="prompt").inc(finished.usage.prompt_tokens)
         metrics.TOKENS.labels(direction="completion").inc(len(outcome.token_ids))
-        complete = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
-        if may_fill and finished is not None and finished.finish_reason in complete:
-            await self._cache_fill(tenant, key, request, outcome, answer, messages, state)
         yield self._end(state, request, outcome, version=version)
+        if bookkeeping is not None:
+            await asyncio.shield(bookkeeping)  # a cancel here must not cancel the writes
+
+    async def _lookups(
+        self,
+        tenant: str,
+        request: router_pb2.ChatRequest,
+        new_messages: list[tuple[str, str]],
+        state: TurnState,
+    ) -> tuple[SessionHistory | None, list[retriever_pb2.RetrievedChunk], str | None]:
+        """History, retrieved chunks and the session's pinned replica: none needs another, so at once."""
+        if request.session_id:
+            pin = self.s.pins.get(tenant, request.session_id)
+            if request.rag.enabled:
+                return await asyncio.gather(
+                    self._history(tenant, request, state),
+                    self._retrieve(tenant, request, new_messages, state),
+                    pin,
+                )
+            history, pinned = await asyncio.gather(self._history(tenant, request, state), pin)
+            return history, [], pinned
+        chunks = await self._retrieve(tenant, request, new_messages, state)
+        return None, chunks, None
+
+    def _bookkeeping(
+        self,
+        principal: Principal,
+        request: router_pb2.ChatRequest,
+        outcome: RelayOutcome,
+        pinned: str | None,
+    ) -> asyncio.Future[Any] | None:
+        """The session's pin and the answer's token charge, written in a task of their own.
+
+        A task, so a client that leaves as soon as it has its TurnEnd is still charged in full.
+        """
+        s = self.s
+        writes: list[Awaitable[None]] = []
+        if request.session_id and outcome.replica and outcome.replica != pinned:
+            writes.append(s.pins.set(principal.tenant, request.session_id, outcome.replica))
+        finished = outcome.finished
+        if s.rate_limiter is not None and finished is not None and s.rate_limiter.counts_tokens(principal):
+            used = finished.usage.prompt_tokens + finished.usage.completion_tokens
+            writes.append(s.rate_limiter.record_tokens(principal, used))
+        if not writes:
+            return None
+        task = asyncio.ensure_future(asyncio.gather(*writes))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+        return task
 
     async def _history(
         self, tenant: str, request: router_pb2.ChatRequest, state: TurnState
@@ -441,6 +508,8 @@ class TurnPipeline:
         version: int = 0,
         error: str = "",
     ) -> router_pb2.ChatResponse:
+        """The turn's last message."""
+        state.ended = True
         now = self.s.clock()
         finished = outcome.finished
         timings = common_pb2.Timings()

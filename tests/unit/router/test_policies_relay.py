@@ -11,7 +11,7 @@ import pytest
 from services.gen.llmmesh.v1 import inference_pb2
 from services.router.pool import parse_address, parse_address_list
 from services.router.relay import RelayConfig, coalesce_chunks
-from services.router.turn import merged_delta
+from services.router.turn import token_message
 
 
 def chunk(index: int) -> inference_pb2.TokenChunk:
@@ -37,10 +37,14 @@ async def test_a_slow_consumer_gets_tokens_merged_in_order_and_none_lost() -> No
     ids = [t for b in batches for c in b for t in c.token_ids]
     assert ids == list(range(50))
     assert len(batches) < 25  # merged: far fewer messages than tokens
-    delta = merged_delta(batches[1])
+    message = token_message("r1", 2, batches[1])
+    assert (message.request_id, message.seq) == ("r1", 2)
+    delta = message.delta
     assert delta.index == batches[1][0].index
     assert list(delta.token_ids) == [t for c in batches[1] for t in c.token_ids]
     assert delta.text == "".join(c.text for c in batches[1])
+    single = token_message("r1", 1, batches[0][:1]).delta
+    assert (single.text, list(single.token_ids), single.index) == (" t0", [0], 0)
 
 
 async def test_a_fast_consumer_gets_every_chunk_on_its_own() -> None:

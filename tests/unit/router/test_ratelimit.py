@@ -95,6 +95,9 @@ async def test_keys_without_limits_get_the_defaults_and_unlimited_keys_pass() ->
     unlimited = RateLimiter()
     for _ in range(100):
         await unlimited.admit_request(anonymous)
+    # Only a key with a token budget is charged for its answers.
+    assert not unlimited.counts_tokens(anonymous)
+    assert unlimited.counts_tokens(Principal("acme", "tokens", KeyLimits(tokens_per_minute=600)))
 
 
 async def test_redis_outage_falls_back_to_local_buckets(redis_server: RedisServer) -> None:

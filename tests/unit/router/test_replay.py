@@ -9,7 +9,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from services.common import errors
+from services.gen.llmmesh.v1 import router_pb2
 from services.router.replay import ReplayBuffer
+from services.router.replay_writer import ReplayWriter
 from tests.support.redis import RedisServer
 
 
@@ -79,3 +81,57 @@ async def test_reader_gives_up_on_a_writer_that_died(redis_client: aioredis.Redi
     await buffer.append("r5", "acme", 1, b"x")
     with pytest.raises(errors.DependencyUnavailable, match="stalled"):
         await collect(buffer, "r5", "acme", 0)
+
+
+async def test_concurrent_turns_share_round_trips_yet_each_replays_in_order_once(
+    redis_client: aioredis.Redis,
+) -> None:
+    buffer = ReplayBuffer(redis_client, poll_block_ms=50)
+    writers = {f"turn-{i}": ReplayWriter(buffer, f"turn-{i}", "acme") for i in range(8)}
+    sent: dict[str, list[router_pb2.ChatResponse]] = {rid: [] for rid in writers}
+    calls_before = await script_calls(redis_client)
+    for seq in range(1, 51):
+        for rid, writer in writers.items():
+            message = router_pb2.ChatResponse(
+                request_id=rid, seq=seq, delta=router_pb2.TokenDelta(text=f" {seq}")
+            )
+            writer.put(message)
+            sent[rid].append(message)
+        if seq == 1:
+            writers["turn-0"].put(sent["turn-0"][0])  # a retried message is stored once
+        if seq % 10 == 0:
+            await asyncio.sleep(0)  # flushes happen while the turns are still streaming
+    await asyncio.gather(*(writer.close() for writer in writers.values()))
+    for rid in writers:
+        replayed = [router_pb2.ChatResponse.FromString(p) async for p in buffer.read_after(rid, "acme", 0)]
+        assert replayed == sent[rid]
+    # 400 messages in far fewer Redis calls: what piled up in every turn goes in one round trip.
+    calls = await script_calls(redis_client) - calls_before
+    assert 8 <= calls < 400 / 4
+
+
+async def test_a_redis_that_forgot_the_append_script_still_gets_every_message(
+    redis_client: aioredis.Redis,
+) -> None:
+    buffer = ReplayBuffer(redis_client)
+    writer = ReplayWriter(buffer, "forgetful", "acme")
+    sent = [
+        router_pb2.ChatResponse(request_id="forgetful", seq=i, delta=router_pb2.TokenDelta(text=f" {i}"))
+        for i in range(1, 11)
+    ]
+    for message in sent[:5]:
+        writer.put(message)
+    await asyncio.sleep(0.1)  # written
+    await redis_client.script_flush()  # as after a Redis restart
+    for message in sent[5:]:
+        writer.put(message)
+    await writer.close()
+    replayed = [
+        router_pb2.ChatResponse.FromString(p) async for p in buffer.read_after("forgetful", "acme", 0)
+    ]
+    assert replayed == sent
+
+
+async def script_calls(client: aioredis.Redis) -> int:
+    stats = await client.info("commandstats")
+    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
