@@ -15,6 +15,7 @@ definition step for step (RMSNorm in fp32, rotary tables from the model's own
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,9 +143,7 @@ class Scratch:
         self._buffers: dict[str, torch.Tensor] = {}
 
     def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        numel = 1
-        for size in shape:
-            numel *= size
+        numel = math.prod(shape)
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
             buf = torch.empty(numel, dtype=like.dtype, device=like.device)

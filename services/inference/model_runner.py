@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import mmap
 import os
 import time
@@ -217,9 +218,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     itemsize = torch.empty((), dtype=dtype).element_size()
     region = mmap.mmap(-1, max(1, numel * itemsize))
     if hasattr(mmap, "MADV_HUGEPAGE"):
