@@ -10,18 +10,22 @@ requests interleaved with each other's and with direct calls:
 - ``router``: the router as it runs without Redis (what the targets are about);
 - ``router+redis``: the same with ``--redis-url`` (shared rate limits and the
   Resume buffer, so Redis round trips in every turn);
-- ``router-legacy-poller``: the router with gRPC core's pre-EventEngine I/O
-  (``GRPC_EXPERIMENTS``, see ``LEGACY_POLLER_ENV``), an option, not the default;
-- ``floor``: ``bench/relay_floor.py``, a grpc aio relay with no logic at all,
-  i.e. what the second gRPC hop costs any Python relay.
+- ``router-eventengine``: the router on gRPC's default I/O (EventEngine) instead
+  of gRPC core's poller, its default (``services/router/grpc_io.py``);
+- ``floor``: ``bench/relay_floor.py``, a grpc aio relay with no logic at all and
+  one replica call per stream (on the router's poller too), i.e. what the second
+  gRPC hop costs a Python relay that does not share streams.
 
 Figures: the latency each relay adds per stream over calling the replica
 directly (p50/p99 to the final message, to the first token, and to the end of
-the call; for answers paced at 100 tokens/s, unpaced, and one token long),
+the call; for answers paced at 100 tokens/s, unpaced, and one token long);
 relayed tokens per second (wall clock and per CPU-second of the relay process)
-with one token per replica message, with four, and with sources that merge the
-tokens piling up while a write is in flight (as the engine does), and whether
-1,000 concurrent streams through one router to two replicas all succeed.
+with sources that step like an engine (every stream's next token at the same
+moment, one token each per 20 ms step: 400 streams = the 20k tokens/s target,
+and 200), with unpaced sources (more than any relay delivers: the overload
+case), and with paced sources that merge the tokens piling up while a write is
+in flight (as the engine does); and whether 1,000 concurrent streams through
+one router to two replicas all succeed.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from services.gen.llmmesh.v1 import (
     router_pb2,
     router_pb2_grpc,
 )
+from services.router import grpc_io
 
 if TYPE_CHECKING:
     from services.gen.llmmesh.v1.inference_pb2_grpc import InferenceAsyncStub
@@ -59,10 +64,9 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parents[1]
 LISTEN_RE = re.compile(r"llm-mesh \S+ listening on (\S+):(\d+)")
-#: gRPC core's I/O before EventEngine: fewer thread hand-offs per message in grpc aio (measured here).
-LEGACY_POLLER_ENV = {
-    "GRPC_EXPERIMENTS": "-event_engine_client,-event_engine_listener,-event_engine_for_all_other_endpoints"
-}
+#: The router's I/O choice, and the floor's: gRPC core's poller (see services/router/grpc_io.py).
+POLLER_ENV = {"GRPC_EXPERIMENTS": grpc_io.POLLER_EXPERIMENTS}
+EVENTENGINE_ENV = {grpc_io.ENV: "eventengine"}
 #: The issue's targets: router overhead per stream, relayed tokens per router core.
 TARGET_ADDED_P50_MS = 1.0
 TARGET_TOKENS_PER_CORE_S = 20_000
@@ -432,10 +436,11 @@ def start_relays(replicas: list[Service], names: list[str], redis: LocalRedis | 
         elif name == "router+redis":
             assert redis is not None
             relays[name] = Service("services.router", [*router_flags(replicas), "--redis-url", redis.url])
-        elif name == "router-legacy-poller":
-            relays[name] = Service("services.router", router_flags(replicas), env=LEGACY_POLLER_ENV)
+        elif name == "router-eventengine":
+            relays[name] = Service("services.router", router_flags(replicas), env=EVENTENGINE_ENV)
         elif name == "floor":
-            relays[name] = Service("bench.relay_floor", ["--replicas", ",".join(r.address for r in replicas)])
+            replica_list = ",".join(r.address for r in replicas)
+            relays[name] = Service("bench.relay_floor", ["--replicas", replica_list], env=POLLER_ENV)
         else:
             raise ValueError(f"unknown relay {name!r}")
     for relay in relays.values():
@@ -483,9 +488,17 @@ async def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
         "overhead_unpaced": {n: asdict(o) for n, o in overhead.items()},
         "overhead_1_token": {n: asdict(o) for n, o in short.items()},
         "overhead_paced": {n: asdict(o) for n, o in paced_overhead.items()},
-        "throughput_1_token_per_message": {n: asdict(t) for n, t in throughput.items()},
+        "throughput_unpaced": {n: asdict(t) for n, t in throughput.items()},
         "concurrency": asdict(concurrent),
     }
+    for streams in args.step_streams:
+        # Sources that step like an engine: every stream's next token at the same moment, each step.
+        stepping = ["--step-ms", str(args.step_ms), "--coalesce"]
+        offered = streams * 1000.0 / args.step_ms
+        measured = await throughput_with(
+            args, stepping, streams, args.step_tokens, offered, [n for n in names if n != "router+redis"]
+        )
+        results[f"throughput_engine_steps_{streams}_streams"] = {n: asdict(t) for n, t in measured.items()}
     # Router cost is per gRPC message, not per token: the same run with several tokens per chunk.
     for size in args.multi_token_chunks:
         chunked = ["--tokens-per-chunk", str(size)]
@@ -513,14 +526,16 @@ async def throughput_with(
     concurrency: int | None = None,
     tokens: int | None = None,
     offered: float | None = None,
+    names: list[str] | None = None,
 ) -> dict[str, Throughput]:
-    """Throughput of the router alone over two synthetic sources started with ``replica_flags``."""
+    """Throughput of the relays ``names`` (the router alone by default) over two synthetic sources
+    started with ``replica_flags``."""
     replicas = [Service("services.router.synthetic_replica", replica_flags) for _ in range(2)]
     started: list[Service] = []
     try:
         for r in replicas:
             started.append(r.start())
-        relays = start_relays(replicas, ["router"], None)
+        relays = start_relays(replicas, names or ["router"], None)
         started.extend(relays.values())
         for service in started:
             await service.wait_serving()
@@ -585,8 +600,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--relays",
         type=lambda text: [x for x in text.split(",") if x],
-        default=["router", "router+redis", "router-legacy-poller", "floor"],
-        help="relays measured side by side (router is required): router, router+redis, router-legacy-poller, floor",
+        default=["router", "router+redis", "router-eventengine", "floor"],
+        help="relays measured side by side (router is required): router, router+redis, router-eventengine, floor",
     )
     parser.add_argument("--streams", type=int, default=300, help="paired streams for the overhead figures")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per overhead stream")
@@ -601,13 +616,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--paced-tokens-per-second", type=float, default=100.0, help="pace of the paced synthetic sources"
     )
-    parser.add_argument("--paced-streams", type=int, default=60, help="paired streams on paced sources")
+    parser.add_argument("--paced-streams", type=int, default=120, help="paired streams on paced sources")
     parser.add_argument("--paced-tokens", type=int, default=32, help="tokens per paced overhead stream")
     parser.add_argument(
         "--multi-token-chunks",
         type=lambda text: [int(x) for x in text.split(",") if x],
-        default=[4],
-        help="also measure throughput with this many tokens per replica message (comma list; '' = skip)",
+        default=[],
+        help="also measure throughput with this many tokens per replica chunk (comma list, e.g. 4; default none)",
     )
     # Offered 25.6k tokens/s, more than the router relays one token per message: it falls behind,
     # its per-stream windows fill, and the sources merge what piles up (as the engine does).
@@ -621,6 +636,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--coalescing-tokens-per-second", type=float, default=200.0, help="pace of each merging stream"
     )
     parser.add_argument("--coalescing-tokens", type=int, default=1024, help="tokens per merging stream")
+    # 400 streams at one token per 20 ms step: 20k tokens/s offered, the target rate; 200: half of it.
+    parser.add_argument(
+        "--step-streams",
+        type=lambda text: [int(x) for x in text.split(",") if x],
+        default=[400, 200],
+        help="throughput with engine-like sources (all streams step together): streams at once, comma list",
+    )
+    parser.add_argument("--step-ms", type=float, default=20.0, help="step of the engine-like sources")
+    parser.add_argument("--step-tokens", type=int, default=200, help="tokens per engine-like stream")
     parser.add_argument("--skip-engine", action="store_true", help="synthetic token source only")
     parser.add_argument(
         "--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"), help="real engine model"

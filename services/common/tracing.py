@@ -47,6 +47,10 @@ OTLP_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
 # W3C trace context only: it is what every OpenTelemetry SDK and mesh proxy speaks.
 _PROPAGATOR = TraceContextTextMapPropagator()
 _TRACER_NAME = "llmmesh"
+#: The span of one generation, whether it ran on its own Generate call or on a shared stream.
+GENERATION_SPAN = "llmmesh.v1.Inference/Generate"
+#: The shared stream of many generations: no span of its own (see ``generation_span``).
+SHARED_STREAM_METHOD = "/llmmesh.v1.Inference/GenerateMany"
 
 # Client calls worth a named span of their own on the caller's side: the stages
 # a slow request is usually blamed on.
@@ -196,6 +200,49 @@ def inject_metadata(metadata: Sequence[tuple[str, str | bytes]] | None) -> list[
     return [*kept, *headers]
 
 
+def current_traceparent() -> str:
+    """The current span's W3C ``traceparent``, or "" when tracing is off or no span is current."""
+    if _provider is None:
+        return ""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier)
+    return carrier.get("traceparent", "")
+
+
+@contextmanager
+def detached() -> Iterator[None]:
+    """Run with no current span: for work that outlives the request that started it (a shared stream)."""
+    token = otel_context.attach(otel_context.Context())
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
+@contextmanager
+def generation_span(traceparent: str, **attributes: str | int | float | bool) -> Iterator[Span | None]:
+    """The SERVER span of one generation on a shared GenerateMany stream, under the caller's span.
+
+    Named like a ``Generate`` call's span, since it is one generation either way.
+    None when tracing is off.
+    """
+    if _provider is None:
+        yield None
+        return
+    parent = extract_context([("traceparent", traceparent)]) if traceparent else otel_context.Context()
+    span = tracer().start_span(
+        GENERATION_SPAN, context=parent, kind=SpanKind.SERVER, attributes={"rpc.system": "grpc", **attributes}
+    )
+    try:
+        with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
+            yield span
+    except BaseException as exc:
+        _mark_failed(span, exc)
+        raise
+    finally:
+        span.end()
+
+
 def record_stage_spans(parent: Span, message: Any, end_ns: int) -> None:
     """Child spans for queue wait, prefill and decode from a final message's ``Timings``.
 
@@ -252,8 +299,14 @@ class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
         full_method = handler_call_details.method
-        # Health checks and reflection would drown every real trace.
-        if handler is None or not enabled() or full_method.startswith(("/grpc.health", "/grpc.reflection")):
+        # Health checks and reflection would drown every real trace; a GenerateMany stream outlives
+        # the requests on it, so each generation gets its own span instead (``generation_span``).
+        if (
+            handler is None
+            or not enabled()
+            or full_method.startswith(("/grpc.health", "/grpc.reflection"))
+            or full_method == SHARED_STREAM_METHOD
+        ):
             return handler
         metadata = tuple(handler_call_details.invocation_metadata or ())
         name = full_method.lstrip("/")

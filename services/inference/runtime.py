@@ -46,9 +46,8 @@ class InferenceRuntime:
         await health.set_serving(True)
 
     async def drain(self) -> None:
-        # New Generate calls are refused; the server's grace period lets in-flight ones finish.
-        if self.engine is not None:
-            self.engine.draining = True
+        # New generations are refused; the server's grace period lets in-flight ones finish.
+        self.servicer.drain()
 
     async def close(self) -> None:
         if self.engine is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 
@@ -12,6 +12,7 @@ from services.common.errors import InvalidArgument
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.inference.async_engine import AsyncEngine
 from services.inference.engine import RequestOutput
+from services.inference.multiplex import serve_many
 from services.inference.prompts import Message, prompt_token_ids
 from services.inference.sampling import SamplingParams
 from services.inference.sequence import FinishReason
@@ -44,38 +45,64 @@ def sampling_from_pb(pb: common_pb2.SamplingParams, prompt_len: int, max_model_l
     )
 
 
-def response_from_output(out: RequestOutput) -> list[inference_pb2.GenerateResponse]:
-    """A chunk for new tokens or text, then the final message when the request ended."""
-    responses = []
+def chunk_and_finished(
+    out: RequestOutput,
+) -> tuple[inference_pb2.TokenChunk | None, inference_pb2.GenerationFinished | None]:
+    """A chunk for new tokens or text, and the final message when the request ended."""
+    chunk = None
     if out.new_token_ids or out.text:
         chunk = inference_pb2.TokenChunk(text=out.text, token_ids=out.new_token_ids, index=out.index)
-        responses.append(inference_pb2.GenerateResponse(chunk=chunk))
-    if out.finished:
-        usage = out.usage
-        timings = out.timings
-        finished = inference_pb2.GenerationFinished(
-            finish_reason=FINISH_REASONS_PB[out.finish_reason or FinishReason.ERROR],
-            usage=common_pb2.Usage(
-                prompt_tokens=usage.prompt_tokens,
-                completion_tokens=usage.completion_tokens,
-                cached_prompt_tokens=usage.cached_prompt_tokens,
-            )
-            if usage
-            else None,
-            timings=common_pb2.Timings(
-                queue_ms=timings.queue_ms,
-                prefill_ms=timings.prefill_ms,
-                decode_ms=timings.decode_ms,
-                ttft_ms=timings.ttft_ms,
-                total_ms=timings.total_ms,
-            )
-            if timings
-            else None,
-            error_message=out.error,
-            matched_stop=out.matched_stop,
+    if not out.finished:
+        return chunk, None
+    usage = out.usage
+    timings = out.timings
+    finished = inference_pb2.GenerationFinished(
+        finish_reason=FINISH_REASONS_PB[out.finish_reason or FinishReason.ERROR],
+        usage=common_pb2.Usage(
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            cached_prompt_tokens=usage.cached_prompt_tokens,
         )
+        if usage
+        else None,
+        timings=common_pb2.Timings(
+            queue_ms=timings.queue_ms,
+            prefill_ms=timings.prefill_ms,
+            decode_ms=timings.decode_ms,
+            ttft_ms=timings.ttft_ms,
+            total_ms=timings.total_ms,
+        )
+        if timings
+        else None,
+        error_message=out.error,
+        matched_stop=out.matched_stop,
+    )
+    return chunk, finished
+
+
+def response_from_output(out: RequestOutput) -> list[inference_pb2.GenerateResponse]:
+    """A chunk for new tokens or text, then the final message when the request ended."""
+    chunk, finished = chunk_and_finished(out)
+    responses = []
+    if chunk is not None:
+        responses.append(inference_pb2.GenerateResponse(chunk=chunk))
+    if finished is not None:
         responses.append(inference_pb2.GenerateResponse(finished=finished))
     return responses
+
+
+def start_generation(
+    engine: AsyncEngine, start: inference_pb2.GenerateStart
+) -> tuple[str, AsyncGenerator[RequestOutput, None]]:
+    """The engine request for ``start``: its id and its outputs (validated when first iterated)."""
+    request_id = start.request_id or uuid.uuid4().hex
+    prompt_ids = prompt_token_ids(
+        engine.engine.tokenizer,
+        [Message(m.role, m.content) for m in start.messages],
+        start.prompt,
+    )
+    params = sampling_from_pb(start.sampling, len(prompt_ids), engine.engine.max_model_len)
+    return request_id, engine.generate(request_id, prompt_ids, params, list(start.resume_token_ids))
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -83,6 +110,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     def __init__(self) -> None:
         self.engine: AsyncEngine | None = None
+        #: Set when the replica drains: GenerateMany streams end once their generations have.
+        self.stopping = asyncio.Event()
+
+    def drain(self) -> None:
+        """Refuse new generations; let the running ones finish, then end the shared streams."""
+        if self.engine is not None:
+            self.engine.draining = True
+        self.stopping.set()
 
     def _engine(self) -> AsyncEngine:
         if self.engine is None:
@@ -103,15 +138,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             raise InvalidArgument("start", "the stream ended before a start message") from None
         if first.WhichOneof("action") != "start":
             raise InvalidArgument("start", "the first message must be `start`")
-        start = first.start
-        request_id = start.request_id or uuid.uuid4().hex
-        prompt_ids = prompt_token_ids(
-            engine.engine.tokenizer,
-            [Message(m.role, m.content) for m in start.messages],
-            start.prompt,
-        )
-        params = sampling_from_pb(start.sampling, len(prompt_ids), engine.engine.max_model_len)
-        stream = engine.generate(request_id, prompt_ids, params, list(start.resume_token_ids))
+        request_id, stream = start_generation(engine, first.start)
         watcher = asyncio.create_task(_watch_for_cancel(request_iterator, engine, request_id))
         try:
             async for out in stream:
@@ -120,6 +147,37 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         finally:
             watcher.cancel()
             await stream.aclose()
+
+    async def GenerateMany(
+        self,
+        request_iterator: AsyncIterator[inference_pb2.GenerateManyRequest],
+        context: grpc.aio.ServicerContext[
+            inference_pb2.GenerateManyRequest, inference_pb2.GenerateManyResponse
+        ],
+    ) -> AsyncIterator[inference_pb2.GenerateManyResponse]:
+        self._engine()  # UNAVAILABLE for the whole stream while the model loads
+        async for response in serve_many(self, request_iterator, self.stopping):
+            yield response
+
+    async def generate(
+        self, start: inference_pb2.GenerateStart, timeout_s: float
+    ) -> AsyncGenerator[inference_pb2.GenerationEvent, None]:
+        """One generation on a GenerateMany stream (``GenerationBackend``)."""
+        _, stream = start_generation(self._engine(), start)
+        try:
+            async for out in stream:
+                chunk, finished = chunk_and_finished(out)
+                if chunk is not None:
+                    yield inference_pb2.GenerationEvent(chunk=chunk)
+                if finished is not None:
+                    yield inference_pb2.GenerationEvent(finished=finished)
+        finally:
+            await stream.aclose()
+
+    def cancel(self, request_id: str) -> None:
+        """``GenerationBackend``: a GenerateMany `cancel`."""
+        if self.engine is not None:
+            self.engine.abort(request_id)
 
     async def GetLoad(
         self,

@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2_grpc
 from services.gen.llmmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2
 from services.router import metrics
 from services.router.health import EjectionConfig, FailureKind, OutlierDetector, may_eject
+from services.router.multiplex import ReplicaMultiplexer
 from services.router.policies import LatencyEwma
 
 if TYPE_CHECKING:
@@ -117,6 +118,8 @@ class Replica:
         self.channel = open_channel(address, tls)
         self.stub: InferenceAsyncStub = inference_pb2_grpc.InferenceStub(self.channel)  # type: ignore[assignment]
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        #: Every generation the router runs here shares one GenerateMany stream.
+        self.mux = ReplicaMultiplexer(self.stub, address)
         self.model: str | None = None
         #: None until the first health check answers.
         self.serving: bool | None = None
@@ -127,6 +130,10 @@ class Replica:
         self.outlier = OutlierDetector(ejection, clock)
         self.last_probe = 0.0
         self.weight = 1.0
+
+    async def close(self) -> None:
+        await self.mux.close()
+        await self.channel.close(None)
 
     @property
     def queue_depth(self) -> int:
@@ -213,7 +220,7 @@ class ReplicaPool:
         while replica.in_flight and waited < limit_s:
             await asyncio.sleep(0.5)
             waited += 0.5
-        await replica.channel.close(None)
+        await replica.close()
 
     def models_changed(self) -> None:
         for callback in self.on_models_changed:
@@ -260,7 +267,7 @@ class ReplicaPool:
     async def close(self) -> None:
         for task in list(self._closing):
             task.cancel()
-        await asyncio.gather(*(r.channel.close(None) for r in self.replicas.values()), return_exceptions=True)
+        await asyncio.gather(*(r.close() for r in self.replicas.values()), return_exceptions=True)
         self.replicas.clear()
 
 

@@ -22,6 +22,7 @@ from services.common import errors
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2
 from services.router import metrics
 from services.router.health import FailureKind
+from services.router.multiplex import GenerationHandle, StreamBroken
 from services.router.policies import AffinityPolicy, BalancingPolicy
 from services.router.pool import Replica, ReplicaPool
 
@@ -91,30 +92,28 @@ class AttemptFailed(Exception):
 
 
 class _Watchdog:
-    """Cancels a call that sends nothing for too long, with one timer per check, not per token."""
+    """Fails a generation that sends nothing for too long, with one timer per check, not per token."""
 
     __slots__ = (
         "_handle",
         "_loop",
-        "call",
         "clock",
+        "generation",
         "last_progress",
         "stall_s",
         "started",
-        "tripped",
         "ttft_s",
     )
 
     def __init__(
-        self, call: grpc.aio.Call, ttft_s: float, stall_s: float, clock: Callable[[], float]
+        self, generation: GenerationHandle, ttft_s: float, stall_s: float, clock: Callable[[], float]
     ) -> None:
-        self.call = call
+        self.generation = generation
         self.ttft_s = ttft_s
         self.stall_s = stall_s
         self.clock = clock
         self.last_progress = clock()
         self.started = False
-        self.tripped: FailureKind | None = None
         self._loop = asyncio.get_running_loop()
         self._handle = self._loop.call_later(ttft_s, self._check)
 
@@ -122,8 +121,8 @@ class _Watchdog:
         limit = self.stall_s if self.started else self.ttft_s
         idle = self.clock() - self.last_progress
         if idle >= limit:
-            self.tripped = FailureKind.STALL if self.started else FailureKind.TTFT_TIMEOUT
-            self.call.cancel()
+            kind = FailureKind.STALL if self.started else FailureKind.TTFT_TIMEOUT
+            self.generation.fail(AttemptFailed(f"{kind.value} after {idle:.1f} s", kind))
             return
         self._handle = self._loop.call_later(limit - idle, self._check)
 
@@ -193,8 +192,9 @@ class Relay:
         deadline: float | None = None,
         session_key: str | None = None,
         preferred: str | None = None,
-    ) -> AsyncIterator[inference_pb2.TokenChunk]:
-        """Yield the answer's chunks; ``outcome`` says how it ended and where it ran."""
+    ) -> AsyncIterator[list[inference_pb2.TokenChunk]]:
+        """Yield the answer's chunks in batches (what arrived while the previous batch was out);
+        ``outcome`` says how it ended and where it ran."""
         tried: set[str] = set()
         attempts = 0
         last_error = "no attempt made"
@@ -221,8 +221,8 @@ class Relay:
             tried.add(replica.address)
             attempt = self._attempt(replica, start, outcome, deadline)
             try:
-                async for chunk in attempt:
-                    yield chunk
+                async for batch in attempt:
+                    yield batch
                 return
             except AttemptFailed as failure:
                 last_error = f"{replica.address}: {failure}"
@@ -262,64 +262,71 @@ class Relay:
         start: inference_pb2.GenerateStart,
         outcome: RelayOutcome,
         deadline: float | None,
-    ) -> AsyncGenerator[inference_pb2.TokenChunk, None]:
+    ) -> AsyncGenerator[list[inference_pb2.TokenChunk], None]:
         request = start
         if outcome.token_ids:
             request = inference_pb2.GenerateStart()
             request.CopyFrom(start)
             request.resume_token_ids.extend(outcome.token_ids)
         timeout = None if deadline is None else max(0.001, deadline - self._clock())
-        call = replica.stub.Generate(timeout=timeout)  # type: ignore[call-arg]
-        watchdog = _Watchdog(call, self.config.ttft_timeout_s, self.config.stall_timeout_s, self._clock)
+        generation = replica.mux.open(request, timeout)
+        watchdog = _Watchdog(generation, self.config.ttft_timeout_s, self.config.stall_timeout_s, self._clock)
         replica.in_flight += 1
         clock = self._clock
         sent_at = clock()
         last_at = sent_at
-        finished = False
         try:
-            await call.write(inference_pb2.GenerateRequest(start=request))
-            # The per-message path: one read, one clock read, each field read once, nothing copied.
-            async for response in call:
-                if not response.HasField("chunk"):
-                    done = response.finished
+            # The per-batch path: one wait, one clock read, each field read once, nothing copied.
+            while True:
+                events = await generation.events()
+                batch = []
+                for event in events:
+                    kind = event.WhichOneof("event")
+                    if kind == "chunk":
+                        batch.append(event.chunk)
+                        continue
+                    if kind == "error":
+                        error = event.error
+                        code = _STATUS_BY_NUMBER.get(error.code, grpc.StatusCode.UNKNOWN)
+                        raise self._classify(code, error.message, deadline)
+                    done = event.finished
                     if done.finish_reason == common_pb2.FINISH_REASON_ERROR:
                         raise AttemptFailed(f"replica error: {done.error_message}", FailureKind.ERROR)
-                    finished = True
                     outcome.finished = done
+                    break
+                if batch:
+                    now = clock()
+                    tokens = 0
+                    for chunk in batch:
+                        token_ids = chunk.token_ids
+                        tokens += len(token_ids)
+                        outcome.token_ids.extend(token_ids)
+                        outcome.text_parts.append(chunk.text)
+                    if watchdog.started:
+                        replica.itl.observe((now - last_at) / (tokens or 1))
+                    else:
+                        watchdog.started = True
+                        replica.ttft.observe(now - sent_at)
+                        if outcome.first_token_at is None:
+                            outcome.first_token_at = now
+                    last_at = watchdog.last_progress = now
+                if outcome.finished is not None:
                     self.pool.report_success(replica)
+                    if batch:
+                        yield batch
                     return
-                chunk = response.chunk
-                token_ids = chunk.token_ids
-                now = clock()
-                if watchdog.started:
-                    replica.itl.observe((now - last_at) / (len(token_ids) or 1))
-                else:
-                    watchdog.started = True
-                    replica.ttft.observe(now - sent_at)
-                    if outcome.first_token_at is None:
-                        outcome.first_token_at = now
-                last_at = watchdog.last_progress = now
-                outcome.token_ids.extend(token_ids)
-                outcome.text_parts.append(chunk.text)
-                yield chunk
-            raise AttemptFailed("stream ended without a final message", FailureKind.ERROR)
-        except grpc.aio.AioRpcError as exc:
-            raise self._classify(exc, deadline) from None
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if watchdog.tripped is None or (task is not None and task.cancelling()):
-                raise  # the client went away or cancelled: propagate, the call is cancelled below
-            raise AttemptFailed(f"{watchdog.tripped.value} on {replica.address}", watchdog.tripped) from None
+                if batch:
+                    yield batch
+        except StreamBroken as exc:
+            raise AttemptFailed(f"{replica.address}: {exc}", FailureKind.ERROR) from None
         finally:
             watchdog.stop()
             replica.in_flight -= 1
-            if not finished:
-                call.cancel()
+            generation.close()
 
-    def _classify(self, exc: grpc.aio.AioRpcError, deadline: float | None) -> Exception:
-        code = exc.code()
+    def _classify(self, code: grpc.StatusCode, details: str, deadline: float | None) -> Exception:
         if code in CLIENT_ERROR_CODES:
-            return ReplicaRejected(code, exc.details() or code.name)
+            return ReplicaRejected(code, details or code.name)
         if (
             code == grpc.StatusCode.DEADLINE_EXCEEDED
             and deadline is not None
@@ -327,69 +334,9 @@ class Relay:
         ):
             return errors.DeadlineExceeded("deadline exceeded while the replica was generating")
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return AttemptFailed(f"busy: {exc.details()}", None)  # busy is not broken: no ejection
-        return AttemptFailed(f"{code.name}: {exc.details()}", FailureKind.ERROR)
+            return AttemptFailed(f"busy: {details}", None)  # busy is not broken: no ejection
+        return AttemptFailed(f"{code.name}: {details}", FailureKind.ERROR)
 
 
-#: Chunks a relay holds for a client that is not reading. Past this the pump stops reading the
-#: replica, so HTTP/2 flow control stalls that replica's stream instead of growing router memory.
-MAX_PENDING_CHUNKS = 64
-
-
-async def coalesce_chunks(
-    source: AsyncIterator[inference_pb2.TokenChunk],
-    max_pending: int = MAX_PENDING_CHUNKS,
-) -> AsyncIterator[list[inference_pb2.TokenChunk]]:
-    """Batches of chunks: everything that arrived while the previous batch was being sent.
-
-    Each gRPC message costs the router far more than each token in it, so when
-    the client side falls behind (a slow reader, a busy router) the tokens that
-    piled up go out as one message instead of many. An idle router sends every
-    chunk on its own at once, so latency does not suffer. At most ``max_pending``
-    chunks wait: a client that stops reading stops its replica stream too.
-    """
-    if max_pending < 1:
-        raise ValueError("max_pending must be >= 1")
-    pending: list[inference_pb2.TokenChunk] = []
-    wake = asyncio.Event()
-    room = asyncio.Event()
-    room.set()
-    failure: list[BaseException] = []
-    finished = False
-
-    async def pump() -> None:
-        nonlocal finished
-        try:
-            async for chunk in source:
-                pending.append(chunk)
-                wake.set()
-                if len(pending) >= max_pending:
-                    room.clear()
-                    await room.wait()
-        except Exception as exc:  # handed to the consumer, in order, after the tokens before it
-            failure.append(exc)
-        finally:
-            finished = True
-            wake.set()
-
-    task = asyncio.create_task(pump())
-    try:
-        while True:
-            if not pending and not finished:
-                await wake.wait()
-                wake.clear()
-            if pending:
-                batch = pending[:]
-                pending.clear()
-                room.set()
-                yield batch
-            elif finished:
-                if failure:
-                    raise failure[0]
-                return
-    finally:
-        # The consumer went away (cancel, disconnect, error): stop the relay, which cancels the replica call.
-        # (A finished pump needs no await: that would only cost the turn's end one more loop iteration.)
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+#: google.rpc.Code number → grpc.StatusCode, for the error events of a shared stream.
+_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}

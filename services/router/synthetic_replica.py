@@ -18,8 +18,9 @@ import logging
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
@@ -27,10 +28,12 @@ from services.common import errors
 from services.common.server import HealthReporter, run
 from services.common.settings import EnvArgumentParser, add_server_args, server_options
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services.inference.multiplex import serve_many
 
 log = logging.getLogger("llmmesh.synthetic")
 
 VOCAB_SIZE = 49152
+Message = TypeVar("Message", inference_pb2.GenerateResponse, inference_pb2.GenerationEvent)
 DEFAULT_MAX_TOKENS = 16
 
 
@@ -41,6 +44,10 @@ class SyntheticConfig:
     model_id: str = "synthetic"
     #: Tokens per second per stream; 0 = as fast as possible.
     tokens_per_second: float = 0.0
+    #: Engine-like pacing: every running stream gets its next chunk at the same step boundary, every
+    #: ``step_s`` seconds, as a continuous-batching engine emits one token per sequence per step.
+    #: 0 = off (streams paced on their own by ``tokens_per_second``).
+    step_s: float = 0.0
     #: Delay before the first token, seconds.
     ttft_s: float = 0.0
     #: Tokens sent per chunk message.
@@ -58,14 +65,18 @@ class SyntheticConfig:
     log_requests: bool = False
 
     def __post_init__(self) -> None:
-        if self.tokens_per_second < 0 or self.ttft_s < 0:
-            raise ValueError("--tokens-per-second and --ttft-ms must be >= 0")
+        if self.tokens_per_second < 0 or self.ttft_s < 0 or self.step_s < 0:
+            raise ValueError("--tokens-per-second, --ttft-ms and --step-ms must be >= 0")
+        if self.step_s and self.tokens_per_second:
+            raise ValueError("--step-ms and --tokens-per-second are two pacings: choose one")
         if self.tokens_per_chunk < 1:
             raise ValueError("--tokens-per-chunk must be >= 1")
         if not 0.0 <= self.fail_rate <= 1.0:
             raise ValueError("--fail-rate must be in [0, 1]")
-        if self.coalesce and not self.tokens_per_second:
-            raise ValueError("--coalesce needs --tokens-per-second: unpaced tokens are always due")
+        if self.coalesce and not (self.tokens_per_second or self.step_s):
+            raise ValueError(
+                "--coalesce needs --tokens-per-second or --step-ms: unpaced tokens are always due"
+            )
 
 
 def prompt_key(start: inference_pb2.GenerateStart) -> bytes:
@@ -91,6 +102,40 @@ def prompt_tokens(start: inference_pb2.GenerateStart) -> int:
     return max(1, chars // 4)
 
 
+class StepClock:
+    """One step boundary shared by every stream of a replica, like an engine's decode step.
+
+    A continuous-batching engine produces one token for each running sequence
+    per step, so its streams get their tokens at the same moment; this clock
+    wakes all waiting streams at once on a grid of ``step_s``. The timer runs
+    only while some stream waits.
+    """
+
+    def __init__(self, step_s: float) -> None:
+        if step_s <= 0:
+            raise ValueError("step_s must be > 0")
+        self.step_s = step_s
+        #: The number of the step that fired last (steps are numbered from the loop clock's zero).
+        self.step = 0
+        self._tick = asyncio.Event()
+        self._armed = False
+
+    async def next_step(self) -> None:
+        """Return at the next step boundary."""
+        if not self._armed:
+            loop = asyncio.get_running_loop()
+            upcoming = int(loop.time() / self.step_s) + 1
+            loop.call_at(upcoming * self.step_s, self._fire, upcoming)
+            self._armed = True
+        await self._tick.wait()
+
+    def _fire(self, step: int) -> None:
+        self._armed = False
+        self.step = step
+        self._tick.set()  # wakes every stream waiting now ...
+        self._tick.clear()  # ... and none that starts waiting after
+
+
 class SyntheticInference(inference_pb2_grpc.InferenceServicer):
     """The Inference service, answering with synthetic tokens."""
 
@@ -100,6 +145,11 @@ class SyntheticInference(inference_pb2_grpc.InferenceServicer):
         self.running = 0
         self.tokens_sent = 0
         self.draining = False
+        self.steps = StepClock(config.step_s) if config.step_s else None
+        #: Set when the replica drains: GenerateMany streams end once their generations have.
+        self.stopping = asyncio.Event()
+        #: request id → cancel flag of each generation running on a GenerateMany stream.
+        self._cancels: dict[str, asyncio.Event] = {}
 
     async def Generate(
         self,
@@ -110,17 +160,8 @@ class SyntheticInference(inference_pb2_grpc.InferenceServicer):
         if first is None or first.WhichOneof("action") != "start":
             raise errors.InvalidArgument("start", "the first GenerateRequest must be `start`")
         start = first.start
-        if self.config.log_requests:
-            remaining = context.time_remaining()
-            deadline = "none" if remaining is None or remaining > 1e6 else f"{remaining:.3f}"
-            log.info("generate request_id=%s deadline_s=%s", start.request_id, deadline)
-        if self.config.fail_rate and self._rng.random() < self.config.fail_rate:
-            raise errors.DependencyUnavailable("synthetic failure injected (--fail-rate)")
-        max_tokens = (
-            start.sampling.max_tokens if start.sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS
-        )
-        if max_tokens < 1:
-            raise errors.InvalidArgument("sampling.max_tokens", f"must be >= 1, got {max_tokens}")
+        remaining = context.time_remaining()
+        max_tokens = self._admit(start, None if remaining is None or remaining > 1e6 else remaining)
         cancelled = asyncio.Event()
 
         async def watch_cancel() -> None:
@@ -132,21 +173,75 @@ class SyntheticInference(inference_pb2_grpc.InferenceServicer):
         watcher = asyncio.create_task(watch_cancel())
         self.running += 1
         try:
-            async for response in self._tokens(start, max_tokens, cancelled):
+            async for response in self._tokens(start, max_tokens, cancelled, inference_pb2.GenerateResponse):
                 yield response
         finally:
             self.running -= 1
             watcher.cancel()
 
+    async def GenerateMany(
+        self,
+        request_iterator: AsyncIterator[inference_pb2.GenerateManyRequest],
+        context: grpc.aio.ServicerContext[
+            inference_pb2.GenerateManyRequest, inference_pb2.GenerateManyResponse
+        ],
+    ) -> AsyncIterator[inference_pb2.GenerateManyResponse]:
+        async for response in serve_many(self, request_iterator, self.stopping):
+            yield response
+
+    async def generate(
+        self, start: inference_pb2.GenerateStart, timeout_s: float
+    ) -> AsyncGenerator[inference_pb2.GenerationEvent, None]:
+        """One generation on a GenerateMany stream (``GenerationBackend``)."""
+        max_tokens = self._admit(start, timeout_s or None)
+        cancelled = self._cancels[start.request_id] = asyncio.Event()
+        self.running += 1
+        try:
+            async for event in self._tokens(start, max_tokens, cancelled, inference_pb2.GenerationEvent):
+                yield event
+        finally:
+            self.running -= 1
+            self._cancels.pop(start.request_id, None)
+
+    def cancel(self, request_id: str) -> None:
+        """``GenerationBackend``: a GenerateMany `cancel`."""
+        if (cancelled := self._cancels.get(request_id)) is not None:
+            cancelled.set()
+
+    def _admit(self, start: inference_pb2.GenerateStart, deadline_s: float | None) -> int:
+        """Log, refuse while draining, inject failures, validate: the generation's max_tokens."""
+        if self.config.log_requests:
+            deadline = "none" if deadline_s is None else f"{deadline_s:.3f}"
+            log.info("generate request_id=%s deadline_s=%s", start.request_id, deadline)
+        if self.draining:
+            raise errors.DependencyUnavailable("replica is shutting down; send work elsewhere")
+        if self.config.fail_rate and self._rng.random() < self.config.fail_rate:
+            raise errors.DependencyUnavailable("synthetic failure injected (--fail-rate)")
+        max_tokens = (
+            start.sampling.max_tokens if start.sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+        )
+        if max_tokens < 1:
+            raise errors.InvalidArgument("sampling.max_tokens", f"must be >= 1, got {max_tokens}")
+        return max_tokens
+
     async def _tokens(
-        self, start: inference_pb2.GenerateStart, max_tokens: int, cancelled: asyncio.Event
-    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        self,
+        start: inference_pb2.GenerateStart,
+        max_tokens: int,
+        cancelled: asyncio.Event,
+        message: type[Message],
+    ) -> AsyncIterator[Message]:
+        """The answer as ``message``s (GenerateResponse or GenerationEvent: both have `chunk` and `finished`)."""
         cfg = self.config
         arrived = time.perf_counter()
         key = prompt_key(start)
         index = len(start.resume_token_ids)
         if cfg.ttft_s:
             await asyncio.sleep(cfg.ttft_s)
+        steps = self.steps
+        if steps is not None:
+            await steps.next_step()  # the first token comes out of a step too
+        first_step = steps.step if steps is not None else 0
         first_at = time.perf_counter()
         interval = cfg.tokens_per_chunk / cfg.tokens_per_second if cfg.tokens_per_second else 0.0
         next_at = first_at
@@ -159,10 +254,13 @@ class SyntheticInference(inference_pb2_grpc.InferenceServicer):
             n = min(cfg.tokens_per_chunk, max_tokens - index)
             if cfg.coalesce:
                 # Every token due by now: an engine keeps generating while the last write is in flight.
-                due = int((time.perf_counter() - first_at) * cfg.tokens_per_second) + 1
+                if steps is not None:
+                    due = (steps.step - first_step + 1) * cfg.tokens_per_chunk
+                else:
+                    due = int((time.perf_counter() - first_at) * cfg.tokens_per_second) + 1
                 n = max(n, min(due - generated, max_tokens - index))
             ids = [synthetic_token(key, index + i) for i in range(n)]
-            yield inference_pb2.GenerateResponse(
+            yield message(
                 chunk=inference_pb2.TokenChunk(
                     text="".join(synthetic_text(t) for t in ids), token_ids=ids, index=index
                 )
@@ -172,7 +270,10 @@ class SyntheticInference(inference_pb2_grpc.InferenceServicer):
             self.tokens_sent += n
             if cfg.exit_after_tokens and self.tokens_sent >= cfg.exit_after_tokens:
                 os._exit(1)  # failure injection: die like a kill -9, mid-stream
-            if interval:
+            if steps is not None:
+                if index < max_tokens:
+                    await steps.next_step()
+            elif interval:
                 next_at = first_at + generated / cfg.tokens_per_second if cfg.coalesce else next_at + interval
                 delay = next_at - time.perf_counter()
                 if delay > 0:
@@ -180,7 +281,7 @@ class SyntheticInference(inference_pb2_grpc.InferenceServicer):
             else:
                 await asyncio.sleep(0)  # let other streams and the cancel watcher run
         done = time.perf_counter()
-        yield inference_pb2.GenerateResponse(
+        yield message(
             finished=inference_pb2.GenerationFinished(
                 finish_reason=reason,
                 usage=common_pb2.Usage(prompt_tokens=prompt_tokens(start), completion_tokens=generated),
@@ -233,6 +334,7 @@ class SyntheticRuntime:
 
     async def drain(self) -> None:
         self.servicer.draining = True
+        self.servicer.stopping.set()
 
     async def close(self) -> None:
         return None
@@ -246,6 +348,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_server_args(parser, default_port=50062)
     parser.add_argument("--model-id", default="synthetic", help="model name it reports")
     parser.add_argument("--tokens-per-second", type=float, default=0.0, help="per stream; 0 = unpaced")
+    parser.add_argument(
+        "--step-ms",
+        type=float,
+        default=0.0,
+        help="engine-like pacing: all streams get their next chunk at the same step, this often (0 = off)",
+    )
     parser.add_argument("--ttft-ms", type=float, default=0.0, help="delay before the first token")
     parser.add_argument("--tokens-per-chunk", type=int, default=1, help="tokens per chunk message")
     parser.add_argument(
@@ -268,6 +376,7 @@ def main(argv: list[str] | None = None) -> None:
     config = SyntheticConfig(
         model_id=args.model_id,
         tokens_per_second=args.tokens_per_second,
+        step_s=args.step_ms / 1000.0,
         ttft_s=args.ttft_ms / 1000.0,
         tokens_per_chunk=args.tokens_per_chunk,
         coalesce=args.coalesce,

@@ -25,7 +25,7 @@ from services.router.models import ModelCatalog
 from services.router.pins import AffinityPins
 from services.router.pool import ReplicaPool
 from services.router.ratelimit import InflightLimiter, RateLimiter
-from services.router.relay import Relay, RelayOutcome, coalesce_chunks
+from services.router.relay import Relay, RelayOutcome
 from services.router.replay import ReplayBuffer
 from services.router.replay_writer import ReplayWriter
 from services.router.response_cache import (
@@ -213,7 +213,7 @@ class TurnPipeline:
         try:
             relayed = s.relay.generate(start, models, outcome, deadline, session_key, pinned)
             # The per-message path: one clock read, one histogram sample, one proto built in place.
-            async for batch in coalesce_chunks(relayed):
+            async for batch in relayed:
                 now = clock()
                 if previous_at is None:
                     metrics.TTFT.observe(now - state.started)

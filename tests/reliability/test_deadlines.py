@@ -1,8 +1,10 @@
 """Deadlines end calls on time and only ever shrink downstream (reliability matrix row 8).
 
-The replica here is a fake that records the deadline each Generate call
-arrived with (``context.time_remaining()``) and then stalls before the first
-token, so only the deadline can end the call.
+The replica here is a fake that records the deadline each generation arrived
+with (``timeout_s`` of its start on the router's GenerateMany stream, which is
+how the router hands a replica the client's remaining time) and then stalls
+before the first token, so only the deadline can end the generation: the
+router must cancel it when the client's deadline passes.
 """
 
 from __future__ import annotations
@@ -28,21 +30,24 @@ WIRE_ROUNDING_S = 0.005
 
 
 class FakeStallingReplica(inference_pb2_grpc.InferenceServicer):
-    """A fake Inference replica: records each call's remaining deadline, then never answers."""
+    """A fake Inference replica: records each generation's deadline, then never answers."""
 
     def __init__(self) -> None:
         self.remaining: list[float | None] = []
         self.ended = threading.Semaphore(0)
 
-    def Generate(
-        self, request_iterator: Iterator[inference_pb2.GenerateRequest], context: grpc.ServicerContext
-    ) -> Iterator[inference_pb2.GenerateResponse]:
-        next(request_iterator)
-        self.remaining.append(context.time_remaining())
-        # Stall until the caller's deadline (or cancel) ends the call.
-        while context.is_active():
-            time.sleep(0.01)
-        self.ended.release()
+    def GenerateMany(
+        self, request_iterator: Iterator[inference_pb2.GenerateManyRequest], context: grpc.ServicerContext
+    ) -> Iterator[inference_pb2.GenerateManyResponse]:
+        running: set[int] = set()
+        # Never answers: each generation stalls until the router cancels it.
+        for request in request_iterator:
+            if request.HasField("start"):
+                self.remaining.append(request.timeout_s or None)
+                running.add(request.tag)
+            elif request.HasField("cancel") and request.tag in running:
+                running.discard(request.tag)
+                self.ended.release()
         return iter(())
 
     def GetLoad(
@@ -105,6 +110,6 @@ def test_client_deadline_ends_in_deadline_exceeded_on_time_and_never_grows_downs
     assert all(r is not None and 0 < r <= limit for r in received), [
         r for r in received if r is None or not 0 < r <= limit
     ]
-    # And the replica's call ends with the client's, not later: no orphaned generation.
+    # And the replica's generation ends with the client's call, not later: no orphaned generation.
     for _ in range(calls):
-        assert fake.ended.acquire(timeout=2.0), "a replica call outlived its deadline by more than 2 s"
+        assert fake.ended.acquire(timeout=2.0), "a generation outlived its deadline by more than 2 s"

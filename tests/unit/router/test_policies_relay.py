@@ -1,16 +1,14 @@
-"""Relay helpers without servers: chunk coalescing under backpressure, address parsing."""
+"""Relay helpers without servers: merged chunks as one message, address parsing, config checks."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from services.gen.llmmesh.v1 import inference_pb2
 from services.router.pool import parse_address, parse_address_list
-from services.router.relay import RelayConfig, coalesce_chunks
+from services.router.relay import RelayConfig
 from services.router.turn import token_message
 
 
@@ -18,85 +16,16 @@ def chunk(index: int) -> inference_pb2.TokenChunk:
     return inference_pb2.TokenChunk(text=f" t{index}", token_ids=[index], index=index)
 
 
-async def fake_replica_stream(
-    n: int, fail_after: int | None = None
-) -> AsyncIterator[inference_pb2.TokenChunk]:
-    """A stand-in for the relay: n chunks as fast as the loop allows."""
-    for i in range(n):
-        if fail_after is not None and i == fail_after:
-            raise ConnectionError("replica went away")
-        yield chunk(i)
-        await asyncio.sleep(0)
-
-
-async def test_a_slow_consumer_gets_tokens_merged_in_order_and_none_lost() -> None:
-    batches = []
-    async for batch in coalesce_chunks(fake_replica_stream(50)):
-        batches.append(batch)
-        await asyncio.sleep(0.002)  # a client that reads slower than tokens arrive
-    ids = [t for b in batches for c in b for t in c.token_ids]
-    assert ids == list(range(50))
-    assert len(batches) < 25  # merged: far fewer messages than tokens
-    message = token_message("r1", 2, batches[1])
+def test_a_batch_of_chunks_is_one_message_numbered_from_its_first_token() -> None:
+    batch = [chunk(i) for i in range(3, 7)]
+    message = token_message("r1", 2, batch)
     assert (message.request_id, message.seq) == ("r1", 2)
     delta = message.delta
-    assert delta.index == batches[1][0].index
-    assert list(delta.token_ids) == [t for c in batches[1] for t in c.token_ids]
-    assert delta.text == "".join(c.text for c in batches[1])
-    single = token_message("r1", 1, batches[0][:1]).delta
+    assert delta.index == 3
+    assert list(delta.token_ids) == [3, 4, 5, 6]
+    assert delta.text == " t3 t4 t5 t6"
+    single = token_message("r1", 1, [chunk(0)]).delta
     assert (single.text, list(single.token_ids), single.index) == (" t0", [0], 0)
-
-
-async def test_a_fast_consumer_gets_every_chunk_on_its_own() -> None:
-    batches = [b async for b in coalesce_chunks(fake_replica_stream(20))]
-    assert [len(b) for b in batches] == [1] * 20
-
-
-async def test_an_error_arrives_after_the_tokens_before_it() -> None:
-    got = []
-    with pytest.raises(ConnectionError, match="went away"):
-        async for batch in coalesce_chunks(fake_replica_stream(10, fail_after=5)):
-            got.extend(c.index for c in batch)
-    assert got == [0, 1, 2, 3, 4]
-
-
-async def test_a_consumer_that_stops_closes_the_source_at_once() -> None:
-    closed = asyncio.Event()
-
-    async def endless() -> AsyncIterator[inference_pb2.TokenChunk]:
-        try:
-            i = 0
-            while True:
-                yield chunk(i)
-                i += 1
-                await asyncio.sleep(0.001)
-        finally:
-            closed.set()  # where the relay cancels the replica's call
-
-    stream = coalesce_chunks(endless())
-    await anext(stream)
-    await stream.aclose()
-    assert closed.is_set()
-
-
-async def test_a_consumer_that_stops_reading_stops_the_source_at_the_bound() -> None:
-    produced = 0
-
-    async def endless() -> AsyncIterator[inference_pb2.TokenChunk]:
-        nonlocal produced
-        while True:
-            yield chunk(produced)
-            produced += 1
-            await asyncio.sleep(0)
-
-    stream = coalesce_chunks(endless(), max_pending=8)
-    first = await anext(stream)
-    await asyncio.sleep(0.05)  # the client reads nothing: the source must not run ahead unbounded
-    assert produced <= len(first) + 8 + 1
-    batch = await anext(stream)  # reading again lets the source continue, merged and in order
-    assert [c.index for c in batch] == list(range(len(first), len(first) + len(batch)))
-    assert len(batch) == 8
-    await stream.aclose()
 
 
 def test_addresses_are_validated() -> None:

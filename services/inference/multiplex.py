@@ -1,0 +1,167 @@
+"""The server side of ``Inference.GenerateMany``: many generations over one stream.
+
+A router relays every token twice (replica → router → client), and in grpc-python
+each gRPC message costs tens of microseconds of CPU however small it is. On a
+``Generate`` stream per request, an engine step with 200 running sequences is 200
+messages into the router; here it is one: every generation's task appends its
+events to a shared outbox and one writer sends whatever the outbox holds as a
+single ``GenerateManyResponse``. Whatever piled up while the previous message was
+being written goes out together, so a busy stream batches more, never waits.
+
+Kept free of torch: the synthetic token source serves the same stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, Protocol
+
+import grpc
+from opentelemetry.trace import Status as SpanStatus
+from opentelemetry.trace import StatusCode as SpanStatusCode
+
+from services.common import tracing
+from services.common.errors import status_for
+from services.gen.llmmesh.v1 import inference_pb2
+
+log = logging.getLogger("llmmesh.inference.multiplex")
+
+
+class GenerationBackend(Protocol):
+    """What serves one generation: the engine, or the synthetic token source."""
+
+    def generate(
+        self, start: inference_pb2.GenerateStart, timeout_s: float
+    ) -> AsyncGenerator[inference_pb2.GenerationEvent, None]:
+        """The generation's events (chunks, then ``finished``), tag unset; raises a MeshError to refuse it.
+
+        ``timeout_s`` (0 = none) is enforced by the caller; it is passed for the logs.
+        Leaving the iterator early must stop the generation.
+        """
+        ...
+
+    def cancel(self, request_id: str) -> None:
+        """End the running generation ``request_id`` at its next step (it then finishes CANCELLED)."""
+        ...
+
+
+def error_event(tag: int, code: grpc.StatusCode, message: str) -> inference_pb2.GenerationEvent:
+    return inference_pb2.GenerationEvent(
+        tag=tag, error=inference_pb2.GenerationError(code=code.value[0], message=message)
+    )
+
+
+async def serve_many(
+    backend: GenerationBackend,
+    requests: AsyncIterator[inference_pb2.GenerateManyRequest],
+    stopping: asyncio.Event | None = None,
+) -> AsyncIterator[inference_pb2.GenerateManyResponse]:
+    """One GenerateMany stream: start and cancel generations as asked, send their events in batches.
+
+    The stream ends once the client has half-closed, or ``stopping`` is set (the
+    replica drains: the backend refuses new generations), and every generation
+    on it ended; if the client goes away, every generation on it is stopped.
+    A long-lived stream must not hold a draining server for its whole grace period.
+    """
+    outbox: list[inference_pb2.GenerationEvent] = []
+    wake = asyncio.Event()
+    #: tag → (task, request id) of each running generation.
+    running: dict[int, tuple[asyncio.Task[None], str]] = {}
+
+    def emit(event: inference_pb2.GenerationEvent) -> None:
+        outbox.append(event)
+        wake.set()
+
+    async def run_one(tag: int, request: inference_pb2.GenerateManyRequest) -> None:
+        start, timeout_s = request.start, request.timeout_s
+        with tracing.generation_span(request.traceparent, **{"llmmesh.request_id": start.request_id}) as span:
+            try:
+                async with asyncio.timeout(timeout_s if timeout_s > 0 else None):
+                    events = backend.generate(start, timeout_s)
+                    try:
+                        async for event in events:
+                            event.tag = tag
+                            emit(event)
+                            if span is not None:
+                                tracing.record_stage_spans(span, event, time.time_ns())
+                    finally:
+                        await events.aclose()  # stops the generation when it did not finish
+            except TimeoutError:
+                message = f"generation took over {timeout_s:g} s"
+                emit(error_event(tag, grpc.StatusCode.DEADLINE_EXCEEDED, message))
+                if span is not None:
+                    span.set_status(SpanStatus(SpanStatusCode.ERROR, message))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # one generation's failure is its own, never the stream's
+                code = status_for(exc)
+                if code == grpc.StatusCode.INTERNAL:
+                    log.exception("generation %s failed", start.request_id)
+                emit(error_event(tag, code, str(exc) or type(exc).__name__))
+                if span is not None:
+                    span.set_status(SpanStatus(SpanStatusCode.ERROR, str(exc) or type(exc).__name__))
+
+    def forget(tag: int, task: asyncio.Task[None]) -> None:
+        entry = running.get(tag)
+        if entry is not None and entry[0] is task:
+            del running[tag]
+        wake.set()
+
+    async def read() -> None:
+        async for request in requests:
+            action = request.WhichOneof("action")
+            tag = request.tag
+            if action == "start":
+                if tag in running:
+                    emit(error_event(tag, grpc.StatusCode.INVALID_ARGUMENT, f"tag {tag} is already running"))
+                    continue
+                start = request.start
+                if not start.request_id:
+                    start.request_id = uuid.uuid4().hex
+                task = asyncio.create_task(run_one(tag, request))
+                running[tag] = (task, start.request_id)
+                task.add_done_callback(functools.partial(forget, tag))
+            elif action == "cancel":
+                entry = running.get(tag)
+                if entry is not None:
+                    backend.cancel(entry[1])
+            else:
+                emit(
+                    error_event(tag, grpc.StatusCode.INVALID_ARGUMENT, "a request needs `start` or `cancel`")
+                )
+
+    reader = asyncio.create_task(read())
+    reader.add_done_callback(lambda _: wake.set())
+    watcher: asyncio.Task[bool] | None = None
+    if stopping is not None:
+        watcher = asyncio.create_task(stopping.wait())
+        watcher.add_done_callback(lambda _: wake.set())
+    try:
+        while True:
+            if outbox:
+                batch = outbox[:]
+                outbox.clear()
+                yield inference_pb2.GenerateManyResponse(events=batch)
+                continue
+            if stopping is not None and stopping.is_set() and not running:
+                return  # drained: the router sees the end and sends new work elsewhere
+            if reader.done() and not running:
+                if not reader.cancelled() and (exc := reader.exception()) is not None:
+                    if isinstance(exc, grpc.RpcError):
+                        return  # the client went away; nothing is left to tell it
+                    raise exc
+                return
+            await wake.wait()
+            wake.clear()
+    finally:
+        tasks: list[asyncio.Task[Any]] = [reader, *(task for task, _ in running.values())]
+        if watcher is not None:
+            tasks.append(watcher)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

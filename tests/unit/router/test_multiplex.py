@@ -1,0 +1,223 @@
+"""GenerateMany over a real socket: many generations on one stream, batched per step, failing alone.
+
+The replica side is ``serve_many`` over the synthetic token source (a load-test
+tool, no model) stepping like an engine; the router side is ``ReplicaMultiplexer``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services.router.multiplex import MERGE_PENDING_AFTER, ReplicaMultiplexer, StreamBroken
+from services.router.synthetic_replica import SyntheticConfig, SyntheticInference, prompt_key, synthetic_token
+
+
+def start_of(text: str, max_tokens: int) -> inference_pb2.GenerateStart:
+    return inference_pb2.GenerateStart(
+        request_id=text, prompt=text, sampling=common_pb2.SamplingParams(max_tokens=max_tokens)
+    )
+
+
+def expected(start: inference_pb2.GenerateStart) -> list[int]:
+    key = prompt_key(start)
+    return [synthetic_token(key, i) for i in range(start.sampling.max_tokens)]
+
+
+class Replica:
+    """A synthetic replica on a real port, in this process."""
+
+    def __init__(self, config: SyntheticConfig) -> None:
+        self.servicer = SyntheticInference(config)
+        self.server = grpc.aio.server()
+        inference_pb2_grpc.add_InferenceServicer_to_server(self.servicer, self.server)  # type: ignore[no-untyped-call]
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = inference_pb2_grpc.InferenceStub(self.channel)  # type: ignore[no-untyped-call]
+
+    async def __aenter__(self) -> Replica:
+        await self.server.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.channel.close(None)
+        await self.server.stop(None)
+
+
+async def collect(mux: ReplicaMultiplexer, start: inference_pb2.GenerateStart, timeout_s: float = 0.0):  # type: ignore[no-untyped-def]
+    """(token ids, the batches' sizes, the last event) of one generation."""
+    handle = mux.open(start, timeout_s)
+    ids: list[int] = []
+    sizes: list[int] = []
+    try:
+        while True:
+            events = await handle.events()
+            sizes.append(len(events))
+            for event in events:
+                if event.HasField("chunk"):
+                    ids.extend(event.chunk.token_ids)
+                else:
+                    return ids, sizes, event
+    finally:
+        handle.close()
+
+
+async def test_a_step_of_every_generation_travels_as_one_message() -> None:
+    async with Replica(SyntheticConfig(step_s=0.02)) as replica:
+        starts = [start_of(f"prompt {i}", 10) for i in range(8)]
+
+        async def requests() -> AsyncIterator[inference_pb2.GenerateManyRequest]:
+            for tag, start in enumerate(starts, 1):
+                yield inference_pb2.GenerateManyRequest(tag=tag, start=start)
+
+        tokens: dict[int, list[int]] = {tag: [] for tag in range(1, 9)}
+        messages = 0
+        async for response in replica.stub.GenerateMany(requests()):
+            messages += 1
+            for event in response.events:
+                if event.HasField("chunk"):
+                    assert event.chunk.index == len(tokens[event.tag])
+                    tokens[event.tag].extend(event.chunk.token_ids)
+        assert tokens == {tag: expected(start) for tag, start in enumerate(starts, 1)}
+        # 8 generations × (10 chunks + finished) = 88 events; one message per step, not one per event.
+        assert messages <= 14
+
+
+async def test_generations_share_one_stream_and_each_gets_exactly_its_tokens() -> None:
+    async with Replica(SyntheticConfig(step_s=0.005)) as replica:
+        mux = ReplicaMultiplexer(replica.stub, "test")
+        starts = [start_of(f"q{i}", 12 + i) for i in range(6)]
+        results = await asyncio.gather(*(collect(mux, s) for s in starts))
+        for start, (ids, _, last) in zip(starts, results, strict=True):
+            assert ids == expected(start)
+            assert last.finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert mux.generations == 0
+        await mux.close()
+
+
+async def test_a_slow_consumer_gets_what_piled_up_as_one_batch_in_order() -> None:
+    async with Replica(SyntheticConfig()) as replica:  # unpaced: tokens arrive faster than read
+        mux = ReplicaMultiplexer(replica.stub, "test")
+        start = start_of("slow reader", 200)
+        handle = mux.open(start, 0.0)
+        ids: list[int] = []
+        batches = 0
+        while True:
+            events = await handle.events()
+            batches += 1
+            chunks = [e.chunk for e in events if e.HasField("chunk")]
+            for c in chunks:
+                assert c.index == len(ids)  # numbered in order, none lost or repeated
+                ids.extend(c.token_ids)
+            if events[-1].HasField("finished"):
+                break
+            await asyncio.sleep(0.01)  # a client that writes slowly
+        handle.close()
+        assert ids == expected(start)
+        assert batches < 100
+        await mux.close()
+
+
+async def test_a_consumer_that_stops_taking_events_holds_them_merged_not_one_per_token() -> None:
+    async with Replica(SyntheticConfig()) as replica:  # unpaced: 3,000 tokens arrive at once
+        mux = ReplicaMultiplexer(replica.stub, "test")
+        start = start_of("never read", 3000)
+        handle = mux.open(start, 0.0)
+        while replica.servicer.running or replica.servicer.tokens_sent < 3000:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the last message reaches the router
+        pending = handle._events
+        assert len(pending) <= MERGE_PENDING_AFTER
+        events = await handle.events()
+        chunks = [e.chunk for e in events if e.HasField("chunk")]
+        assert chunks[0].index == 0
+        assert [t for c in chunks for t in c.token_ids] == expected(start)
+        assert "".join(c.text for c in chunks) == "".join(f" t{t}" for t in expected(start))
+        assert events[-1].HasField("finished")
+        handle.close()
+        await mux.close()
+
+
+async def test_one_generations_error_leaves_the_others_running() -> None:
+    async with Replica(SyntheticConfig(step_s=0.005)) as replica:
+        mux = ReplicaMultiplexer(replica.stub, "test")
+        bad = inference_pb2.GenerateStart(
+            request_id="bad", prompt="x", sampling=common_pb2.SamplingParams(max_tokens=0)
+        )
+        good = start_of("fine", 20)
+        (_, _, error), (ids, _, last) = await asyncio.gather(collect(mux, bad), collect(mux, good))
+        assert error.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "max_tokens" in error.error.message
+        assert ids == expected(good) and last.HasField("finished")
+        await mux.close()
+
+
+async def test_a_generation_past_its_timeout_fails_with_deadline_exceeded() -> None:
+    async with Replica(SyntheticConfig(tokens_per_second=20)) as replica:
+        mux = ReplicaMultiplexer(replica.stub, "test")
+        ids, _, last = await collect(mux, start_of("too long", 100), timeout_s=0.2)
+        assert last.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+        assert 1 <= len(ids) <= 6
+        assert replica.servicer.running == 0
+        await mux.close()
+
+
+async def test_closing_a_handle_cancels_that_generation_on_the_replica_only() -> None:
+    async with Replica(SyntheticConfig(tokens_per_second=50)) as replica:
+        mux = ReplicaMultiplexer(replica.stub, "test")
+        keep = asyncio.create_task(collect(mux, start_of("keep", 15)))
+        dropped = mux.open(start_of("drop", 1000), 0.0)
+        await dropped.events()
+        assert replica.servicer.running == 2
+        dropped.close()
+        for _ in range(100):
+            if replica.servicer.running == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert replica.servicer.running == 1
+        ids, _, last = await keep
+        assert ids == expected(start_of("keep", 15)) and last.HasField("finished")
+        await mux.close()
+
+
+async def test_a_broken_stream_fails_every_generation_and_the_next_open_dials_again() -> None:
+    replica = Replica(SyntheticConfig(tokens_per_second=50))
+    await replica.server.start()
+    mux = ReplicaMultiplexer(replica.stub, "test")
+    handles = [mux.open(start_of(f"long {i}", 1000), 0.0) for i in range(3)]
+    for h in handles:
+        await h.events()
+    await replica.server.stop(None)  # the replica goes away mid-stream
+    for h in handles:
+        with pytest.raises(StreamBroken):
+            while True:
+                await h.events()
+    # A new replica on the same port: the next generation opens a fresh stream there.
+    again = grpc.aio.server()
+    inference_pb2_grpc.add_InferenceServicer_to_server(SyntheticInference(SyntheticConfig()), again)  # type: ignore[no-untyped-call]
+    again.add_insecure_port(f"127.0.0.1:{replica.port}")
+    await again.start()
+    try:
+        ids, _, last = await collect(mux, start_of("after", 5))
+        assert ids == expected(start_of("after", 5)) and last.HasField("finished")
+    finally:
+        await mux.close()
+        await replica.channel.close(None)
+        await again.stop(None)
+
+
+async def test_a_tag_already_running_is_refused_on_its_own() -> None:
+    async with Replica(SyntheticConfig(tokens_per_second=100)) as replica:
+
+        async def requests() -> AsyncIterator[inference_pb2.GenerateManyRequest]:
+            yield inference_pb2.GenerateManyRequest(tag=7, start=start_of("first", 5))
+            yield inference_pb2.GenerateManyRequest(tag=7, start=start_of("second", 5))
+
+        events = [e async for r in replica.stub.GenerateMany(requests()) for e in r.events]
+        errors = [e for e in events if e.HasField("error")]
+        assert len(errors) == 1 and "already running" in errors[0].error.message
+        assert sum(len(e.chunk.token_ids) for e in events if e.HasField("chunk")) == 5
