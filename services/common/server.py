@@ -9,6 +9,7 @@ then exit). A service plugs in through a small ``ServiceRuntime``.
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import logging
 import signal
@@ -249,6 +250,11 @@ async def serve(options: ServerOptions, runtime: ServiceRuntime) -> None:
         raise SystemExit(1)
     if start_task in done:
         log.info("%s ready on port %d", options.service, port)
+        # What startup built (modules, descriptors, the model's Python objects) lives as long as the
+        # process: moved out of the cyclic GC's view, a full collection while serving scans only what
+        # serving made (a full pass over the router's startup heap took ~13 ms, a p99 spike).
+        gc.collect()
+        gc.freeze()
     await stop_task
 
     log.info("%s draining", options.service)
