@@ -51,7 +51,9 @@ class FloorRelay(router_pb2_grpc.RouterServicer):
                 yield router_pb2.ChatResponse(request_id=request.request_id, seq=seq, delta=delta)
             else:
                 done = response.finished
-                end = router_pb2.TurnEnd(finish_reason=done.finish_reason, usage=done.usage)
+                end = router_pb2.TurnEnd(
+                    finish_reason=done.finish_reason, usage=done.usage, timings=done.timings
+                )
                 yield router_pb2.ChatResponse(request_id=request.request_id, seq=seq, end=end)
                 return
 
