@@ -50,6 +50,25 @@ class GenerationBackend(Protocol):
         ...
 
 
+#: A message's share of the 4 MiB gRPC limit: a step's events beyond it go in the next message.
+#: (A single event is bounded by its generation's max_tokens, far below the limit.)
+MESSAGE_BUDGET_BYTES = 1 << 20
+
+
+def take_batch(outbox: list[inference_pb2.GenerationEvent]) -> list[inference_pb2.GenerationEvent]:
+    """The events of the next message, oldest first, at most ``MESSAGE_BUDGET_BYTES`` (at least one)."""
+    size = 0
+    for i, event in enumerate(outbox):
+        size += event.ByteSize() + 8  # plus the field's tag and length prefix
+        if size > MESSAGE_BUDGET_BYTES and i > 0:
+            batch = outbox[:i]
+            del outbox[:i]
+            return batch
+    batch = outbox[:]
+    outbox.clear()
+    return batch
+
+
 def error_event(tag: int, code: grpc.StatusCode, message: str) -> inference_pb2.GenerationEvent:
     return inference_pb2.GenerationEvent(
         tag=tag, error=inference_pb2.GenerationError(code=code.value[0], message=message)
@@ -144,9 +163,7 @@ async def serve_many(
     try:
         while True:
             if outbox:
-                batch = outbox[:]
-                outbox.clear()
-                yield inference_pb2.GenerateManyResponse(events=batch)
+                yield inference_pb2.GenerateManyResponse(events=take_batch(outbox))
                 continue
             if stopping is not None and stopping.is_set() and not running:
                 return  # drained: the router sees the end and sends new work elsewhere

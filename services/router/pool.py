@@ -37,11 +37,12 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.enable_retries", 0),  # the relay retries itself, on another replica
-    # A client that stops reading must stall its replica's stream, not fill the
-    # router's memory: a small fixed per-stream window (token streams need little),
-    # and no BDP probing, which would otherwise keep growing it underneath us.
+    # One GenerateMany stream carries every generation on the replica, one message per engine
+    # step (up to 1 MiB): its window must hold whole steps, or each would wait on window updates.
+    # The router reads it eagerly; a client that stops reading costs merged tokens in the router
+    # (multiplex.py), not a stalled stream. Fixed, so BDP probing does not move it underneath us.
     ("grpc.http2.bdp_probe", 0),
-    ("grpc.http2.lookahead_bytes", 8192),
+    ("grpc.http2.lookahead_bytes", 4 * 1024 * 1024),
 ]
 
 

@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services.inference.multiplex import MESSAGE_BUDGET_BYTES, serve_many
 from services.router.multiplex import MERGE_PENDING_AFTER, ReplicaMultiplexer, StreamBroken
 from services.router.synthetic_replica import SyntheticConfig, SyntheticInference, prompt_key, synthetic_token
 
@@ -208,6 +209,31 @@ async def test_a_broken_stream_fails_every_generation_and_the_next_open_dials_ag
         await mux.close()
         await replica.channel.close(None)
         await again.stop(None)
+
+
+async def test_a_step_larger_than_the_message_budget_is_split_none_lost() -> None:
+    class Big:
+        """A backend whose generations each send one 300 KiB chunk at once."""
+
+        async def generate(self, start: inference_pb2.GenerateStart, timeout_s: float):  # type: ignore[no-untyped-def]
+            yield inference_pb2.GenerationEvent(
+                chunk=inference_pb2.TokenChunk(text=start.prompt * 300 * 1024)
+            )
+            yield inference_pb2.GenerationEvent(finished=inference_pb2.GenerationFinished())
+
+        def cancel(self, request_id: str) -> None:
+            pass
+
+    async def requests() -> AsyncIterator[inference_pb2.GenerateManyRequest]:
+        for tag in range(1, 9):
+            yield inference_pb2.GenerateManyRequest(tag=tag, start=inference_pb2.GenerateStart(prompt="x"))
+
+    messages = [m async for m in serve_many(Big(), requests())]
+    assert len(messages) >= 3
+    assert all(m.ByteSize() <= MESSAGE_BUDGET_BYTES + 400 * 1024 for m in messages)
+    events = [e for m in messages for e in m.events]
+    assert sorted(e.tag for e in events if e.HasField("chunk")) == list(range(1, 9))
+    assert sorted(e.tag for e in events if e.HasField("finished")) == list(range(1, 9))
 
 
 async def test_a_tag_already_running_is_refused_on_its_own() -> None:
