@@ -80,7 +80,8 @@ async def serve_many(
     requests: AsyncIterator[inference_pb2.GenerateManyRequest],
     stopping: asyncio.Event | None = None,
 ) -> AsyncIterator[inference_pb2.GenerateManyResponse]:
-    """One GenerateMany stream: start and cancel generations as asked, send their events in batches.
+    """One GenerateMany stream: start, cancel, pause and resume generations as asked, send their
+    events in batches.
 
     The stream ends once the client has half-closed, or ``stopping`` is set (the
     replica drains: the backend refuses new generations), and every generation
@@ -91,6 +92,8 @@ async def serve_many(
     wake = asyncio.Event()
     #: tag → (task, request id) of each running generation.
     running: dict[int, tuple[asyncio.Task[None], str]] = {}
+    #: tag → the gate a paused generation waits at (set on resume): its consumer fell behind.
+    paused: dict[int, asyncio.Event] = {}
 
     def emit(event: inference_pb2.GenerationEvent) -> None:
         outbox.append(event)
@@ -108,6 +111,9 @@ async def serve_many(
                             emit(event)
                             if span is not None:
                                 tracing.record_stage_spans(span, event, time.time_ns())
+                            gate = paused.get(tag)
+                            if gate is not None:
+                                await gate.wait()  # the backend's next events wait in its own queue
                     finally:
                         await events.aclose()  # stops the generation when it did not finish
             except TimeoutError:
@@ -129,7 +135,13 @@ async def serve_many(
         entry = running.get(tag)
         if entry is not None and entry[0] is task:
             del running[tag]
+            paused.pop(tag, None)
         wake.set()
+
+    def release(tag: int) -> None:
+        gate = paused.pop(tag, None)
+        if gate is not None:
+            gate.set()
 
     async def read() -> None:
         async for request in requests:
@@ -149,9 +161,19 @@ async def serve_many(
                 entry = running.get(tag)
                 if entry is not None:
                     backend.cancel(entry[1])
+                    release(tag)  # a paused generation must reach its CANCELLED end to free its task
+            elif action == "pause":
+                if tag in running and tag not in paused:
+                    paused[tag] = asyncio.Event()
+            elif action == "resume":
+                release(tag)
             else:
                 emit(
-                    error_event(tag, grpc.StatusCode.INVALID_ARGUMENT, "a request needs `start` or `cancel`")
+                    error_event(
+                        tag,
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        "a request needs `start`, `cancel`, `pause` or `resume`",
+                    )
                 )
 
     reader = asyncio.create_task(read())

@@ -6,7 +6,10 @@ new tokens, so the router reads one gRPC message per step instead of one per
 generation per step (grpc-python pays tens of microseconds per message). A
 reader task hands each event to its generation's ``GenerationHandle``; whatever
 reached a handle while its consumer was busy writing to the client comes back
-as one batch, so a slow client gets fewer, larger messages.
+as one batch, so a slow client gets fewer, larger messages. A generation whose
+consumer falls ``PAUSE_AFTER_TOKENS`` behind is paused on the replica until it
+catches up: one slow client must not fill the router with its answer, nor slow
+the stream every other generation shares.
 
 If the stream breaks (the replica died, the network dropped), every generation
 on it fails at once with ``StreamBroken`` and the next ``open`` dials a new one.
@@ -40,15 +43,21 @@ class StreamBroken(Exception):
 
 
 #: Events a generation holds for a consumer that is not taking them, before they are merged into
-#: one chunk: a client that stops reading costs the router its answer's token ids and text (about
-#: 9 bytes a token, at most ``max_tokens`` of them), not a protobuf message per token.
+#: one chunk: a client that falls behind costs the router token ids and text (about 9 bytes a
+#: token), not a protobuf message per token.
 MERGE_PENDING_AFTER = 32
+
+#: Tokens a generation holds for its consumer before the router asks the replica to ``pause`` it
+#: (``resume`` once the consumer takes them). A client that stops reading then costs the router
+#: about this many tokens, and the router's CPU nothing more, instead of its whole answer relayed
+#: into memory: the shared stream's HTTP/2 flow control cannot hold back one generation alone.
+PAUSE_AFTER_TOKENS = 1024
 
 
 class GenerationHandle:
     """One generation on a shared stream: its events as they arrive, in batches."""
 
-    __slots__ = ("_connection", "_events", "_failure", "_waiter", "done", "tag")
+    __slots__ = ("_connection", "_events", "_failure", "_paused", "_waiter", "done", "tag")
 
     def __init__(self, connection: _Connection, tag: int) -> None:
         self._connection = connection
@@ -56,6 +65,8 @@ class GenerationHandle:
         self._events: list[inference_pb2.GenerationEvent] = []
         self._waiter: asyncio.Future[None] | None = None
         self._failure: BaseException | None = None
+        #: Whether the replica was asked to hold this generation's events back.
+        self._paused = False
         #: Set once the generation's last event (finished or error) arrived: nothing to cancel.
         self.done = False
 
@@ -71,6 +82,12 @@ class GenerationHandle:
                 self._waiter = None
         events = self._events
         self._events = []
+        if self._paused:
+            self._paused = False
+            if not self.done:
+                self._connection.send(
+                    inference_pb2.GenerateManyRequest(tag=self.tag, resume=inference_pb2.ResumeGeneration())
+                )
         return events
 
     def fail(self, failure: BaseException) -> None:
@@ -105,6 +122,11 @@ class GenerationHandle:
         for chunk in chunks:
             token_ids.extend(chunk.token_ids)
         self._events = [inference_pb2.GenerationEvent(tag=self.tag, chunk=merged), *last]
+        if len(token_ids) >= PAUSE_AFTER_TOKENS and not self._paused and not last:
+            self._paused = True
+            self._connection.send(
+                inference_pb2.GenerateManyRequest(tag=self.tag, pause=inference_pb2.PauseGeneration())
+            )
 
     def _wake_with(self, failure: BaseException) -> None:
         if self._failure is None:

@@ -103,6 +103,7 @@ class _Watchdog:
         "stall_s",
         "started",
         "ttft_s",
+        "with_client",
     )
 
     def __init__(
@@ -114,12 +115,14 @@ class _Watchdog:
         self.clock = clock
         self.last_progress = clock()
         self.started = False
+        #: The relay is handing a batch to its client: the replica's silence meanwhile is not a stall.
+        self.with_client = False
         self._loop = asyncio.get_running_loop()
         self._handle = self._loop.call_later(ttft_s, self._check)
 
     def _check(self) -> None:
         limit = self.stall_s if self.started else self.ttft_s
-        idle = self.clock() - self.last_progress
+        idle = 0.0 if self.with_client else self.clock() - self.last_progress
         if idle >= limit:
             kind = FailureKind.STALL if self.started else FailureKind.TTFT_TIMEOUT
             self.generation.fail(AttemptFailed(f"{kind.value} after {idle:.1f} s", kind))
@@ -316,7 +319,12 @@ class Relay:
                         yield batch
                     return
                 if batch:
+                    # Time spent handing the batch to a slow client is the client's, not the
+                    # replica's: it counts neither as a stall nor in the replica's inter-token time.
+                    watchdog.with_client = True
                     yield batch
+                    watchdog.with_client = False
+                    last_at = watchdog.last_progress = clock()
         except StreamBroken as exc:
             raise AttemptFailed(f"{replica.address}: {exc}", FailureKind.ERROR) from None
         finally:

@@ -2,8 +2,10 @@
 
 Clients open long ChatStream calls through the router and then advertise an
 HTTP/2 receive window of zero, so the router can send them nothing. Flow
-control must push back all the way to the replica: the router's memory stays
-bounded and healthy clients' p99 stays within 2x of the baseline. Replicas are
+control must push back all the way to the replica (the router pauses a
+generation on the shared replica stream once its client is about a thousand tokens
+behind): the router's memory stays bounded, it spends no CPU on them, and
+healthy clients' p99 stays within 2x of the baseline. Replicas are
 synthetic token sources (fake, unpaced: they produce as fast as they may).
 """
 
@@ -25,6 +27,8 @@ from services.gen.llmmesh.v1 import router_pb2, router_pb2_grpc
 from tests.reliability.mesh_support import Mesh, chat, mesh, sized
 
 SLOW_READERS = sized(100, 500)
+#: Each slow reader's answer: were it relayed into the router, 100 of them would be ~120 MiB.
+ANSWER_TOKENS = 32_000
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +81,14 @@ def test_slow_readers_keep_router_memory_bounded_and_healthy_clients_fast(unpace
     rss_before = process.memory_info().rss
 
     readers: list[socket.socket] = []
+    cpu_at_open = sum(process.cpu_times()[:2])
     try:
         for i in range(SLOW_READERS):
-            readers.append(open_never_reading_stream(router.port, chat(f"never read {i}", 8000)))
-        time.sleep(2.0)  # unpaced replicas would have produced every token by now without back-pressure
+            readers.append(open_never_reading_stream(router.port, chat(f"never read {i}", ANSWER_TOKENS)))
+        time.sleep(3.0)  # unpaced replicas would produce tokens all along without back-pressure
+        # Paused on the replicas, the slow readers' generations cost the router little work (relaying
+        # their 3,200,000 tokens into memory instead would keep it busy for many seconds).
+        router_cpu = sum(process.cpu_times()[:2]) - cpu_at_open
         under_load = p99_latency(router.address)
         rss_after = process.memory_info().rss
         in_flight = sum(
@@ -95,8 +103,9 @@ def test_slow_readers_keep_router_memory_bounded_and_healthy_clients_fast(unpace
 
     print(
         f"row 6: {SLOW_READERS} slow readers, router RSS +{(rss_after - rss_before) / 2**20:.1f} MiB, "
-        f"healthy p99 {baseline * 1000:.1f} -> {under_load * 1000:.1f} ms"
+        f"healthy p99 {baseline * 1000:.1f} -> {under_load * 1000:.1f} ms, router CPU {router_cpu:.2f} s in 3 s"
     )
+    assert router_cpu < 1.0, f"the router spent {router_cpu:.2f} CPU-s on clients that read nothing"
     assert in_flight >= SLOW_READERS // 2, "the slow readers' streams never reached a replica"
     assert rss_after - rss_before < 64 * 1024 * 1024, "router memory grew by more than 64 MiB"
     assert under_load <= max(2 * baseline, baseline + 0.01), (baseline, under_load)

@@ -14,7 +14,12 @@ import pytest
 
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.inference.multiplex import MESSAGE_BUDGET_BYTES, serve_many
-from services.router.multiplex import MERGE_PENDING_AFTER, ReplicaMultiplexer, StreamBroken
+from services.router.multiplex import (
+    MERGE_PENDING_AFTER,
+    PAUSE_AFTER_TOKENS,
+    ReplicaMultiplexer,
+    StreamBroken,
+)
 from services.router.synthetic_replica import SyntheticConfig, SyntheticInference, prompt_key, synthetic_token
 
 
@@ -123,23 +128,57 @@ async def test_a_slow_consumer_gets_what_piled_up_as_one_batch_in_order() -> Non
         await mux.close()
 
 
-async def test_a_consumer_that_stops_taking_events_holds_them_merged_not_one_per_token() -> None:
-    async with Replica(SyntheticConfig()) as replica:  # unpaced: 3,000 tokens arrive at once
+async def settled_tokens(replica: Replica) -> int:
+    """Tokens the replica sent once it stopped sending (paused, or done)."""
+    seen = -1
+    while seen != replica.servicer.tokens_sent:
+        seen = replica.servicer.tokens_sent
+        await asyncio.sleep(0.1)
+    return seen
+
+
+async def test_a_consumer_that_stops_taking_events_pauses_its_generation_and_holds_it_merged() -> None:
+    async with Replica(SyntheticConfig()) as replica:  # unpaced: 6,000 tokens would arrive at once
         mux = ReplicaMultiplexer(replica.stub, "test")
-        start = start_of("never read", 3000)
+        start = start_of("never read", 6000)
         handle = mux.open(start, 0.0)
-        while replica.servicer.running or replica.servicer.tokens_sent < 3000:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)  # the last message reaches the router
-        pending = handle._events
-        assert len(pending) <= MERGE_PENDING_AFTER
-        events = await handle.events()
-        chunks = [e.chunk for e in events if e.HasField("chunk")]
-        assert chunks[0].index == 0
-        assert [t for c in chunks for t in c.token_ids] == expected(start)
-        assert "".join(c.text for c in chunks) == "".join(f" t{t}" for t in expected(start))
-        assert events[-1].HasField("finished")
+        sent = await settled_tokens(replica)
+        # Paused on the replica soon after PAUSE_AFTER_TOKENS: the router holds a bounded share.
+        assert PAUSE_AFTER_TOKENS <= sent < 3 * PAUSE_AFTER_TOKENS, sent
+        assert replica.servicer.running == 1
+        assert len(handle._events) <= MERGE_PENDING_AFTER
+        ids: list[int] = []
+        text: list[str] = []
+        while True:  # taking the events resumes it; the rest follows, in order, none lost
+            events = await handle.events()
+            for event in events:
+                if event.HasField("chunk"):
+                    assert event.chunk.index == len(ids)
+                    ids.extend(event.chunk.token_ids)
+                    text.append(event.chunk.text)
+            if events[-1].HasField("finished"):
+                break
+        assert ids == expected(start)
+        assert "".join(text) == "".join(f" t{t}" for t in expected(start))
         handle.close()
+        await mux.close()
+
+
+async def test_a_paused_generation_leaves_the_others_on_the_stream_flowing() -> None:
+    async with Replica(SyntheticConfig(step_s=0.002)) as replica:
+        mux = ReplicaMultiplexer(replica.stub, "test")
+        stuck = mux.open(start_of("stuck", 100_000), 0.0)
+        while replica.servicer.tokens_sent < PAUSE_AFTER_TOKENS:
+            await asyncio.sleep(0.05)
+        await settled_tokens(replica)  # only the paused one runs: nothing more comes
+        ids, _, last = await collect(mux, start_of("healthy", 50))
+        assert ids == expected(start_of("healthy", 50)) and last.HasField("finished")
+        stuck.close()  # cancels the paused generation on the replica
+        for _ in range(100):
+            if replica.servicer.running == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert replica.servicer.running == 0
         await mux.close()
 
 
@@ -247,3 +286,101 @@ async def test_a_tag_already_running_is_refused_on_its_own() -> None:
         errors = [e for e in events if e.HasField("error")]
         assert len(errors) == 1 and "already running" in errors[0].error.message
         assert sum(len(e.chunk.token_ids) for e in events if e.HasField("chunk")) == 5
+
+
+class Counting:
+    """A backend whose generations yield one-token chunks forever, counting what was taken from it."""
+
+    def __init__(self) -> None:
+        self.taken = 0
+        self.cancelled: set[str] = set()
+
+    async def generate(self, start: inference_pb2.GenerateStart, timeout_s: float):  # type: ignore[no-untyped-def]
+        index = 0
+        while start.request_id not in self.cancelled:
+            self.taken += 1
+            yield inference_pb2.GenerationEvent(
+                chunk=inference_pb2.TokenChunk(index=index, token_ids=[index])
+            )
+            index += 1
+            await asyncio.sleep(0)
+        yield inference_pb2.GenerationEvent(
+            finished=inference_pb2.GenerationFinished(finish_reason=common_pb2.FINISH_REASON_CANCELLED)
+        )
+
+    def cancel(self, request_id: str) -> None:
+        self.cancelled.add(request_id)
+
+
+async def test_pause_stops_taking_from_the_backend_until_resume_and_cancel_ends_a_paused_one() -> None:
+    backend = Counting()
+    inbox: asyncio.Queue[inference_pb2.GenerateManyRequest | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[inference_pb2.GenerateManyRequest]:
+        while (request := await inbox.get()) is not None:
+            yield request
+
+    def ask(**action: object) -> None:
+        inbox.put_nowait(inference_pb2.GenerateManyRequest(tag=1, **action))  # type: ignore[arg-type]
+
+    stream = serve_many(backend, requests())
+    ask(start=inference_pb2.GenerateStart(request_id="r"))
+    await anext(stream)
+    ask(pause=inference_pb2.PauseGeneration())
+    for _ in range(5):
+        await asyncio.sleep(0.01)
+    paused_at = backend.taken
+    await asyncio.sleep(0.05)
+    assert backend.taken == paused_at  # nothing taken while paused
+    ask(resume=inference_pb2.ResumeGeneration())
+    ask(pause=inference_pb2.PauseGeneration())
+    await asyncio.sleep(0.05)
+    assert backend.taken > paused_at  # resumed, then paused again
+    ask(cancel=inference_pb2.CancelGeneration())
+    inbox.put_nowait(None)  # half-close: the stream ends once the generation does
+    events = [e for m in [m async for m in stream] for e in m.events]
+    assert events[-1].finished.finish_reason == common_pb2.FINISH_REASON_CANCELLED
+
+
+async def test_a_paused_generation_still_times_out() -> None:
+    async def requests() -> AsyncIterator[inference_pb2.GenerateManyRequest]:
+        yield inference_pb2.GenerateManyRequest(
+            tag=1, start=inference_pb2.GenerateStart(request_id="r"), timeout_s=0.2
+        )
+        yield inference_pb2.GenerateManyRequest(tag=1, pause=inference_pb2.PauseGeneration())
+
+    events = [e async for m in serve_many(Counting(), requests()) for e in m.events]
+    assert events[-1].error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+
+
+async def test_time_spent_on_a_slow_client_is_not_a_replica_stall() -> None:
+    from services.router.policies import AffinityPolicy, LeastOutstandingPolicy
+    from services.router.pool import ReplicaPool
+    from services.router.relay import Relay, RelayConfig, RelayOutcome
+
+    async with Replica(SyntheticConfig(tokens_per_second=100)) as replica:
+        pool = ReplicaPool()
+        pool.set_addresses([f"127.0.0.1:{replica.port}"])
+        try:
+            for r in pool.replicas.values():
+                r.model, r.serving = "synthetic", True
+            relay = Relay(
+                pool,
+                AffinityPolicy(LeastOutstandingPolicy()),
+                RelayConfig(ttft_timeout_s=0.2, stall_timeout_s=0.2),
+            )
+            start = start_of("slow client", 150)
+            outcome = RelayOutcome()
+            ids: list[int] = []
+            batches = 0
+            async for batch in relay.generate(start, ["synthetic"], outcome):
+                ids.extend(t for chunk in batch for t in chunk.token_ids)
+                batches += 1
+                if batches <= 2:
+                    await asyncio.sleep(0.4)  # the client takes twice the stall timeout to take a batch
+            # The replica sent tokens all along: no stall, no failover, nothing lost.
+            assert ids == expected(start)
+            assert (outcome.failovers, outcome.retries) == (0, 0)
+            assert outcome.finished is not None
+        finally:
+            await pool.close()
