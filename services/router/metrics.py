@@ -36,4 +36,7 @@ CACHE_HITS = Counter("llmmesh_router_cache_hits_total", "Turns answered from a r
 TOKENS = Counter(
     "llmmesh_router_tokens_total", "Tokens through the router: prompt in, completion out.", ["direction"]
 )
+# Bound once: ``labels()`` looks its child up under a lock, on every turn's end path otherwise.
+PROMPT_TOKENS = TOKENS.labels(direction="prompt")
+COMPLETION_TOKENS = TOKENS.labels(direction="completion")
 IN_FLIGHT = Gauge("llmmesh_router_in_flight", "Turns this router is serving now.")

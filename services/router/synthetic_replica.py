@@ -270,9 +270,10 @@ class SyntheticInference(inference_pb2_grpc.InferenceServicer):
             self.tokens_sent += n
             if cfg.exit_after_tokens and self.tokens_sent >= cfg.exit_after_tokens:
                 os._exit(1)  # failure injection: die like a kill -9, mid-stream
+            if index >= max_tokens:
+                break  # `finished` comes with the last token, as the engine's last step ends the sequence
             if steps is not None:
-                if index < max_tokens:
-                    await steps.next_step()
+                await steps.next_step()
             elif interval:
                 next_at = first_at + generated / cfg.tokens_per_second if cfg.coalesce else next_at + interval
                 delay = next_at - time.perf_counter()

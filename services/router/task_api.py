@@ -25,6 +25,7 @@ from services.common.settings import EnvArgumentParser
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from services.router.auth import Principal
 from services.router.tasks import KIND_TASK, TERMINAL_STATES, TaskRecord, TaskStore
+from services.router.turn import validate
 
 log = logging.getLogger("llmmesh.router.tasks")
 
@@ -134,8 +135,8 @@ class TaskApi:
         turn = request.request
         if turn.cancel:
             raise errors.InvalidArgument("request.cancel", "a task is a turn to run, not a cancel")
-        if not turn.messages:
-            raise errors.InvalidArgument("request.messages", "at least one message is required")
+        # Refused now, not accepted and failed later: the same checks the turn itself makes.
+        validate(turn, field_prefix="request.")
         if len(request.idempotency_key) > MAX_IDEMPOTENCY_KEY:
             raise errors.InvalidArgument("idempotency_key", f"at most {MAX_IDEMPOTENCY_KEY} characters")
         task_id = _new_task_id()

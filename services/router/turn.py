@@ -63,19 +63,20 @@ class TurnServices:
     clock: Callable[[], float] = time.monotonic
 
 
-def validate(request: router_pb2.ChatRequest) -> None:
-    """Reject bad input with a message naming the field, before any work is done."""
+def validate(request: router_pb2.ChatRequest, field_prefix: str = "") -> None:
+    """Reject bad input with a message naming the field (after ``field_prefix``), before any work is done."""
     if not request.messages:
-        raise errors.InvalidArgument("messages", "at least one message is required")
+        raise errors.InvalidArgument(f"{field_prefix}messages", "at least one message is required")
     for i, message in enumerate(request.messages):
         if message.role not in ROLES:
             raise errors.InvalidArgument(
-                f"messages[{i}].role", f"must be one of system, user, assistant; got {message.role!r}"
+                f"{field_prefix}messages[{i}].role",
+                f"must be one of system, user, assistant; got {message.role!r}",
             )
     if len(request.request_id) > 128:
-        raise errors.InvalidArgument("request_id", "must be at most 128 characters")
+        raise errors.InvalidArgument(f"{field_prefix}request_id", "must be at most 128 characters")
     if request.rag.enabled and request.rag.top_k > 20:
-        raise errors.InvalidArgument("rag.top_k", f"must be in 0..20, got {request.rag.top_k}")
+        raise errors.InvalidArgument(f"{field_prefix}rag.top_k", f"must be in 0..20, got {request.rag.top_k}")
 
 
 def token_message(
@@ -242,6 +243,7 @@ class TurnPipeline:
         finished = outcome.finished
         complete = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
         fill = may_fill and finished is not None and finished.finish_reason in complete
+        fill = fill and key is not None
         if fill and state.session is not None:
             # The session version and cache-fill errors are in the TurnEnd: both before it, at once.
             version, _ = await asyncio.gather(
@@ -249,12 +251,15 @@ class TurnPipeline:
                 self._cache_fill(tenant, key, request, outcome, answer, messages, state),
             )
         else:
-            version = await self._save(tenant, request, new_messages, answer, state)
+            # Nothing to wait for on a turn without session or cache: its TurnEnd goes out at once.
+            version = 0
+            if state.session is not None:
+                version = await self._save(tenant, request, new_messages, answer, state)
             if fill:
                 await self._cache_fill(tenant, key, request, outcome, answer, messages, state)
         if finished is not None:
-            metrics.TOKENS.labels(direction="prompt").inc(finished.usage.prompt_tokens)
-        metrics.TOKENS.labels(direction="completion").inc(len(outcome.token_ids))
+            metrics.PROMPT_TOKENS.inc(finished.usage.prompt_tokens)
+        metrics.COMPLETION_TOKENS.inc(len(outcome.token_ids))
         yield self._end(state, request, outcome, version=version)
         if bookkeeping is not None:
             await asyncio.shield(bookkeeping)  # a cancel here must not cancel the writes

@@ -187,6 +187,12 @@ async def test_bad_submissions_name_the_field(redis_client: aioredis.Redis) -> N
     api = TaskApi(redis_client, FakeRunTurn(), "r1")
     with pytest.raises(errors.InvalidArgument, match=r"request\.messages"):
         await api.SubmitTask(ACME, router_pb2.SubmitTaskRequest())
+    bad_role = router_pb2.SubmitTaskRequest(
+        request=router_pb2.ChatRequest(messages=[common_pb2.ChatMessage(role="wizard", content="hi")])
+    )
+    with pytest.raises(errors.InvalidArgument, match=r"request\.messages\[0\]\.role"):
+        await api.SubmitTask(ACME, bad_role)
+    assert await redis_client.xlen(STREAM_KEY) == 0  # nothing queued for a turn that would only fail
     with pytest.raises(errors.InvalidArgument, match="idempotency_key"):
         await api.SubmitTask(ACME, submit_request(key="k" * 300))
     with pytest.raises(errors.InvalidArgument, match="task_id"):
