@@ -175,6 +175,9 @@ async def serve_many(
                         "a request needs `start`, `cancel`, `pause` or `resume`",
                     )
                 )
+        # Half-closed: no `resume` can come any more, so nothing stays paused (the stream would hang).
+        for tag in list(paused):
+            release(tag)
 
     reader = asyncio.create_task(read())
     reader.add_done_callback(lambda _: wake.set())

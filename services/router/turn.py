@@ -242,8 +242,7 @@ class TurnPipeline:
         answer = "".join(outcome.text_parts)
         finished = outcome.finished
         complete = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
-        fill = may_fill and finished is not None and finished.finish_reason in complete
-        fill = fill and key is not None
+        fill = may_fill and key is not None and finished is not None and finished.finish_reason in complete
         if fill and state.session is not None:
             # The session version and cache-fill errors are in the TurnEnd: both before it, at once.
             version, _ = await asyncio.gather(

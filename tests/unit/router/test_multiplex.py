@@ -289,15 +289,17 @@ async def test_a_tag_already_running_is_refused_on_its_own() -> None:
 
 
 class Counting:
-    """A backend whose generations yield one-token chunks forever, counting what was taken from it."""
+    """A backend whose generations yield one-token chunks (forever, or ``limit`` of them), counting
+    what was taken from it."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int | None = None) -> None:
         self.taken = 0
+        self.limit = limit
         self.cancelled: set[str] = set()
 
     async def generate(self, start: inference_pb2.GenerateStart, timeout_s: float):  # type: ignore[no-untyped-def]
         index = 0
-        while start.request_id not in self.cancelled:
+        while start.request_id not in self.cancelled and index != self.limit:
             self.taken += 1
             yield inference_pb2.GenerationEvent(
                 chunk=inference_pb2.TokenChunk(index=index, token_ids=[index])
@@ -384,3 +386,15 @@ async def test_time_spent_on_a_slow_client_is_not_a_replica_stall() -> None:
             assert outcome.finished is not None
         finally:
             await pool.close()
+
+
+async def test_a_paused_generation_flows_again_once_the_client_half_closes() -> None:
+    async def requests() -> AsyncIterator[inference_pb2.GenerateManyRequest]:
+        yield inference_pb2.GenerateManyRequest(tag=1, start=inference_pb2.GenerateStart(request_id="r"))
+        yield inference_pb2.GenerateManyRequest(tag=1, pause=inference_pb2.PauseGeneration())
+        # Half-closed here: no resume can come, so the generation must not stay paused forever.
+
+    async with asyncio.timeout(5):
+        events = [e async for m in serve_many(Counting(limit=200), requests()) for e in m.events]
+    assert [t for e in events if e.HasField("chunk") for t in e.chunk.token_ids] == list(range(200))
+    assert events[-1].HasField("finished")
