@@ -105,7 +105,10 @@ def test_slow_readers_keep_router_memory_bounded_and_healthy_clients_fast(unpace
         f"row 6: {SLOW_READERS} slow readers, router RSS +{(rss_after - rss_before) / 2**20:.1f} MiB, "
         f"healthy p99 {baseline * 1000:.1f} -> {under_load * 1000:.1f} ms, router CPU {router_cpu:.2f} s in 3 s"
     )
-    assert router_cpu < 1.0, f"the router spent {router_cpu:.2f} CPU-s on clients that read nothing"
+    assert router_cpu < 1.2, f"the router spent {router_cpu:.2f} CPU-s on clients that read nothing"
     assert in_flight >= SLOW_READERS // 2, "the slow readers' streams never reached a replica"
-    assert rss_after - rss_before < 64 * 1024 * 1024, "router memory grew by more than 64 MiB"
+    # ~120 KiB a reader held paused (its last ~1,000 tokens, the streams' buffers); 400 KiB is the
+    # limit: relaying the answers into memory instead grew the router by 64 MiB for 100 readers.
+    limit = SLOW_READERS * 400 * 1024
+    assert rss_after - rss_before < limit, f"router memory grew by more than {limit / 2**20:.0f} MiB"
     assert under_load <= max(2 * baseline, baseline + 0.01), (baseline, under_load)
