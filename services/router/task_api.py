@@ -24,7 +24,7 @@ from services.common import errors
 from services.common.settings import EnvArgumentParser
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from services.router.auth import Principal
-from services.router.tasks import KIND_TASK, TERMINAL_STATES, TaskRecord, TaskStore
+from services.router.tasks import KIND_TASK, TERMINAL_STATES, TaskRecord, TaskRefused, TaskStore
 from services.router.turn import validate
 
 log = logging.getLogger("llmmesh.router.tasks")
@@ -36,6 +36,11 @@ TASKS_RECLAIMED = Counter(
     "llmmesh_router_tasks_reclaimed_total", "Tasks taken over from a router that stopped acknowledging them."
 )
 TASKS_RUNNING = Gauge("llmmesh_router_tasks_running", "Async tasks this router is running now.")
+TASKS_REFUSED = Counter(
+    "llmmesh_router_tasks_refused_total",
+    "Task submissions refused at admission, by reason (tenant_cap, queue_full).",
+    ["reason"],
+)
 
 MAX_IDEMPOTENCY_KEY = 256
 QUEUED_OR_RUNNING = frozenset({router_pb2.TASK_STATE_QUEUED, router_pb2.TASK_STATE_RUNNING})
@@ -58,6 +63,10 @@ class TaskSettings:
     block_ms: int = 1000
     # How long a task waits in all for its key's rate limit before failing.
     overload_wait_s: float = 300.0
+    # Unfinished (queued or running) tasks one tenant may have: one tenant must not fill the queue.
+    max_per_tenant: int = 1000
+    # Entries the shared work queue may hold; beyond it submissions are refused, never dropped.
+    max_queued: int = 100_000
 
     def __post_init__(self) -> None:
         if self.result_ttl_s < 1:
@@ -68,6 +77,10 @@ class TaskSettings:
             raise ValueError(f"--task-concurrency: must be >= 1, got {self.concurrency}")
         if self.max_attempts < 1:
             raise ValueError(f"--task-max-attempts: must be >= 1, got {self.max_attempts}")
+        if self.max_per_tenant < 0:
+            raise ValueError(f"--task-max-per-tenant: must be >= 0 (0 = no cap), got {self.max_per_tenant}")
+        if self.max_queued < 0:
+            raise ValueError(f"--task-max-queued: must be >= 0 (0 = no cap), got {self.max_queued}")
 
     @classmethod
     def from_env(cls) -> TaskSettings:
@@ -83,6 +96,8 @@ class TaskSettings:
             visibility_timeout_s=args.task_visibility_seconds,
             concurrency=args.task_concurrency,
             max_attempts=args.task_max_attempts,
+            max_per_tenant=args.task_max_per_tenant,
+            max_queued=args.task_max_queued,
         )
 
 
@@ -99,6 +114,18 @@ def add_task_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--task-concurrency", type=int, default=4, help="tasks this router runs at once")
     parser.add_argument("--task-max-attempts", type=int, default=3, help="runs of one task before it fails")
+    parser.add_argument(
+        "--task-max-per-tenant",
+        type=int,
+        default=1000,
+        help="unfinished tasks one tenant may have; more are refused RESOURCE_EXHAUSTED (0 = no cap)",
+    )
+    parser.add_argument(
+        "--task-max-queued",
+        type=int,
+        default=100_000,
+        help="tasks queued or running in all; more are refused RESOURCE_EXHAUSTED (0 = no cap)",
+    )
 
 
 def default_consumer_name() -> str:
@@ -117,7 +144,12 @@ class TaskApi:
         settings: TaskSettings | None = None,
     ) -> None:
         self.settings = settings or TaskSettings.from_env()
-        self.store = TaskStore(redis, result_ttl_s=self.settings.result_ttl_s)
+        self.store = TaskStore(
+            redis,
+            result_ttl_s=self.settings.result_ttl_s,
+            max_open_per_tenant=self.settings.max_per_tenant,
+            max_queued=self.settings.max_queued,
+        )
         self.run_turn = run_turn
         self.consumer = consumer_name or default_consumer_name()
         self._worker: asyncio.Task[None] | None = None
@@ -150,7 +182,14 @@ class TaskApi:
             turn = router_pb2.ChatRequest()
             turn.CopyFrom(request.request)
             turn.request_id = f"task-{task_id}"
-        record = await self.store.create(principal, turn, task_id)
+        try:
+            record = await self.store.create(principal, turn, task_id)
+        except TaskRefused as exc:
+            TASKS_REFUSED.labels(exc.reason).inc()
+            if request.idempotency_key:
+                # Nothing was stored: the same key may be submitted again once there is room.
+                await self.store.forget_idempotency(principal.tenant, request.idempotency_key, task_id)
+            raise
         return record.to_proto()
 
     async def GetTask(

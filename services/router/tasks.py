@@ -14,6 +14,16 @@ Layout (``<id>`` in braces is a Redis Cluster hash tag, so one task's keys share
 
 All three expire ``result_ttl_s`` after the task ends.
 
+- ``llm:tasks:open:<tenant>`` — sorted set of the tenant's unfinished task ids
+  (score: created ms). A task joins it when it is created and leaves it in the
+  same script that moves it to a final state; its size is the tenant's count
+  against ``max_open_per_tenant``.
+
+Admission happens in the script that creates the task: a tenant at its cap of
+unfinished tasks, or a work queue holding ``max_queued`` entries, is refused
+(``errors.Overloaded``: RESOURCE_EXHAUSTED) and nothing is stored. The queue is
+never trimmed, so an accepted task is never dropped to make room.
+
 Blocking reads (XREAD/XREADGROUP … BLOCK) are shielded from cancellation: a
 read cancelled mid-block leaves its connection mid-reply, and redis-py then
 closes it under the pool lock, stalling every other Redis call of the router
@@ -32,6 +42,7 @@ from typing import Any
 
 import redis.exceptions
 
+from services.common import errors
 from services.gen.llmmesh.v1 import router_pb2
 from services.router.auth import KeyLimits, Principal
 
@@ -45,10 +56,42 @@ EVENT_PAYLOAD = b"p"
 KIND_TASK = b"task"
 KIND_DELTA = b"delta"
 
-# Compare-and-set of a task's state, with its event, in one step.
-# KEYS: hash, events, text. ARGV: allowed from-states (space separated), new state,
-# now_ms, event payload ('' = none), expire seconds (0 = leave), events maxlen,
-# reset text (0/1), then extra field/value pairs for the hash.
+# Admission and creation of a task in one step: refused (nothing stored) when the tenant has
+# ARGV[4] unfinished tasks already or the work queue holds ARGV[5] entries (0 = no cap).
+# KEYS: hash, events, work queue, the tenant's open set. ARGV: now_ms, unfinished ttl seconds,
+# events maxlen, per-tenant cap, queue cap, task id, event payload, then the hash's field/value pairs.
+# Returns {1, 0, 0} when created, else {0, reason (1 tenant cap, 2 queue cap), count that hit the cap}.
+CREATE_LUA = """
+local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+-- An id older than the unfinished ttl names a task that expired without finishing (all routers
+-- gone that long): it no longer counts.
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - ttl * 1000)
+local per_tenant, queue_cap = tonumber(ARGV[4]), tonumber(ARGV[5])
+if per_tenant > 0 then
+  local open = redis.call('ZCARD', KEYS[4])
+  if open >= per_tenant then return {0, 1, open} end
+end
+if queue_cap > 0 then
+  local queued = redis.call('XLEN', KEYS[3])
+  if queued >= queue_cap then return {0, 2, queued} end
+end
+local fields = {}
+for i = 8, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('HSET', KEYS[1], unpack(fields))
+redis.call('EXPIRE', KEYS[1], ttl)
+redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[3], '*', 'k', 'task', 'p', ARGV[7])
+redis.call('EXPIRE', KEYS[2], ttl)
+redis.call('XADD', KEYS[3], '*', 'task_id', ARGV[6])
+redis.call('ZADD', KEYS[4], now, ARGV[6])
+redis.call('EXPIRE', KEYS[4], ttl)
+return {1, 0, 0}
+"""
+
+# Compare-and-set of a task's state, with its event, in one step; a task reaching a final state
+# leaves its tenant's open set in the same step.
+# KEYS: hash, events, text, the tenant's open set. ARGV: allowed from-states (space separated),
+# new state, now_ms, event payload ('' = none), expire seconds (0 = leave; set = a final state),
+# events maxlen, reset text (0/1), task id, then extra field/value pairs for the hash.
 # Returns the state the task is in afterwards (-1 when it does not exist) and 1/0 for "changed".
 TRANSITION_LUA = """
 local state = redis.call('HGET', KEYS[1], 'state')
@@ -57,16 +100,25 @@ if not string.find(' ' .. ARGV[1] .. ' ', ' ' .. state .. ' ', 1, true) then
   return {tonumber(state), 0}
 end
 redis.call('HSET', KEYS[1], 'state', ARGV[2], 'updated_ms', ARGV[3])
-for i = 8, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for i = 9, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 if ARGV[7] == '1' then redis.call('DEL', KEYS[3]) end
 if ARGV[4] ~= '' then
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'k', 'task', 'p', ARGV[4])
 end
 if ARGV[5] ~= '0' then
-  for _, k in ipairs(KEYS) do redis.call('EXPIRE', k, ARGV[5]) end
+  for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
+  redis.call('ZREM', KEYS[4], ARGV[8])
 end
 return {tonumber(ARGV[2]), 1}
 """
+
+
+class TaskRefused(errors.Overloaded):
+    """A submission refused at admission (RESOURCE_EXHAUSTED): ``reason`` is tenant_cap or queue_full."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def task_key(task_id: str) -> str:
@@ -79,6 +131,10 @@ def text_key(task_id: str) -> str:
 
 def events_key(task_id: str) -> str:
     return f"llm:task:{{{task_id}}}:events"
+
+
+def open_tasks_key(tenant: str) -> str:
+    return f"llm:tasks:open:{tenant}"
 
 
 def idempotency_key(tenant: str, key: str) -> str:
@@ -165,16 +221,23 @@ class TaskStore:
         result_ttl_s: int = 600,
         unfinished_ttl_s: int = 86_400,
         events_maxlen: int = 10_000,
-        queue_maxlen: int = 100_000,
+        max_open_per_tenant: int = 1000,
+        max_queued: int = 100_000,
     ) -> None:
         if result_ttl_s < 1:
             raise ValueError(f"result_ttl_s: must be >= 1, got {result_ttl_s}")
+        if max_open_per_tenant < 0 or max_queued < 0:
+            raise ValueError("task caps must be >= 0 (0 = no cap)")
         self.redis = redis
         self.result_ttl_s = result_ttl_s
         # A task nobody ever finishes (all routers gone for a day) must not live forever.
         self.unfinished_ttl_s = unfinished_ttl_s
         self.events_maxlen = events_maxlen
-        self.queue_maxlen = queue_maxlen
+        #: Unfinished (queued or running) tasks one tenant may have; 0 = no cap.
+        self.max_open_per_tenant = max_open_per_tenant
+        #: Entries the work queue may hold (every unfinished task of every tenant); 0 = no cap.
+        self.max_queued = max_queued
+        self._create = redis.register_script(CREATE_LUA)
         self._transition = redis.register_script(TRANSITION_LUA)
 
     async def ensure_group(self) -> None:
@@ -187,7 +250,8 @@ class TaskStore:
     async def create(
         self, principal: Principal, request: router_pb2.ChatRequest, task_id: str | None = None
     ) -> TaskRecord:
-        """Store a QUEUED task and put it on the work queue, atomically."""
+        """Store a QUEUED task and put it on the work queue, atomically; ``TaskRefused`` (nothing
+        stored) when the tenant has ``max_open_per_tenant`` unfinished tasks or the queue is full."""
         task_id = task_id or uuid.uuid4().hex
         now = now_ms()
         record = TaskRecord(
@@ -202,30 +266,45 @@ class TaskStore:
             result_ttl_s=self.result_ttl_s,
         )
         limits = {k: v for k, v in vars(principal.limits).items() if v is not None}
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(
-            task_key(task_id),
-            mapping={
-                "state": record.state,
-                "tenant": record.tenant,
-                "key_id": record.key_id,
-                "limits": json.dumps(limits),
-                "request": record.request,
-                "created_ms": now,
-                "updated_ms": now,
-                "attempts": 0,
-            },
+        fields: dict[str, str | int | bytes] = {
+            "state": record.state,
+            "tenant": record.tenant,
+            "key_id": record.key_id,
+            "limits": json.dumps(limits),
+            "request": record.request,
+            "created_ms": now,
+            "updated_ms": now,
+            "attempts": 0,
+        }
+        args: list[Any] = [
+            now,
+            self.unfinished_ttl_s,
+            self.events_maxlen,
+            self.max_open_per_tenant,
+            self.max_queued,
+            task_id,
+            record.to_proto().SerializeToString(),
+        ]
+        for name, value in fields.items():
+            args += [name, value]
+        keys = [task_key(task_id), events_key(task_id), STREAM_KEY, open_tasks_key(principal.tenant)]
+        created, reason, count = await self._create(keys=keys, args=args)
+        if created:
+            return record
+        if int(reason) == 1:
+            raise TaskRefused(
+                f"tenant {principal.tenant!r} has {int(count)} unfinished tasks (max {self.max_open_per_tenant}):"
+                " wait for some to finish, or cancel some",
+                "tenant_cap",
+            )
+        raise TaskRefused(
+            f"task queue full: {int(count)} tasks queued or running (max {self.max_queued}); retry later",
+            "queue_full",
         )
-        pipe.expire(task_key(task_id), self.unfinished_ttl_s)
-        pipe.xadd(
-            events_key(task_id),
-            {EVENT_KIND: KIND_TASK, EVENT_PAYLOAD: record.to_proto().SerializeToString()},
-            maxlen=self.events_maxlen,
-        )
-        pipe.expire(events_key(task_id), self.unfinished_ttl_s)
-        pipe.xadd(STREAM_KEY, {"task_id": task_id}, maxlen=self.queue_maxlen, approximate=True)
-        await pipe.execute()
-        return record
+
+    async def open_tasks(self, tenant: str) -> int:
+        """The tenant's unfinished tasks, as counted against ``max_open_per_tenant``."""
+        return int(await self.redis.zcard(open_tasks_key(tenant)))
 
     async def remember_idempotency(self, tenant: str, key: str, task_id: str) -> str:
         """The task id already submitted under ``key``, or ``task_id`` after claiming the key for it."""
@@ -238,6 +317,12 @@ class TaskStore:
             await self.redis.set(ikey, task_id, ex=self.unfinished_ttl_s)
             return task_id
         return str(existing.decode())
+
+    async def forget_idempotency(self, tenant: str, key: str, task_id: str) -> None:
+        """Free ``key`` if it still names ``task_id`` (a submit refused after claiming it)."""
+        ikey = idempotency_key(tenant, key)
+        if await self.redis.get(ikey) == task_id.encode():
+            await self.redis.delete(ikey)
 
     async def get(self, task_id: str) -> TaskRecord | None:
         pipe = self.redis.pipeline(transaction=True)
@@ -294,12 +379,17 @@ class TaskStore:
             ttl,
             self.events_maxlen,
             "1" if reset_text else "0",
+            record.task_id,
         ]
         for k, v in fields.items():
             args += [k, v]
-        state, changed = await self._transition(
-            keys=[task_key(record.task_id), events_key(record.task_id), text_key(record.task_id)], args=args
-        )
+        keys = [
+            task_key(record.task_id),
+            events_key(record.task_id),
+            text_key(record.task_id),
+            open_tasks_key(record.tenant),
+        ]
+        state, changed = await self._transition(keys=keys, args=args)
         return int(state), bool(changed)
 
     async def append_delta(self, task_id: str, delta: router_pb2.TokenDelta) -> None:

@@ -12,7 +12,7 @@ from services.common import errors
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from services.router.auth import Principal
 from services.router.task_api import TaskApi, TaskSettings
-from services.router.tasks import STREAM_KEY, task_key
+from services.router.tasks import STREAM_KEY, idempotency_key, task_key
 from tests.support.redis import RedisServer
 
 ACME = Principal("acme", "acme-1")
@@ -66,10 +66,12 @@ async def redis_client(redis_server: RedisServer) -> AsyncIterator[aioredis.Redi
     await client.aclose()
 
 
-async def wait_for_state(api: TaskApi, task_id: str, state: int, timeout: float = 5.0) -> router_pb2.Task:
+async def wait_for_state(
+    api: TaskApi, task_id: str, state: int, timeout: float = 5.0, principal: Principal = ACME
+) -> router_pb2.Task:
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
-        task = await api.GetTask(ACME, router_pb2.GetTaskRequest(task_id=task_id))
+        task = await api.GetTask(principal, router_pb2.GetTaskRequest(task_id=task_id))
         if task.state == state or asyncio.get_running_loop().time() > deadline:
             return task
         await asyncio.sleep(0.05)
@@ -294,3 +296,76 @@ async def test_a_rate_limited_task_waits_for_its_turn_instead_of_failing(
         assert failed.error_message.startswith("RESOURCE_EXHAUSTED: rate limit exceeded")
     finally:
         await impatient.stop()
+
+
+async def test_a_tenant_at_its_cap_of_unfinished_tasks_is_refused_until_one_ends(
+    redis_client: aioredis.Redis,
+) -> None:
+    run_turn = FakeRunTurn()
+    api = TaskApi(redis_client, run_turn, "r1", TaskSettings(block_ms=100, max_per_tenant=2))
+    first = await api.SubmitTask(ACME, submit_request("one"))
+    second = await api.SubmitTask(ACME, submit_request("two", key="order-2"))
+    with pytest.raises(errors.Overloaded, match=r"tenant 'acme' has 2 unfinished tasks \(max 2\)") as refused:
+        await api.SubmitTask(ACME, submit_request("three", key="order-3"))
+    assert refused.value.retry_after_s > 0  # RESOURCE_EXHAUSTED with RetryInfo
+    # Refused means nothing stored: two tasks on the queue, the refused key not taken.
+    assert await redis_client.xlen(STREAM_KEY) == 2
+    assert await redis_client.get(idempotency_key("acme", "order-3")) is None
+    # A retry of a task already accepted is not a new task: it gets its task back, not a refusal.
+    again = await api.SubmitTask(ACME, submit_request("two", key="order-2"))
+    assert again.task_id == second.task_id
+    # Another tenant is not held back by acme's backlog.
+    other = await api.SubmitTask(GLOBEX, submit_request("four"))
+    # A task that ends (here: cancelled while queued) frees its place at once.
+    await api.CancelTask(ACME, router_pb2.CancelTaskRequest(task_id=first.task_id))
+    third = await api.SubmitTask(ACME, submit_request("three", key="order-3"))
+    assert await api.store.open_tasks("acme") == 2
+    await api.start()
+    try:
+        for task_id in (second.task_id, third.task_id):
+            done = await wait_for_state(api, task_id, router_pb2.TASK_STATE_SUCCEEDED)
+            assert done.state == router_pb2.TASK_STATE_SUCCEEDED
+    finally:
+        await api.stop()
+    # Finished tasks no longer count: the tenant may fill its cap again.
+    assert await api.store.open_tasks("acme") == 0
+    assert await api.store.open_tasks("globex") == 0
+    assert sorted(run_turn.started) == sorted(
+        f"task-{t}" for t in (second.task_id, third.task_id, other.task_id)
+    )
+
+
+async def test_a_full_queue_refuses_new_tasks_and_never_drops_an_accepted_one(
+    redis_client: aioredis.Redis,
+) -> None:
+    run_turn = FakeRunTurn()
+    api = TaskApi(redis_client, run_turn, "r1", TaskSettings(block_ms=100, max_queued=3))
+    tenants = [Principal(f"tenant-{i}", f"key-{i}") for i in range(5)]
+    accepted: list[tuple[Principal, router_pb2.Task]] = []
+    for principal in tenants:
+        try:
+            accepted.append((principal, await api.SubmitTask(principal, submit_request(principal.tenant))))
+        except errors.Overloaded as exc:
+            assert "task queue full: 3 tasks queued or running (max 3)" in str(exc)
+    assert [p for p, _ in accepted] == tenants[:3]
+    await api.start()
+    try:
+        for principal, task in accepted:
+            done = await wait_for_state(
+                api, task.task_id, router_pb2.TASK_STATE_SUCCEEDED, principal=principal
+            )
+            assert done.state == router_pb2.TASK_STATE_SUCCEEDED and done.text == "The quick brown fox"
+        # Once the queue has drained, submissions are accepted again.
+        late = await api.SubmitTask(tenants[4], submit_request("late"))
+        done = await wait_for_state(api, late.task_id, router_pb2.TASK_STATE_SUCCEEDED, principal=tenants[4])
+        assert done.state == router_pb2.TASK_STATE_SUCCEEDED
+    finally:
+        await api.stop()
+    assert len(run_turn.started) == 4
+
+
+def test_task_caps_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="--task-max-per-tenant"):
+        TaskSettings(max_per_tenant=-1)
+    with pytest.raises(ValueError, match="--task-max-queued"):
+        TaskSettings(max_queued=-1)
