@@ -7,10 +7,10 @@ from services.common.settings import EnvArgumentParser, add_server_args, server_
 from services.router import grpc_io
 from services.router.health import EjectionConfig
 from services.router.policies import POLICY_NAMES
-from services.router.pool import ReplicaTls
 from services.router.relay import RelayConfig
 from services.router.runtime import RouterRuntime, RouterSettings, static_replicas
 from services.router.task_api import TaskSettings, add_task_arguments
+from services.router.tls import DialTls
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -48,6 +48,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     add("--replica-tls-cert", default=None, help="PEM client certificate shown to replicas (mTLS)")
     add("--replica-tls-key", default=None, help="PEM private key of --replica-tls-cert")
+    for peer in ("session", "retriever"):
+        add(
+            f"--{peer}-tls-ca",
+            default=None,
+            help=f"PEM CA that signed the {peer}'s certificate (dial with TLS)",
+        )
+        add(f"--{peer}-tls-cert", default=None, help=f"PEM client certificate shown to the {peer} (mTLS)")
+        add(f"--{peer}-tls-key", default=None, help=f"PEM private key of --{peer}-tls-cert")
     add_task_arguments(parser)
     args = parser.parse_args(argv)
     try:
@@ -78,8 +86,14 @@ def main(argv: list[str] | None = None) -> None:
             probe_interval_s=args.probe_interval_s,
             cache_ttl_seconds=args.cache_ttl_seconds,
             tasks=TaskSettings.from_args(args),
-            replica_tls=ReplicaTls.from_files(
-                args.replica_tls_ca, args.replica_tls_cert, args.replica_tls_key
+            replica_tls=DialTls.from_files(
+                "replica", args.replica_tls_ca, args.replica_tls_cert, args.replica_tls_key
+            ),
+            session_tls=DialTls.from_files(
+                "session", args.session_tls_ca, args.session_tls_cert, args.session_tls_key
+            ),
+            retriever_tls=DialTls.from_files(
+                "retriever", args.retriever_tls_ca, args.retriever_tls_cert, args.retriever_tls_key
             ),
         )
         runtime = RouterRuntime(settings)

@@ -13,7 +13,6 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +24,7 @@ from services.router import metrics
 from services.router.health import EjectionConfig, FailureKind, OutlierDetector, may_eject
 from services.router.multiplex import ReplicaMultiplexer
 from services.router.policies import LatencyEwma
+from services.router.tls import DialTls, dial
 
 if TYPE_CHECKING:
     from services.gen.llmmesh.v1.inference_pb2_grpc import InferenceAsyncStub
@@ -49,46 +49,9 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 ]
 
 
-@dataclass(frozen=True)
-class ReplicaTls:
-    """PEM material for dialling replicas over TLS; with a certificate and key, mutual TLS."""
-
-    root_certificates: bytes | None = None
-    private_key: bytes | None = None
-    certificate_chain: bytes | None = None
-
-    @classmethod
-    def from_files(cls, ca: str | None, cert: str | None, key: str | None) -> ReplicaTls | None:
-        """None when no flag is set (plaintext); raises ValueError naming the flag at fault."""
-        if ca is None and cert is None and key is None:
-            return None
-        if (cert is None) != (key is None):
-            raise ValueError("--replica-tls-cert and --replica-tls-key go together")
-        return cls(
-            root_certificates=_read_pem("--replica-tls-ca", ca),
-            private_key=_read_pem("--replica-tls-key", key),
-            certificate_chain=_read_pem("--replica-tls-cert", cert),
-        )
-
-    def credentials(self) -> grpc.ChannelCredentials:
-        # No CA given: the replicas' certificates are checked against the system roots.
-        return grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
-
-
-def _read_pem(flag: str, path: str | None) -> bytes | None:
-    if path is None:
-        return None
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise ValueError(f"{flag} {path}: cannot read: {exc.strerror or exc}") from exc
-
-
-def open_channel(address: str, tls: ReplicaTls | None) -> grpc.aio.Channel:
+def open_channel(address: str, tls: DialTls | None) -> grpc.aio.Channel:
     """A channel to one replica: plaintext, or TLS when the router has replica TLS settings."""
-    if tls is None:
-        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-    return grpc.aio.secure_channel(address, tls.credentials(), options=CHANNEL_OPTIONS)
+    return dial(address, tls, CHANNEL_OPTIONS)
 
 
 def parse_address(raw: str) -> str:
@@ -116,7 +79,7 @@ class Replica:
         address: str,
         ejection: EjectionConfig,
         clock: Callable[[], float] = time.monotonic,
-        tls: ReplicaTls | None = None,
+        tls: DialTls | None = None,
     ) -> None:
         self.address = address
         self.channel = open_channel(address, tls)
@@ -194,7 +157,7 @@ class ReplicaPool:
         self,
         ejection: EjectionConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
-        tls: ReplicaTls | None = None,
+        tls: DialTls | None = None,
     ) -> None:
         self.ejection = ejection or EjectionConfig()
         self._clock = clock

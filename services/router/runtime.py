@@ -18,7 +18,7 @@ from services.router.health import ActiveHealthChecker, EjectionConfig
 from services.router.models import ModelCatalog
 from services.router.pins import AffinityPins
 from services.router.policies import make_policy
-from services.router.pool import ReplicaDiscovery, ReplicaPool, ReplicaTls, parse_address_list
+from services.router.pool import ReplicaDiscovery, ReplicaPool, parse_address_list
 from services.router.prewarm import SessionMover
 from services.router.ratelimit import InflightLimiter, RateLimiter
 from services.router.relay import Relay, RelayConfig
@@ -26,6 +26,7 @@ from services.router.replay import ReplayBuffer
 from services.router.response_cache import ExactCache, SemanticCache
 from services.router.servicer import RouterServicer, TaskBackend
 from services.router.task_api import TaskApi, TaskSettings
+from services.router.tls import DialTls, dial
 from services.router.turn import TurnPipeline, TurnServices
 
 log = logging.getLogger("llmmesh.router")
@@ -56,14 +57,22 @@ class RouterSettings:
     probe_interval_s: float = 30.0
     cache_ttl_seconds: int = 3600
     tasks: TaskSettings | None = None
-    #: How replicas are dialled: None = plaintext.
-    replica_tls: ReplicaTls | None = None
+    #: How replicas, the session service and the retriever are dialled: None = plaintext.
+    replica_tls: DialTls | None = None
+    session_tls: DialTls | None = None
+    retriever_tls: DialTls | None = None
 
     def __post_init__(self) -> None:
         if not (self.replicas or self.replicas_dns or self.replicas_file):
             raise ValueError("--replicas, --replicas-dns or --replicas-file: at least one is required")
         if self.health_interval_s <= 0:
             raise ValueError("--health-interval-s must be > 0")
+        for peer, address, tls in (
+            ("session", self.session_addr, self.session_tls),
+            ("retriever", self.retriever_addr, self.retriever_tls),
+        ):
+            if tls is not None and not address:
+                raise ValueError(f"--{peer}-tls-* without --{peer}-addr: nothing to dial with them")
 
 
 class RouterRuntime:
@@ -124,11 +133,11 @@ class RouterRuntime:
         s = self.settings
         session = retriever = None
         if s.session_addr:
-            channel = grpc.aio.insecure_channel(s.session_addr)
+            channel = dial(s.session_addr, s.session_tls)
             self._channels.append(channel)
             session = session_pb2_grpc.SessionStub(channel)
         if s.retriever_addr:
-            channel = grpc.aio.insecure_channel(s.retriever_addr)
+            channel = dial(s.retriever_addr, s.retriever_tls)
             self._channels.append(channel)
             retriever = retriever_pb2_grpc.RetrieverStub(channel)
             self.services.semantic_cache = SemanticCache(retriever)  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""The router dials its replicas over mutual TLS when given --replica-tls-* flags."""
+"""The router dials its replicas over mutual TLS when given --replica-tls-* flags (and checks every peer's TLS flags)."""
 
 from __future__ import annotations
 
@@ -98,9 +98,18 @@ def test_router_without_client_certificate_cannot_reach_mtls_replica(
     [
         (["--replica-tls-cert", "client.pem"], "--replica-tls-cert and --replica-tls-key go together"),
         (["--replica-tls-ca", "/nonexistent/ca.pem"], "--replica-tls-ca /nonexistent/ca.pem: cannot read"),
+        (
+            ["--session-addr", "127.0.0.1:2", "--session-tls-key", "client.key"],
+            "--session-tls-cert and --session-tls-key go together",
+        ),
+        (
+            ["--retriever-addr", "127.0.0.1:2", "--retriever-tls-ca", "/nonexistent/ca.pem"],
+            "--retriever-tls-ca /nonexistent/ca.pem: cannot read",
+        ),
+        (["--retriever-tls-ca", __file__], "--retriever-tls-* without --retriever-addr"),
     ],
 )
-def test_router_refuses_incomplete_or_unreadable_replica_tls_flags(flags: list[str], message: str) -> None:
+def test_router_refuses_incomplete_or_unreadable_tls_flags(flags: list[str], message: str) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "services.router", "--replicas", "127.0.0.1:1", *flags],
         capture_output=True,

@@ -165,3 +165,58 @@ def test_router_reaches_an_mtls_replica_only_with_its_client_certificate(certs: 
     finally:
         for p in [*routers, replica]:
             p.stop()
+
+
+def session_turn(router: ServiceProcess, text: str, required: bool = False) -> router_pb2.CompleteResponse:
+    request = router_pb2.ChatRequest(
+        messages=[common_pb2.ChatMessage(role="user", content=text)],
+        sampling=common_pb2.SamplingParams(max_tokens=3, temperature=0.0),
+        session_id="conversation-over-mtls",
+        session_required=required,
+    )
+    with grpc.insecure_channel(router.address) as channel:
+        reply: router_pb2.CompleteResponse = router_pb2_grpc.RouterStub(channel).Complete(request, timeout=30)
+        return reply
+
+
+def test_router_keeps_history_in_an_mtls_session_service_only_with_its_client_certificate(
+    mtls_service: ServiceProcess, certs: CertPaths
+) -> None:
+    """The session service holds every conversation: the router reaches it over mTLS, or not at all."""
+    replica = ServiceProcess("services.router.synthetic_replica", ["--log-level", "WARNING"])
+    routers: list[ServiceProcess] = []
+    try:
+        replica.start(timeout=120)
+        common = [
+            "--replicas", replica.address, "--probe-interval-s", "0", "--log-level", "WARNING",
+            "--session-addr", f"localhost:{mtls_service.port}", "--session-tls-ca", str(certs.ca),
+        ]  # fmt: skip
+        with_cert = ServiceProcess(
+            "services.router",
+            [
+                *common,
+                "--session-tls-cert",
+                str(certs.client_cert),
+                "--session-tls-key",
+                str(certs.client_key),
+            ],
+        )
+        without_cert = ServiceProcess("services.router", common)
+        routers = [with_cert, without_cert]
+        for router in routers:
+            router.start(timeout=120)
+        first = session_turn(with_cert, "My name is Ada.")
+        second = session_turn(with_cert, "What is my name?", required=True)
+        assert not first.end.degraded and not second.end.degraded, second.end.degraded_reasons
+        assert second.end.session_version > first.end.session_version > 0
+        # Without its certificate the router cannot open the session: the turn is answered without
+        # history and says so, or refused when the client requires the session.
+        degraded = session_turn(without_cert, "What is my name?")
+        assert degraded.end.degraded and len(degraded.token_ids) == 3
+        assert any(r.startswith("history:") for r in degraded.end.degraded_reasons)
+        with pytest.raises(grpc.RpcError) as err:
+            session_turn(without_cert, "What is my name?", required=True)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        for p in [*routers, replica]:
+            p.stop()
