@@ -6,6 +6,11 @@ engine thread through locked queues, and outputs come back with
 A stream whose reader fell behind (its previous message still being written)
 gets the outputs that piled up merged into one, as vLLM's output collector does:
 the cost of a gRPC message, here and in the router, is per message, not per token.
+A reader that stops taking outputs altogether (a client that does not read, a
+generation the router paused) gets its sequence parked once ``PARK_AFTER_OUTPUTS``
+wait for it: the engine stops computing it and gives its seat and KV blocks to
+others until the reader takes what waits, instead of running it to max_tokens
+into a queue nobody reads.
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ from services.inference.sequence import FinishReason
 
 log = logging.getLogger("llmmesh.inference.engine")
 
+#: Outputs (about one token each) waiting for a reader before its sequence is parked. A reader
+#: merely busy with its last write lags a few steps; this many steps behind, it is not reading.
+PARK_AFTER_OUTPUTS = 64
+
 
 @dataclass
 class _Pending:
@@ -40,6 +49,8 @@ class _Pending:
     # once, so the stream still gets its CANCELLED final output (dropping the entry
     # here left the stream waiting forever).
     aborted: bool = False
+    # Parked in the engine: its reader left PARK_AFTER_OUTPUTS outputs untaken (loop thread only).
+    parked: bool = False
 
 
 def merge_outputs(outputs: Seq[RequestOutput]) -> RequestOutput:
@@ -126,6 +137,8 @@ class AsyncEngine:
                         batch.append(queued)
                         item = queued
                     item = merge_outputs(batch)
+                if pending.parked and sink.empty():
+                    self._unpark(pending)  # the reader is back: compute it again while this goes out
                 if item.new_token_ids:
                     now = time.monotonic()
                     if last_token_at is not None:
@@ -140,6 +153,20 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    def _arrive(self, pending: _Pending, out: RequestOutput) -> None:
+        """An output reaches its stream (loop thread); a stream nobody reads gets its sequence parked."""
+        sink = pending.sink
+        sink.put_nowait(out)
+        if not pending.parked and not out.finished and sink.qsize() >= PARK_AFTER_OUTPUTS:
+            pending.parked = True
+            self.engine.park_request(pending.request_id)
+
+    def _unpark(self, pending: _Pending) -> None:
+        pending.parked = False
+        with self._cond:
+            self.engine.unpark_request(pending.request_id)
+            self._cond.notify()  # the engine thread sleeps when only parked sequences are left
 
     def abort(self, request_id: str) -> None:
         with self._cond:
@@ -194,7 +221,7 @@ class AsyncEngine:
         if out.finished:
             _record_finished(out)
         if target is not None:
-            target.loop.call_soon_threadsafe(target.sink.put_nowait, out)
+            target.loop.call_soon_threadsafe(self._arrive, target, out)
 
     def _forget(self, request_id: str) -> None:
         with self._cond:
@@ -222,6 +249,7 @@ class AsyncEngine:
         self._load = load
         metrics.QUEUE_DEPTH.set(load.waiting)
         metrics.RUNNING_BATCH.set(load.running)
+        metrics.PARKED.set(load.parked)
         metrics.KV_CACHE_USAGE.set(load.kv_blocks_used / max(1, load.kv_blocks_total))
         preemptions = self.engine.num_preemptions
         if preemptions > self._preemptions_seen:

@@ -69,6 +69,8 @@ class EngineLoad:
     kv_blocks_total: int
     kv_blocks_cached: int
     tokens_per_second: float
+    #: Sequences held out of scheduling because their readers stopped taking tokens.
+    parked: int = 0
 
 
 @dataclass
@@ -91,7 +93,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self._requests: dict[str, _Request] = {}
         self._aborts: deque[str] = deque()
-        self._abort_lock = threading.Lock()
+        # (request id, park?) in the order asked: a park and the unpark after it must not swap.
+        self._parks: deque[tuple[str, bool]] = deque()
+        self._control_lock = threading.Lock()
         self._eos_ids = _eos_ids(self.runner.model, self.tokenizer)
         self._recent: deque[tuple[float, int]] = deque()
         # Sequences preempted so far (KV dropped for recompute): a sign the cache is too small.
@@ -155,14 +159,26 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Ask for the request to end at the next step (safe from any thread)."""
-        with self._abort_lock:
+        with self._control_lock:
             self._aborts.append(request_id)
 
+    def park_request(self, request_id: str) -> None:
+        """Stop computing the request from the next step until ``unpark_request`` (safe from any
+        thread): its reader is not taking its tokens, so its seat and KV blocks go to others."""
+        with self._control_lock:
+            self._parks.append((request_id, True))
+
+    def unpark_request(self, request_id: str) -> None:
+        """Compute the parked request again (safe from any thread); it goes first in the queue."""
+        with self._control_lock:
+            self._parks.append((request_id, False))
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborts)
+        return self.scheduler.has_unfinished() or bool(self._aborts) or bool(self._parks)
 
     # -- the loop ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._apply_parks()
         plan = self.scheduler.schedule()
         self.num_preemptions += len(plan.preempted)
         sampled = self.runner.execute(plan.scheduled) if plan.scheduled else []
@@ -170,8 +186,21 @@ class LLMEngine:
         outputs += self._update(plan, sampled)
         return outputs
 
+    def _apply_parks(self) -> None:
+        with self._control_lock:
+            parks = list(self._parks)
+            self._parks.clear()
+        for rid, park in parks:
+            req = self._requests.get(rid)
+            if req is None:
+                continue  # finished or aborted meanwhile
+            if park:
+                self.scheduler.park(req.seq)
+            else:
+                self.scheduler.unpark(req.seq)
+
     def _drain_aborts(self) -> list[RequestOutput]:
-        with self._abort_lock:
+        with self._control_lock:
             ids = list(self._aborts)
             self._aborts.clear()
         outputs = []
@@ -277,6 +306,7 @@ class LLMEngine:
             kv_blocks_total=usage.total,
             kv_blocks_cached=usage.cached,
             tokens_per_second=tokens / THROUGHPUT_WINDOW_S,
+            parked=len(self.scheduler.parked),
         )
 
     def reset_prefix_cache(self) -> None:

@@ -27,6 +27,9 @@ E2E_LATENCY = Histogram(
 )
 QUEUE_DEPTH = Gauge("llmmesh_queue_depth", "Requests admitted but not yet running.")
 RUNNING_BATCH = Gauge("llmmesh_running_batch_size", "Sequences in the running batch.")
+PARKED = Gauge(
+    "llmmesh_parked_sequences", "Sequences held out of the batch because their readers stopped taking tokens."
+)
 KV_CACHE_USAGE = Gauge("llmmesh_kv_cache_usage_ratio", "Share of KV-cache blocks held by sequences.")
 PREFIX_CACHE_HIT_TOKENS = Counter(
     "llmmesh_prefix_cache_hit_tokens_total", "Prompt tokens whose KV came from the prefix cache."

@@ -6,6 +6,8 @@ sequence cap and the KV blocks allow. A waiting request reuses cached prefix
 blocks, including blocks a prefill chunk earlier in the same step is filling. A long prompt is split into chunks so it
 never stalls running decodes. When blocks run out, the most recently admitted
 running sequence is preempted (its KV is dropped and recomputed later).
+A sequence whose reader stopped taking its tokens is *parked*: out of the batch
+and the queue, its KV dropped (its prefix stays cached), until the reader is back.
 """
 
 from __future__ import annotations
@@ -65,12 +67,37 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        #: request id -> sequence held out of scheduling until its reader catches up (``park``).
+        self.parked: dict[str, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
+        """Whether a step has work: parked sequences have none until they are unparked."""
         return bool(self.waiting or self.running)
+
+    def park(self, seq: Sequence) -> None:
+        """Hold ``seq`` out of scheduling: nobody reads its tokens. A running one gives back its seat
+        and its KV blocks (full ones stay cached, so ``unpark`` recomputes little)."""
+        if seq.is_finished or seq.request_id in self.parked:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            seq.num_preemptions += 1  # re-admission must not re-count its prefix as cached prompt
+        elif seq in self.waiting:
+            self.waiting.remove(seq)  # waiting sequences hold no blocks
+        else:
+            return
+        self.parked[seq.request_id] = seq
+
+    def unpark(self, seq: Sequence) -> None:
+        """Schedule ``seq`` again, ahead of the queue (it was admitted before everyone waiting)."""
+        if self.parked.pop(seq.request_id, None) is not None:
+            self.waiting.appendleft(seq)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -170,4 +197,6 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        else:
+            self.parked.pop(seq.request_id, None)
         self.block_manager.free(seq)

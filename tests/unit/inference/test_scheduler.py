@@ -207,3 +207,47 @@ def test_a_decode_step_offers_no_unfilled_blocks() -> None:
         ("twin", 4, 5),
     ]
     assert twin.num_cached_prompt_tokens == 4
+
+
+def test_a_parked_sequence_gives_its_seat_and_blocks_to_the_next_and_resumes_first() -> None:
+    sched = make(max_seqs=1, budget=100)
+    slow_reader, other = seq("slow-reader", 8, max_tokens=20), seq("other", 8, max_tokens=2, first=100)
+    sched.add(slow_reader)
+    sched.add(other)
+    for _ in range(3):
+        fake_runner_step(sched, sched.schedule())
+    assert sched.running == [slow_reader] and slow_reader.num_output_tokens == 3
+    sched.park(slow_reader)
+    # Out of the batch, its blocks back (the full ones stay cached), nothing left to do for it.
+    assert sched.running == [] and sched.parked == {"slow-reader": slow_reader}
+    assert slow_reader.block_table == [] and slow_reader.num_computed_tokens == 0
+    out = sched.schedule()
+    assert [c.seq.request_id for c in out.scheduled] == ["other"], "the seat went to the waiting request"
+    fake_runner_step(sched, out)
+    fake_runner_step(sched, sched.schedule())
+    assert other.status == SequenceStatus.FINISHED_LENGTH
+    assert not sched.has_unfinished(), "a parked sequence alone is no work for the engine loop"
+    sched.unpark(slow_reader)
+    out = sched.schedule()
+    chunk = out.scheduled[0]
+    assert chunk.seq is slow_reader and chunk.admitted
+    assert chunk.start == 8, "its prompt's full blocks came back from the prefix cache"
+    while sched.has_unfinished():
+        fake_runner_step(sched, sched.schedule())
+    assert slow_reader.status == SequenceStatus.FINISHED_LENGTH and slow_reader.num_output_tokens == 20
+    assert sched.block_manager.usage().used == 0
+
+
+def test_a_parked_sequence_can_still_be_finished_and_park_is_idempotent() -> None:
+    sched = make()
+    a, b = seq("a", 4), seq("b", 4, first=100)
+    sched.add(a)
+    sched.add(b)
+    sched.park(b)  # parked while still waiting: it held no blocks
+    sched.park(b)
+    assert list(sched.waiting) == [a] and sched.parked == {"b": b}
+    sched.finish(b, SequenceStatus.FINISHED_ABORTED)
+    assert sched.parked == {} and b.is_finished
+    sched.park(b)  # a finished sequence is never parked again
+    sched.unpark(b)  # nor scheduled again
+    assert sched.parked == {} and list(sched.waiting) == [a]
