@@ -19,6 +19,9 @@ All three expire ``result_ttl_s`` after the task ends.
   same script that moves it to a final state; its size is the tenant's count
   against ``max_open_per_tenant``.
 
+The create and transition scripts also touch the work queue and the tenant's
+open set, other slots: the router's Redis is one primary (docs/operations.md).
+
 Admission happens in the script that creates the task: a tenant at its cap of
 unfinished tasks, or a work queue holding ``max_queued`` entries, is refused
 (``errors.Overloaded``: RESOURCE_EXHAUSTED) and nothing is stored. The queue is
