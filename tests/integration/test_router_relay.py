@@ -388,6 +388,40 @@ def test_failures_before_the_first_token_retry_elsewhere_and_eject_the_bad_repli
                 p.stop()
 
 
+def test_the_generation_probe_ejects_a_replica_that_cannot_generate_before_a_client_meets_it() -> None:
+    # Health says SERVING, yet every generation fails (a wedged engine): only the one-token probe can
+    # tell, and it must, before a client's request is the one that finds out.
+    bad = synthetic_replica("--fail-rate", "1.0")
+    good = synthetic_replica()
+    router: ServiceProcess | None = None
+    try:
+        bad.start()
+        good.start()
+        router = router_process(
+            [bad, good], "--policy", "round_robin", "--probe-interval-s", "0.3", "--ejection-failures", "2"
+        ).start()
+        stub = router_stub(router)
+        deadline = time.monotonic() + 20
+        while True:
+            pool = {r.address: r for r in stub.ListReplicas(router_pb2.ListReplicasRequest()).replicas}
+            if pool[bad.address].ejected:
+                break
+            assert time.monotonic() < deadline, (
+                "no client request, and the probe never ejected the bad replica"
+            )
+            time.sleep(0.1)
+        assert pool[bad.address].health == router_pb2.REPLICA_HEALTH_SERVING, (
+            "health says SERVING: the probe found it"
+        )
+        assert not pool[good.address].ejected
+        ends = [stub.Complete(user_turn(f"q{i}", 2), timeout=10).end for i in range(4)]
+        assert [(e.replica, e.retries) for e in ends] == [(good.address, 0)] * 4
+    finally:
+        for p in [router, bad, good]:
+            if p is not None:
+                p.stop()
+
+
 def test_no_replica_is_unavailable_or_a_flagged_degraded_answer() -> None:
     replica = synthetic_replica()
     router: ServiceProcess | None = None
