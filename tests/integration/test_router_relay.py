@@ -7,6 +7,7 @@ real engine.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ import grpc
 import pytest
 import yaml
 
-from services.gen.llmmesh.v1 import common_pb2, router_pb2
+from services.gen.llmmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.router.auth import hash_key
 from tests.support.processes import ServiceProcess
 from tests.support.redis import RedisServer
@@ -364,15 +365,28 @@ def test_kill_9_mid_stream_fails_over_without_losing_or_repeating_a_token() -> N
                 p.stop()
 
 
-def test_failures_before_the_first_token_retry_elsewhere_and_eject_the_bad_replica() -> None:
+@contextlib.contextmanager
+def router_over_a_bad_and_a_good_replica(
+    *router_args: str,
+) -> Iterator[tuple[router_pb2_grpc.RouterStub, ServiceProcess, ServiceProcess]]:
+    """A round-robin router over a replica whose every generation fails (its health says SERVING)
+    and a sound one: (router stub, bad, good)."""
     bad = synthetic_replica("--fail-rate", "1.0")
     good = synthetic_replica()
     router: ServiceProcess | None = None
     try:
         bad.start()
         good.start()
-        router = router_process([bad, good], "--policy", "round_robin").start()
-        stub = router_stub(router)
+        router = router_process([bad, good], "--policy", "round_robin", *router_args).start()
+        yield router_stub(router), bad, good
+    finally:
+        for p in [router, bad, good]:
+            if p is not None:
+                p.stop()
+
+
+def test_failures_before_the_first_token_retry_elsewhere_and_eject_the_bad_replica() -> None:
+    with router_over_a_bad_and_a_good_replica() as (stub, bad, good):
         ends = [stub.Complete(user_turn(f"q{i}", 2), timeout=10).end for i in range(8)]
         assert all(e.replica == good.address for e in ends)
         # Three failures in a row eject it (the start-up probe may be one of them).
@@ -382,25 +396,16 @@ def test_failures_before_the_first_token_retry_elsewhere_and_eject_the_bad_repli
         assert not pool[good.address].ejected  # never more than half the pool
         # Once ejected, it is not tried any more: no retries.
         assert stub.Complete(user_turn("after", 2), timeout=10).end.retries == 0
-    finally:
-        for p in [router, bad, good]:
-            if p is not None:
-                p.stop()
 
 
 def test_the_generation_probe_ejects_a_replica_that_cannot_generate_before_a_client_meets_it() -> None:
     # Health says SERVING, yet every generation fails (a wedged engine): only the one-token probe can
     # tell, and it must, before a client's request is the one that finds out.
-    bad = synthetic_replica("--fail-rate", "1.0")
-    good = synthetic_replica()
-    router: ServiceProcess | None = None
-    try:
-        bad.start()
-        good.start()
-        router = router_process(
-            [bad, good], "--policy", "round_robin", "--probe-interval-s", "0.3", "--ejection-failures", "2"
-        ).start()
-        stub = router_stub(router)
+    with router_over_a_bad_and_a_good_replica("--probe-interval-s", "0.3", "--ejection-failures", "2") as (
+        stub,
+        bad,
+        good,
+    ):
         deadline = time.monotonic() + 20
         while True:
             pool = {r.address: r for r in stub.ListReplicas(router_pb2.ListReplicasRequest()).replicas}
@@ -416,10 +421,6 @@ def test_the_generation_probe_ejects_a_replica_that_cannot_generate_before_a_cli
         assert not pool[good.address].ejected
         ends = [stub.Complete(user_turn(f"q{i}", 2), timeout=10).end for i in range(4)]
         assert [(e.replica, e.retries) for e in ends] == [(good.address, 0)] * 4
-    finally:
-        for p in [router, bad, good]:
-            if p is not None:
-                p.stop()
 
 
 def test_no_replica_is_unavailable_or_a_flagged_degraded_answer() -> None:
