@@ -60,6 +60,16 @@ def fit_bytes(text: str, limit: int) -> str:
     return encoded[:limit].decode(errors="ignore")
 
 
+#: What a Milvus filter string literal must escape. Every other character may stand as it is;
+#: JSON's \u escapes (json.dumps writes them for control characters) are a parse error in Milvus.
+_MILVUS_ESCAPES = str.maketrans({"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r"})
+
+
+def milvus_string(value: str) -> str:
+    """``value`` as a double-quoted string literal in a Milvus filter expression."""
+    return '"' + value.translate(_MILVUS_ESCAPES) + '"'
+
+
 def metadata_condition(metadata_filter: Mapping[str, str]) -> str:
     """A Milvus filter requiring every key/value pair in a chunk's metadata."""
     terms = []
@@ -68,7 +78,7 @@ def metadata_condition(metadata_filter: Mapping[str, str]) -> str:
             raise InvalidArgument(
                 "metadata_filter", f"key {key!r} must be 1-64 of letters, digits, '_', '.', '-'"
             )
-        terms.append(f'metadata["{key}"] == {json.dumps(value, ensure_ascii=False)}')
+        terms.append(f'metadata["{key}"] == {milvus_string(value)}')
     return " and ".join(terms)
 
 
@@ -400,7 +410,7 @@ class MilvusStore:
         """Up to ``limit`` documents with ids sorted after ``after_id`` (``""`` = from the start)."""
         base = f'tenant_key == "{digest(tenant)}" and version > 0'
         if after_id:
-            base += f" and document_id > {json.dumps(after_id, ensure_ascii=False)}"
+            base += f" and document_id > {milvus_string(after_id)}"
         # Milvus returns rows in no particular order and at most MAX_QUERY_WINDOW per query. When a
         # window comes back full, the `limit` smallest ids are all <= the limit-th smallest id in it,
         # so narrow the range to that and ask again (plain timed queries: an iterator could hang).
@@ -410,7 +420,7 @@ class MilvusStore:
             ids = sorted(row["document_id"] for row in rows)
             if len(ids) < MAX_QUERY_WINDOW or len(ids) <= limit:
                 break
-            condition = f"{base} and document_id <= {json.dumps(ids[limit - 1], ensure_ascii=False)}"
+            condition = f"{base} and document_id <= {milvus_string(ids[limit - 1])}"
         page = ids[:limit]
         if not page:
             return []
