@@ -70,10 +70,18 @@ async def test_concurrent_streams_complete_exactly_with_bounded_load_under_affin
     assert {tuple(o.token_ids) for o in outcomes} == expected
     assert len({o.replica for o in outcomes}) == 3, "affinity left a replica idle"
 
-    # Bounded loads: judged while most streams are in flight (the placement decision's regime).
-    busy = [s for s in samples if sum(s) >= 0.7 * STREAMS]
+    # Bounded loads bound each replica's load when a stream is placed. Judge the samples taken
+    # while streams were being placed and none had ended yet (the total still rising or level):
+    # once streams end, each replica drains in the order its own streams were placed, and the
+    # one that took the last placements holds more for a while (CI saw [45, 68, 34] then).
+    placing: list[list[int]] = []
+    for sample in samples:
+        if placing and sum(sample) < sum(placing[-1]):
+            break
+        placing.append(sample)
+    busy = [s for s in placing if sum(s) >= 0.7 * STREAMS]
     assert busy, (
-        f"never saw {0.8 * STREAMS:.0f} streams in flight: {max(map(sum, samples), default=0)} at most"
+        f"never saw {0.7 * STREAMS:.0f} streams in flight while placing: {max(map(sum, placing), default=0)} at most"
     )
     peak = max(busy, key=sum)
     print(f"row 1: {STREAMS}/{STREAMS} streams exact; at the peak, in flight per replica {peak}")
