@@ -50,6 +50,7 @@ class FaultProxy:
         )
         self._ready.set()
         self._loop.run_forever()
+        self._loop.close()
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delayed: bool) -> None:
         try:
@@ -73,13 +74,29 @@ class FaultProxy:
         except OSError:
             client_w.close()
             return
-        await asyncio.gather(self._pipe(client_r, up_w, False), self._pipe(up_r, client_w, True))
+        # Cancelled only by stop(): the connection ends quietly (asyncio's stream server logs a
+        # connection task that ends in an exception, cancellation included).
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(self._pipe(client_r, up_w, False), self._pipe(up_r, client_w, True))
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._loop.call_soon_threadsafe(self._server.close)
+        if not self._thread.is_alive():
+            return
+        # Close the connections it still relays before the loop stops: a task left pending in a
+        # stopped loop is reported ("Task was destroyed but it is pending!") when collected.
+        closing = asyncio.run_coroutine_threadsafe(self._close_all(), self._loop)
+        with contextlib.suppress(Exception):
+            closing.result(5)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
+
+    async def _close_all(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
 
     def __enter__(self) -> FaultProxy:
         return self.start()
