@@ -13,9 +13,9 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from prometheus_client import Counter, Gauge
@@ -25,15 +25,32 @@ from services.common.settings import EnvArgumentParser
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from services.router.auth import Principal
 from services.router.tasks import KIND_TASK, TERMINAL_STATES, TaskRecord, TaskRefused, TaskStore
-from services.router.turn import validate
+from services.router.turn import OnCheckpoint, ResumePoint, TurnCheckpoint, validate
 
 log = logging.getLogger("llmmesh.router.tasks")
 
-RunTurn = Callable[[Principal, router_pb2.ChatRequest], AsyncIterator[router_pb2.ChatResponse]]
+
+class RunTurn(Protocol):
+    """``TurnPipeline.run_turn`` as the task worker calls it."""
+
+    def __call__(
+        self,
+        principal: Principal,
+        request: router_pb2.ChatRequest,
+        deadline: float | None = None,
+        *,
+        resume: ResumePoint | None = None,
+        on_checkpoint: OnCheckpoint | None = None,
+    ) -> AsyncIterator[router_pb2.ChatResponse]: ...
+
 
 TASKS_FINISHED = Counter("llmmesh_router_tasks_total", "Async tasks finished, by final state.", ["state"])
 TASKS_RECLAIMED = Counter(
     "llmmesh_router_tasks_reclaimed_total", "Tasks taken over from a router that stopped acknowledging them."
+)
+TASKS_RESUMED = Counter(
+    "llmmesh_router_tasks_resumed_total",
+    "Task attempts that continued an answer another attempt had started, after its delivered tokens.",
 )
 TASKS_RUNNING = Gauge("llmmesh_router_tasks_running", "Async tasks this router is running now.")
 TASKS_REFUSED = Counter(
@@ -357,19 +374,27 @@ class TaskApi:
             )
             await self.store.ack(entry_id)
             return
+        # An attempt that delivered tokens after saving its checkpoint is continued after them;
+        # any other starts again from nothing (its text and token ids are cleared).
+        resume = _resume_point(record)
         _, changed = await self.store.transition(
             record,
             QUEUED_OR_RUNNING,
             router_pb2.TASK_STATE_RUNNING,
-            reset_text=True,
+            reset_text=resume is None,
             extra={"attempts": record.attempts + 1},
         )
         if not changed:  # cancelled between the read and now
             await self.store.ack(entry_id)
             return
         record.attempts += 1
+        if resume is None:
+            record.checkpoint, record.token_ids = "", ()
+        else:
+            TASKS_RESUMED.inc()
+            log.info("task %s continues after %d tokens", record.task_id, len(resume.token_ids))
         try:
-            final_state, end, error = await self._generate(record)
+            final_state, end, error = await self._generate(record, resume)
         except Redeliver as exc:
             # Left unacknowledged: once idle past the visibility timeout, a router (maybe this
             # one) reclaims it; that wait is the back-off while the replicas come back.
@@ -385,7 +410,7 @@ class TaskApi:
         await self._finish(record, final_state, end=end, error=error)
         await self.store.ack(entry_id)
 
-    async def _generate(self, record: TaskRecord) -> tuple[int, bytes, str]:
+    async def _generate(self, record: TaskRecord, resume: ResumePoint | None) -> tuple[int, bytes, str]:
         """Run the turn; while the key is over its rate limit, wait and try again instead of failing.
 
         A task is the asynchronous form of a turn: the client asked for it to
@@ -395,7 +420,7 @@ class TaskApi:
         waited = 0.0
         while True:
             try:
-                return await self._generate_once(record)
+                return await self._generate_once(record, resume)
             except errors.Overloaded as exc:
                 if waited >= self.settings.overload_wait_s:
                     return router_pb2.TASK_STATE_FAILED, b"", f"RESOURCE_EXHAUSTED: {exc}"
@@ -414,15 +439,22 @@ class TaskApi:
             await asyncio.sleep(min(0.25, left))
         return False
 
-    async def _generate_once(self, record: TaskRecord) -> tuple[int, bytes, str]:
+    async def _generate_once(self, record: TaskRecord, resume: ResumePoint | None) -> tuple[int, bytes, str]:
         """Run the turn, streaming deltas into the task; a cancel request stops it mid-way."""
         request = router_pb2.ChatRequest.FromString(record.request)
         end: router_pb2.TurnEnd | None = None
+        streamed = False
+
+        async def save_checkpoint(checkpoint: TurnCheckpoint) -> None:
+            record.checkpoint = checkpoint.to_json()
+            await self.store.save_checkpoint(record.task_id, record.checkpoint)
 
         async def consume() -> None:
-            nonlocal end
-            async for response in self.run_turn(record.principal, request):
+            nonlocal end, streamed
+            turn = self.run_turn(record.principal, request, resume=resume, on_checkpoint=save_checkpoint)
+            async for response in turn:
                 if response.HasField("delta"):
+                    streamed = True
                     record.text += response.delta.text
                     await self.store.append_delta(record.task_id, response.delta)
                 elif response.HasField("end"):
@@ -439,7 +471,7 @@ class TaskApi:
                     return router_pb2.TASK_STATE_CANCELLED, _end_bytes(end), "cancelled by the client"
             generation.result()
         except errors.MeshError as exc:
-            if isinstance(exc, errors.Overloaded) and not record.text:
+            if isinstance(exc, errors.Overloaded) and not streamed:
                 raise  # refused before the first token: _generate waits and retries
             message = f"{exc.code.name}: {exc}"
             if exc.code == grpc.StatusCode.UNAVAILABLE and self._may_redeliver(record):
@@ -473,6 +505,18 @@ class TaskApi:
         _, changed = await self.store.transition(record, QUEUED_OR_RUNNING, state, end=end, error=error)
         if changed:
             TASKS_FINISHED.labels(router_pb2.TaskState.Name(state).removeprefix("TASK_STATE_")).inc()  # type: ignore[arg-type]
+
+
+def _resume_point(record: TaskRecord) -> ResumePoint | None:
+    """Where a task's earlier attempt left its answer, when it can be continued exactly."""
+    if not record.checkpoint or not record.token_ids:
+        return None
+    try:
+        checkpoint = TurnCheckpoint.from_json(record.checkpoint)
+    except (ValueError, KeyError, TypeError) as exc:
+        log.warning("task %s: unreadable checkpoint, its answer starts again: %r", record.task_id, exc)
+        return None
+    return ResumePoint(checkpoint, record.token_ids, record.text)
 
 
 def _end_bytes(end: router_pb2.TurnEnd | None) -> bytes:

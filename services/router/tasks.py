@@ -9,10 +9,14 @@ Layout (``<id>`` in braces is a Redis Cluster hash tag, so one task's keys share
 - ``llm:task:{<id>}`` — hash: state, tenant, key id, request bytes, end bytes,
   error, timestamps, attempts, cancel flag.
 - ``llm:task:{<id>}:text`` — the answer so far (APPEND per delta).
+- ``llm:task:{<id>}:tokens`` — its token ids so far (little-endian int32, APPEND per delta, in
+  the same transaction as the text): with the hash's ``checkpoint`` (the turn's prompt as
+  built, its model and session version, saved before the first token) a router that takes
+  the task over continues the answer after them instead of starting it again.
 - ``llm:task:{<id>}:events`` — Stream of state snapshots and token deltas that
   WatchTask follows.
 
-All three expire ``result_ttl_s`` after the task ends.
+All four expire ``result_ttl_s`` after the task ends.
 
 - ``llm:tasks:open:<tenant>`` — sorted set of the tenant's unfinished task ids
   (score: created ms). A task joins it when it is created and leaves it in the
@@ -38,8 +42,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import struct
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,7 +98,7 @@ return {1, 0, 0}
 
 # Compare-and-set of a task's state, with its event, in one step; a task reaching a final state
 # leaves its tenant's open set in the same step.
-# KEYS: hash, events, text, the tenant's open set. ARGV: allowed from-states (space separated),
+# KEYS: hash, events, text, the tenant's open set, token ids. ARGV: allowed from-states (space separated),
 # new state, now_ms, event payload ('' = none), expire seconds (0 = leave; set = a final state),
 # events maxlen, reset text (0/1), task id, then extra field/value pairs for the hash.
 # Returns the state the task is in afterwards (-1 when it does not exist) and 1/0 for "changed".
@@ -104,12 +110,15 @@ if not string.find(' ' .. ARGV[1] .. ' ', ' ' .. state .. ' ', 1, true) then
 end
 redis.call('HSET', KEYS[1], 'state', ARGV[2], 'updated_ms', ARGV[3])
 for i = 9, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-if ARGV[7] == '1' then redis.call('DEL', KEYS[3]) end
+if ARGV[7] == '1' then
+  redis.call('DEL', KEYS[3], KEYS[5])
+  redis.call('HDEL', KEYS[1], 'checkpoint')
+end
 if ARGV[4] ~= '' then
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'k', 'task', 'p', ARGV[4])
 end
 if ARGV[5] ~= '0' then
-  for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
+  for _, i in ipairs({1, 2, 3, 5}) do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
   redis.call('ZREM', KEYS[4], ARGV[8])
 end
 return {tonumber(ARGV[2]), 1}
@@ -130,6 +139,19 @@ def task_key(task_id: str) -> str:
 
 def text_key(task_id: str) -> str:
     return f"llm:task:{{{task_id}}}:text"
+
+
+def tokens_key(task_id: str) -> str:
+    return f"llm:task:{{{task_id}}}:tokens"
+
+
+def pack_token_ids(token_ids: Iterable[int]) -> bytes:
+    ids = list(token_ids)
+    return struct.pack(f"<{len(ids)}i", *ids)
+
+
+def unpack_token_ids(raw: bytes) -> tuple[int, ...]:
+    return struct.unpack(f"<{len(raw) // 4}i", raw[: len(raw) - len(raw) % 4])
 
 
 def events_key(task_id: str) -> str:
@@ -166,6 +188,10 @@ class TaskRecord:
     attempts: int = 0
     cancel_requested: bool = False
     result_ttl_s: int = 600
+    #: ``TurnCheckpoint.to_json()`` of the running attempt, once its first token was out.
+    checkpoint: str = ""
+    #: The answer's token ids so far.
+    token_ids: tuple[int, ...] = ()
 
     @property
     def principal(self) -> Principal:
@@ -191,7 +217,12 @@ class TaskRecord:
 
     @classmethod
     def from_hash(
-        cls, task_id: str, raw: dict[bytes, bytes], text: bytes | None, result_ttl_s: int
+        cls,
+        task_id: str,
+        raw: dict[bytes, bytes],
+        text: bytes | None,
+        result_ttl_s: int,
+        tokens: bytes | None = None,
     ) -> TaskRecord:
         def s(name: str) -> str:
             return raw.get(name.encode(), b"").decode()
@@ -212,6 +243,8 @@ class TaskRecord:
             attempts=int(s("attempts") or 0),
             cancel_requested=s("cancel") == "1",
             result_ttl_s=result_ttl_s,
+            checkpoint=s("checkpoint"),
+            token_ids=unpack_token_ids(tokens or b""),
         )
 
 
@@ -331,10 +364,11 @@ class TaskStore:
         pipe = self.redis.pipeline(transaction=True)
         pipe.hgetall(task_key(task_id))
         pipe.get(text_key(task_id))
-        raw, text = await pipe.execute()
+        pipe.get(tokens_key(task_id))
+        raw, text, tokens = await pipe.execute()
         if not raw:
             return None
-        return TaskRecord.from_hash(task_id, raw, text, self.result_ttl_s)
+        return TaskRecord.from_hash(task_id, raw, text, self.result_ttl_s, tokens)
 
     async def snapshot(self, task_id: str) -> tuple[TaskRecord | None, str]:
         """The task and the id of its latest event, read together, so a watcher misses nothing and sees nothing twice."""
@@ -391,6 +425,7 @@ class TaskStore:
             events_key(record.task_id),
             text_key(record.task_id),
             open_tasks_key(record.tenant),
+            tokens_key(record.task_id),
         ]
         state, changed = await self._transition(keys=keys, args=args)
         return int(state), bool(changed)
@@ -399,6 +434,8 @@ class TaskStore:
         pipe = self.redis.pipeline(transaction=True)
         pipe.append(text_key(task_id), delta.text.encode())
         pipe.expire(text_key(task_id), self.unfinished_ttl_s)
+        pipe.append(tokens_key(task_id), pack_token_ids(delta.token_ids))
+        pipe.expire(tokens_key(task_id), self.unfinished_ttl_s)
         pipe.xadd(
             events_key(task_id),
             {EVENT_KIND: KIND_DELTA, EVENT_PAYLOAD: delta.SerializeToString()},
@@ -406,6 +443,10 @@ class TaskStore:
             approximate=True,
         )
         await pipe.execute()
+
+    async def save_checkpoint(self, task_id: str, checkpoint: str) -> None:
+        """Keep the running attempt's checkpoint (before its first token is appended)."""
+        await self.redis.hset(task_key(task_id), "checkpoint", checkpoint)
 
     async def request_cancel(self, task_id: str) -> None:
         await self.redis.hset(task_key(task_id), "cancel", "1")

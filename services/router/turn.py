@@ -8,7 +8,9 @@ async tasks all run turns through here.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -111,6 +113,65 @@ class TurnState:
     ended: bool = False
 
 
+@dataclass(frozen=True)
+class TurnCheckpoint:
+    """What a turn decided before its first token, so another router can finish its answer.
+
+    The prompt as built (history and retrieved chunks included), the model that
+    answers, the session version the answer will be saved against, and what
+    goes into the TurnEnd besides the answer. Resuming with the tokens already
+    delivered (``ResumePoint``) continues exactly where the answer stopped:
+    the same prompt, the same model, ``resume_token_ids``.
+    """
+
+    start: bytes
+    model: str
+    session_id: str = ""
+    session_exists: bool = False
+    session_version: int = 0
+    citations: tuple[bytes, ...] = ()
+    degraded: tuple[str, ...] = ()
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "start": base64.b64encode(self.start).decode(),
+                "model": self.model,
+                "session_id": self.session_id,
+                "session_exists": self.session_exists,
+                "session_version": self.session_version,
+                "citations": [base64.b64encode(c).decode() for c in self.citations],
+                "degraded": list(self.degraded),
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> TurnCheckpoint:
+        raw = json.loads(text)
+        return cls(
+            start=base64.b64decode(raw["start"]),
+            model=raw["model"],
+            session_id=raw.get("session_id", ""),
+            session_exists=bool(raw.get("session_exists", False)),
+            session_version=int(raw.get("session_version", 0)),
+            citations=tuple(base64.b64decode(c) for c in raw.get("citations", [])),
+            degraded=tuple(raw.get("degraded", [])),
+        )
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """A turn to finish: its checkpoint and the answer delivered so far."""
+
+    checkpoint: TurnCheckpoint
+    token_ids: tuple[int, ...]
+    text: str
+
+
+#: Called once per turn, before its first token goes out, with the turn's checkpoint.
+OnCheckpoint = Callable[[TurnCheckpoint], Awaitable[None]]
+
+
 class TurnPipeline:
     """Runs turns; ``run_turn`` is what every RPC and the task worker call."""
 
@@ -120,9 +181,19 @@ class TurnPipeline:
         self._pending: set[asyncio.Future[Any]] = set()
 
     async def run_turn(
-        self, principal: Principal, request: router_pb2.ChatRequest, deadline: float | None = None
+        self,
+        principal: Principal,
+        request: router_pb2.ChatRequest,
+        deadline: float | None = None,
+        *,
+        resume: ResumePoint | None = None,
+        on_checkpoint: OnCheckpoint | None = None,
     ) -> AsyncIterator[router_pb2.ChatResponse]:
-        """The turn's messages: token deltas, then one TurnEnd. ``deadline`` is on ``services.clock``."""
+        """The turn's messages: token deltas, then one TurnEnd. ``deadline`` is on ``services.clock``.
+
+        ``on_checkpoint`` (async tasks) is awaited before the first token goes out; ``resume``
+        finishes a turn from its checkpoint, after the tokens already delivered.
+        """
         validate(request)
         s = self.s
         state = TurnState(request.request_id or uuid.uuid4().hex, s.clock())
@@ -131,7 +202,7 @@ class TurnPipeline:
         slot = s.inflight.slot() if s.inflight is not None else contextlib.nullcontext()
         try:
             async with slot:
-                async for response in self._turn(principal, request, deadline, state):
+                async for response in self._turn(principal, request, deadline, state, resume, on_checkpoint):
                     if writer is not None:
                         writer.put(response)
                         if state.ended:
@@ -167,27 +238,49 @@ class TurnPipeline:
         return router_pb2.ChatResponse(request_id=state.request_id, seq=state.seq, **event)
 
     async def _turn(
-        self, principal: Principal, request: router_pb2.ChatRequest, deadline: float | None, state: TurnState
+        self,
+        principal: Principal,
+        request: router_pb2.ChatRequest,
+        deadline: float | None,
+        state: TurnState,
+        resume: ResumePoint | None = None,
+        on_checkpoint: OnCheckpoint | None = None,
     ) -> AsyncIterator[router_pb2.ChatResponse]:
         s = self.s
         tenant = principal.tenant
         if s.rate_limiter is not None:
             await s.rate_limiter.admit_request(principal)
-        try:
-            models = s.catalog.plan(request.model, s.pool.models())
-        except errors.DependencyUnavailable as exc:
-            if not request.allow_degraded:
-                raise
-            async for response in self._degraded(principal, request, None, str(exc), state):
-                yield response
-            return
         new_messages = [(m.role, m.content) for m in request.messages]
-        history, chunks, pinned = await self._lookups(tenant, request, new_messages, state)
-        messages = self._build(history, chunks, new_messages)
+        pinned: str | None = None
+        if resume is not None:
+            # The prompt, model and session version were settled before the first token: looking
+            # them up again could give another prompt, which the delivered tokens do not continue.
+            start = self._resumed(resume, state)
+            models = [resume.checkpoint.model]
+            messages = [(m.role, m.content) for m in start.messages]
+        else:
+            try:
+                models = s.catalog.plan(request.model, s.pool.models())
+            except errors.DependencyUnavailable as exc:
+                if not request.allow_degraded:
+                    raise
+                async for response in self._degraded(principal, request, None, str(exc), state):
+                    yield response
+                return
+            history, chunks, pinned = await self._lookups(tenant, request, new_messages, state)
+            messages = self._build(history, chunks, new_messages)
+            start = inference_pb2.GenerateStart(
+                request_id=state.request_id,
+                messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in messages],
+                sampling=request.sampling,
+            )
         cache_mode = request.cache.mode
         caching = s.exact_cache is not None or (request.cache.semantic and s.semantic_cache is not None)
         key = exact_cache_key(models[0], messages, request.sampling) if caching else None
-        may_read = cache_mode in (router_pb2.CACHE_MODE_UNSPECIFIED, router_pb2.CACHE_MODE_DEFAULT)
+        may_read = resume is None and cache_mode in (
+            router_pb2.CACHE_MODE_UNSPECIFIED,
+            router_pb2.CACHE_MODE_DEFAULT,
+        )
         may_fill = cache_mode != router_pb2.CACHE_MODE_BYPASS
 
         if may_read:
@@ -201,13 +294,13 @@ class TurnPipeline:
                     yield response
                 return
 
-        start = inference_pb2.GenerateStart(
-            request_id=state.request_id,
-            messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in messages],
-            sampling=request.sampling,
-        )
         session_key = f"{tenant}:{request.session_id}" if request.session_id else None
         outcome = RelayOutcome()
+        if resume is not None:
+            # The relay continues an answer that has tokens exactly as it fails over mid-stream.
+            outcome.model = resume.checkpoint.model
+            outcome.token_ids.extend(resume.token_ids)
+            outcome.text_parts.append(resume.text)
         clock = s.clock
         request_id = state.request_id
         previous_at: float | None = None
@@ -218,6 +311,8 @@ class TurnPipeline:
                 now = clock()
                 if previous_at is None:
                     metrics.TTFT.observe(now - state.started)
+                    if on_checkpoint is not None and resume is None:
+                        await on_checkpoint(self._checkpoint(start, outcome, request, state))
                 else:
                     metrics.INTER_TOKEN.observe(now - previous_at)
                 previous_at = now
@@ -262,6 +357,37 @@ class TurnPipeline:
         yield self._end(state, request, outcome, version=version)
         if bookkeeping is not None:
             await asyncio.shield(bookkeeping)  # a cancel here must not cancel the writes
+
+    def _checkpoint(
+        self,
+        start: inference_pb2.GenerateStart,
+        outcome: RelayOutcome,
+        request: router_pb2.ChatRequest,
+        state: TurnState,
+    ) -> TurnCheckpoint:
+        session = state.session
+        return TurnCheckpoint(
+            start=start.SerializeToString(),
+            model=outcome.model,
+            session_id=request.session_id if session is not None else "",
+            session_exists=session.exists if session is not None else False,
+            session_version=session.version if session is not None else 0,
+            citations=tuple(c.SerializeToString() for c in state.citations),
+            degraded=tuple(state.degraded),
+        )
+
+    def _resumed(self, resume: ResumePoint, state: TurnState) -> inference_pb2.GenerateStart:
+        """The checkpoint's prompt, and its session version, citations and degradations in ``state``."""
+        checkpoint = resume.checkpoint
+        start = inference_pb2.GenerateStart.FromString(checkpoint.start)
+        start.request_id = state.request_id
+        if checkpoint.session_id:
+            state.session = SessionHistory(
+                checkpoint.session_id, version=checkpoint.session_version, exists=checkpoint.session_exists
+            )
+        state.citations = [router_pb2.Citation.FromString(c) for c in checkpoint.citations]
+        state.degraded = list(checkpoint.degraded)
+        return start
 
     async def _lookups(
         self,

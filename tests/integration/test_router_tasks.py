@@ -10,8 +10,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from redis import Redis
 
 from services.gen.llmmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.router.tasks import events_key
 from tests.support.processes import ServiceProcess
 from tests.support.redis import RedisServer
 
@@ -19,21 +21,20 @@ from tests.support.redis import RedisServer
 TASK_ENV = {"LLMMESH_TASK_VISIBILITY_SECONDS": "1.5"}
 
 
-def start_router(replica: ServiceProcess, redis: RedisServer) -> ServiceProcess:
-    return ServiceProcess(
-        "services.router",
-        [
-            "--replicas",
-            replica.address,
-            "--redis-url",
-            redis.url,
-            "--policy",
-            "round_robin",
-            "--metrics-port",
-            "0",
-        ],
-        env=TASK_ENV,
-    ).start(timeout=120)
+def start_router(replica: ServiceProcess, redis: RedisServer, session_addr: str = "") -> ServiceProcess:
+    args = [
+        "--replicas",
+        replica.address,
+        "--redis-url",
+        redis.url,
+        "--policy",
+        "round_robin",
+        "--metrics-port",
+        "0",
+    ]
+    if session_addr:
+        args += ["--session-addr", session_addr]
+    return ServiceProcess("services.router", args, env=TASK_ENV).start(timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +50,22 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServer
         redis.kill()
 
 
+@pytest.fixture(scope="module")
+def session_service(mesh: tuple[RedisServer, ServiceProcess]) -> Iterator[ServiceProcess]:
+    session = ServiceProcess("services.session", ["--redis-url", mesh[0].url, "--log-level", "WARNING"])
+    try:
+        yield session.start(timeout=120)
+    finally:
+        session.stop()
+
+
 def metrics_text(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         return str(response.read().decode())
+
+
+def redis_client(redis: RedisServer) -> Redis:
+    return Redis.from_url(redis.url, socket_timeout=5)
 
 
 def stub_for(process: ServiceProcess) -> tuple[grpc.Channel, router_pb2_grpc.RouterStub]:
@@ -79,21 +93,32 @@ def wait_task(
         time.sleep(0.1)
 
 
-def test_task_survives_kill_9_of_its_router(mesh: tuple[RedisServer, ServiceProcess]) -> None:
+@pytest.mark.parametrize("in_a_session", [False, True], ids=["no-session", "session"])
+def test_task_survives_kill_9_of_its_router(
+    mesh: tuple[RedisServer, ServiceProcess], request: pytest.FixtureRequest, in_a_session: bool
+) -> None:
     redis, replica = mesh
-    first = start_router(replica, redis)
+    session_addr = request.getfixturevalue("session_service").address if in_a_session else ""
+    session_id = "story-session" if in_a_session else ""
+    first = start_router(replica, redis, session_addr)
     second: ServiceProcess | None = None
     try:
         channel, stub = stub_for(first)
         with channel:
-            request = chat_request("Tell me a long story.", max_tokens=100)
-            task = stub.SubmitTask(router_pb2.SubmitTaskRequest(request=request), timeout=10)
+            story = chat_request("Tell me a long story.", max_tokens=100)
+            story.session_id = session_id
+            task = stub.SubmitTask(router_pb2.SubmitTaskRequest(request=story), timeout=10)
             assert task.state == router_pb2.TASK_STATE_QUEUED
             running = wait_task(stub, task.task_id, {router_pb2.TASK_STATE_RUNNING}, timeout=20)
             assert running.state == router_pb2.TASK_STATE_RUNNING
+            # Part of the answer is out (50 tokens/s: 100 take 2 s) when the router dies.
+            deadline = time.monotonic() + 10
+            while not stub.GetTask(router_pb2.GetTaskRequest(task_id=task.task_id), timeout=5).text:
+                assert time.monotonic() < deadline, "no token reached the task"
+                time.sleep(0.05)
         first.kill()  # kill -9 mid-generation: no drain, no acknowledgement
 
-        second = start_router(replica, redis)
+        second = start_router(replica, redis, session_addr)
         channel, stub = stub_for(second)
         with channel:
             finished = wait_task(
@@ -108,12 +133,33 @@ def test_task_survives_kill_9_of_its_router(mesh: tuple[RedisServer, ServiceProc
             )
             assert finished.state == router_pb2.TASK_STATE_SUCCEEDED, finished.error_message
             assert finished.end.usage.completion_tokens == 100
-            # The answer is the whole, uninterrupted one: the same as running the turn directly.
-            direct = stub.Complete(request, timeout=30)
+            # The answer is the whole, uninterrupted one: the same as running the turn directly
+            # (in a new session: the same prompt, no history yet).
+            fresh = router_pb2.ChatRequest()
+            fresh.CopyFrom(story)
+            fresh.session_id = f"{session_id}-fresh" if in_a_session else ""
+            direct = stub.Complete(fresh, timeout=30)
             assert finished.text == direct.text
-        # It was this router that took the task over from the dead one.
+            if in_a_session:
+                # Saved once, against the version read before the first token: the next turn is
+                # the session's second.
+                assert finished.end.session_version == 1, finished.end
+                follow_up = chat_request("And then?", 4)
+                follow_up.session_id = session_id
+                assert stub.Complete(follow_up, timeout=30).end.session_version == 2
+        # A watcher saw each token once: the new router continued after the tokens the dead one
+        # delivered (same prompt, same model, resume_token_ids) instead of starting again.
+        positions: list[int] = []
+        for _, fields in redis_client(redis).xrange(events_key(task.task_id)):
+            if fields[b"k"] == b"delta":
+                delta = router_pb2.TokenDelta.FromString(fields[b"p"])
+                positions.extend(range(delta.index, delta.index + len(delta.token_ids)))
+        assert positions == list(range(100))
+        # It was this router that took the task over from the dead one, and continued it.
         assert second.metrics_port is not None
-        assert "llmmesh_router_tasks_reclaimed_total 1.0" in metrics_text(second.metrics_port)
+        metrics = metrics_text(second.metrics_port)
+        assert "llmmesh_router_tasks_reclaimed_total 1.0" in metrics
+        assert "llmmesh_router_tasks_resumed_total 1.0" in metrics
     finally:
         first.kill()
         if second is not None:

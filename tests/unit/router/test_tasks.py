@@ -12,7 +12,8 @@ from services.common import errors
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from services.router.auth import Principal
 from services.router.task_api import TaskApi, TaskSettings
-from services.router.tasks import STREAM_KEY, idempotency_key, task_key
+from services.router.tasks import STREAM_KEY, events_key, idempotency_key, task_key
+from services.router.turn import OnCheckpoint, ResumePoint, TurnCheckpoint
 from tests.support.redis import RedisServer
 
 ACME = Principal("acme", "acme-1")
@@ -28,14 +29,29 @@ class FakeRunTurn:
         self.fail_with = fail_with
         self.started: list[str] = []
         self.cancelled: list[str] = []
+        self.resumed: list[ResumePoint | None] = []
 
     async def __call__(
-        self, principal: Principal, request: router_pb2.ChatRequest
+        self,
+        principal: Principal,
+        request: router_pb2.ChatRequest,
+        deadline: float | None = None,
+        *,
+        resume: ResumePoint | None = None,
+        on_checkpoint: OnCheckpoint | None = None,
     ) -> AsyncIterator[router_pb2.ChatResponse]:
         self.started.append(request.request_id)
+        self.resumed.append(resume)
+        # Like the pipeline: the checkpoint is saved before the first token; a resumed answer
+        # continues after the tokens it was given.
+        first = len(resume.token_ids) if resume is not None else 0
         try:
             for i, word in enumerate(WORDS):
+                if i < first:
+                    continue
                 await asyncio.sleep(self.delay_s)
+                if i == first and resume is None and on_checkpoint is not None:
+                    await on_checkpoint(TurnCheckpoint(start=b"prompt", model="served"))
                 if self.fail_with is not None and i == 2:
                     raise self.fail_with
                 yield router_pb2.ChatResponse(
@@ -233,6 +249,44 @@ async def test_task_of_a_router_that_died_mid_run_is_taken_over(redis_client: ai
         await survivor.stop()
 
 
+async def test_a_task_taken_over_after_its_first_words_continues_after_them(
+    redis_client: aioredis.Redis,
+) -> None:
+    settings = TaskSettings(visibility_timeout_s=0.6, block_ms=100)
+    dead = TaskApi(redis_client, FakeRunTurn(), "dead-router", settings)
+    task = await dead.SubmitTask(ACME, submit_request())
+    # A router takes the task, saves its checkpoint, delivers two words and dies (kill -9).
+    await dead.store.ensure_group()
+    await dead.store.take_new("dead-router", 1, 100)
+    record = await dead.store.get(task.task_id)
+    assert record is not None
+    await dead.store.transition(record, {router_pb2.TASK_STATE_QUEUED}, router_pb2.TASK_STATE_RUNNING)
+    checkpoint = TurnCheckpoint(start=b"prompt", model="served", citations=(b"c1",), degraded=("rag: down",))
+    await dead.store.save_checkpoint(task.task_id, checkpoint.to_json())
+    for i, word in enumerate(WORDS[:2]):
+        await dead.store.append_delta(task.task_id, router_pb2.TokenDelta(text=word, token_ids=[i], index=i))
+
+    turn = FakeRunTurn()
+    survivor = TaskApi(redis_client, turn, "survivor", settings)
+    await survivor.start()
+    try:
+        done = await wait_for_state(survivor, task.task_id, router_pb2.TASK_STATE_SUCCEEDED, timeout=10)
+    finally:
+        await survivor.stop()
+    assert done.state == router_pb2.TASK_STATE_SUCCEEDED
+    assert done.text == "The quick brown fox"
+    # The survivor was handed the checkpoint and the two words, and made only the other two.
+    assert turn.resumed == [ResumePoint(checkpoint, (0, 1), "The quick ")]
+    # A watcher following the task saw every word once, in order: the answer did not start again.
+    events = await redis_client.xrange(events_key(task.task_id))
+    indexes = [
+        router_pb2.TokenDelta.FromString(fields[b"p"]).index
+        for _, fields in events
+        if fields[b"k"] == b"delta"
+    ]
+    assert indexes == [0, 1, 2, 3]
+
+
 async def test_a_long_running_task_is_not_stolen_from_a_live_router(redis_client: aioredis.Redis) -> None:
     settings = TaskSettings(visibility_timeout_s=0.6, block_ms=100)
     slow = FakeRunTurn(delay_s=0.4)  # 1.6 s in all: well past the visibility timeout
@@ -260,12 +314,20 @@ class FakeRateLimitedRunTurn(FakeRunTurn):
         self.refusals = refusals
 
     async def __call__(
-        self, principal: Principal, request: router_pb2.ChatRequest
+        self,
+        principal: Principal,
+        request: router_pb2.ChatRequest,
+        deadline: float | None = None,
+        *,
+        resume: ResumePoint | None = None,
+        on_checkpoint: OnCheckpoint | None = None,
     ) -> AsyncIterator[router_pb2.ChatResponse]:
         if self.refusals > 0:
             self.refusals -= 1
             raise errors.Overloaded("rate limit exceeded for API key acme-1", retry_after_s=0.1)
-        async for response in super().__call__(principal, request):
+        async for response in super().__call__(
+            principal, request, resume=resume, on_checkpoint=on_checkpoint
+        ):
             yield response
 
 
