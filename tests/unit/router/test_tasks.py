@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -314,20 +315,12 @@ class FakeRateLimitedRunTurn(FakeRunTurn):
         self.refusals = refusals
 
     async def __call__(
-        self,
-        principal: Principal,
-        request: router_pb2.ChatRequest,
-        deadline: float | None = None,
-        *,
-        resume: ResumePoint | None = None,
-        on_checkpoint: OnCheckpoint | None = None,
+        self, principal: Principal, request: router_pb2.ChatRequest, *args: Any, **options: Any
     ) -> AsyncIterator[router_pb2.ChatResponse]:
         if self.refusals > 0:
             self.refusals -= 1
             raise errors.Overloaded("rate limit exceeded for API key acme-1", retry_after_s=0.1)
-        async for response in super().__call__(
-            principal, request, resume=resume, on_checkpoint=on_checkpoint
-        ):
+        async for response in super().__call__(principal, request, *args, **options):
             yield response
 
 
