@@ -1,7 +1,7 @@
 """Domain errors and the table that turns them into gRPC status codes.
 
 Engines, stores and policies raise these (or ValueError for bad input); only
-the error interceptor in ``services.common.server`` knows about gRPC codes.
+the error mapping in ``services.common.server`` knows about gRPC codes.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The one server bootstrap every service uses.
 
 It owns what is the same everywhere: the gRPC server and its options, the error
-interceptor with its status-code table, health and reflection, the Prometheus
-endpoint, and graceful shutdown (NOT_SERVING first, then finish in-flight RPCs,
-then exit). A service plugs in through a small ``ServiceRuntime``.
+mapping with its status-code table (wrapped around every handler once, when it
+is registered), health and reflection, the Prometheus endpoint, and graceful
+shutdown (NOT_SERVING first, then finish in-flight RPCs, then exit). A service
+plugs in through a small ``ServiceRuntime``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -27,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from services.common import errors, tracing
-from services.common.handlers import wrap_handler
+from services.common.handlers import HandlerWrappingServer, MethodWrapper, wrap_handler
 from services.common.metrics import REQUEST_SECONDS, REQUESTS
 from services.common.settings import ServerOptions
 
@@ -109,22 +110,18 @@ def _code_name(context: grpc.aio.ServicerContext[Any, Any], default: str) -> str
     return default
 
 
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps handler exceptions to status codes and counts every RPC by outcome."""
+def error_mapping(service: str) -> MethodWrapper:
+    """Wraps a method so its exceptions become the status codes the error table gives, and every
+    RPC is counted by outcome. Applied once per method, at registration (``HandlerWrappingServer``)."""
 
-    def __init__(self, service: str) -> None:
-        self._service = service
+    def wrap(full_method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        method = full_method.rsplit("/", 1)[-1]
+        seconds = REQUEST_SECONDS.labels(service, method)
+        succeeded = REQUESTS.labels(service, method, "OK")
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
-        method = handler_call_details.method.rsplit("/", 1)[-1]
-        service = self._service
+        def count(code: str, started: float) -> None:
+            (succeeded if code == "OK" else REQUESTS.labels(service, method, code)).inc()
+            seconds.observe(time.perf_counter() - started)
 
         async def run_unary(behavior: Any, request: Any, context: Any) -> Any:
             started = time.perf_counter()
@@ -141,8 +138,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 code = errors.status_for(exc).name
                 await abort_for(exc, context, method)
             finally:
-                REQUESTS.labels(service, method, code).inc()
-                REQUEST_SECONDS.labels(service, method).observe(time.perf_counter() - started)
+                count(code, started)
 
         async def run_stream(behavior: Any, request: Any, context: Any) -> AsyncIterator[Any]:
             started = time.perf_counter()
@@ -164,10 +160,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 code = errors.status_for(exc).name
                 await abort_for(exc, context, method)
             finally:
-                REQUESTS.labels(service, method, code).inc()
-                REQUEST_SECONDS.labels(service, method).observe(time.perf_counter() - started)
+                count(code, started)
 
         return wrap_handler(handler, run_unary, run_stream)
+
+    return wrap
 
 
 def server_channel_options(options: ServerOptions) -> list[tuple[str, Any]]:
@@ -212,10 +209,12 @@ def configure_logging(level: str) -> None:
 async def serve(options: ServerOptions, runtime: ServiceRuntime) -> None:
     """Serve until SIGTERM/SIGINT, then drain and stop gracefully."""
     tracing.setup(options.service)
-    server = grpc.aio.server(
-        # Tracing outermost, so a span covers the error mapping too.
-        interceptors=[tracing.ServerTracingInterceptor(options.service), ErrorInterceptor(options.service)],
-        options=server_channel_options(options),
+    # Tracing, when it has somewhere to send spans, is the one interceptor: outermost, so a span
+    # covers the error mapping too. Without it no interceptor runs per call at all.
+    interceptors = [tracing.ServerTracingInterceptor(options.service)] if tracing.enabled() else []
+    server = HandlerWrappingServer(
+        grpc.aio.server(interceptors=interceptors, options=server_channel_options(options)),
+        error_mapping(options.service),
     )
     runtime.register(server)
     health_servicer = AsyncHealthServicer()

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from services.common import tracing
+from services.common.eager import run_eagerly
 from services.gen.llmmesh.v1 import inference_pb2
 
 if TYPE_CHECKING:
@@ -144,31 +145,34 @@ class _Connection:
         self.handles: dict[int, GenerationHandle] = {}
         self.broken: StreamBroken | None = None
         self._outbox: list[inference_pb2.GenerateManyRequest] = []
-        self._has_mail = asyncio.Event()
+        #: Whether ``_write`` is running (grpc aio allows one write in flight per call).
+        self._writing = False
         self._call = stub.GenerateMany()  # type: ignore[call-arg]
         self._reader = asyncio.create_task(self._read())
-        self._writer = asyncio.create_task(self._write())
 
     def send(self, request: inference_pb2.GenerateManyRequest) -> None:
-        if self.broken is None:
-            self._outbox.append(request)
-            self._has_mail.set()
+        if self.broken is not None:
+            return
+        self._outbox.append(request)
+        if not self._writing:
+            # Started here, not in a task: an idle stream's write goes out before send returns.
+            self._writing = True
+            run_eagerly(self._write(), self._written)
 
     async def _write(self) -> None:
-        # grpc aio allows one write in flight per call: one task writes, in order.
-        try:
-            while True:
-                await self._has_mail.wait()
-                self._has_mail.clear()
-                while self._outbox:
-                    batch = self._outbox[:]
-                    self._outbox.clear()
-                    for request in batch:
-                        await self._call.write(request)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the call failed: make sure the reader sees it and fails the generations
-            log.debug("GenerateMany write to %s failed: %r", self.address, exc)
+        """Everything in the outbox, in order, one write at a time, until it is empty."""
+        while self._outbox:
+            batch = self._outbox[:]
+            self._outbox.clear()
+            for request in batch:
+                await self._call.write(request)
+
+    def _written(self, failure: BaseException | None) -> None:
+        self._writing = False
+        if failure is not None:
+            # The call failed (or was cancelled by close): the reader sees it and fails the generations.
+            log.debug("GenerateMany write to %s failed: %r", self.address, failure)
+            self._outbox.clear()
             self._call.cancel()
 
     async def _read(self) -> None:
@@ -191,16 +195,15 @@ class _Connection:
             raise
         finally:
             self.broken = failure
-            self._writer.cancel()
+            self._outbox.clear()
             for handle in list(self.handles.values()):
                 handle._wake_with(failure)
             self.handles.clear()
 
     async def close(self) -> None:
-        self._call.cancel()
-        for task in (self._reader, self._writer):
-            task.cancel()
-        await asyncio.gather(self._reader, self._writer, return_exceptions=True)
+        self._call.cancel()  # a write in flight fails with it
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
 
 
 class ReplicaMultiplexer:

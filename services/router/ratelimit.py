@@ -15,7 +15,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +71,10 @@ if rr > 0 and rcost > 0 then store(KEYS[1], rlevel - rcost, rr, rc) end
 if tr > 0 and tcost > 0 then store(KEYS[2], math.max(tlevel - tcost, -tc), tr, tc) end
 return {1, 0, 0}
 """
+
+
+#: A key with no limits of its own (compared against on every request: made once).
+NO_LIMITS = KeyLimits()
 
 
 @dataclass(frozen=True)
@@ -152,9 +156,9 @@ class RateLimiter:
         self._redis_down_logged = False
 
     def limits_for(self, principal: Principal, limits: KeyLimits | None = None) -> KeyLimits:
-        if limits is not None and limits != KeyLimits():
+        if limits is not None and limits != NO_LIMITS:
             return limits
-        if principal.limits != KeyLimits():
+        if principal.limits != NO_LIMITS:
             return principal.limits
         return self.default_limits
 
@@ -165,6 +169,8 @@ class RateLimiter:
     async def admit_request(self, principal: Principal, limits: KeyLimits | None = None) -> None:
         """Take one request; ``Overloaded`` (with retry-after) when the key is over its limits."""
         spec = self.limits_for(principal, limits)
+        if spec.requests_per_second is None and spec.tokens_per_minute is None:
+            return  # an unlimited key: nothing to take (the common case, on every request's path)
         await self._take(principal, request_bucket(spec), 1.0, token_bucket(spec), 0.0)
 
     async def charge_tokens(self, principal: Principal, n: int, limits: KeyLimits | None = None) -> None:
@@ -230,16 +236,27 @@ class InflightLimiter:
         self.retry_after_s = retry_after_s
         self.in_flight = 0
 
-    @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        if self.in_flight >= self.max_in_flight:
+    def slot(self) -> _Slot:
+        """``with limiter.slot():`` holds one of the router's in-flight places (a plain context
+        manager, not a generator one: it is on every request's path)."""
+        return _Slot(self)
+
+
+class _Slot:
+    __slots__ = ("_limiter",)
+
+    def __init__(self, limiter: InflightLimiter) -> None:
+        self._limiter = limiter
+
+    def __enter__(self) -> None:
+        limiter = self._limiter
+        if limiter.in_flight >= limiter.max_in_flight:
             RATE_LIMITED.labels("in_flight").inc()
             raise errors.Overloaded(
-                f"router overloaded: {self.in_flight} requests in flight (max {self.max_in_flight})",
-                retry_after_s=self.retry_after_s,
+                f"router overloaded: {limiter.in_flight} requests in flight (max {limiter.max_in_flight})",
+                retry_after_s=limiter.retry_after_s,
             )
-        self.in_flight += 1
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
+        limiter.in_flight += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._limiter.in_flight -= 1

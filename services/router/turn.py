@@ -201,7 +201,7 @@ class TurnPipeline:
         metrics.IN_FLIGHT.inc()
         slot = s.inflight.slot() if s.inflight is not None else contextlib.nullcontext()
         try:
-            async with slot:
+            with slot:
                 async for response in self._turn(principal, request, deadline, state, resume, on_checkpoint):
                     if writer is not None:
                         writer.put(response)
@@ -267,13 +267,20 @@ class TurnPipeline:
                 async for response in self._degraded(principal, request, None, str(exc), state):
                     yield response
                 return
-            history, chunks, pinned = await self._lookups(tenant, request, new_messages, state)
-            messages = self._build(history, chunks, new_messages)
-            start = inference_pb2.GenerateStart(
-                request_id=state.request_id,
-                messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in messages],
-                sampling=request.sampling,
-            )
+            if request.session_id or request.rag.enabled:
+                history, chunks, pinned = await self._lookups(tenant, request, new_messages, state)
+                messages = self._build(history, chunks, new_messages)
+                start = inference_pb2.GenerateStart(
+                    request_id=state.request_id,
+                    messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in messages],
+                    sampling=request.sampling,
+                )
+            else:
+                # No history, no sources: the prompt is the request's messages, copied as they are.
+                messages = new_messages
+                start = inference_pb2.GenerateStart(
+                    request_id=state.request_id, messages=request.messages, sampling=request.sampling
+                )
         cache_mode = request.cache.mode
         caching = s.exact_cache is not None or (request.cache.semantic and s.semantic_cache is not None)
         key = exact_cache_key(models[0], messages, request.sampling) if caching else None

@@ -398,3 +398,65 @@ async def test_a_paused_generation_flows_again_once_the_client_half_closes() -> 
         events = [e async for m in serve_many(Counting(limit=200), requests()) for e in m.events]
     assert [t for e in events if e.HasField("chunk") for t in e.chunk.token_ids] == list(range(200))
     assert events[-1].HasField("finished")
+
+
+class _HeldCall:
+    """A GenerateMany call whose writes complete only when the test says so (no replica)."""
+
+    def __init__(self) -> None:
+        self.started: list[inference_pb2.GenerateManyRequest] = []
+        self.acks: list[asyncio.Future[None]] = []
+        self.cancelled = False
+        self._closed = asyncio.Event()
+
+    async def write(self, request: inference_pb2.GenerateManyRequest) -> None:
+        self.started.append(request)
+        ack = asyncio.get_running_loop().create_future()
+        self.acks.append(ack)
+        await ack
+
+    def __aiter__(self) -> AsyncIterator[inference_pb2.GenerateManyResponse]:
+        return self._responses()
+
+    async def _responses(self) -> AsyncIterator[inference_pb2.GenerateManyResponse]:
+        await self._closed.wait()
+        return
+        yield  # an async generator that ends when the call is cancelled
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        self._closed.set()
+        return True
+
+
+class _HeldStub:
+    def __init__(self) -> None:
+        self.call = _HeldCall()
+
+    def GenerateMany(self) -> _HeldCall:
+        return self.call
+
+
+async def test_an_idle_streams_request_goes_out_before_open_returns_and_later_ones_follow_in_order() -> None:
+    stub = _HeldStub()
+    mux = ReplicaMultiplexer(stub, "held")  # type: ignore[arg-type]
+    first = mux.open(start_of("first", 4), None)
+    # No loop turn yet: the write already started on this stack (no writer task to schedule).
+    assert [r.start.request_id for r in stub.call.started] == ["first"]
+    second = mux.open(start_of("second", 4), None)
+    first.close()  # a cancel, queued behind the second start
+    await asyncio.sleep(0)
+    assert len(stub.call.started) == 1  # one write in flight at a time, as grpc aio requires
+    stub.call.acks[0].set_result(None)
+    await asyncio.sleep(0)
+    stub.call.acks[1].set_result(None)
+    await asyncio.sleep(0)
+    kinds = [f"{r.WhichOneof('action')}:{r.tag}" for r in stub.call.started]
+    assert kinds == [f"start:{first.tag}", f"start:{second.tag}", f"cancel:{first.tag}"]
+    stub.call.acks[2].set_result(None)
+    await asyncio.sleep(0)
+    # Idle again: the next request is written at once, by a fresh eager start.
+    mux.open(start_of("third", 4), None)
+    assert stub.call.started[-1].start.request_id == "third"
+    await mux.close()
+    assert stub.call.cancelled
