@@ -248,7 +248,9 @@ class TurnPipeline:
     ) -> AsyncIterator[router_pb2.ChatResponse]:
         s = self.s
         tenant = principal.tenant
-        if s.rate_limiter is not None:
+        if s.rate_limiter is not None and resume is None:
+            # A resumed task's turn was admitted when it first ran: a dead router's takeover does
+            # not spend another of the key's requests.
             await s.rate_limiter.admit_request(principal)
         new_messages = [(m.role, m.content) for m in request.messages]
         pinned: str | None = None

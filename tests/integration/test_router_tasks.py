@@ -13,6 +13,8 @@ import pytest
 from redis import Redis
 
 from services.gen.llmmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.router.auth import KeyLimits
+from services.router.keys import add_key
 from services.router.tasks import events_key
 from tests.support.processes import ServiceProcess
 from tests.support.redis import RedisServer
@@ -21,8 +23,11 @@ from tests.support.redis import RedisServer
 TASK_ENV = {"LLMMESH_TASK_VISIBILITY_SECONDS": "1.5"}
 
 
-def start_router(replica: ServiceProcess, redis: RedisServer, session_addr: str = "") -> ServiceProcess:
+def start_router(
+    replica: ServiceProcess, redis: RedisServer, session_addr: str = "", extra: tuple[str, ...] = ()
+) -> ServiceProcess:
     args = [
+        *extra,
         "--replicas",
         replica.address,
         "--redis-url",
@@ -83,11 +88,15 @@ def chat_request(text: str, max_tokens: int, request_id: str = "") -> router_pb2
 
 
 def wait_task(
-    stub: router_pb2_grpc.RouterStub, task_id: str, done: set[int], timeout: float
+    stub: router_pb2_grpc.RouterStub,
+    task_id: str,
+    done: set[int],
+    timeout: float,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> router_pb2.Task:
     deadline = time.monotonic() + timeout
     while True:
-        task = stub.GetTask(router_pb2.GetTaskRequest(task_id=task_id), timeout=5)
+        task = stub.GetTask(router_pb2.GetTaskRequest(task_id=task_id), timeout=5, metadata=metadata)
         if task.state in done or time.monotonic() > deadline:
             return task
         time.sleep(0.1)
@@ -160,6 +169,55 @@ def test_task_survives_kill_9_of_its_router(
         metrics = metrics_text(second.metrics_port)
         assert "llmmesh_router_tasks_reclaimed_total 1.0" in metrics
         assert "llmmesh_router_tasks_resumed_total 1.0" in metrics
+    finally:
+        first.kill()
+        if second is not None:
+            second.stop()
+
+
+def test_a_task_taken_over_is_not_admitted_again(
+    mesh: tuple[RedisServer, ServiceProcess], tmp_path: Path
+) -> None:
+    """The key may start one turn per 100 s, and its task's turn took it. The router running the
+    task dies mid-answer: the survivor finishes the task at once, without a second admission
+    (which would wait out the key's rate, or fail the task), and the key's next turn is still
+    refused for the rate: the takeover spent nothing."""
+    redis, replica = mesh
+    keys_file = tmp_path / "keys.yaml"
+    key, _ = add_key(keys_file, "acme", "acme-one-per-100s", KeyLimits(requests_per_second=0.01, burst=1))
+    auth = (("authorization", f"Bearer {key}"),)
+    with_keys = ("--api-keys-file", str(keys_file))
+    first = start_router(replica, redis, extra=with_keys)
+    second: ServiceProcess | None = None
+    try:
+        channel, stub = stub_for(first)
+        with channel:
+            story = chat_request("Tell me another long story.", max_tokens=100)
+            task = stub.SubmitTask(router_pb2.SubmitTaskRequest(request=story), timeout=10, metadata=auth)
+            deadline = time.monotonic() + 20
+            while not stub.GetTask(
+                router_pb2.GetTaskRequest(task_id=task.task_id), timeout=5, metadata=auth
+            ).text:
+                assert time.monotonic() < deadline, "no token reached the task"
+                time.sleep(0.05)
+        first.kill()
+
+        second = start_router(replica, redis, extra=with_keys)
+        channel, stub = stub_for(second)
+        with channel:
+            ended = {
+                router_pb2.TASK_STATE_SUCCEEDED,
+                router_pb2.TASK_STATE_FAILED,
+                router_pb2.TASK_STATE_CANCELLED,
+            }
+            finished = wait_task(stub, task.task_id, ended, timeout=30, metadata=auth)
+            assert finished.state == router_pb2.TASK_STATE_SUCCEEDED, finished
+            assert finished.end.usage.completion_tokens == 100
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Complete(chat_request("One more?", 4), timeout=10, metadata=auth)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert second.metrics_port is not None
+        assert "llmmesh_router_tasks_resumed_total 1.0" in metrics_text(second.metrics_port)
     finally:
         first.kill()
         if second is not None:
