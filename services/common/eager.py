@@ -35,6 +35,11 @@ def run_eagerly(coro: Coroutine[Any, Any, None], on_done: OnDone) -> None:
             # A bare yield (``asyncio.sleep(0)``): give the loop a turn, then go on.
             asyncio.get_running_loop().call_soon(step)
             return
+        if not asyncio.isfuture(waiting):
+            # What a Task refuses too ("bad yield"): something that is not an asyncio future.
+            coro.close()
+            on_done(RuntimeError(f"run_eagerly: the coroutine yielded {waiting!r}, not a future"))
+            return
         # The asyncio protocol: a coroutine awaiting a future yields it, flagged as blocking; the
         # awaiting coroutine reads the result itself when resumed (a failure raises inside it).
         waiting._asyncio_future_blocking = False

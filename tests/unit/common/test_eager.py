@@ -47,3 +47,18 @@ async def test_a_failure_reaches_on_done_whether_raised_at_once_or_from_a_future
     gate.set_exception(ConnectionError("the call broke"))
     await asyncio.sleep(0)
     assert len(ended) == 2 and isinstance(ended[1], ConnectionError)
+
+
+async def test_a_yield_that_is_not_a_future_is_refused_as_a_task_would_refuse_it() -> None:
+    ended: list[BaseException | None] = []
+
+    class Odd:
+        def __await__(self):  # type: ignore[no-untyped-def]
+            yield "not a future"
+
+    async def odd() -> None:
+        await Odd()
+
+    run_eagerly(odd(), ended.append)
+    assert len(ended) == 1 and isinstance(ended[0], RuntimeError)
+    assert "not a future" in str(ended[0])
