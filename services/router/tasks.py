@@ -190,7 +190,7 @@ class TaskRecord:
     result_ttl_s: int = 600
     #: ``TurnCheckpoint.to_json()`` of the running attempt, once its first token was out.
     checkpoint: str = ""
-    #: The answer's token ids so far.
+    #: The answer's token ids so far (read only when asked: ``TaskStore.get(with_token_ids=True)``).
     token_ids: tuple[int, ...] = ()
 
     @property
@@ -360,15 +360,17 @@ class TaskStore:
         if await self.redis.get(ikey) == task_id.encode():
             await self.redis.delete(ikey)
 
-    async def get(self, task_id: str) -> TaskRecord | None:
+    async def get(self, task_id: str, *, with_token_ids: bool = False) -> TaskRecord | None:
+        """The task; its token ids only when asked (the worker resuming it), not on every GetTask."""
         pipe = self.redis.pipeline(transaction=True)
         pipe.hgetall(task_key(task_id))
         pipe.get(text_key(task_id))
-        pipe.get(tokens_key(task_id))
-        raw, text, tokens = await pipe.execute()
+        if with_token_ids:
+            pipe.get(tokens_key(task_id))
+        raw, text, *tokens = await pipe.execute()
         if not raw:
             return None
-        return TaskRecord.from_hash(task_id, raw, text, self.result_ttl_s, tokens)
+        return TaskRecord.from_hash(task_id, raw, text, self.result_ttl_s, tokens[0] if tokens else None)
 
     async def snapshot(self, task_id: str) -> tuple[TaskRecord | None, str]:
         """The task and the id of its latest event, read together, so a watcher misses nothing and sees nothing twice."""

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -269,20 +269,17 @@ class TurnPipeline:
                 async for response in self._degraded(principal, request, None, str(exc), state):
                     yield response
                 return
+            prompt: Iterable[common_pb2.ChatMessage]
             if request.session_id or request.rag.enabled:
                 history, chunks, pinned = await self._lookups(tenant, request, new_messages, state)
                 messages = self._build(history, chunks, new_messages)
-                start = inference_pb2.GenerateStart(
-                    request_id=state.request_id,
-                    messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in messages],
-                    sampling=request.sampling,
-                )
+                prompt = [common_pb2.ChatMessage(role=r, content=c) for r, c in messages]
             else:
                 # No history, no sources: the prompt is the request's messages, copied as they are.
-                messages = new_messages
-                start = inference_pb2.GenerateStart(
-                    request_id=state.request_id, messages=request.messages, sampling=request.sampling
-                )
+                messages, prompt = new_messages, request.messages
+            start = inference_pb2.GenerateStart(
+                request_id=state.request_id, messages=prompt, sampling=request.sampling
+            )
         cache_mode = request.cache.mode
         caching = s.exact_cache is not None or (request.cache.semantic and s.semantic_cache is not None)
         key = exact_cache_key(models[0], messages, request.sampling) if caching else None
