@@ -358,7 +358,7 @@ class TaskApi:
         run.add_done_callback(done)
 
     async def _run_task(self, entry_id: str, task_id: str) -> None:
-        record = await self.store.get(task_id, with_token_ids=True)
+        record = await self.store.get(task_id, with_resume_state=True)
         if record is None or record.finished:
             await self.store.ack(entry_id)
             return

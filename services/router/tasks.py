@@ -188,9 +188,10 @@ class TaskRecord:
     attempts: int = 0
     cancel_requested: bool = False
     result_ttl_s: int = 600
-    #: ``TurnCheckpoint.to_json()`` of the running attempt, once its first token was out.
+    #: ``TurnCheckpoint.to_json()`` of the running attempt, once its first token was out (read
+    #: only when asked: ``TaskStore.get(with_resume_state=True)``).
     checkpoint: str = ""
-    #: The answer's token ids so far (read only when asked: ``TaskStore.get(with_token_ids=True)``).
+    #: The answer's token ids so far (read only when asked: ``TaskStore.get(with_resume_state=True)``).
     token_ids: tuple[int, ...] = ()
 
     @property
@@ -246,6 +247,29 @@ class TaskRecord:
             checkpoint=s("checkpoint"),
             token_ids=unpack_token_ids(tokens or b""),
         )
+
+
+#: The hash fields a client's view of a task needs: everything but the running attempt's
+#: ``checkpoint`` (its whole prompt, history and RAG context included), which only the worker
+#: taking the task over reads.
+STATUS_FIELDS = (
+    "state",
+    "tenant",
+    "key_id",
+    "limits",
+    "request",
+    "end",
+    "error",
+    "created_ms",
+    "updated_ms",
+    "attempts",
+    "cancel",
+)
+
+
+def status_hash(values: list[bytes | None]) -> dict[bytes, bytes]:
+    """HMGET of ``STATUS_FIELDS`` as the hash it reads; empty when the task does not exist."""
+    return {name.encode(): v for name, v in zip(STATUS_FIELDS, values, strict=True) if v is not None}
 
 
 class TaskStore:
@@ -360,25 +384,31 @@ class TaskStore:
         if await self.redis.get(ikey) == task_id.encode():
             await self.redis.delete(ikey)
 
-    async def get(self, task_id: str, *, with_token_ids: bool = False) -> TaskRecord | None:
-        """The task; its token ids only when asked (the worker resuming it), not on every GetTask."""
+    async def get(self, task_id: str, *, with_resume_state: bool = False) -> TaskRecord | None:
+        """The task; its checkpoint and token ids only when asked (the worker resuming it), not on every GetTask."""
         pipe = self.redis.pipeline(transaction=True)
-        pipe.hgetall(task_key(task_id))
-        pipe.get(text_key(task_id))
-        if with_token_ids:
+        if with_resume_state:
+            pipe.hgetall(task_key(task_id))
+            pipe.get(text_key(task_id))
             pipe.get(tokens_key(task_id))
-        raw, text, *tokens = await pipe.execute()
+            raw, text, tokens = await pipe.execute()
+        else:
+            pipe.hmget(task_key(task_id), STATUS_FIELDS)
+            pipe.get(text_key(task_id))
+            values, text = await pipe.execute()
+            raw, tokens = status_hash(values), None
         if not raw:
             return None
-        return TaskRecord.from_hash(task_id, raw, text, self.result_ttl_s, tokens[0] if tokens else None)
+        return TaskRecord.from_hash(task_id, raw, text, self.result_ttl_s, tokens)
 
     async def snapshot(self, task_id: str) -> tuple[TaskRecord | None, str]:
         """The task and the id of its latest event, read together, so a watcher misses nothing and sees nothing twice."""
         pipe = self.redis.pipeline(transaction=True)
-        pipe.hgetall(task_key(task_id))
+        pipe.hmget(task_key(task_id), STATUS_FIELDS)
         pipe.get(text_key(task_id))
         pipe.xrevrange(events_key(task_id), count=1)
-        raw, text, last = await pipe.execute()
+        values, text, last = await pipe.execute()
+        raw = status_hash(values)
         if not raw:
             return None, "0-0"
         cursor = last[0][0].decode() if last else "0-0"

@@ -13,7 +13,7 @@ from services.common import errors
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from services.router.auth import Principal
 from services.router.task_api import TaskApi, TaskSettings
-from services.router.tasks import STREAM_KEY, events_key, idempotency_key, task_key
+from services.router.tasks import STATUS_FIELDS, STREAM_KEY, events_key, idempotency_key, task_key
 from services.router.turn import OnCheckpoint, ResumePoint, TurnCheckpoint
 from tests.support.redis import RedisServer
 
@@ -286,6 +286,47 @@ async def test_a_task_taken_over_after_its_first_words_continues_after_them(
         if fields[b"k"] == b"delta"
     ]
     assert indexes == [0, 1, 2, 3]
+
+
+async def test_a_client_reading_a_task_gets_every_field_but_not_the_running_prompt(
+    redis_client: aioredis.Redis,
+) -> None:
+    api = TaskApi(redis_client, FakeRunTurn(), "r1", TaskSettings(block_ms=100))
+    task = await api.SubmitTask(ACME, submit_request())
+    record = await api.store.get(task.task_id)
+    assert record is not None
+    await api.store.transition(
+        record, {router_pb2.TASK_STATE_QUEUED}, router_pb2.TASK_STATE_RUNNING, extra={"attempts": 1}
+    )
+    prompt = TurnCheckpoint(start=b"a long prompt with the history and the retrieved chunks", model="served")
+    await api.store.save_checkpoint(task.task_id, prompt.to_json())
+    await api.store.append_delta(task.task_id, router_pb2.TokenDelta(text="The ", token_ids=[7], index=0))
+    await api.store.request_cancel(task.task_id)
+
+    # Every field the router keeps in the task's hash is either read for clients or is the checkpoint:
+    # a field added later cannot silently go missing from GetTask.
+    stored = {k.decode() for k in await redis_client.hkeys(task_key(task.task_id))}
+    assert stored == set(STATUS_FIELDS) - {"end", "error"} | {"checkpoint"}
+    seen = await api.store.get(task.task_id)
+    resumable = await api.store.get(task.task_id, with_resume_state=True)
+    assert seen is not None and resumable is not None
+    # GetTask and WatchTask see the task whole (state, owner, attempts, the cancel, the text so far) ...
+    assert (seen.state, seen.tenant, seen.key_id, seen.attempts, seen.cancel_requested, seen.text) == (
+        router_pb2.TASK_STATE_RUNNING,
+        "acme",
+        "acme-1",
+        1,
+        True,
+        "The ",
+    )
+    assert seen.request == resumable.request and seen.created_ms == resumable.created_ms > 0
+    snapshot, cursor = await api.store.snapshot(task.task_id)
+    assert snapshot is not None and snapshot.text == "The " and cursor != "0-0"
+    # ... without reading the prompt or the token ids, which only a worker taking the task over needs.
+    assert (seen.checkpoint, seen.token_ids, snapshot.checkpoint) == ("", (), "")
+    assert (TurnCheckpoint.from_json(resumable.checkpoint), resumable.token_ids) == (prompt, (7,))
+    assert await api.store.get("no-such-task") is None
+    assert (await api.store.snapshot("no-such-task"))[0] is None
 
 
 async def test_a_long_running_task_is_not_stolen_from_a_live_router(redis_client: aioredis.Redis) -> None:
