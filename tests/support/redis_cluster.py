@@ -10,7 +10,7 @@ from pathlib import Path
 
 import redis
 
-from tests.support.redis import redis_server_binary
+from services.launcher.redis_local import redis_server_binary
 
 SLOTS = 16384
 # Each node also listens on port + 10000 for the cluster bus, so ports must leave room for it.
