@@ -14,7 +14,10 @@ requests interleaved with each other's and with direct calls:
   of gRPC core's poller, its default (``services/router/grpc_io.py``);
 - ``floor``: ``bench/relay_floor.py``, a grpc aio relay with no logic at all and
   one replica call per stream (on the router's poller too), i.e. what the second
-  gRPC hop costs a Python relay that does not share streams.
+  gRPC hop costs a Python relay that does not share streams;
+- ``floor-go``: ``bench/relay_floor_go``, the same relay in Go (grpc-go), built
+  on first use with Debian's Go toolchain (as the REST gateway is): what the
+  machine charges a native relay, so each run separates Python's gRPC from it.
 
 Figures: the latency each relay adds per stream over calling the replica
 directly (p50/p99 to the final message, to the first token, and to the end of
@@ -86,10 +89,13 @@ class Service:
         self._ready = threading.Event()
         self.lines: list[str] = []
 
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", self.module, "--port", "0", "--log-level", "WARNING", *self.args]
+
     def start(self, timeout_s: float = 300.0) -> Service:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **self.env}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", self.module, "--port", "0", "--log-level", "WARNING", *self.args],
+            self.command(),
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -467,6 +473,29 @@ async def measure_concurrency(router: Service, streams: int, tokens: int) -> Con
     return Concurrency(streams, succeeded, streams - succeeded, wall, errors)
 
 
+GO_FLOOR_DIR = ROOT / "bench" / "relay_floor_go"
+GO_FLOOR_BINARY = GO_FLOOR_DIR / "bin" / "llm-mesh-relay-floor-go"
+
+
+class GoFloorRelay(Service):
+    """``bench/relay_floor_go``: built once per run (so it matches the protos), then run like a service."""
+
+    built = False
+
+    def command(self) -> list[str]:
+        if not GoFloorRelay.built:
+            done = subprocess.run(
+                ["bash", str(GO_FLOOR_DIR / "build.sh")], capture_output=True, text=True, check=False
+            )
+            if done.returncode != 0:
+                raise RuntimeError(
+                    "floor-go: bench/relay_floor_go/build.sh failed (it needs Debian's Go packages, as "
+                    "`make gateway` does; or leave floor-go out of --relays):\n" + done.stdout + done.stderr
+                )
+            GoFloorRelay.built = True
+        return [str(GO_FLOOR_BINARY), "--port", "0", *self.args]
+
+
 def router_flags(replicas: list[Service]) -> list[str]:
     return [
         "--replicas",
@@ -492,6 +521,9 @@ def start_relays(replicas: list[Service], names: list[str], redis: LocalRedis | 
         elif name == "floor":
             replica_list = ",".join(r.address for r in replicas)
             relays[name] = Service("bench.relay_floor", ["--replicas", replica_list], env=POLLER_ENV)
+        elif name == "floor-go":
+            replica_list = ",".join(r.address for r in replicas)
+            relays[name] = GoFloorRelay("floor-go", ["--replicas", replica_list])
         else:
             raise ValueError(f"unknown relay {name!r}")
     for relay in relays.values():
@@ -618,7 +650,9 @@ async def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     relays: dict[str, Service] = {}
     try:
         await replica.wait_serving()
-        relays = start_relays([replica], ["router", "floor"], None)
+        relays = start_relays(
+            [replica], [n for n in ("router", "floor", "floor-go") if n in args.relays], None
+        )
         for relay in relays.values():
             await relay.wait_serving()
         overhead = await measure_overhead(
@@ -662,8 +696,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--relays",
         type=lambda text: [x for x in text.split(",") if x],
-        default=["router", "router+redis", "router-eventengine", "floor"],
-        help="relays measured side by side (router is required): router, router+redis, router-eventengine, floor",
+        default=["router", "router+redis", "router-eventengine", "floor", "floor-go"],
+        help="relays measured side by side (router is required): "
+        "router, router+redis, router-eventengine, floor, floor-go",
     )
     parser.add_argument("--streams", type=int, default=300, help="paired streams for the overhead figures")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per overhead stream")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,21 @@ def test_bench_dispatch_reports_a_missing_benchmark_clearly(
 def test_bench_engine_rejects_bad_only_through_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["bench", "engine", "--only", "llm_mesh,bogus"]) == 2
     assert "bogus" in capsys.readouterr().err
+
+
+def test_idle_box_reports_every_figure_for_every_gap(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "idle.json"
+    assert cli.main(["bench", "idle-box", "--rounds", "3", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    figures = {"handoff_one_vcpu_us", "first_sha256_4k_us", "grpc_aio_write_ack_us"}
+    if result["cpus"] > 1:
+        figures.add("handoff_two_vcpus_us")
+    assert set(result["p50_us_after_gap"]) == {"0ms", "1ms", "10ms"}
+    for row in result["p50_us_after_gap"].values():
+        assert set(row) == figures and all(v > 0 for v in row.values())
+    # The table printed for the docs has a row per gap, each figure in its column.
+    table = capsys.readouterr().out
+    assert "| 10ms | " in table and "grpc aio write acknowledged" in table
+    assert cli.main(["bench", "idle-box", "--rounds", "0"]) == 2
