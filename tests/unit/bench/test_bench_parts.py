@@ -147,3 +147,14 @@ def test_idle_box_reports_every_figure_for_every_gap(
     table = capsys.readouterr().out
     assert "| 10ms | " in table and "grpc aio write acknowledged" in table
     assert cli.main(["bench", "idle-box", "--rounds", "0"]) == 2
+
+
+def test_a_relay_measured_in_its_own_pass_is_reported_beside_the_others() -> None:
+    from bench.router import merge_passes
+
+    first = {"overhead_paced": {"router": {"added_p50_ms": 1.0}}, "concurrency": {"ok": 1000}}
+    second = {"overhead_paced": {"floor-go": {"added_p50_ms": 0.7}}, "throughput_unpaced": {"floor-go": {}}}
+    merged = merge_passes(first, second)
+    assert merged["overhead_paced"] == {"router": {"added_p50_ms": 1.0}, "floor-go": {"added_p50_ms": 0.7}}
+    assert merged["concurrency"] == {"ok": 1000} and merged["throughput_unpaced"] == {"floor-go": {}}
+    assert first["overhead_paced"] == {"router": {"added_p50_ms": 1.0}}  # the inputs are left as they were
