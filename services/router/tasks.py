@@ -188,8 +188,8 @@ class TaskRecord:
     attempts: int = 0
     cancel_requested: bool = False
     result_ttl_s: int = 600
-    #: ``TurnCheckpoint.to_json()`` of the running attempt, once its first token was out (read
-    #: only when asked: ``TaskStore.get(with_resume_state=True)``).
+    #: ``TurnCheckpoint.to_json()`` of the running attempt, once its first token was out (read,
+    #: with ``request`` and ``token_ids``, only when asked: ``TaskStore.get(with_resume_state=True)``).
     checkpoint: str = ""
     #: The answer's token ids so far (read only when asked: ``TaskStore.get(with_resume_state=True)``).
     token_ids: tuple[int, ...] = ()
@@ -249,15 +249,14 @@ class TaskRecord:
         )
 
 
-#: The hash fields a client's view of a task needs: everything but the running attempt's
-#: ``checkpoint`` (its whole prompt, history and RAG context included), which only the worker
-#: taking the task over reads.
+#: The hash fields a client's view of a task needs: all but the ``request`` (the messages as
+#: submitted) and the running attempt's ``checkpoint`` (its whole prompt, history and RAG
+#: context included), which only the worker running or taking over the task reads.
 STATUS_FIELDS = (
     "state",
     "tenant",
     "key_id",
     "limits",
-    "request",
     "end",
     "error",
     "created_ms",
@@ -385,7 +384,7 @@ class TaskStore:
             await self.redis.delete(ikey)
 
     async def get(self, task_id: str, *, with_resume_state: bool = False) -> TaskRecord | None:
-        """The task; its checkpoint and token ids only when asked (the worker resuming it), not on every GetTask."""
+        """The task; its request, checkpoint and token ids only when asked (the worker running it), not on every GetTask."""
         pipe = self.redis.pipeline(transaction=True)
         if with_resume_state:
             pipe.hgetall(task_key(task_id))

@@ -288,7 +288,7 @@ async def test_a_task_taken_over_after_its_first_words_continues_after_them(
     assert indexes == [0, 1, 2, 3]
 
 
-async def test_a_client_reading_a_task_gets_every_field_but_not_the_running_prompt(
+async def test_a_client_reading_a_task_gets_its_status_but_not_the_request_or_running_prompt(
     redis_client: aioredis.Redis,
 ) -> None:
     api = TaskApi(redis_client, FakeRunTurn(), "r1", TaskSettings(block_ms=100))
@@ -306,7 +306,7 @@ async def test_a_client_reading_a_task_gets_every_field_but_not_the_running_prom
     # Every field the router keeps in the task's hash is either read for clients or is the checkpoint:
     # a field added later cannot silently go missing from GetTask.
     stored = {k.decode() for k in await redis_client.hkeys(task_key(task.task_id))}
-    assert stored == set(STATUS_FIELDS) - {"end", "error"} | {"checkpoint"}
+    assert stored == set(STATUS_FIELDS) - {"end", "error"} | {"request", "checkpoint"}
     seen = await api.store.get(task.task_id)
     resumable = await api.store.get(task.task_id, with_resume_state=True)
     assert seen is not None and resumable is not None
@@ -319,11 +319,14 @@ async def test_a_client_reading_a_task_gets_every_field_but_not_the_running_prom
         True,
         "The ",
     )
-    assert seen.request == resumable.request and seen.created_ms == resumable.created_ms > 0
+    assert seen.created_ms == resumable.created_ms > 0
     snapshot, cursor = await api.store.snapshot(task.task_id)
     assert snapshot is not None and snapshot.text == "The " and cursor != "0-0"
-    # ... without reading the prompt or the token ids, which only a worker taking the task over needs.
-    assert (seen.checkpoint, seen.token_ids, snapshot.checkpoint) == ("", (), "")
+    # ... without reading the request, the prompt or the token ids, which only the worker running the
+    # task or taking it over needs.
+    assert (seen.request, seen.checkpoint, seen.token_ids) == (b"", "", ())
+    assert (snapshot.request, snapshot.checkpoint) == (b"", "")
+    assert router_pb2.ChatRequest.FromString(resumable.request).messages == submit_request().request.messages
     assert (TurnCheckpoint.from_json(resumable.checkpoint), resumable.token_ids) == (prompt, (7,))
     assert await api.store.get("no-such-task") is None
     assert (await api.store.snapshot("no-such-task"))[0] is None
