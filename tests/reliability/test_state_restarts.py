@@ -56,6 +56,23 @@ def wait_tasks(
     return [done[t] for t in task_ids]
 
 
+def wait_until_disconnected(channel: grpc.Channel, timeout: float = 10.0) -> None:
+    """Until the client has seen its connection drop: a call sent in the instant between a kill -9
+    and the client reading the closed socket fails UNAVAILABLE ("Stream removed") rather than
+    waiting for a new connection, whatever the server does."""
+    dropped = threading.Event()
+
+    def watch(state: grpc.ChannelConnectivity) -> None:
+        if state is not grpc.ChannelConnectivity.READY:
+            dropped.set()
+
+    channel.subscribe(watch)
+    try:
+        assert dropped.wait(timeout), "the client never noticed the router die"
+    finally:
+        channel.unsubscribe(watch)
+
+
 def session_texts(session: ServiceProcess, session_id: str) -> list[str]:
     with grpc.insecure_channel(session.address) as channel:
         state = session_pb2_grpc.SessionStub(channel).GetSession(
@@ -192,6 +209,7 @@ def test_router_kill_9_and_restart_keeps_clients_sessions_and_tasks(tmp_path: Pa
         ]
         time.sleep(0.5)  # the tasks are running (100 tokens at 50/s: 2 s) when the router dies
         m.router.kill()
+        wait_until_disconnected(channel)
 
         replies: dict[str, router_pb2.CompleteResponse] = {}
         failures: list[str] = []
