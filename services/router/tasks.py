@@ -266,9 +266,12 @@ STATUS_FIELDS = (
 )
 
 
+_STATUS_KEYS = tuple(name.encode() for name in STATUS_FIELDS)
+
+
 def status_hash(values: list[bytes | None]) -> dict[bytes, bytes]:
     """HMGET of ``STATUS_FIELDS`` as the hash it reads; empty when the task does not exist."""
-    return {name.encode(): v for name, v in zip(STATUS_FIELDS, values, strict=True) if v is not None}
+    return {key: v for key, v in zip(_STATUS_KEYS, values, strict=True) if v is not None}
 
 
 class TaskStore:
@@ -386,32 +389,37 @@ class TaskStore:
     async def get(self, task_id: str, *, with_resume_state: bool = False) -> TaskRecord | None:
         """The task; its request, checkpoint and token ids only when asked (the worker running it), not on every GetTask."""
         pipe = self.redis.pipeline(transaction=True)
-        if with_resume_state:
-            pipe.hgetall(task_key(task_id))
-            pipe.get(text_key(task_id))
-            pipe.get(tokens_key(task_id))
-            raw, text, tokens = await pipe.execute()
-        else:
-            pipe.hmget(task_key(task_id), STATUS_FIELDS)
-            pipe.get(text_key(task_id))
-            values, text = await pipe.execute()
-            raw, tokens = status_hash(values), None
-        if not raw:
-            return None
-        return TaskRecord.from_hash(task_id, raw, text, self.result_ttl_s, tokens)
+        if not with_resume_state:
+            self._read_status(pipe, task_id)
+            return self._status_record(task_id, *await pipe.execute())
+        pipe.hgetall(task_key(task_id))
+        pipe.get(text_key(task_id))
+        pipe.get(tokens_key(task_id))
+        raw, text, tokens = await pipe.execute()
+        return TaskRecord.from_hash(task_id, raw, text, self.result_ttl_s, tokens) if raw else None
 
     async def snapshot(self, task_id: str) -> tuple[TaskRecord | None, str]:
         """The task and the id of its latest event, read together, so a watcher misses nothing and sees nothing twice."""
         pipe = self.redis.pipeline(transaction=True)
-        pipe.hmget(task_key(task_id), STATUS_FIELDS)
-        pipe.get(text_key(task_id))
+        self._read_status(pipe, task_id)
         pipe.xrevrange(events_key(task_id), count=1)
         values, text, last = await pipe.execute()
-        raw = status_hash(values)
-        if not raw:
+        record = self._status_record(task_id, values, text)
+        if record is None:
             return None, "0-0"
-        cursor = last[0][0].decode() if last else "0-0"
-        return TaskRecord.from_hash(task_id, raw, text, self.result_ttl_s), cursor
+        return record, last[0][0].decode() if last else "0-0"
+
+    @staticmethod
+    def _read_status(pipe: Any, task_id: str) -> None:
+        """Queue the reads of a client's view of a task: its status fields and its text so far."""
+        pipe.hmget(task_key(task_id), STATUS_FIELDS)
+        pipe.get(text_key(task_id))
+
+    def _status_record(
+        self, task_id: str, values: list[bytes | None], text: bytes | None
+    ) -> TaskRecord | None:
+        raw = status_hash(values)
+        return TaskRecord.from_hash(task_id, raw, text, self.result_ttl_s) if raw else None
 
     async def transition(
         self,
