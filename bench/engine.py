@@ -79,6 +79,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(lets a compiled engine see every shape before it is timed)",
     )
     parser.add_argument("--cb-page-size", type=int, default=256, help="transformers CB tokens per KV page")
+    parser.add_argument(
+        "--cb-num-blocks",
+        type=int,
+        default=None,
+        help="transformers CB KV blocks (default: 64 on CPU, as BENCHMARKS.md; on CUDA its own sizing)",
+    )
+
+
+def continuous_batching_sizes(num_blocks: int | None, device: str) -> tuple[int | None, int | None]:
+    """(KV blocks, max batch tokens) for transformers' continuous batching.
+
+    On CPU the sizes BENCHMARKS.md gave the peer; on a GPU transformers sizes both from
+    free memory (None), as a user of it there would get, unless --cb-num-blocks is given.
+    """
+    from bench.hf_peers import CB_MAX_BATCH_TOKENS, CB_NUM_BLOCKS
+
+    if device == "cpu":
+        return num_blocks or CB_NUM_BLOCKS, CB_MAX_BATCH_TOKENS
+    return num_blocks, None
 
 
 def parse_methods(only: str) -> list[str]:
@@ -115,15 +134,20 @@ def warmup_workload(workload: Workload) -> Workload:
     return Workload("warmup", picked)
 
 
-def machine_description() -> str:
-    """CPU model and core count (or the GPU), recorded with every result."""
+def machine_description(device: str = "cpu") -> str:
+    """CPU model and core count, and the GPU when the run used one; recorded with every result."""
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             model = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{model}, {os.cpu_count()} CPU(s), {platform.system()} {platform.release()}"
+    described = f"{model}, {os.cpu_count()} CPU(s), {platform.system()} {platform.release()}"
+    if device.startswith("cuda"):
+        import torch
+
+        described = f"{torch.cuda.get_device_name(device)}; {described}"
+    return described
 
 
 def run(args: argparse.Namespace) -> int:
@@ -162,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
 
+    cb_sizes = continuous_batching_sizes(args.cb_num_blocks, device)
     runners: dict[str, Callable[[Workload], MethodRun]] = {}
     engine: Any = None
     if any(m != "llm_mesh" for m in methods):
@@ -176,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
         )
         runners["hf_static"] = lambda w: hf_peers.run_static(hf_model, w, pad_token_id, args.max_num_seqs)
         runners["hf_continuous"] = lambda w: hf_peers.run_continuous(
-            hf_model, w, pad_token_id, args.cb_page_size
+            hf_model, w, pad_token_id, args.cb_page_size, *cb_sizes
         )
     if "llm_mesh" in methods:
         console.print(f"building llm-mesh engine ({args.dtype}, {args.model_impl}, compile={args.compile}) …")
@@ -232,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
         "rounds": args.rounds,
         "per_round": [{m: s.as_dict() for m, s in r.items()} for r in per_round],
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine_description(),
+        "machine": machine_description(device),
         "threads": args.threads,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "settings": {
@@ -245,7 +270,8 @@ def run(args: argparse.Namespace) -> int:
             "warmup": args.warmup,
             "arrival_rate": args.arrival_rate if workload.name == "mixed" else None,
             "seed": args.seed if workload.name == "mixed" else None,
-            "cb_num_blocks": hf_peers.CB_NUM_BLOCKS,
+            "cb_num_blocks": cb_sizes[0],
+            "cb_max_batch_tokens": cb_sizes[1],
             "cb_page_size": args.cb_page_size,
         },
         "notes": notes,

@@ -19,8 +19,9 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 from bench.timings import MethodRun, RequestTiming
 from bench.workloads import BenchRequest, Workload
 
-# transformers' continuous batching exactly as BENCHMARKS.md configured the peer: with
-# defaults on CPU it sizes its KV cache from 60 % of free RAM.
+# transformers' continuous batching on CPU exactly as BENCHMARKS.md configured the peer:
+# with defaults on CPU it sizes its KV cache from 60 % of free RAM. On a GPU the bench
+# leaves both to transformers, which sizes them from free GPU memory.
 CB_NUM_BLOCKS = 64
 CB_MAX_BATCH_TOKENS = 2048
 
@@ -190,8 +191,15 @@ def run_static(model: Any, workload: Workload, pad_token_id: int, max_batch: int
 
 
 @torch.inference_mode()
-def run_continuous(model: Any, workload: Workload, pad_token_id: int, page_size: int = 256) -> MethodRun:
-    """transformers' built-in continuous batching (`init_continuous_batching`), 64 KV blocks.
+def run_continuous(
+    model: Any,
+    workload: Workload,
+    pad_token_id: int,
+    page_size: int = 256,
+    num_blocks: int | None = CB_NUM_BLOCKS,
+    max_batch_tokens: int | None = CB_MAX_BATCH_TOKENS,
+) -> MethodRun:
+    """transformers' built-in continuous batching (`init_continuous_batching`); None sizes are its own.
 
     Its manager is built and warmed up before the clock starts; requests are added at
     their arrival times and timed by the manager's own per-token timestamps.
@@ -203,7 +211,7 @@ def run_continuous(model: Any, workload: Workload, pad_token_id: int, page_size:
         num_requests=len(requests),
     )
     cb_config = ContinuousBatchingConfig(
-        num_blocks=CB_NUM_BLOCKS, max_batch_tokens=CB_MAX_BATCH_TOKENS, page_size=page_size
+        num_blocks=num_blocks, max_batch_tokens=max_batch_tokens, page_size=page_size
     )
     manager = model.init_continuous_batching(
         generation_config=greedy_config(hints.max_generated_length, pad_token_id),

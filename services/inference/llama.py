@@ -232,7 +232,10 @@ class LlamaForward:
                 decode.slab.k[index][rows, :, decode.positions] = k[: decode.count]
                 decode.slab.v[index][rows, :, decode.positions] = v[: decode.count]
             attn = self._attention(q, index, k_cache, v_cache, step)
-            x = x + layer.o(attn.view(n, heads * dim))
+            # reshape, not view: SDPA's output layout depends on the kernel that ran (CUDA's
+            # and CPU's math kernels leave [rows, heads, steps, D] strides), so one prefill
+            # row may need a copy here.
+            x = x + layer.o(attn.reshape(n, heads * dim))
             h = self._rms_norm(x, layer.post_attention_norm)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)

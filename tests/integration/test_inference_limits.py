@@ -16,6 +16,7 @@ from google.rpc import error_details_pb2, status_pb2
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from tests.support.device import TEST_DEVICE, replica_device_args
 from tests.support.inference import Generation, generate, greedy
 from tests.support.processes import ServiceProcess
 
@@ -39,6 +40,7 @@ def replica(model_path: Path) -> Iterator[ServiceProcess]:
             "--max-num-seqs", str(MAX_SEQS),
             "--metrics-port", "0",
             "--grace-seconds", "60",
+            *replica_device_args(),
         ],
     )  # fmt: skip
     try:
@@ -78,14 +80,14 @@ async def test_preemption_under_a_tiny_kv_cache_still_gives_exact_outputs(
 
     assert metric(replica, "llmmesh_preemptions_total") > 0, "the cache was meant to be too small"
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).to(TEST_DEVICE).eval()
     for prompt, got in zip(PROMPTS, results, strict=True):
         assert got.finish_reason == common_pb2.FINISH_REASON_LENGTH
         ids = tokenizer.encode(prompt)
         with torch.inference_mode():
             out = model.generate(
                 # eos_token_id=-1: keep going past EOS, as ignore_eos does (the bench peers do the same).
-                torch.tensor([ids]),
+                torch.tensor([ids], device=model.device),
                 max_new_tokens=max_tokens,
                 do_sample=False,
                 eos_token_id=-1,

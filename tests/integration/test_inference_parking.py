@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from tests.support.device import replica_device_args
 from tests.support.inference import generate, greedy
 from tests.support.processes import ServiceProcess
 
@@ -26,8 +27,14 @@ def replica(model_path: Path) -> Iterator[ServiceProcess]:
     # One seat in the batch: a second generation can only run if the first gave its seat back.
     proc = ServiceProcess(
         "services.inference",
-        ["--model", str(model_path), "--max-num-seqs", "1", "--kv-blocks", "64", "--metrics-port", "0"],
-    )
+        [
+            "--model", str(model_path),
+            "--max-num-seqs", "1",
+            "--kv-blocks", "64",
+            "--metrics-port", "0",
+            *replica_device_args(),
+        ],
+    )  # fmt: skip
     try:
         proc.start()
         yield proc

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.inference.prompts import Message, prompt_token_ids
+from tests.support.device import TEST_DEVICE, replica_device_args
 from tests.support.inference import generate, greedy
 from tests.support.processes import ServiceProcess
 
@@ -31,8 +32,13 @@ BLOCK_SIZE = 16
 def replica(model_path: Path) -> Iterator[ServiceProcess]:
     proc = ServiceProcess(
         "services.inference",
-        ["--model", str(model_path), "--kv-blocks", str(KV_BLOCKS), "--block-size", str(BLOCK_SIZE)],
-    )
+        [
+            "--model", str(model_path),
+            "--kv-blocks", str(KV_BLOCKS),
+            "--block-size", str(BLOCK_SIZE),
+            *replica_device_args(),
+        ],
+    )  # fmt: skip
     try:
         proc.start()
         yield proc
@@ -42,8 +48,8 @@ def replica(model_path: Path) -> Iterator[ServiceProcess]:
 
 @pytest.fixture(scope="module")
 def reference(model_path: Path) -> tuple[Any, Any]:
-    """transformers' own model and tokenizer, fp32: the ground truth for greedy outputs."""
-    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+    """transformers' own model and tokenizer, fp32 on the test device: the ground truth for greedy outputs."""
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).to(TEST_DEVICE).eval()
     return model, AutoTokenizer.from_pretrained(str(model_path))
 
 
@@ -51,7 +57,10 @@ def hf_greedy(reference: tuple[Any, Any], prompt_ids: list[int], max_tokens: int
     model, _ = reference
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False, attention_mask=None
+            torch.tensor([prompt_ids], device=model.device),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            attention_mask=None,
         )
     return [int(t) for t in out[0, len(prompt_ids) :]]
 
@@ -85,8 +94,13 @@ async def test_the_transformers_implementation_matches_token_for_token(
     # Any non-Llama model runs through transformers' own modules with our paged attention.
     proc = ServiceProcess(
         "services.inference",
-        ["--model", str(model_path), "--kv-blocks", str(KV_BLOCKS), "--model-impl", "transformers"],
-    )
+        [
+            "--model", str(model_path),
+            "--kv-blocks", str(KV_BLOCKS),
+            "--model-impl", "transformers",
+            *replica_device_args(),
+        ],
+    )  # fmt: skip
     try:
         proc.start()
         async with grpc.aio.insecure_channel(proc.address) as channel:
@@ -269,7 +283,7 @@ async def test_every_invalid_field_gives_invalid_argument_naming_it(
 async def test_model_info_and_load_describe_the_replica(stub: inference_pb2_grpc.InferenceStub) -> None:
     info = await stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
     assert info.model_id == "SmolLM2-135M-Instruct"
-    assert (info.dtype, info.device) == ("float32", "cpu")
+    assert (info.dtype, info.device) == ("float32", TEST_DEVICE)
     assert info.max_context_tokens == 8192
     assert (info.kv_block_size, info.kv_blocks_total) == (BLOCK_SIZE, KV_BLOCKS)
     load = await stub.GetLoad(inference_pb2.GetLoadRequest())

@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from bench import cli as bench_cli
-from bench.engine import parse_methods
+from bench.engine import continuous_batching_sizes, parse_methods
 from bench.report import check_tokens, ratios, targets
 from bench.timings import MethodRun, RequestTiming, Summary, median_summary, percentile, summarize
 from bench.workloads import UNIFORM_PROMPT, mixed, uniform
@@ -110,6 +110,15 @@ def test_targets_judge_uniform_throughput_and_mixed_ttft() -> None:
     assert uniform_verdicts["tok_s_vs_hf_static"]["met"] is True
     assert uniform_verdicts["tok_s_vs_hf_continuous"] == {"ratio": 4.0, "target": 3.0, "met": True}
     assert targets("mixed", table) == {"ttft_p50_vs_hf_static": {"ratio": 4.0, "target": 3.0, "met": True}}
+
+
+def test_transformers_continuous_batching_gets_the_cpu_sizes_on_cpu_and_its_own_on_a_gpu() -> None:
+    # On CPU the peer is configured as BENCHMARKS.md measured it; on a GPU a fixed 64
+    # blocks would starve it of the batch a user of it would get.
+    assert continuous_batching_sizes(None, "cpu") == (64, 2048)
+    assert continuous_batching_sizes(None, "cuda") == (None, None)
+    assert continuous_batching_sizes(512, "cuda") == (512, None)
+    assert continuous_batching_sizes(128, "cpu") == (128, 2048)
 
 
 def test_unknown_method_is_a_usage_error_naming_the_choices() -> None:

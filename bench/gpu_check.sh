@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The GPU check, for a machine with an NVIDIA GPU and the project set up (`make setup`):
+#   1. the engine's exactness tests with every replica on CUDA (fp32, against
+#      transformers' own fp32 generate on the same GPU: token for token);
+#   2. the engine benchmark on CUDA: fp32 (its token check must pass), bf16 uniform
+#      at 256 concurrent requests, bf16 mixed arrivals (against transformers' continuous
+#      batching only: static waves of 256 padded to the longest answer take minutes there).
+#
+#     bash bench/gpu_check.sh OUT_DIR [SECONDS]
+#
+# Writes OUT_DIR/engine-*-cuda.json and prints every step's output. Steps that would not
+# fit in SECONDS (default 540) are skipped and say so. Exit status: the first failing step's.
+set -uo pipefail
+out=${1:?usage: bash bench/gpu_check.sh OUT_DIR [SECONDS]}
+budget=${2:-540}
+py=${PYTHON:-python3}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+
+status=0
+# step NAME SECONDS COMMAND…: run COMMAND under a timeout if the budget still has SECONDS.
+step() {
+  local name=$1 limit=$2
+  shift 2
+  local left=$((budget - SECONDS))
+  if ((left < limit)); then
+    echo "== $name: skipped (${left}s left of ${budget}s, it needs up to ${limit}s)"
+    return
+  fi
+  echo "== $name (at ${SECONDS}s, limit ${limit}s): $*"
+  local started=$SECONDS rc=0
+  timeout -k 10 "$limit" "$@" || rc=$?
+  echo "== $name: exit $rc after $((SECONDS - started))s"
+  if ((rc != 0 && status == 0)); then status=$rc; fi
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "gpu_check: torch sees no CUDA device" >&2
+  exit 2
+fi
+"$py" -c "import torch, transformers, grpc, google.protobuf as pb; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__, '| grpcio', grpc.__version__, '| protobuf', pb.__version__)"
+
+step tests 200 env LLMMESH_TEST_DEVICE=cuda "$py" -m pytest -q -p no:cacheprovider -rfE --timeout 150 \
+  tests/integration/test_inference_service.py \
+  tests/integration/test_inference_limits.py \
+  tests/integration/test_inference_parking.py \
+  tests/integration/test_inference_gguf.py \
+  tests/integration/test_native_forward.py \
+  --deselect tests/integration/test_inference_service.py::test_grpcurl_lists_the_services_and_checks_health
+
+bench=("$py" -m bench.engine --device cuda --threads 4)
+step engine-uniform-fp32 100 "${bench[@]}" --dtype float32 --workload uniform \
+  --json "$out/engine-uniform-fp32-cuda.json"
+step engine-uniform-bf16 130 "${bench[@]}" --dtype bfloat16 --workload uniform --num-requests 256 \
+  --max-tokens 128 --max-num-seqs 256 --json "$out/engine-uniform-bf16-cuda.json"
+step engine-mixed-bf16 100 "${bench[@]}" --dtype bfloat16 --workload mixed --num-requests 256 \
+  --arrival-rate 32 --max-num-seqs 256 --only llm_mesh,hf_continuous --json "$out/engine-mixed-bf16-cuda.json"
+echo "gpu_check: done in ${SECONDS}s, status $status"
+exit "$status"

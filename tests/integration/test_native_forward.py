@@ -1,0 +1,70 @@
+"""The native Llama forward gives transformers' tokens whichever attention kernel runs.
+
+SDPA's output memory layout depends on the kernel: CPU's flash kernel returns it one
+way, the math kernel (and CUDA's kernels) another. The forward must not rely on
+either: a single-row prefill under the math kernel once failed with a view error,
+which is what every GPU replica hit on its first prompt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import AutoModelForCausalLM
+
+from services.inference.config import EngineConfig
+from services.inference.engine import LLMEngine
+from services.inference.sampling import SamplingParams
+from tests.support.device import TEST_DEVICE
+
+# The math kernel alone, and whatever SDPA picks by itself (on CPU its flash kernel, whose
+# output is laid out the other way; on CUDA, for fp32 with grouped KV heads, math again).
+KERNELS: dict[str, list[SDPBackend] | None] = {"math": [SDPBackend.MATH], "default": None}
+PROMPTS = ["The history of painting begins with", "A robot who learns to paint starts by mixing"]
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def engine(model_path: Path) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(model=str(model_path), dtype="float32", device=TEST_DEVICE, num_kv_blocks=64)
+    )
+
+
+@pytest.fixture(scope="module")
+def expected(model_path: Path, engine: LLMEngine) -> list[list[int]]:
+    """transformers' own fp32 greedy tokens for each prompt alone."""
+    model: Any = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).to(TEST_DEVICE)
+    out = []
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            ids = engine.tokenizer.encode(prompt)
+            tokens = model.generate(
+                torch.tensor([ids], device=model.device),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=-1,
+            )
+            out.append(tokens[0, len(ids) :].tolist())
+    return out
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_one_prompt_and_a_padded_pair_match_transformers_under_each_sdpa_kernel(
+    engine: LLMEngine, expected: list[list[int]], kernel: str
+) -> None:
+    assert engine.runner.model_impl == "native"
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    assert len(prompts[0]) != len(prompts[1]), "the pair must need padding"
+    backends = KERNELS[kernel]
+    with sdpa_kernel(backends) if backends is not None else contextlib.nullcontext():
+        alone = engine.generate(prompts[:1], params)
+        pair = engine.generate(prompts, params)
+    assert alone == expected[:1]
+    assert pair == expected
