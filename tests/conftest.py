@@ -3,16 +3,29 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.support.processes import ServiceProcess
 from tests.support.redis import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failing test's report ends with the services' own logs: the traceback behind an
+    UNAVAILABLE is in the replica's output, not in anything the client received."""
+    report = yield
+    if report.failed and (tails := ServiceProcess.log_tails()):
+        report.sections.append(("llm-mesh services (still running)", tails))
+    return report
 
 
 @pytest.fixture(scope="session")

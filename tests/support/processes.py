@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -32,6 +33,10 @@ class ServiceProcess:
     The bootstrap prints ``llm-mesh <service> listening on HOST:PORT``; we read
     the port from there, so tests never race for a port.
     """
+
+    # Started and not yet stopped: a failing test's report shows their last lines
+    # (tests/conftest.py), since a client only sees the status a service sent, not its traceback.
+    running: ClassVar[list[ServiceProcess]] = []
 
     def __init__(self, module: str, args: list[str], env: dict[str, str] | None = None) -> None:
         self.module = module
@@ -61,6 +66,7 @@ class ServiceProcess:
             text=True,
         )
         threading.Thread(target=self._pump, daemon=True).start()
+        ServiceProcess.running.append(self)
         deadline = time.monotonic() + timeout
         while not self._port_seen.wait(0.1):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -79,8 +85,17 @@ class ServiceProcess:
             if m := METRICS_RE.search(line):
                 self.metrics_port = int(m.group(3))
 
-    def output(self) -> str:
-        return "\n".join(self.lines[-200:])
+    def output(self, last: int = 200) -> str:
+        return "\n".join(self.lines[-last:])
+
+    @classmethod
+    def log_tails(cls, last: int = 40) -> str:
+        """The last lines of every running service's output, each under its module and pid."""
+        parts = []
+        for service in cls.running:
+            pid = service.proc.pid if service.proc is not None else "?"
+            parts.append(f"--- {service.module} (pid {pid}), last {last} lines\n{service.output(last)}")
+        return "\n".join(parts)
 
     def health(self, service: str = "", timeout: float = 2.0) -> int:
         with grpc.insecure_channel(self.address) as channel:
@@ -110,6 +125,8 @@ class ServiceProcess:
             self.proc.wait(10)
 
     def stop(self, timeout: float = 30.0) -> int | None:
+        if self in ServiceProcess.running:
+            ServiceProcess.running.remove(self)
         if self.proc is None:
             return None
         if self.proc.poll() is None:
