@@ -44,6 +44,26 @@ def main(argv: list[str] | None = None) -> None:
         "--milvus-timeout-seconds", type=float, default=10.0, help="bound on each Milvus call"
     )
     parser.add_argument("--search-ef", type=int, default=64, help="HNSW search breadth (recall vs speed)")
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        help="Redis for per-document write leases: set it when several replicas share one Milvus",
+    )
+    parser.add_argument(
+        "--redis-cluster", action="store_true", help="--redis-url names a node of a Redis Cluster"
+    )
+    parser.add_argument(
+        "--document-lease-seconds",
+        type=float,
+        default=30.0,
+        help="a writer's lease on a document, renewed while it writes",
+    )
+    parser.add_argument(
+        "--document-lock-wait-seconds",
+        type=float,
+        default=60.0,
+        help="how long a write waits for another replica's; beyond it ABORTED",
+    )
     args = parser.parse_args(argv)
     try:
         config = RetrieverConfig(
@@ -59,6 +79,10 @@ def main(argv: list[str] | None = None) -> None:
             cache_ttl_seconds=args.cache_ttl_seconds,
             milvus_timeout_seconds=args.milvus_timeout_seconds,
             search_ef=args.search_ef,
+            redis_url=args.redis_url or None,
+            redis_cluster=args.redis_cluster,
+            document_lease_seconds=args.document_lease_seconds,
+            document_lock_wait_seconds=args.document_lock_wait_seconds,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -24,6 +24,12 @@ class RetrieverConfig:
     cache_ttl_seconds: int = DEFAULT_TTL_SECONDS
     milvus_timeout_seconds: float = 10.0
     search_ef: int = 64
+    # Per-document write leases shared by every replica of one corpus (document_locks.py);
+    # None: one writer per document per process, enough for a single replica.
+    redis_url: str | None = None
+    redis_cluster: bool = False
+    document_lease_seconds: float = 30.0
+    document_lock_wait_seconds: float = 60.0
 
     def __post_init__(self) -> None:
         check_milvus_uri(self.milvus_uri)
@@ -43,6 +49,14 @@ class RetrieverConfig:
             )
         if self.milvus_timeout_seconds <= 0:
             raise ValueError(f"--milvus-timeout-seconds must be > 0, got {self.milvus_timeout_seconds}")
+        if self.document_lease_seconds <= 0:
+            raise ValueError(f"--document-lease-seconds must be > 0, got {self.document_lease_seconds}")
+        if self.document_lock_wait_seconds < 0:
+            raise ValueError(
+                f"--document-lock-wait-seconds must be >= 0, got {self.document_lock_wait_seconds}"
+            )
+        if self.redis_cluster and not self.redis_url:
+            raise ValueError("--redis-cluster needs --redis-url")
         if self.search_ef < 1:
             raise ValueError(f"--search-ef must be >= 1, got {self.search_ef}")
         if self.device not in {"auto", "cpu", "cuda"} and not self.device.startswith("cuda:"):

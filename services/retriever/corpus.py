@@ -15,9 +15,7 @@ import base64
 import binascii
 import hashlib
 import math
-import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -26,6 +24,7 @@ import numpy as np
 
 from services.common.errors import InvalidArgument, NotFound
 from services.retriever.chunking import Chunk, TokenChunker
+from services.retriever.document_locks import DocumentLocks, LocalLocks
 from services.retriever.embedder import Vectors
 from services.retriever.parsing import normalize_mime_type, parse_document
 from services.retriever.rerank import maximal_marginal_relevance
@@ -36,7 +35,6 @@ from services.retriever.store import (
     ChunkRow,
     DocumentRecord,
     MilvusStore,
-    digest,
 )
 
 DEFAULT_TOP_K = 5
@@ -159,18 +157,14 @@ class Corpus:
         embedder: TextEmbedder,
         chunker: TokenChunker,
         clock: Callable[[], float] = time.time,
+        locks: DocumentLocks | None = None,
     ) -> None:
         self._store = store
         self._embedder = embedder
         self._chunker = chunker
         self._clock = clock
-        # One writer per document in this process; see docs/retriever.md for several replicas.
-        self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
-        self._locks_guard = threading.Lock()
-
-    def _lock_for(self, tenant: str, document_id: str) -> threading.Lock:
-        with self._locks_guard:
-            return self._locks[digest(tenant, document_id)]
+        # One writer per document: in this process, or (Redis leases) across replicas.
+        self._locks: DocumentLocks = locks if locks is not None else LocalLocks()
 
     def ingest(self, tenant: str, upload: DocumentUpload) -> IngestResult:
         """Stores the document unless identical content is already stored."""
@@ -186,7 +180,7 @@ class Corpus:
         )
         metadata = dict(upload.metadata)
 
-        with self._lock_for(tenant, upload.document_id):
+        with self._locks.hold(tenant, upload.document_id) as lease:
             current = self._store.get_document(tenant, upload.document_id)
             if (
                 current is not None
@@ -225,6 +219,7 @@ class Corpus:
             )
             rows = [ChunkRow(c.position, c.text, c.heading, c.page) for c in chunks]
             self._store.write_chunks(record, rows, vectors)
+            lease.check()  # another replica may write this document once our lease is gone
             self._store.put_document(record)  # the flip: readers now see version `version`
             self._store.delete_chunks(tenant, upload.document_id, keep_version=version)
         return IngestResult(upload.document_id, len(chunks), False, content_hash, version, len(upload.data))
@@ -255,10 +250,11 @@ class Corpus:
 
     def delete(self, tenant: str, document_id: str) -> int:
         check_document_id(document_id)
-        with self._lock_for(tenant, document_id):
+        with self._locks.hold(tenant, document_id) as lease:
             record = self._store.get_document(tenant, document_id)
             if record is None or record.deleted:
                 raise NotFound(f"document {document_id!r} not found")
+            lease.check()
             # Tombstone first: from this instant no search returns the document's chunks.
             self._store.put_tombstone(record)
             return self._store.delete_chunks(tenant, document_id)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
+import redis
 
 from services.common.errors import DependencyUnavailable
 from services.common.server import HealthReporter
@@ -14,6 +16,7 @@ from services.gen.llmmesh.v1 import retriever_pb2_grpc
 from services.retriever.chunking import ChunkingPolicy, TokenChunker
 from services.retriever.config import RetrieverConfig
 from services.retriever.corpus import Corpus
+from services.retriever.document_locks import DocumentLocks, LocalLocks, RedisLocks
 from services.retriever.embedder import Embedder
 from services.retriever.semantic_cache import SemanticCache
 from services.retriever.servicer import Backends, RetrieverServicer
@@ -53,11 +56,24 @@ class RetrieverRuntime:
         chunker = TokenChunker(embedder.token_spans, policy)
         self.servicer.set_ready(
             Backends(
-                corpus=Corpus(self._store, embedder, chunker),
+                corpus=Corpus(self._store, embedder, chunker, locks=self._document_locks()),
                 cache=SemanticCache(self._store, embedder, config.cache_threshold, config.cache_ttl_seconds),
             )
         )
         await health.set_serving(True)
+
+    def _document_locks(self) -> DocumentLocks:
+        config = self.config
+        if config.redis_url is None:
+            return LocalLocks()
+        common: dict[str, Any] = {"socket_timeout": 5.0, "socket_connect_timeout": 2.0}
+        client: Any = (
+            redis.RedisCluster.from_url(config.redis_url, **common)
+            if config.redis_cluster
+            else redis.Redis.from_url(config.redis_url, **common)
+        )
+        log.info("document writes take leases in Redis (%s)", "cluster" if config.redis_cluster else "single")
+        return RedisLocks(client, config.document_lease_seconds, config.document_lock_wait_seconds)
 
     async def _open_store(self, embedder: Embedder) -> MilvusStore:
         names = CollectionNames.with_prefix(self.config.collection_prefix)

@@ -91,6 +91,8 @@ def test_compose_runs_every_service_with_redis_milvus_and_health_checks() -> Non
     assert all(services[d]["healthcheck"] for d in router["depends_on"])
     assert services["session"]["environment"]["LLMMESH_REDIS_URL"].startswith("redis://redis:")
     assert services["retriever"]["environment"]["LLMMESH_MILVUS_URI"] == "http://milvus:19530"
+    # Scaled retrievers share one Milvus: their document write leases live in Redis.
+    assert services["retriever"]["environment"]["LLMMESH_REDIS_URL"].startswith("redis://redis:")
 
 
 def test_readme_deploy_section_names_the_commands() -> None:

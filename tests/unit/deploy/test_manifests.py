@@ -84,6 +84,14 @@ def test_router_resolves_inference_through_the_headless_service() -> None:
     assert target == "inference-headless.llm-mesh.svc.cluster.local:50052"
 
 
+def test_retriever_replicas_sharing_milvus_take_document_write_leases_in_redis() -> None:
+    retriever = find(rendered("cpu"), "Deployment", "retriever")
+    assert retriever["spec"]["replicas"] > 1
+    env = {e["name"]: e for e in container(retriever)["env"]}
+    assert env["LLMMESH_REDIS_URL"]["value"] == "redis://:$(REDIS_PASSWORD)@$(REDIS_HOST):6379/0"
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "redis", "key": "redis-password"}
+
+
 def test_autoscaling_inference_on_queue_depth_and_router_on_cpu() -> None:
     objects = rendered("cpu")
     inference = find(objects, "HorizontalPodAutoscaler", "inference")

@@ -1,0 +1,191 @@
+"""Two retriever replicas writing one corpus: per-document leases in Redis keep each document whole.
+
+Each "replica" is its own ``Corpus`` (its own in-process locks) over one real Milvus
+Lite store, as two pods over one Milvus server would be; only a lease both see in a
+real Redis can keep them from writing one document at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from services.common.errors import Conflict, DependencyUnavailable
+from services.retriever.chunking import ChunkingPolicy, TokenChunker
+from services.retriever.corpus import Corpus, IngestResult, SearchQuery
+from services.retriever.document_locks import RedisLocks
+from tests.integration.test_retriever_store import (
+    DIM,
+    BagOfWordsFakeEmbedder,
+    ObservedStore,
+    upload,
+    versions_by_document,
+    whitespace_token_spans,
+)
+from tests.support.redis import RedisServer
+from tests.support.redis_cluster import RedisClusterServers
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ObservedStore]:
+    store = ObservedStore(
+        str(tmp_path_factory.mktemp("milvus") / "milvus.db"), BagOfWordsFakeEmbedder.model_name, DIM
+    )
+    yield store
+    store.close()
+
+
+def replica(
+    store: ObservedStore,
+    server: RedisServer | RedisClusterServers,
+    lease_s: float = 30.0,
+    wait_s: float = 60.0,
+) -> Corpus:
+    chunker = TokenChunker(whitespace_token_spans, ChunkingPolicy(max_tokens=8, overlap_tokens=2))
+    client: Any = (
+        redis.RedisCluster.from_url(server.url, socket_timeout=2.0)
+        if isinstance(server, RedisClusterServers)
+        else redis.Redis.from_url(server.url, socket_timeout=2.0)
+    )
+    return Corpus(store, BagOfWordsFakeEmbedder(), chunker, locks=RedisLocks(client, lease_s, wait_s))
+
+
+@pytest.fixture(params=["redis", "redis-cluster"])
+def lock_server(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[RedisServer | RedisClusterServers]:
+    """The Redis the replicas share: one server, or a 3-node Redis Cluster (`--redis-cluster`)."""
+    server = RedisServer(tmp_path / "redis") if request.param == "redis" else RedisClusterServers(tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_two_replicas_ingesting_one_document_at_once_take_turns(
+    store: ObservedStore, lock_server: RedisServer | RedisClusterServers
+) -> None:
+    tenant = f"turns-{type(lock_server).__name__}"
+    a, b = replica(store, lock_server), replica(store, lock_server)
+    a.ingest(tenant, upload("plan", "harbour crane dock " * 10))
+    steps: list[tuple[str, str]] = []
+    b_done = threading.Event()
+    b_result: list[IngestResult] = []
+
+    def ingest_on_b() -> None:
+        try:
+            b_result.append(b.ingest(tenant, upload("plan", "harbour ferry pier " * 4)))
+        finally:
+            b_done.set()
+
+    def observe(step: str) -> None:
+        steps.append((threading.current_thread().name, step))
+        if step == "write_chunks" and threading.current_thread().name == "MainThread":
+            # Replica A is between writing its chunks and making them current: B starts now
+            # and must wait for A's lease instead of writing the same version beside it.
+            threading.Thread(target=ingest_on_b, name="replica-b").start()
+            assert not b_done.wait(1.0), "replica B wrote while replica A held the document"
+
+    store.observe = observe
+    try:
+        second = a.ingest(tenant, upload("plan", "harbour crane quay " * 7))
+        assert b_done.wait(30.0)
+    finally:
+        store.observe = None
+
+    third = b_result[0]
+    assert (second.version, third.version) == (2, 3)
+    # All of A's steps, then all of B's: never interleaved.
+    assert [who for who, _ in steps] == ["MainThread"] * 4 + ["replica-b"] * 4
+    hits = a.search(tenant, SearchQuery("harbour", top_k=50))
+    assert versions_by_document(hits) == {"plan": {3}}
+    assert len(hits) == third.chunks == store.count_chunks(tenant, "plan")
+    assert {h.text.split()[1] for h in hits} == {"ferry"}
+
+
+def test_a_writer_that_lost_its_lease_does_not_make_its_version_current(
+    store: ObservedStore, redis_server: RedisServer
+) -> None:
+    tenant = "lost"
+    a = replica(store, redis_server)
+    first = a.ingest(tenant, upload("memo", "lantern wick oil " * 6))
+    client = redis.Redis.from_url(redis_server.url)
+
+    def drop_the_lease(step: str) -> None:
+        if step == "write_chunks":  # as if Redis restarted empty while A was writing
+            client.delete(RedisLocks.key(tenant, "memo"))
+
+    store.observe = drop_the_lease
+    try:
+        with pytest.raises(Conflict, match="lost the write lease"):
+            a.ingest(tenant, upload("memo", "lantern glass frame " * 9))
+    finally:
+        store.observe = None
+
+    hits = a.search(tenant, SearchQuery("lantern", top_k=50))
+    assert versions_by_document(hits) == {"memo": {1}}  # the old version, whole
+    assert len(hits) == first.chunks
+    again = a.ingest(tenant, upload("memo", "lantern glass frame " * 9))
+    assert again.version == 2 and store.count_chunks(tenant, "memo") == again.chunks
+
+
+def test_a_write_waiting_past_its_limit_is_aborted_and_the_holder_finishes(
+    store: ObservedStore, redis_server: RedisServer
+) -> None:
+    tenant = "wait"
+    holder = RedisLocks(redis.Redis.from_url(redis_server.url), lease_s=30.0, wait_s=0.0)
+    b = replica(store, redis_server, wait_s=0.3)
+    with (
+        holder.hold(tenant, "log"),
+        pytest.raises(Conflict, match="being written by another retriever replica"),
+    ):
+        b.ingest(tenant, upload("log", "signal flare smoke " * 5))
+    assert b.ingest(tenant, upload("log", "signal flare smoke " * 5)).version == 1
+
+
+def test_without_redis_writes_are_refused_and_search_still_answers(
+    store: ObservedStore, redis_server: RedisServer
+) -> None:
+    tenant = "outage"
+    a = replica(store, redis_server)
+    a.ingest(tenant, upload("atlas", "compass bearing north " * 5))
+    redis_server.kill()
+    with pytest.raises(DependencyUnavailable, match="document locks"):
+        a.ingest(tenant, upload("atlas", "compass bearing south " * 5))
+    with pytest.raises(DependencyUnavailable, match="document locks"):
+        a.delete(tenant, "atlas")
+    hits = a.search(tenant, SearchQuery("compass", top_k=50))
+    assert versions_by_document(hits) == {"atlas": {1}}
+
+
+def test_the_lease_is_renewed_while_a_slow_write_runs(
+    store: ObservedStore, redis_server: RedisServer
+) -> None:
+    tenant = "slow"
+    a = replica(store, redis_server, lease_s=0.6)
+    stalled = threading.Event()
+
+    def stall(step: str) -> None:
+        if step == "write_chunks":
+            stalled.wait(2.0)  # three leases long: only renewal keeps it
+
+    store.observe = stall
+    try:
+        result = a.ingest(tenant, upload("diary", "meadow clover bee " * 6))
+    finally:
+        store.observe = None
+    assert result.version == 1
+    assert versions_by_document(a.search(tenant, SearchQuery("meadow", top_k=50))) == {"diary": {1}}
+
+
+def test_the_retriever_takes_redis_leases_only_when_given_a_redis_url(tmp_path: Path) -> None:
+    from services.retriever.config import RetrieverConfig
+
+    with pytest.raises(ValueError, match="--redis-cluster needs --redis-url"):
+        RetrieverConfig(milvus_uri=str(tmp_path / "m.db"), redis_cluster=True)
+    with pytest.raises(ValueError, match="--document-lease-seconds"):
+        RetrieverConfig(milvus_uri=str(tmp_path / "m.db"), redis_url="redis://x", document_lease_seconds=0)
