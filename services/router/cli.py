@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     add("--session-addr", default=None, help="session service host:port")
     add("--retriever-addr", default=None, help="retriever service host:port")
     add("--redis-url", default=None, help="Redis for pins, rate limits, caches, tasks and Resume")
+    add("--redis-cluster", action="store_true", help="--redis-url names a node of a Redis Cluster")
     add("--api-keys-file", default=None, help="API keys (hashed); unset = open, one tenant")
     add("--policy", default="auto", choices=POLICY_NAMES, help="balancing policy")
     add("--epsilon", type=float, default=0.25, help="bounded-load slack for affinity")
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
             session_addr=args.session_addr,
             retriever_addr=args.retriever_addr,
             redis_url=args.redis_url,
+            redis_cluster=args.redis_cluster,
             api_keys_file=args.api_keys_file,
             policy=args.policy,
             epsilon=args.epsilon,

@@ -67,20 +67,23 @@ def revoke_key(path: Path, key_id: str) -> ApiKeyRecord:
     raise ValueError(f"--id: no key {key_id!r} in {path}")
 
 
-async def _store_in_redis(url: str, record: ApiKeyRecord) -> None:
+def _client(url: str, cluster: bool) -> Any:
     import redis.asyncio as aioredis
+    from redis.asyncio.cluster import RedisCluster
 
-    client = aioredis.from_url(url)
+    return RedisCluster.from_url(url) if cluster else aioredis.from_url(url)
+
+
+async def _store_in_redis(url: str, cluster: bool, record: ApiKeyRecord) -> None:
+    client = _client(url, cluster)
     try:
         await client.hset(REDIS_KEYS_HASH, record.key_sha256, json.dumps(record.to_dict()))
     finally:
         await client.aclose()
 
 
-async def _revoke_in_redis(url: str, key_id: str) -> ApiKeyRecord:
-    import redis.asyncio as aioredis
-
-    client = aioredis.from_url(url)
+async def _revoke_in_redis(url: str, cluster: bool, key_id: str) -> ApiKeyRecord:
+    client = _client(url, cluster)
     try:
         for digest, value in (await client.hgetall(REDIS_KEYS_HASH)).items():
             record = ApiKeyRecord.from_dict(json.loads(value))
@@ -108,6 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         where = p.add_mutually_exclusive_group(required=True)
         where.add_argument("--file", type=Path, help="keys file (YAML, or JSON by .json suffix)")
         where.add_argument("--redis-url", help="store keys in Redis instead of a file")
+        p.add_argument("--redis-cluster", action="store_true", help="--redis-url names a Redis Cluster node")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -125,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
                     False,
                     limits,
                 )
-                asyncio.run(_store_in_redis(args.redis_url, record))
+                asyncio.run(_store_in_redis(args.redis_url, args.redis_cluster, record))
             # The key itself is shown exactly once; only its hash is kept.
             print(key)
             print(f"created key id={record.key_id} tenant={record.tenant} at {_now()}", file=sys.stderr)
@@ -133,13 +137,13 @@ def run(args: argparse.Namespace) -> int:
             if args.file is not None:
                 record = revoke_key(args.file, args.key_id)
             else:
-                record = asyncio.run(_revoke_in_redis(args.redis_url, args.key_id))
+                record = asyncio.run(_revoke_in_redis(args.redis_url, args.redis_cluster, args.key_id))
             print(f"revoked {record.key_id} (tenant {record.tenant})")
         else:
             records = (
                 load_key_records(args.file)
                 if args.file is not None
-                else asyncio.run(_list_redis(args.redis_url))
+                else asyncio.run(_list_redis(args.redis_url, args.redis_cluster))
             )
             for r in records:
                 print(json.dumps({k: v for k, v in r.to_dict().items() if k != "sha256"}))
@@ -149,10 +153,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _list_redis(url: str) -> list[ApiKeyRecord]:
-    import redis.asyncio as aioredis
-
-    client = aioredis.from_url(url)
+async def _list_redis(url: str, cluster: bool) -> list[ApiKeyRecord]:
+    client = _client(url, cluster)
     try:
         values: dict[Any, Any] = await client.hgetall(REDIS_KEYS_HASH)
     finally:

@@ -18,6 +18,7 @@ import weakref
 from typing import Any
 
 import redis.exceptions
+from redis.asyncio.cluster import RedisCluster
 
 from services.gen.llmmesh.v1 import router_pb2
 from services.router.replay import FINISHED_FIELD, PAYLOAD_FIELD, ReplayBuffer, meta_key, stream_key
@@ -157,12 +158,20 @@ class ReplayFlusher:
     async def _append_all(
         self, batches: list[tuple[ReplayWriter, list[tuple[int, bytes]], bool]]
     ) -> list[Any]:
-        pipe = self.buffer.redis.pipeline(transaction=False)
+        calls: list[tuple[Any, ...]] = []
         for writer, entries, finish in batches:
             args: list[Any] = [writer.tenant, self.buffer.ttl_s, self.buffer.max_messages, int(finish)]
             for seq, payload in entries:
                 args += [seq, payload]
-            pipe.evalsha(self._sha, 2, stream_key(writer.request_id), meta_key(writer.request_id), *args)
+            calls.append((self._sha, 2, stream_key(writer.request_id), meta_key(writer.request_id), *args))
+        client = self.buffer.redis
+        if isinstance(client, RedisCluster):
+            # redis-py refuses scripts in cluster pipelines: one call per turn, all at once
+            # (each goes to its turn's slot; the client keeps a connection per node busy).
+            return list(await asyncio.gather(*(client.evalsha(*c) for c in calls), return_exceptions=True))
+        pipe = client.pipeline(transaction=False)
+        for call in calls:
+            pipe.evalsha(*call)
         return list(await pipe.execute(raise_on_error=False))
 
 

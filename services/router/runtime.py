@@ -43,6 +43,8 @@ class RouterSettings:
     session_addr: str | None = None
     retriever_addr: str | None = None
     redis_url: str | None = None
+    # --redis-url names a node of a Redis Cluster: the task keys share one hash tag.
+    redis_cluster: bool = False
     api_keys_file: str | None = None
     policy: str = "auto"
     epsilon: float = 0.25
@@ -82,7 +84,7 @@ class RouterRuntime:
 
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
-        self.redis = self._redis(settings.redis_url)
+        self.redis = self._redis(settings.redis_url, settings.redis_cluster)
         self.pool = ReplicaPool(settings.ejection, tls=settings.replica_tls)
         self.discovery = ReplicaDiscovery(
             self.pool, settings.replicas, settings.replicas_dns, settings.replicas_file
@@ -118,12 +120,15 @@ class RouterRuntime:
         self.mover: SessionMover | None = None
 
     @staticmethod
-    def _redis(url: str | None) -> Any:
+    def _redis(url: str | None, cluster: bool) -> Any:
         if not url:
             log.warning("no --redis-url: pins and rate limits are per router; tasks and Resume are off")
             return None
         import redis.asyncio
+        from redis.asyncio.cluster import RedisCluster
 
+        if cluster:
+            return RedisCluster.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
         return redis.asyncio.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -162,6 +167,7 @@ class RouterRuntime:
     def _task_api(self) -> TaskBackend | None:
         if self.redis is None:
             return None  # tasks answer FAILED_PRECONDITION "needs --redis-url"
+        # On a Redis Cluster client the task keys take their one-slot layout (tasks.py).
         api: TaskBackend = TaskApi(self.redis, self.pipeline.run_turn, settings=self.settings.tasks)
         return api
 

@@ -24,7 +24,14 @@ from services.common import errors
 from services.common.settings import EnvArgumentParser
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from services.router.auth import Principal
-from services.router.tasks import KIND_TASK, TERMINAL_STATES, TaskRecord, TaskRefused, TaskStore
+from services.router.tasks import (
+    KIND_TASK,
+    TERMINAL_STATES,
+    TaskKeys,
+    TaskRecord,
+    TaskRefused,
+    TaskStore,
+)
 from services.router.turn import OnCheckpoint, ResumePoint, TurnCheckpoint, validate
 
 log = logging.getLogger("llmmesh.router.tasks")
@@ -159,6 +166,7 @@ class TaskApi:
         run_turn: RunTurn,
         consumer_name: str | None = None,
         settings: TaskSettings | None = None,
+        keys: TaskKeys | None = None,
     ) -> None:
         self.settings = settings or TaskSettings.from_env()
         self.store = TaskStore(
@@ -166,6 +174,7 @@ class TaskApi:
             result_ttl_s=self.settings.result_ttl_s,
             max_open_per_tenant=self.settings.max_per_tenant,
             max_queued=self.settings.max_queued,
+            keys=keys,
         )
         self.run_turn = run_turn
         self.consumer = consumer_name or default_consumer_name()

@@ -24,7 +24,10 @@ All four expire ``result_ttl_s`` after the task ends.
   against ``max_open_per_tenant``.
 
 The create and transition scripts also touch the work queue and the tenant's
-open set, other slots: the router's Redis is one primary (docs/operations.md).
+open set, so on a Redis Cluster (``--redis-cluster``) every task key carries one
+hash tag, ``llm:{tasks}:…`` (``CLUSTER_KEYS``): all task data lives in one slot, as
+BullMQ lays out its queues. One Redis primary keeps the names above
+(``STANDALONE_KEYS``), so upgrading a standalone deployment moves no keys.
 
 Admission happens in the script that creates the task: a tenant at its cap of
 unfinished tasks, or a work queue holding ``max_queued`` entries, is refused
@@ -50,12 +53,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.exceptions
+from redis.asyncio.cluster import RedisCluster
 
 from services.common import errors
 from services.gen.llmmesh.v1 import router_pb2
 from services.router.auth import KeyLimits, Principal
 
-STREAM_KEY = "llm:tasks:stream"
 GROUP = "routers"
 TERMINAL_STATES = frozenset(
     {router_pb2.TASK_STATE_SUCCEEDED, router_pb2.TASK_STATE_FAILED, router_pb2.TASK_STATE_CANCELLED}
@@ -133,16 +136,41 @@ class TaskRefused(errors.Overloaded):
         self.reason = reason
 
 
-def task_key(task_id: str) -> str:
-    return f"llm:task:{{{task_id}}}"
+@dataclass(frozen=True)
+class TaskKeys:
+    """Where tasks live in Redis; every router sharing one Redis must use the same layout."""
+
+    # "llm": the names in the module docstring. A prefix holding a hash tag ("llm:{tasks}")
+    # puts every key below in one Redis Cluster slot: the scripts touch several at once.
+    prefix: str = "llm"
+
+    @property
+    def stream(self) -> str:
+        """The work queue."""
+        return f"{self.prefix}:tasks:stream"
+
+    def task(self, task_id: str) -> str:
+        return f"{self.prefix}:task:{{{task_id}}}"
+
+    def text(self, task_id: str) -> str:
+        return f"{self.prefix}:task:{{{task_id}}}:text"
+
+    def tokens(self, task_id: str) -> str:
+        return f"{self.prefix}:task:{{{task_id}}}:tokens"
+
+    def events(self, task_id: str) -> str:
+        return f"{self.prefix}:task:{{{task_id}}}:events"
+
+    def open_tasks(self, tenant: str) -> str:
+        return f"{self.prefix}:tasks:open:{tenant}"
+
+    def idempotency(self, tenant: str, key: str) -> str:
+        return f"{self.prefix}:task:idem:{tenant}:{key}"
 
 
-def text_key(task_id: str) -> str:
-    return f"llm:task:{{{task_id}}}:text"
-
-
-def tokens_key(task_id: str) -> str:
-    return f"llm:task:{{{task_id}}}:tokens"
+STANDALONE_KEYS = TaskKeys("llm")
+# Redis uses the first {…} of a key as its hash tag, so the per-task tags after it no longer count.
+CLUSTER_KEYS = TaskKeys("llm:{tasks}")
 
 
 def pack_token_ids(token_ids: Iterable[int]) -> bytes:
@@ -152,18 +180,6 @@ def pack_token_ids(token_ids: Iterable[int]) -> bytes:
 
 def unpack_token_ids(raw: bytes) -> tuple[int, ...]:
     return struct.unpack(f"<{len(raw) // 4}i", raw[: len(raw) - len(raw) % 4])
-
-
-def events_key(task_id: str) -> str:
-    return f"llm:task:{{{task_id}}}:events"
-
-
-def open_tasks_key(tenant: str) -> str:
-    return f"llm:tasks:open:{tenant}"
-
-
-def idempotency_key(tenant: str, key: str) -> str:
-    return f"llm:task:idem:{tenant}:{key}"
 
 
 def now_ms() -> int:
@@ -285,12 +301,15 @@ class TaskStore:
         events_maxlen: int = 10_000,
         max_open_per_tenant: int = 1000,
         max_queued: int = 100_000,
+        keys: TaskKeys | None = None,
     ) -> None:
         if result_ttl_s < 1:
             raise ValueError(f"result_ttl_s: must be >= 1, got {result_ttl_s}")
         if max_open_per_tenant < 0 or max_queued < 0:
             raise ValueError("task caps must be >= 0 (0 = no cap)")
         self.redis = redis
+        # The layout follows the client unless given: a Redis Cluster needs the one-slot layout.
+        self.keys = keys or (CLUSTER_KEYS if isinstance(redis, RedisCluster) else STANDALONE_KEYS)
         self.result_ttl_s = result_ttl_s
         # A task nobody ever finishes (all routers gone for a day) must not live forever.
         self.unfinished_ttl_s = unfinished_ttl_s
@@ -304,7 +323,7 @@ class TaskStore:
 
     async def ensure_group(self) -> None:
         try:
-            await self.redis.xgroup_create(STREAM_KEY, GROUP, id="0", mkstream=True)
+            await self.redis.xgroup_create(self.keys.stream, GROUP, id="0", mkstream=True)
         except redis.exceptions.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
@@ -349,7 +368,12 @@ class TaskStore:
         ]
         for name, value in fields.items():
             args += [name, value]
-        keys = [task_key(task_id), events_key(task_id), STREAM_KEY, open_tasks_key(principal.tenant)]
+        keys = [
+            self.keys.task(task_id),
+            self.keys.events(task_id),
+            self.keys.stream,
+            self.keys.open_tasks(principal.tenant),
+        ]
         created, reason, count = await self._create(keys=keys, args=args)
         if created:
             return record
@@ -366,15 +390,15 @@ class TaskStore:
 
     async def open_tasks(self, tenant: str) -> int:
         """The tenant's unfinished tasks, as counted against ``max_open_per_tenant``."""
-        return int(await self.redis.zcard(open_tasks_key(tenant)))
+        return int(await self.redis.zcard(self.keys.open_tasks(tenant)))
 
     async def remember_idempotency(self, tenant: str, key: str, task_id: str) -> str:
         """The task id already submitted under ``key``, or ``task_id`` after claiming the key for it."""
-        ikey = idempotency_key(tenant, key)
+        ikey = self.keys.idempotency(tenant, key)
         if await self.redis.set(ikey, task_id, nx=True, ex=self.unfinished_ttl_s):
             return task_id
         existing = await self.redis.get(ikey)
-        if existing is None or not await self.redis.exists(task_key(existing.decode())):
+        if existing is None or not await self.redis.exists(self.keys.task(existing.decode())):
             # The earlier task expired (or its submit never completed): the key is free again.
             await self.redis.set(ikey, task_id, ex=self.unfinished_ttl_s)
             return task_id
@@ -382,7 +406,7 @@ class TaskStore:
 
     async def forget_idempotency(self, tenant: str, key: str, task_id: str) -> None:
         """Free ``key`` if it still names ``task_id`` (a submit refused after claiming it)."""
-        ikey = idempotency_key(tenant, key)
+        ikey = self.keys.idempotency(tenant, key)
         if await self.redis.get(ikey) == task_id.encode():
             await self.redis.delete(ikey)
 
@@ -392,9 +416,9 @@ class TaskStore:
         if not with_resume_state:
             self._read_status(pipe, task_id)
             return self._status_record(task_id, *await pipe.execute())
-        pipe.hgetall(task_key(task_id))
-        pipe.get(text_key(task_id))
-        pipe.get(tokens_key(task_id))
+        pipe.hgetall(self.keys.task(task_id))
+        pipe.get(self.keys.text(task_id))
+        pipe.get(self.keys.tokens(task_id))
         raw, text, tokens = await pipe.execute()
         return TaskRecord.from_hash(task_id, raw, text, self.result_ttl_s, tokens) if raw else None
 
@@ -402,18 +426,17 @@ class TaskStore:
         """The task and the id of its latest event, read together, so a watcher misses nothing and sees nothing twice."""
         pipe = self.redis.pipeline(transaction=True)
         self._read_status(pipe, task_id)
-        pipe.xrevrange(events_key(task_id), count=1)
+        pipe.xrevrange(self.keys.events(task_id), count=1)
         values, text, last = await pipe.execute()
         record = self._status_record(task_id, values, text)
         if record is None:
             return None, "0-0"
         return record, last[0][0].decode() if last else "0-0"
 
-    @staticmethod
-    def _read_status(pipe: Any, task_id: str) -> None:
+    def _read_status(self, pipe: Any, task_id: str) -> None:
         """Queue the reads of a client's view of a task: its status fields and its text so far."""
-        pipe.hmget(task_key(task_id), STATUS_FIELDS)
-        pipe.get(text_key(task_id))
+        pipe.hmget(self.keys.task(task_id), STATUS_FIELDS)
+        pipe.get(self.keys.text(task_id))
 
     def _status_record(
         self, task_id: str, values: list[bytes | None], text: bytes | None
@@ -460,23 +483,23 @@ class TaskStore:
         for k, v in fields.items():
             args += [k, v]
         keys = [
-            task_key(record.task_id),
-            events_key(record.task_id),
-            text_key(record.task_id),
-            open_tasks_key(record.tenant),
-            tokens_key(record.task_id),
+            self.keys.task(record.task_id),
+            self.keys.events(record.task_id),
+            self.keys.text(record.task_id),
+            self.keys.open_tasks(record.tenant),
+            self.keys.tokens(record.task_id),
         ]
         state, changed = await self._transition(keys=keys, args=args)
         return int(state), bool(changed)
 
     async def append_delta(self, task_id: str, delta: router_pb2.TokenDelta) -> None:
         pipe = self.redis.pipeline(transaction=True)
-        pipe.append(text_key(task_id), delta.text.encode())
-        pipe.expire(text_key(task_id), self.unfinished_ttl_s)
-        pipe.append(tokens_key(task_id), pack_token_ids(delta.token_ids))
-        pipe.expire(tokens_key(task_id), self.unfinished_ttl_s)
+        pipe.append(self.keys.text(task_id), delta.text.encode())
+        pipe.expire(self.keys.text(task_id), self.unfinished_ttl_s)
+        pipe.append(self.keys.tokens(task_id), pack_token_ids(delta.token_ids))
+        pipe.expire(self.keys.tokens(task_id), self.unfinished_ttl_s)
         pipe.xadd(
-            events_key(task_id),
+            self.keys.events(task_id),
             {EVENT_KIND: KIND_DELTA, EVENT_PAYLOAD: delta.SerializeToString()},
             maxlen=self.events_maxlen,
             approximate=True,
@@ -485,18 +508,18 @@ class TaskStore:
 
     async def save_checkpoint(self, task_id: str, checkpoint: str) -> None:
         """Keep the running attempt's checkpoint (before its first token is appended)."""
-        await self.redis.hset(task_key(task_id), "checkpoint", checkpoint)
+        await self.redis.hset(self.keys.task(task_id), "checkpoint", checkpoint)
 
     async def request_cancel(self, task_id: str) -> None:
-        await self.redis.hset(task_key(task_id), "cancel", "1")
+        await self.redis.hset(self.keys.task(task_id), "cancel", "1")
 
     async def cancel_requested(self, task_id: str) -> bool:
-        return bool(await self.redis.hget(task_key(task_id), "cancel") == b"1")
+        return bool(await self.redis.hget(self.keys.task(task_id), "cancel") == b"1")
 
     async def read_events(self, task_id: str, cursor: str, block_ms: int) -> list[tuple[str, bytes, bytes]]:
         """Events after ``cursor`` as (id, kind, payload); waits up to ``block_ms`` for the first."""
         found = await asyncio.shield(
-            self.redis.xread({events_key(task_id): cursor}, count=256, block=block_ms)
+            self.redis.xread({self.keys.events(task_id): cursor}, count=256, block=block_ms)
         )
         events: list[tuple[str, bytes, bytes]] = []
         for _, entries in found or ():
@@ -505,14 +528,14 @@ class TaskStore:
         return events
 
     async def exists(self, task_id: str) -> bool:
-        return bool(await self.redis.exists(task_key(task_id)))
+        return bool(await self.redis.exists(self.keys.task(task_id)))
 
     # --- the work queue -------------------------------------------------------------
 
     async def take_new(self, consumer: str, count: int, block_ms: int) -> list[tuple[str, str]]:
         """Up to ``count`` never-delivered entries as (entry id, task id); blocks up to ``block_ms``."""
         found = await asyncio.shield(
-            self.redis.xreadgroup(GROUP, consumer, {STREAM_KEY: ">"}, count=count, block=block_ms)
+            self.redis.xreadgroup(GROUP, consumer, {self.keys.stream: ">"}, count=count, block=block_ms)
         )
         return [
             (eid.decode(), fields[b"task_id"].decode())
@@ -526,7 +549,7 @@ class TaskStore:
         start = "0-0"
         while len(claimed) < count:
             result = await self.redis.xautoclaim(
-                STREAM_KEY,
+                self.keys.stream,
                 GROUP,
                 consumer,
                 min_idle_time=min_idle_ms,
@@ -547,11 +570,11 @@ class TaskStore:
         """Reset the idle time of entries this router is still running, so nobody reclaims them."""
         if entry_ids:
             await self.redis.xclaim(
-                STREAM_KEY, GROUP, consumer, min_idle_time=0, message_ids=entry_ids, justid=True
+                self.keys.stream, GROUP, consumer, min_idle_time=0, message_ids=entry_ids, justid=True
             )
 
     async def ack(self, entry_id: str) -> None:
         pipe = self.redis.pipeline(transaction=False)
-        pipe.xack(STREAM_KEY, GROUP, entry_id)
-        pipe.xdel(STREAM_KEY, entry_id)
+        pipe.xack(self.keys.stream, GROUP, entry_id)
+        pipe.xdel(self.keys.stream, entry_id)
         await pipe.execute()

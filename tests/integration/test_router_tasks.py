@@ -15,7 +15,7 @@ from redis import Redis
 from services.gen.llmmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.router.auth import KeyLimits
 from services.router.keys import add_key
-from services.router.tasks import events_key
+from services.router.tasks import STANDALONE_KEYS
 from tests.support.processes import ServiceProcess
 from tests.support.redis import RedisServer
 
@@ -159,7 +159,7 @@ def test_task_survives_kill_9_of_its_router(
         # A watcher saw each token once: the new router continued after the tokens the dead one
         # delivered (same prompt, same model, resume_token_ids) instead of starting again.
         positions: list[int] = []
-        for _, fields in redis_client(redis).xrange(events_key(task.task_id)):
+        for _, fields in redis_client(redis).xrange(STANDALONE_KEYS.events(task.task_id)):
             if fields[b"k"] == b"delta":
                 delta = router_pb2.TokenDelta.FromString(fields[b"p"])
                 positions.extend(range(delta.index, delta.index + len(delta.token_ids)))

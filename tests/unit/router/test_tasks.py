@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 from services.common import errors
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from services.router.auth import Principal
 from services.router.task_api import TaskApi, TaskSettings
-from services.router.tasks import STATUS_FIELDS, STREAM_KEY, events_key, idempotency_key, task_key
+from services.router.tasks import CLUSTER_KEYS, STANDALONE_KEYS, STATUS_FIELDS, TaskKeys
 from services.router.turn import OnCheckpoint, ResumePoint, TurnCheckpoint
 from tests.support.redis import RedisServer
+from tests.support.redis_cluster import RedisClusterServers
 
 ACME = Principal("acme", "acme-1")
 GLOBEX = Principal("globex", "globex-1")
@@ -76,11 +79,23 @@ def submit_request(text: str = "Write four words.", key: str = "") -> router_pb2
     return router_pb2.SubmitTaskRequest(request=chat, idempotency_key=key)
 
 
-@pytest.fixture()
-async def redis_client(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.from_url(redis_server.url, socket_timeout=5, socket_connect_timeout=2)
+@pytest.fixture(params=["redis", "redis-cluster"])
+async def redis_client(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
+    """One Redis primary, or a 3-node Redis Cluster (the router's ``--redis-cluster``)."""
+    if request.param == "redis":
+        server: RedisServer | RedisClusterServers = RedisServer(tmp_path / "redis")
+        server.start()
+        client: Any = aioredis.from_url(server.url, socket_timeout=5, socket_connect_timeout=2)
+    else:
+        server = RedisClusterServers(tmp_path).start()
+        client = RedisCluster.from_url(server.url, socket_timeout=5, socket_connect_timeout=2)
     yield client
     await client.aclose()
+    server.stop()
+
+
+def keys_for(client: Any) -> TaskKeys:
+    return CLUSTER_KEYS if isinstance(client, RedisCluster) else STANDALONE_KEYS
 
 
 async def wait_for_state(
@@ -94,7 +109,7 @@ async def wait_for_state(
         await asyncio.sleep(0.05)
 
 
-async def test_submitted_task_runs_and_keeps_its_result_with_a_ttl(redis_client: aioredis.Redis) -> None:
+async def test_submitted_task_runs_and_keeps_its_result_with_a_ttl(redis_client: Any) -> None:
     api = TaskApi(redis_client, FakeRunTurn(), "r1", TaskSettings(result_ttl_s=120, block_ms=100))
     await api.start()
     try:
@@ -105,14 +120,14 @@ async def test_submitted_task_runs_and_keeps_its_result_with_a_ttl(redis_client:
         assert done.text == "The quick brown fox"
         assert done.end.usage.completion_tokens == 4 and done.end.model == "served-for-acme"
         assert done.result_ttl_seconds == 120
-        assert 0 < await redis_client.ttl(task_key(task.task_id)) <= 120
+        assert 0 < await redis_client.ttl(keys_for(redis_client).task(task.task_id)) <= 120
         # Acknowledged and removed from the work queue.
-        assert await redis_client.xlen(STREAM_KEY) == 0
+        assert await redis_client.xlen(keys_for(redis_client).stream) == 0
     finally:
         await api.stop()
 
 
-async def test_watch_streams_state_then_every_token_once_then_the_end(redis_client: aioredis.Redis) -> None:
+async def test_watch_streams_state_then_every_token_once_then_the_end(redis_client: Any) -> None:
     api = TaskApi(redis_client, FakeRunTurn(delay_s=0.05), "r1", TaskSettings(block_ms=100))
     task = await api.SubmitTask(ACME, submit_request())
     events: list[router_pb2.TaskEvent] = []
@@ -141,7 +156,7 @@ async def test_watch_streams_state_then_every_token_once_then_the_end(redis_clie
     assert len(late) == 1 and late[0].task.state == router_pb2.TASK_STATE_SUCCEEDED
 
 
-async def test_cancel_stops_a_running_generation(redis_client: aioredis.Redis) -> None:
+async def test_cancel_stops_a_running_generation(redis_client: Any) -> None:
     run_turn = FakeRunTurn(delay_s=0.3)
     api = TaskApi(redis_client, run_turn, "r1", TaskSettings(block_ms=100))
     await api.start()
@@ -156,7 +171,7 @@ async def test_cancel_stops_a_running_generation(redis_client: aioredis.Redis) -
         await api.stop()
 
 
-async def test_cancel_of_a_queued_task_is_immediate_and_it_never_runs(redis_client: aioredis.Redis) -> None:
+async def test_cancel_of_a_queued_task_is_immediate_and_it_never_runs(redis_client: Any) -> None:
     run_turn = FakeRunTurn()
     api = TaskApi(redis_client, run_turn, "r1", TaskSettings(block_ms=100))
     task = await api.SubmitTask(ACME, submit_request())
@@ -166,12 +181,12 @@ async def test_cancel_of_a_queued_task_is_immediate_and_it_never_runs(redis_clie
     try:
         await asyncio.sleep(0.3)
         assert run_turn.started == []
-        assert await redis_client.xlen(STREAM_KEY) == 0
+        assert await redis_client.xlen(keys_for(redis_client).stream) == 0
     finally:
         await api.stop()
 
 
-async def test_failure_is_recorded_with_its_reason(redis_client: aioredis.Redis) -> None:
+async def test_failure_is_recorded_with_its_reason(redis_client: Any) -> None:
     api = TaskApi(
         redis_client,
         FakeRunTurn(fail_with=errors.DependencyUnavailable("no replica can serve")),
@@ -188,7 +203,7 @@ async def test_failure_is_recorded_with_its_reason(redis_client: aioredis.Redis)
         await api.stop()
 
 
-async def test_another_tenant_cannot_see_watch_or_cancel_a_task(redis_client: aioredis.Redis) -> None:
+async def test_another_tenant_cannot_see_watch_or_cancel_a_task(redis_client: Any) -> None:
     api = TaskApi(redis_client, FakeRunTurn(), "r1")
     task = await api.SubmitTask(ACME, submit_request())
     with pytest.raises(errors.PermissionDenied, match="belongs to another tenant"):
@@ -202,7 +217,7 @@ async def test_another_tenant_cannot_see_watch_or_cancel_a_task(redis_client: ai
         await api.GetTask(ACME, router_pb2.GetTaskRequest(task_id="0" * 32))
 
 
-async def test_bad_submissions_name_the_field(redis_client: aioredis.Redis) -> None:
+async def test_bad_submissions_name_the_field(redis_client: Any) -> None:
     api = TaskApi(redis_client, FakeRunTurn(), "r1")
     with pytest.raises(errors.InvalidArgument, match=r"request\.messages"):
         await api.SubmitTask(ACME, router_pb2.SubmitTaskRequest())
@@ -211,14 +226,16 @@ async def test_bad_submissions_name_the_field(redis_client: aioredis.Redis) -> N
     )
     with pytest.raises(errors.InvalidArgument, match=r"request\.messages\[0\]\.role"):
         await api.SubmitTask(ACME, bad_role)
-    assert await redis_client.xlen(STREAM_KEY) == 0  # nothing queued for a turn that would only fail
+    assert (
+        await redis_client.xlen(keys_for(redis_client).stream) == 0
+    )  # nothing queued for a turn that would only fail
     with pytest.raises(errors.InvalidArgument, match="idempotency_key"):
         await api.SubmitTask(ACME, submit_request(key="k" * 300))
     with pytest.raises(errors.InvalidArgument, match="task_id"):
         await api.GetTask(ACME, router_pb2.GetTaskRequest())
 
 
-async def test_same_idempotency_key_returns_the_same_task_per_tenant(redis_client: aioredis.Redis) -> None:
+async def test_same_idempotency_key_returns_the_same_task_per_tenant(redis_client: Any) -> None:
     api = TaskApi(redis_client, FakeRunTurn(), "r1")
     first = await api.SubmitTask(ACME, submit_request(key="order-42"))
     again = await api.SubmitTask(ACME, submit_request(key="order-42"))
@@ -227,7 +244,7 @@ async def test_same_idempotency_key_returns_the_same_task_per_tenant(redis_clien
     assert other_tenant.task_id != first.task_id
 
 
-async def test_task_of_a_router_that_died_mid_run_is_taken_over(redis_client: aioredis.Redis) -> None:
+async def test_task_of_a_router_that_died_mid_run_is_taken_over(redis_client: Any) -> None:
     settings = TaskSettings(visibility_timeout_s=0.6, block_ms=100)
     dead = TaskApi(redis_client, FakeRunTurn(), "dead-router", settings)
     task = await dead.SubmitTask(ACME, submit_request())
@@ -251,7 +268,7 @@ async def test_task_of_a_router_that_died_mid_run_is_taken_over(redis_client: ai
 
 
 async def test_a_task_taken_over_after_its_first_words_continues_after_them(
-    redis_client: aioredis.Redis,
+    redis_client: Any,
 ) -> None:
     settings = TaskSettings(visibility_timeout_s=0.6, block_ms=100)
     dead = TaskApi(redis_client, FakeRunTurn(), "dead-router", settings)
@@ -279,7 +296,7 @@ async def test_a_task_taken_over_after_its_first_words_continues_after_them(
     # The survivor was handed the checkpoint and the two words, and made only the other two.
     assert turn.resumed == [ResumePoint(checkpoint, (0, 1), "The quick ")]
     # A watcher following the task saw every word once, in order: the answer did not start again.
-    events = await redis_client.xrange(events_key(task.task_id))
+    events = await redis_client.xrange(keys_for(redis_client).events(task.task_id))
     indexes = [
         router_pb2.TokenDelta.FromString(fields[b"p"]).index
         for _, fields in events
@@ -289,7 +306,7 @@ async def test_a_task_taken_over_after_its_first_words_continues_after_them(
 
 
 async def test_a_client_reading_a_task_gets_its_status_but_not_the_request_or_running_prompt(
-    redis_client: aioredis.Redis,
+    redis_client: Any,
 ) -> None:
     api = TaskApi(redis_client, FakeRunTurn(), "r1", TaskSettings(block_ms=100))
     task = await api.SubmitTask(ACME, submit_request())
@@ -305,7 +322,7 @@ async def test_a_client_reading_a_task_gets_its_status_but_not_the_request_or_ru
 
     # Every field the router keeps in the task's hash is either read for clients or is the checkpoint:
     # a field added later cannot silently go missing from GetTask.
-    stored = {k.decode() for k in await redis_client.hkeys(task_key(task.task_id))}
+    stored = {k.decode() for k in await redis_client.hkeys(keys_for(redis_client).task(task.task_id))}
     assert stored == set(STATUS_FIELDS) - {"end", "error"} | {"request", "checkpoint"}
     seen = await api.store.get(task.task_id)
     resumable = await api.store.get(task.task_id, with_resume_state=True)
@@ -332,7 +349,7 @@ async def test_a_client_reading_a_task_gets_its_status_but_not_the_request_or_ru
     assert (await api.store.snapshot("no-such-task"))[0] is None
 
 
-async def test_a_long_running_task_is_not_stolen_from_a_live_router(redis_client: aioredis.Redis) -> None:
+async def test_a_long_running_task_is_not_stolen_from_a_live_router(redis_client: Any) -> None:
     settings = TaskSettings(visibility_timeout_s=0.6, block_ms=100)
     slow = FakeRunTurn(delay_s=0.4)  # 1.6 s in all: well past the visibility timeout
     owner = TaskApi(redis_client, slow, "owner", settings)
@@ -369,7 +386,7 @@ class FakeRateLimitedRunTurn(FakeRunTurn):
 
 
 async def test_a_rate_limited_task_waits_for_its_turn_instead_of_failing(
-    redis_client: aioredis.Redis,
+    redis_client: Any,
 ) -> None:
     run_turn = FakeRateLimitedRunTurn(refusals=2)
     api = TaskApi(redis_client, run_turn, "r1", TaskSettings(block_ms=100))
@@ -398,7 +415,7 @@ async def test_a_rate_limited_task_waits_for_its_turn_instead_of_failing(
 
 
 async def test_a_tenant_at_its_cap_of_unfinished_tasks_is_refused_until_one_ends(
-    redis_client: aioredis.Redis,
+    redis_client: Any,
 ) -> None:
     run_turn = FakeRunTurn()
     api = TaskApi(redis_client, run_turn, "r1", TaskSettings(block_ms=100, max_per_tenant=2))
@@ -408,8 +425,8 @@ async def test_a_tenant_at_its_cap_of_unfinished_tasks_is_refused_until_one_ends
         await api.SubmitTask(ACME, submit_request("three", key="order-3"))
     assert refused.value.retry_after_s > 0  # RESOURCE_EXHAUSTED with RetryInfo
     # Refused means nothing stored: two tasks on the queue, the refused key not taken.
-    assert await redis_client.xlen(STREAM_KEY) == 2
-    assert await redis_client.get(idempotency_key("acme", "order-3")) is None
+    assert await redis_client.xlen(keys_for(redis_client).stream) == 2
+    assert await redis_client.get(keys_for(redis_client).idempotency("acme", "order-3")) is None
     # A retry of a task already accepted is not a new task: it gets its task back, not a refusal.
     again = await api.SubmitTask(ACME, submit_request("two", key="order-2"))
     assert again.task_id == second.task_id
@@ -435,7 +452,7 @@ async def test_a_tenant_at_its_cap_of_unfinished_tasks_is_refused_until_one_ends
 
 
 async def test_a_full_queue_refuses_new_tasks_and_never_drops_an_accepted_one(
-    redis_client: aioredis.Redis,
+    redis_client: Any,
 ) -> None:
     run_turn = FakeRunTurn()
     api = TaskApi(redis_client, run_turn, "r1", TaskSettings(block_ms=100, max_queued=3))
