@@ -178,11 +178,14 @@ class LLMEngine:
 
     # -- the loop ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        # Aborted requests leave before scheduling: the requests of a step that raised are
+        # aborted and must be released without running that step again.
+        outputs = self._drain_aborts()
         self._apply_parks()
         plan = self.scheduler.schedule()
         self.num_preemptions += len(plan.preempted)
         sampled = self.runner.execute(plan.scheduled) if plan.scheduled else []
-        outputs = self._drain_aborts()
+        outputs += self._drain_aborts()  # those aborted while the step ran
         outputs += self._update(plan, sampled)
         return outputs
 
