@@ -36,6 +36,7 @@ class RetrieverRuntime:
         self.config = config
         self.servicer = RetrieverServicer(config.max_document_bytes)
         self._store: MilvusStore | None = None
+        self._lock_client: Any = None  # Redis for document write leases, when configured
 
     def register(self, server: grpc.aio.Server) -> None:
         retriever_pb2_grpc.add_RetrieverServicer_to_server(self.servicer, server)
@@ -73,6 +74,7 @@ class RetrieverRuntime:
             else redis.Redis.from_url(config.redis_url, **common)
         )
         log.info("document writes take leases in Redis (%s)", "cluster" if config.redis_cluster else "single")
+        self._lock_client = client
         return RedisLocks(client, config.document_lease_seconds, config.document_lock_wait_seconds)
 
     async def _open_store(self, embedder: Embedder) -> MilvusStore:
@@ -104,3 +106,6 @@ class RetrieverRuntime:
         if self._store is not None:
             await asyncio.to_thread(self._store.close)
             self._store = None
+        if self._lock_client is not None:
+            await asyncio.to_thread(self._lock_client.close)
+            self._lock_client = None

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import redis
 
@@ -189,3 +190,26 @@ def test_the_retriever_takes_redis_leases_only_when_given_a_redis_url(tmp_path: 
         RetrieverConfig(milvus_uri=str(tmp_path / "m.db"), redis_cluster=True)
     with pytest.raises(ValueError, match="--document-lease-seconds"):
         RetrieverConfig(milvus_uri=str(tmp_path / "m.db"), redis_url="redis://x", document_lease_seconds=0)
+
+
+def test_a_retriever_given_redis_takes_leases_and_refuses_writes_while_redis_is_down(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    from services.gen.llmmesh.v1 import retriever_pb2_grpc
+    from tests.integration.test_retriever_service import ingest, rpc_error, search
+    from tests.support.processes import ServiceProcess
+
+    service = ServiceProcess(
+        "services.retriever",
+        ["--milvus-uri", str(tmp_path / "milvus.db"), "--redis-url", redis_server.url, "--metrics-port", "0"],
+    )
+    with service, grpc.insecure_channel(service.address) as channel:
+        stub = retriever_pb2_grpc.RetrieverStub(channel)
+        first = ingest(stub, "guide", b"The ferry leaves the harbour at noon every day.")
+        assert first.version == 1
+        assert "document writes take leases in Redis (single)" in service.output()
+        redis_server.kill()
+        refused = rpc_error(ingest, stub, "guide", b"The ferry leaves at one o'clock.")
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE
+        assert "document locks (Redis) unreachable" in refused.details()
+        assert [c.document_version for c in search(stub, "When does the ferry leave?")] == [1]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 from services.gen.llmmesh.v1 import router_pb2
 from services.router.auth import KeyLimits
 from services.router.keys import add_key
-from tests.integration.test_router_tasks import TASK_ENV, chat_request, stub_for, wait_task
+from tests.integration.test_router_tasks import TASK_ENV, chat_request, read_then_drop, stub_for, wait_task
 from tests.support.processes import ServiceProcess
 from tests.support.redis_cluster import RedisClusterServers
 
@@ -73,16 +72,7 @@ def test_a_task_submitted_to_one_router_is_read_from_the_other(mesh: ClusterMesh
 
 def test_resume_on_the_other_router_returns_the_missing_messages_once(mesh: ClusterMesh) -> None:
     request = chat_request("Count for me.", max_tokens=12, request_id="cluster-resume-1")
-    channel, stub = stub_for(mesh.routers[0])
-    received: list[router_pb2.ChatResponse] = []
-    call = stub.ChatStream(request, timeout=30, metadata=mesh.auth)
-    for response in call:
-        received.append(response)
-        if len(received) == 4:
-            break
-    time.sleep(1.0)  # the router keeps writing the replay buffer meanwhile
-    call.cancel()
-    channel.close()
+    received = read_then_drop(mesh.routers[0], request, 4, mesh.auth)
     channel, stub = stub_for(mesh.routers[1])
     with channel:
         resume = router_pb2.ResumeRequest(request_id="cluster-resume-1", last_seq=received[-1].seq)

@@ -87,6 +87,26 @@ def chat_request(text: str, max_tokens: int, request_id: str = "") -> router_pb2
     )
 
 
+def read_then_drop(
+    router: ServiceProcess,
+    request: router_pb2.ChatRequest,
+    count: int,
+    metadata: tuple[tuple[str, str], ...] = (),
+) -> list[router_pb2.ChatResponse]:
+    """The first ``count`` messages of a ChatStream, then the connection dropped mid-answer."""
+    channel, stub = stub_for(router)
+    received: list[router_pb2.ChatResponse] = []
+    call = stub.ChatStream(request, timeout=30, metadata=metadata)
+    for response in call:
+        received.append(response)
+        if len(received) == count:
+            break
+    time.sleep(1.0)  # the router keeps sending into the void (and its replay buffer) meanwhile
+    call.cancel()
+    channel.close()  # the connection is gone
+    return received
+
+
 def wait_task(
     stub: router_pb2_grpc.RouterStub,
     task_id: str,
@@ -231,16 +251,7 @@ def test_resume_after_a_dropped_connection_returns_the_missing_messages_once(
     routers = [start_router(replica, redis), start_router(replica, redis)]
     try:
         request = chat_request("Count for me.", max_tokens=12, request_id="resume-test-1")
-        channel, stub = stub_for(routers[0])
-        received: list[router_pb2.ChatResponse] = []
-        call = stub.ChatStream(request, timeout=30)
-        for response in call:
-            received.append(response)
-            if len(received) == 4:
-                break
-        time.sleep(1.0)  # the router keeps sending into the void meanwhile
-        call.cancel()
-        channel.close()  # the connection is gone
+        received = read_then_drop(routers[0], request, 4)
 
         # The client reconnects to another router instance and resumes after what it saw.
         channel, stub = stub_for(routers[1])
