@@ -1,10 +1,13 @@
 """Where an llm-mesh engine step spends its time: schedule, host-side batch prep, forward, LM head, sampling, update.
 
     python -m bench.engine_profile --num-requests 64 --max-tokens 32 [--dtype bfloat16] [--compile]
+    python -m bench.engine_profile --device cuda --dtype bfloat16   # on a GPU
 
 Times each phase of every step of the `uniform` workload (wrapping the engine's own
 methods; nothing is replaced), then runs torch.profiler over a few full-batch decode
-steps and prints the heaviest operators.
+steps and prints the heaviest operators. On CUDA each phase waits for the GPU before
+its clock stops (so a phase owns its kernels' time, not just their launches), and the
+profiler records GPU time too: a step much longer than its GPU time is host-bound.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ PHASES = ("schedule", "prep", "forward", "lm_head", "sample", "update")
 class PhaseClock:
     """Accumulates wall time per phase, separately for steps with and without prefill."""
 
-    def __init__(self) -> None:
+    def __init__(self, sync: Callable[[], None] = lambda: None) -> None:
+        self.sync = sync  # waits for the device, so its queued work counts in the phase that queued it
         self.current: dict[str, float] = defaultdict(float)
         self.totals: dict[str, dict[str, float]] = {
             "decode": defaultdict(float),
@@ -36,6 +40,7 @@ class PhaseClock:
             try:
                 return fn(*args, **kwargs)
             finally:
+                self.sync()
                 self.current[phase] += time.perf_counter() - start
 
         return timed
@@ -79,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model", default="models/SmolLM2-135M-Instruct")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
@@ -102,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = mesh_method.build_engine(
         args.model,
         args.dtype,
-        "cpu",
+        args.device,
         max_num_seqs=64,
         max_num_batched_tokens=None,
         compile_model=args.compile,
@@ -112,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     engine.generate([r.prompt_token_ids for r in work.requests[:2]], params)  # warm-up, off the clock
 
-    clock = PhaseClock()
+    on_gpu = args.device == "cuda"
+    clock = PhaseClock(torch.cuda.synchronize if on_gpu else lambda: None)
     instrument(engine, clock)
     mesh_method.reset_prefix_cache(engine)
     for req in work.requests:
@@ -127,12 +134,14 @@ def main(argv: list[str] | None = None) -> int:
         full_decode = not prefilling and len(engine.scheduler.running) == len(work.requests)
         if full_decode and not traced and args.trace_steps > 0:
             traced = True
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+            activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]
+            with profile(activities=activities) as prof:
                 for _ in range(args.trace_steps):
                     tokens += sum(len(o.new_token_ids) for o in engine.step())
             clock.current.clear()
             print(f"\ntorch.profiler over {args.trace_steps} decode steps at batch {len(work.requests)}:")
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+            sort = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
+            print(prof.key_averages().table(sort_by=sort, row_limit=args.top))
             continue
         step_start = time.perf_counter()
         tokens += sum(len(o.new_token_ids) for o in engine.step())

@@ -4,7 +4,8 @@
 #      transformers' own fp32 generate on the same GPU: token for token);
 #   2. the engine benchmark on CUDA: fp32 (its token check must pass), bf16 uniform
 #      at 256 concurrent requests, bf16 mixed arrivals (against transformers' continuous
-#      batching only: static waves of 256 padded to the longest answer take minutes there).
+#      batching only: static waves of 256 padded to the longest answer take minutes there);
+#   3. where a bf16 decode step's time goes (bench/engine_profile.py --device cuda).
 #
 #     bash bench/gpu_check.sh OUT_DIR [SECONDS]
 #
@@ -57,5 +58,8 @@ step engine-uniform-bf16 130 "${bench[@]}" --dtype bfloat16 --workload uniform -
   --max-tokens 128 --max-num-seqs 256 --json "$out/engine-uniform-bf16-cuda.json"
 step engine-mixed-bf16 100 "${bench[@]}" --dtype bfloat16 --workload mixed --num-requests 256 \
   --arrival-rate 32 --max-num-seqs 256 --only llm_mesh,hf_continuous --json "$out/engine-mixed-bf16-cuda.json"
+# Where a GPU step goes (host-bound or not): what to change next on a GPU.
+step engine-profile-bf16 90 "$py" -m bench.engine_profile --device cuda --dtype bfloat16 --threads 4 \
+  --num-requests 64 --max-tokens 32
 echo "gpu_check: done in ${SECONDS}s, status $status"
 exit "$status"
