@@ -17,9 +17,12 @@ import pytest
 import redis
 
 from services.common.errors import Conflict, DependencyUnavailable
+from services.gen.llmmesh.v1 import retriever_pb2_grpc
 from services.retriever.chunking import ChunkingPolicy, TokenChunker
+from services.retriever.config import RetrieverConfig
 from services.retriever.corpus import Corpus, IngestResult, SearchQuery
 from services.retriever.document_locks import RedisLocks
+from tests.integration.test_retriever_service import ingest, rpc_error, search
 from tests.integration.test_retriever_store import (
     DIM,
     BagOfWordsFakeEmbedder,
@@ -28,6 +31,7 @@ from tests.integration.test_retriever_store import (
     versions_by_document,
     whitespace_token_spans,
 )
+from tests.support.processes import ServiceProcess
 from tests.support.redis import RedisServer
 from tests.support.redis_cluster import RedisClusterServers
 
@@ -183,9 +187,7 @@ def test_the_lease_is_renewed_while_a_slow_write_runs(
     assert versions_by_document(a.search(tenant, SearchQuery("meadow", top_k=50))) == {"diary": {1}}
 
 
-def test_the_retriever_takes_redis_leases_only_when_given_a_redis_url(tmp_path: Path) -> None:
-    from services.retriever.config import RetrieverConfig
-
+def test_retriever_settings_refuse_a_cluster_without_a_url_and_a_lease_of_zero(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--redis-cluster needs --redis-url"):
         RetrieverConfig(milvus_uri=str(tmp_path / "m.db"), redis_cluster=True)
     with pytest.raises(ValueError, match="--document-lease-seconds"):
@@ -195,10 +197,6 @@ def test_the_retriever_takes_redis_leases_only_when_given_a_redis_url(tmp_path: 
 def test_a_retriever_given_redis_takes_leases_and_refuses_writes_while_redis_is_down(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
-    from services.gen.llmmesh.v1 import retriever_pb2_grpc
-    from tests.integration.test_retriever_service import ingest, rpc_error, search
-    from tests.support.processes import ServiceProcess
-
     service = ServiceProcess(
         "services.retriever",
         ["--milvus-uri", str(tmp_path / "milvus.db"), "--redis-url", redis_server.url, "--metrics-port", "0"],
