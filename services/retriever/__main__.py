@@ -7,6 +7,7 @@ import os
 from services.common.server import run
 from services.common.settings import EnvArgumentParser, add_server_args, server_options
 from services.retriever.config import RetrieverConfig
+from services.retriever.document_locks import DEFAULT_LEASE_SECONDS, DEFAULT_WAIT_SECONDS
 from services.retriever.embedder import DEFAULT_EMBEDDING_MODEL
 from services.retriever.runtime import RetrieverRuntime
 
@@ -55,13 +56,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--document-lease-seconds",
         type=float,
-        default=30.0,
+        default=DEFAULT_LEASE_SECONDS,
         help="a writer's lease on a document, renewed while it writes",
     )
     parser.add_argument(
         "--document-lock-wait-seconds",
         type=float,
-        default=60.0,
+        default=DEFAULT_WAIT_SECONDS,
         help="how long a write waits for another replica's; beyond it ABORTED",
     )
     args = parser.parse_args(argv)

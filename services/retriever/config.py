@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.retriever.document_locks import DEFAULT_LEASE_SECONDS, DEFAULT_WAIT_SECONDS
 from services.retriever.embedder import DEFAULT_EMBEDDING_MODEL
 from services.retriever.semantic_cache import DEFAULT_THRESHOLD, DEFAULT_TTL_SECONDS, MAX_TTL_SECONDS
 from services.retriever.store import check_milvus_uri
@@ -28,8 +29,8 @@ class RetrieverConfig:
     # None: one writer per document per process, enough for a single replica.
     redis_url: str | None = None
     redis_cluster: bool = False
-    document_lease_seconds: float = 30.0
-    document_lock_wait_seconds: float = 60.0
+    document_lease_seconds: float = DEFAULT_LEASE_SECONDS
+    document_lock_wait_seconds: float = DEFAULT_WAIT_SECONDS
 
     def __post_init__(self) -> None:
         check_milvus_uri(self.milvus_uri)

@@ -15,7 +15,7 @@ from services.common import errors
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from services.router.auth import Principal
 from services.router.task_api import TaskApi, TaskSettings
-from services.router.tasks import CLUSTER_KEYS, STANDALONE_KEYS, STATUS_FIELDS, TaskKeys
+from services.router.tasks import STATUS_FIELDS
 from services.router.turn import OnCheckpoint, ResumePoint, TurnCheckpoint
 from tests.support.redis import RedisServer
 from tests.support.redis_cluster import RedisClusterServers
@@ -94,10 +94,6 @@ async def redis_client(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncI
     server.stop()
 
 
-def keys_for(client: Any) -> TaskKeys:
-    return CLUSTER_KEYS if isinstance(client, RedisCluster) else STANDALONE_KEYS
-
-
 async def wait_for_state(
     api: TaskApi, task_id: str, state: int, timeout: float = 5.0, principal: Principal = ACME
 ) -> router_pb2.Task:
@@ -120,9 +116,9 @@ async def test_submitted_task_runs_and_keeps_its_result_with_a_ttl(redis_client:
         assert done.text == "The quick brown fox"
         assert done.end.usage.completion_tokens == 4 and done.end.model == "served-for-acme"
         assert done.result_ttl_seconds == 120
-        assert 0 < await redis_client.ttl(keys_for(redis_client).task(task.task_id)) <= 120
+        assert 0 < await redis_client.ttl(api.store.keys.task(task.task_id)) <= 120
         # Acknowledged and removed from the work queue.
-        assert await redis_client.xlen(keys_for(redis_client).stream) == 0
+        assert await redis_client.xlen(api.store.keys.stream) == 0
     finally:
         await api.stop()
 
@@ -181,7 +177,7 @@ async def test_cancel_of_a_queued_task_is_immediate_and_it_never_runs(redis_clie
     try:
         await asyncio.sleep(0.3)
         assert run_turn.started == []
-        assert await redis_client.xlen(keys_for(redis_client).stream) == 0
+        assert await redis_client.xlen(api.store.keys.stream) == 0
     finally:
         await api.stop()
 
@@ -227,7 +223,7 @@ async def test_bad_submissions_name_the_field(redis_client: Any) -> None:
     with pytest.raises(errors.InvalidArgument, match=r"request\.messages\[0\]\.role"):
         await api.SubmitTask(ACME, bad_role)
     assert (
-        await redis_client.xlen(keys_for(redis_client).stream) == 0
+        await redis_client.xlen(api.store.keys.stream) == 0
     )  # nothing queued for a turn that would only fail
     with pytest.raises(errors.InvalidArgument, match="idempotency_key"):
         await api.SubmitTask(ACME, submit_request(key="k" * 300))
@@ -296,7 +292,7 @@ async def test_a_task_taken_over_after_its_first_words_continues_after_them(
     # The survivor was handed the checkpoint and the two words, and made only the other two.
     assert turn.resumed == [ResumePoint(checkpoint, (0, 1), "The quick ")]
     # A watcher following the task saw every word once, in order: the answer did not start again.
-    events = await redis_client.xrange(keys_for(redis_client).events(task.task_id))
+    events = await redis_client.xrange(survivor.store.keys.events(task.task_id))
     indexes = [
         router_pb2.TokenDelta.FromString(fields[b"p"]).index
         for _, fields in events
@@ -322,7 +318,7 @@ async def test_a_client_reading_a_task_gets_its_status_but_not_the_request_or_ru
 
     # Every field the router keeps in the task's hash is either read for clients or is the checkpoint:
     # a field added later cannot silently go missing from GetTask.
-    stored = {k.decode() for k in await redis_client.hkeys(keys_for(redis_client).task(task.task_id))}
+    stored = {k.decode() for k in await redis_client.hkeys(api.store.keys.task(task.task_id))}
     assert stored == set(STATUS_FIELDS) - {"end", "error"} | {"request", "checkpoint"}
     seen = await api.store.get(task.task_id)
     resumable = await api.store.get(task.task_id, with_resume_state=True)
@@ -425,8 +421,8 @@ async def test_a_tenant_at_its_cap_of_unfinished_tasks_is_refused_until_one_ends
         await api.SubmitTask(ACME, submit_request("three", key="order-3"))
     assert refused.value.retry_after_s > 0  # RESOURCE_EXHAUSTED with RetryInfo
     # Refused means nothing stored: two tasks on the queue, the refused key not taken.
-    assert await redis_client.xlen(keys_for(redis_client).stream) == 2
-    assert await redis_client.get(keys_for(redis_client).idempotency("acme", "order-3")) is None
+    assert await redis_client.xlen(api.store.keys.stream) == 2
+    assert await redis_client.get(api.store.keys.idempotency("acme", "order-3")) is None
     # A retry of a task already accepted is not a new task: it gets its task back, not a refusal.
     again = await api.SubmitTask(ACME, submit_request("two", key="order-2"))
     assert again.task_id == second.task_id
