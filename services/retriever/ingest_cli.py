@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Iterator
+import random
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -17,6 +20,11 @@ from services.gen.llmmesh.v1 import retriever_pb2, retriever_pb2_grpc
 from services.retriever.parsing import mime_type_for
 
 PIECE_BYTES = 256 * 1024
+#: Answers that say "not now" rather than "not this": ABORTED (another retriever replica held the
+#: document's write lease past the wait limit, or this one lost it) and UNAVAILABLE (the retriever
+#: restarting, or its Redis away). A document re-sent after one is never half-written: a write
+#: either becomes current whole or not at all, and an identical re-send answers "unchanged".
+RETRYABLE = (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE)
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,8 @@ class IngestReport:
     chunks: int = 0
     skipped: list[tuple[str, str]] = field(default_factory=list)
     rejected: list[tuple[str, str]] = field(default_factory=list)
+    #: Attempts sent again after a retryable answer.
+    retries: int = 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +62,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--metadata", action="append", default=[], metavar="KEY=VALUE", help="metadata for every document"
     )
     parser.add_argument("--id-prefix", default="", help="prepended to every document id")
-    parser.add_argument("--timeout-seconds", type=float, default=300.0, help="limit per document")
+    parser.add_argument(
+        "--timeout-seconds", type=float, default=300.0, help="limit per attempt at a document"
+    )
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=4,
+        help="times a document answered ABORTED or UNAVAILABLE is sent again (0 = never)",
+    )
+    parser.add_argument(
+        "--retry-seconds",
+        type=float,
+        default=1.0,
+        help="wait before the first retry; doubles for each next one (±20%% jitter)",
+    )
 
 
 def plan(paths: list[Path], id_prefix: str = "") -> tuple[list[PlannedDocument], list[tuple[str, str]]]:
@@ -107,8 +131,59 @@ def upload_messages(
             yield retriever_pb2.IngestRequest(data=piece)
 
 
+def send_document(
+    stub: retriever_pb2_grpc.RetrieverStub,
+    document: PlannedDocument,
+    metadata: dict[str, str],
+    call_metadata: tuple[tuple[str, str], ...],
+    timeout_s: float,
+) -> retriever_pb2.IngestSummary:
+    """One attempt: the document streamed from its first byte."""
+    summary: retriever_pb2.IngestSummary = stub.Ingest(
+        upload_messages(document, metadata), timeout=timeout_s, metadata=call_metadata
+    )
+    return summary
+
+
+def say_retry(console: Console, document: PlannedDocument, exc: grpc.RpcError, wait_s: float) -> None:
+    console.print(
+        f"[yellow]{document.document_id}: {exc.code().name}: {exc.details()}; retrying in {wait_s:.1f} s"
+    )
+
+
+def backoff_seconds(retry: int, first_s: float, rng: random.Random) -> float:
+    """Wait before retry number ``retry`` (0-based): doubling from ``first_s``, ±20 % so that
+    several clients refused together do not come back together."""
+    return float(first_s * 2**retry * rng.uniform(0.8, 1.2))
+
+
+def ingest_with_retries(
+    send: Callable[[], retriever_pb2.IngestSummary],
+    retries: int,
+    first_s: float,
+    on_retry: Callable[[grpc.RpcError, float], None],
+    sleep: Callable[[float], None] = time.sleep,
+    rng: random.Random | None = None,
+) -> tuple[retriever_pb2.IngestSummary, int]:
+    """``send()`` until it answers, or until a non-retryable error or the last retry raises.
+    Returns the summary and how many retries it took."""
+    rng = rng or random.Random()
+    for retry in range(retries + 1):
+        try:
+            return send(), retry
+        except grpc.RpcError as exc:
+            if exc.code() not in RETRYABLE or retry == retries:
+                raise
+            wait_s = backoff_seconds(retry, first_s, rng)
+            on_retry(exc, wait_s)
+            sleep(wait_s)
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
+    if args.retries < 0 or args.retry_seconds < 0:
+        raise SystemExit("--retries and --retry-seconds must be >= 0")
     planned, skipped = plan(args.paths, args.id_prefix)
     metadata = parse_metadata(args.metadata)
     report = IngestReport(skipped=skipped)
@@ -120,11 +195,10 @@ def run(args: argparse.Namespace) -> int:
             task = progress.add_task("ingesting", total=len(planned))
             for document in planned:
                 progress.update(task, description=f"ingesting {document.document_id}")
+                send = partial(send_document, stub, document, metadata, call_metadata, args.timeout_seconds)
                 try:
-                    summary = stub.Ingest(
-                        upload_messages(document, metadata),
-                        timeout=args.timeout_seconds,
-                        metadata=call_metadata,
+                    summary, retries = ingest_with_retries(
+                        send, args.retries, args.retry_seconds, partial(say_retry, console, document)
                     )
                 except grpc.RpcError as exc:
                     code = exc.code()
@@ -135,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
                         return 2
                     report.rejected.append((str(document.path), f"{code.name}: {exc.details()}"))
                 else:
+                    report.retries += retries
                     if summary.unchanged:
                         report.unchanged += 1
                     else:
@@ -146,9 +221,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_summary(report: IngestReport) -> None:
+    retried = f", {report.retries} retries" if report.retries else ""
     print(
         f"ingested {report.ingested} documents ({report.unchanged} unchanged), {report.chunks} chunks; "
-        f"skipped {len(report.skipped) + len(report.rejected)}"
+        f"skipped {len(report.skipped) + len(report.rejected)}{retried}"
     )
     for path, reason in report.skipped + report.rejected:
         print(f"  skipped {path}: {reason}")

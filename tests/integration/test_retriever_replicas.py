@@ -7,8 +7,10 @@ real Redis can keep them from writing one document at once.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,7 @@ from tests.integration.test_retriever_store import (
     versions_by_document,
     whitespace_token_spans,
 )
-from tests.support.processes import ServiceProcess
+from tests.support.processes import ROOT, ServiceProcess
 from tests.support.redis import RedisServer
 from tests.support.redis_cluster import RedisClusterServers
 
@@ -211,3 +213,57 @@ def test_a_retriever_given_redis_takes_leases_and_refuses_writes_while_redis_is_
         assert refused.code() == grpc.StatusCode.UNAVAILABLE
         assert "document locks (Redis) unreachable" in refused.details()
         assert [c.document_version for c in search(stub, "When does the ferry leave?")] == [1]
+
+
+def ingest_cli(
+    retriever: ServiceProcess, path: Path, *flags: str, on_retry: Callable[[], None] = lambda: None
+) -> tuple[int, str, str]:
+    """`llm-mesh ingest PATH` against ``retriever``; ``on_retry`` runs when it announces its first
+    retry (while it waits to send again). Returns the exit status, stdout and stderr."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "ingest", str(path), "--retriever-addr", retriever.address,
+         "--tenant", "acme", *flags],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    stderr: list[str] = []
+    for line in proc.stderr:
+        stderr.append(line)
+        if "retrying in" in line and sum("retrying in" in seen for seen in stderr) == 1:
+            on_retry()
+    out = proc.stdout.read()
+    return proc.wait(timeout=120), out, "".join(stderr)
+
+
+def test_ingest_cli_sends_a_document_again_while_another_replica_writes_it_or_redis_is_away(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    service = ServiceProcess(
+        "services.retriever",
+        ["--milvus-uri", str(tmp_path / "milvus.db"), "--redis-url", redis_server.url,
+         "--document-lock-wait-seconds", "0.2", "--metrics-port", "0"],
+    )  # fmt: skip
+    notes = tmp_path / "notes.txt"
+    notes.write_text("The ferry leaves the harbour at noon every day.")
+    other_replica = redis.Redis.from_url(redis_server.url).lock(
+        RedisLocks.key("acme", "notes.txt"), timeout=60
+    )
+    with service:
+        # Another replica holds the document's lease: without retries the document is refused.
+        assert other_replica.acquire(blocking=False)
+        code, out, err = ingest_cli(service, notes, "--retries", "0")
+        assert code == 1, out + err
+        assert "skipped 1" in out and "ABORTED" in out and "being written by another retriever replica" in out
+
+        # With retries it waits, and goes in once the other writer lets go.
+        code, out, err = ingest_cli(service, notes, "--retry-seconds", "0.5", on_retry=other_replica.release)
+        assert code == 0, out + err
+        assert "notes.txt: ABORTED" in err
+        assert "ingested 1 documents (0 unchanged)" in out and ", 1 retries" in out
+
+        # Redis away: UNAVAILABLE, sent again once it is back (it then answers "unchanged").
+        redis_server.kill()
+        code, out, err = ingest_cli(service, notes, "--retry-seconds", "1.5", on_retry=redis_server.start)
+        assert code == 0, out + err
+        assert "notes.txt: UNAVAILABLE: document locks (Redis) unreachable" in err
+        assert "ingested 0 documents (1 unchanged)" in out

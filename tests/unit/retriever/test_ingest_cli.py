@@ -1,12 +1,16 @@
-"""`llm-mesh ingest` planning: which files become which document ids, and why others are skipped."""
+"""`llm-mesh ingest`: which files become which document ids, why others are skipped, and which
+refusals it sends a document again after."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
+import grpc
 import pytest
 
-from services.retriever.ingest_cli import parse_metadata, plan
+from services.gen.llmmesh.v1 import retriever_pb2 as pb
+from services.retriever.ingest_cli import ingest_with_retries, parse_metadata, plan
 
 
 def test_folders_become_relative_ids_and_unsupported_files_are_skipped_with_a_reason(tmp_path: Path) -> None:
@@ -37,3 +41,79 @@ def test_metadata_pairs_need_a_key_and_an_equals_sign() -> None:
     assert parse_metadata(["team=docs", "note=a=b"]) == {"team": "docs", "note": "a=b"}
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         parse_metadata(["no-equals"])
+
+
+class Refused(grpc.RpcError):
+    """What a stub raises for a failed call: a code and a message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str = "") -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class Answers:
+    """A send() that fails with the given codes in turn, then answers."""
+
+    def __init__(self, *codes: grpc.StatusCode) -> None:
+        self.codes = list(codes)
+        self.calls = 0
+
+    def __call__(self) -> pb.IngestSummary:
+        self.calls += 1
+        if self.codes:
+            raise Refused(self.codes.pop(0), "busy")
+        return pb.IngestSummary(document_id="doc", version=3, chunks=2)
+
+
+def test_aborted_and_unavailable_are_sent_again_after_doubling_waits() -> None:
+    send = Answers(grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
+    announced: list[tuple[str, float]] = []
+    slept: list[float] = []
+
+    summary, retries = ingest_with_retries(
+        send,
+        retries=4,
+        first_s=1.0,
+        on_retry=lambda exc, wait_s: announced.append((exc.code().name, wait_s)),
+        sleep=slept.append,
+        rng=random.Random(7),
+    )
+
+    assert (summary.version, retries, send.calls) == (3, 3, 4)
+    assert [code for code, _ in announced] == ["ABORTED", "UNAVAILABLE", "ABORTED"]
+    assert slept == [wait for _, wait in announced]
+    # Doubling from 1 s, each within ±20 %.
+    for retry, wait in enumerate(slept):
+        assert 0.8 * 2**retry <= wait <= 1.2 * 2**retry
+    assert len(set(slept)) == 3
+
+
+def test_a_document_still_refused_after_the_last_retry_fails_with_the_last_answer() -> None:
+    send = Answers(*[grpc.StatusCode.ABORTED] * 3)
+    with pytest.raises(grpc.RpcError) as caught:
+        ingest_with_retries(send, retries=2, first_s=0.5, on_retry=lambda *_: None, sleep=lambda _: None)
+    assert caught.value.code() == grpc.StatusCode.ABORTED
+    assert send.calls == 3
+
+
+@pytest.mark.parametrize(
+    "code",
+    [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.PERMISSION_DENIED],
+)
+def test_answers_that_would_not_change_are_not_retried(code: grpc.StatusCode) -> None:
+    send = Answers(code)
+    with pytest.raises(grpc.RpcError):
+        ingest_with_retries(send, retries=4, first_s=1.0, on_retry=lambda *_: None, sleep=lambda _: None)
+    assert send.calls == 1
+
+
+def test_no_retries_means_one_attempt() -> None:
+    send = Answers(grpc.StatusCode.UNAVAILABLE)
+    with pytest.raises(grpc.RpcError):
+        ingest_with_retries(send, retries=0, first_s=1.0, on_retry=lambda *_: None, sleep=lambda _: None)
+    assert send.calls == 1
