@@ -9,6 +9,10 @@ import sys
 # name -> (module, one-line help). Each module exposes add_arguments(parser) and run(args).
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("bench.engine", "the llm-mesh engine vs naive, static and continuous HF generation"),
+    "decode-slab": (
+        "bench.decode_slab",
+        "decode steps over long conversations: the decode slab vs gathering",
+    ),
     "router": ("bench.router", "the router's overhead and balancing under load"),
     "retriever": ("bench.retriever", "ingest and search throughput of the retriever"),
     "load": ("bench.load", "the whole mesh under many concurrent clients"),

@@ -10,7 +10,7 @@ UNIFORM_PROMPT = "Write a short story about a robot named R{i} who learns to pai
 
 # Ordinary English words for the mixed workload's prompts: real text tokenizes the way
 # user prompts do (a few characters per token), unlike random token ids.
-_WORD_LIST = (
+WORD_LIST = (
     "the a robot paints river mountain city light colour quiet morning evening storm garden "
     "learns remembers brush canvas window market friend old young engineer artist machine "
     "slowly quickly because although every never always story chapter music bridge harbour "
@@ -96,7 +96,7 @@ def mixed(
     if arrival_rate <= 0:
         raise ValueError("arrival_rate must be > 0 requests per second")
     rng = random.Random(seed)
-    words = _WORD_LIST.split()
+    words = WORD_LIST.split()
     longest = prompt_tokens[1]
     text = " ".join(rng.choice(words) for _ in range(longest * 3))
     corpus = tokenizer.encode(text, add_special_tokens=False)

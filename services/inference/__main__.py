@@ -30,6 +30,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--compile", action="store_true", help="torch.compile the transformers forward (slow start)"
     )
+    parser.add_argument(
+        "--decode-slab-mib",
+        type=int,
+        default=EngineConfig.decode_slab_mib,
+        help="native forward: memory for contiguous decode K/V rows (0 = always gather from the paged cache)",
+    )
     args = parser.parse_args(argv)
     config = EngineConfig(
         model=args.model,
@@ -44,6 +50,7 @@ def main(argv: list[str] | None = None) -> None:
         max_model_len=args.max_model_len,
         compile=args.compile,
         model_impl=args.model_impl,
+        decode_slab_mib=args.decode_slab_mib,
     )
     run(server_options("inference", args), InferenceRuntime(config))
 

@@ -31,7 +31,8 @@ class EngineConfig:
     compile: bool = False
     model_impl: str = "auto"
     # Native forward: MiB for contiguous decode K/V rows (decode_slab.py); 0 disables.
-    # 1 GiB holds 64 fp32 SmolLM2 rows of up to 256 tokens; longer batches gather instead.
+    # 1 GiB holds 64 fp32 SmolLM2 rows of up to 256 tokens, or 8 of up to 2,048; a batch
+    # needing more gathers from the paged cache instead.
     decode_slab_mib: int = 1024
 
     def __post_init__(self) -> None:

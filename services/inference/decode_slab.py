@@ -10,8 +10,11 @@ A sequence's row is filled from the paged cache once, when it starts decoding;
 each step then writes the new token's K/V to both the paged cache (which stays
 the source of truth for prefix reuse and preemption) and the slab. Rows of
 sequences that stop decoding are released and the last row moves into the hole.
-The slab is a copy, so it has a byte budget: when the batch's longest context
-would need more, the step falls back to gathering from the paged cache.
+The slab is a copy, so it has a byte budget. It is sized by the batch, rows and
+length each in powers of two, so a few long conversations fit where a full batch
+of them would not (8 rows of 1,500 tokens take 0.7 GiB in fp32 SmolLM2, 64 would
+take 6); it only grows, unless growing would pass the budget while the batch's own
+size fits. When even that is over budget the step gathers from the paged cache.
 """
 
 from __future__ import annotations
@@ -21,8 +24,17 @@ from dataclasses import dataclass
 
 import torch
 
-# The slab's length grows in powers of two from here.
+# The slab's length and row count grow in powers of two from these.
 MIN_LENGTH = 64
+MIN_ROWS = 4
+
+
+def power_of_two_cover(n: int, start: int) -> int:
+    """The least ``start * 2**k`` that is >= ``n``."""
+    size = start
+    while size < n:
+        size *= 2
+    return size
 
 
 @dataclass(frozen=True)
@@ -56,15 +68,16 @@ class DecodeSlab:
         self.dtype = dtype
         self.device = device
         self.budget_bytes = budget_bytes
-        self.length = 0
+        self.rows = 0  # rows allocated (>= rows in use)
+        self.length = 0  # positions allocated per row
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self._row_of: dict[str, int] = {}
         self._filled: dict[str, int] = {}  # request id -> positions present in its row
 
-    def bytes_for(self, length: int) -> int:
+    def bytes_for(self, rows: int, length: int) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.max_rows * self.num_kv_heads * length * self.head_dim * elem
+        return 2 * self.num_layers * rows * self.num_kv_heads * length * self.head_dim * elem
 
     @property
     def rows_in_use(self) -> int:
@@ -74,7 +87,7 @@ class DecodeSlab:
         self._row_of.clear()
         self._filled.clear()
         if free_memory:
-            self.k, self.v, self.length = [], [], 0
+            self.k, self.v, self.rows, self.length = [], [], 0, 0
 
     def prepare(
         self, rows: Seq[SlabRow], k_caches: Seq[torch.Tensor], v_caches: Seq[torch.Tensor]
@@ -90,18 +103,26 @@ class DecodeSlab:
         if not rows:
             self.release_all()
             return []
+        if len(rows) > self.max_rows:
+            self.release_all(free_memory=True)
+            return None
         longest = max(r.position for r in rows) + 1
-        length = max(MIN_LENGTH, self.length)
-        while length < longest:
-            length *= 2
-        if len(rows) > self.max_rows or self.bytes_for(length) > self.budget_bytes:
+        fitted = (
+            min(power_of_two_cover(len(rows), MIN_ROWS), self.max_rows),
+            power_of_two_cover(longest, MIN_LENGTH),
+        )
+        # Keep what is allocated when it still serves (no reallocation as the batch
+        # breathes); shrink to the batch's own size only when growing would pass the budget.
+        grown = (max(self.rows, fitted[0]), max(self.length, fitted[1]))
+        shape = next((s for s in (grown, fitted) if self.bytes_for(*s) <= self.budget_bytes), None)
+        if shape is None:
             self.release_all(free_memory=True)
             return None
         wanted = {r.request_id for r in rows}
         for rid in [rid for rid in self._row_of if rid not in wanted]:
             self._release(rid)
-        if length != self.length:
-            self._resize(length)
+        if shape != (self.rows, self.length):
+            self._resize(*shape)
         for r in rows:
             if r.request_id not in self._row_of:
                 self._row_of[r.request_id] = len(self._row_of)
@@ -122,17 +143,19 @@ class DecodeSlab:
             v[row, :, :used] = v[last, :, :used]
         self._row_of[moved] = row
 
-    def _resize(self, length: int) -> None:
-        shape = (self.max_rows, self.num_kv_heads, length, self.head_dim)
+    def _resize(self, rows: int, length: int) -> None:
+        shape = (rows, self.num_kv_heads, length, self.head_dim)
         old_k, old_v, old_length = self.k, self.v, self.length
+        # Zeros, not empty: a shorter row's unused positions are read (and masked) with the
+        # batch's span, and garbage there could be NaN, which masking does not undo.
         self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        n = len(self._row_of)
+        n = len(self._row_of)  # rows in use were released first, so n <= rows
         keep = min(old_length, length)
         if old_k and n:
             for new, old in zip((*self.k, *self.v), (*old_k, *old_v), strict=True):
                 new[:n, :, :keep] = old[:n, :, :keep]
-        self.length = length
+        self.rows, self.length = rows, length
 
     def _fill(self, row: SlabRow, k_caches: Seq[torch.Tensor], v_caches: Seq[torch.Tensor]) -> None:
         done = self._filled[row.request_id]

@@ -291,7 +291,11 @@ class ModelRunner:
                 budget_bytes=config.decode_slab_mib << 20,
             )
         self.model_impl = "native" if self.native is not None else "transformers"
-        log.info("model implementation: %s", self.model_impl)
+        log.info(
+            "model implementation: %s; decode slab: %s",
+            self.model_impl,
+            f"up to {config.decode_slab_mib} MiB" if self.slab is not None else "off (decode steps gather)",
+        )
         self.decoder: Any = None if self.native is not None else self.model.base_model
         self.lm_head: Any = (
             self.native.logits if self.native is not None else self.model.get_output_embeddings()

@@ -109,6 +109,25 @@ async def test_the_transformers_implementation_matches_token_for_token(
         proc.stop()
 
 
+async def test_decoding_without_the_slab_matches_token_for_token(
+    model_path: Path, reference: tuple[Any, Any]
+) -> None:
+    # --decode-slab-mib 0: every decode step gathers its rows from the paged cache, the path
+    # a batch too large for the slab's budget takes.
+    proc = ServiceProcess(
+        "services.inference",
+        ["--model", str(model_path), "--kv-blocks", str(KV_BLOCKS), "--decode-slab-mib", "0",
+         *replica_device_args()],
+    )  # fmt: skip
+    try:
+        proc.start()
+        assert "decode slab: off (decode steps gather)" in proc.output()
+        async with grpc.aio.insecure_channel(proc.address) as channel:
+            await check_concurrent_greedy_generations(inference_pb2_grpc.InferenceStub(channel), reference)
+    finally:
+        proc.stop()
+
+
 async def check_concurrent_greedy_generations(
     stub: inference_pb2_grpc.InferenceStub, reference: tuple[Any, Any]
 ) -> None:

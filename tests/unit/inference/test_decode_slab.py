@@ -66,10 +66,57 @@ def test_a_longer_context_grows_the_slab_and_keeps_the_rows() -> None:
 
 def test_over_budget_falls_back_to_gathering_and_frees_the_slab() -> None:
     k, v = caches()
-    s = slab(budget=slab().bytes_for(64))
+    s = slab(budget=slab().bytes_for(4, 64))
     assert s.prepare([SlabRow("a", 10, [1, 2, 3])], k, v) == [0]
     assert s.prepare([SlabRow("a", 100, list(range(30)))], k, v) is None
-    assert s.length == 0 and s.k == []
+    assert (s.rows, s.length) == (0, 0) and s.k == []
+
+
+def test_the_slab_is_sized_by_the_batch_so_a_few_long_rows_fit_the_budget() -> None:
+    k, v = caches()
+    # Room for 4 rows of 256 positions: a full slab of 64 rows would hold only 16 each.
+    s = slab(budget=slab().bytes_for(4, 256), rows=64)
+    table = list(range(10, 62))  # 52 blocks of 4: 208 positions
+    rows = [SlabRow(str(i), 200 + i, table) for i in range(3)]
+    assert s.prepare(rows, k, v) == [0, 1, 2]
+    assert (s.rows, s.length) == (4, 256)
+    assert s.k[0].shape == (4, KV_HEADS, 256, DIM)
+    for layer in range(LAYERS):
+        assert torch.equal(s.k[layer][2, :, :202], paged(k[layer], table, 202))
+
+
+def test_more_rows_grow_the_slab_and_keep_every_row() -> None:
+    k, v = caches()
+    s = slab(rows=64)
+    first = [SlabRow(str(i), 3, [i]) for i in range(4)]
+    s.prepare(first, k, v)
+    assert s.rows == 4
+    more = [SlabRow(str(i), 4 if i < 4 else 6, [i, 40 + i]) for i in range(9)]
+    assert s.prepare(more, k, v) == list(range(9))
+    assert (s.rows, s.length) == (16, 64)
+    for layer in range(LAYERS):
+        for i in range(9):
+            assert torch.equal(
+                s.v[layer][i, :, : more[i].position], paged(v[layer], [i, 40 + i], more[i].position)
+            )
+
+
+def test_growing_past_the_budget_shrinks_to_the_batch_instead_of_gathering() -> None:
+    k, v = caches()
+    s = slab(budget=slab().bytes_for(16, 64), rows=64)
+    s.prepare([SlabRow(str(i), 3, [i]) for i in range(16)], k, v)
+    assert (s.rows, s.length) == (16, 64)
+    # Two rows go on to 100 positions: 16 x 128 is over budget, 4 x 128 is not.
+    tables = {rid: [int(rid), *range(30, 55)] for rid in ("3", "7")}  # their first block, then more
+    index = s.prepare([SlabRow(rid, 100, table) for rid, table in tables.items()], k, v)
+    assert index is not None and sorted(index) == [0, 1]
+    assert (s.rows, s.length) == (4, 128)
+    for layer in range(LAYERS):
+        for row, table in zip(index, tables.values(), strict=True):
+            assert torch.equal(s.k[layer][row, :, :100], paged(k[layer], table, 100))
+    # And back: 16 short rows again, in a slab as short as they are (16 x 128 is still too much).
+    assert s.prepare([SlabRow(str(i), 3, [i]) for i in range(16)], k, v) is not None
+    assert (s.rows, s.length) == (16, 64)
 
 
 def test_a_step_with_no_decodes_releases_every_row() -> None:
