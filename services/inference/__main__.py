@@ -36,6 +36,13 @@ def main(argv: list[str] | None = None) -> None:
         default=EngineConfig.decode_slab_mib,
         help="native forward: memory for contiguous decode K/V rows (0 = always gather from the paged cache)",
     )
+    parser.add_argument(
+        "--memory-limit-mib",
+        type=int,
+        default=None,
+        help="CPU: memory this replica may use; the auto-sized KV cache and decode slab fit in it "
+        "(default: the container's cgroup limit, else the machine's RAM)",
+    )
     args = parser.parse_args(argv)
     config = EngineConfig(
         model=args.model,
@@ -51,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
         compile=args.compile,
         model_impl=args.model_impl,
         decode_slab_mib=args.decode_slab_mib,
+        memory_limit_mib=args.memory_limit_mib,
     )
     run(server_options("inference", args), InferenceRuntime(config))
 

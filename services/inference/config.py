@@ -34,6 +34,9 @@ class EngineConfig:
     # 1 GiB holds 64 fp32 SmolLM2 rows of up to 256 tokens, or 8 of up to 2,048; a batch
     # needing more gathers from the paged cache instead.
     decode_slab_mib: int = 1024
+    # CPU: the memory the replica may use (None: the container's cgroup limit, else the
+    # machine's RAM); the auto-sized KV cache and the slab shrink to fit it (memory_budget.py).
+    memory_limit_mib: int | None = None
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
@@ -45,6 +48,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_queued_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.memory_limit_mib is not None and self.memory_limit_mib < 1:
+            raise ValueError(f"memory_limit_mib must be >= 1, got {self.memory_limit_mib}")
         if self.decode_slab_mib < 0:
             raise ValueError(f"decode_slab_mib must be >= 0, got {self.decode_slab_mib}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

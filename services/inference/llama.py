@@ -69,6 +69,8 @@ class Linear:
                 self.weight = None  # the packed copy is all we need
             except RuntimeError as exc:  # e.g. a dtype oneDNN does not pack: plain matmul
                 log.info("weight not packed for oneDNN (%s); using F.linear", exc)
+                # Its own storage, not a view into the checkpoint's (see LlamaForward).
+                self.weight = weight.clone()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -168,8 +170,10 @@ class LlamaForward:
         self.eps: float = config.rms_norm_eps
         self.scale = self.head_dim**-0.5
         decoder = model.model
-        self.embed: torch.Tensor = decoder.embed_tokens.weight.detach()
-        self.final_norm: torch.Tensor = decoder.norm.weight.detach()
+        # Own copies (clone), not views: the loader's tensors may share one storage mapped from
+        # the checkpoint file, and one view kept alive would keep all of it resident.
+        self.embed: torch.Tensor = decoder.embed_tokens.weight.detach().clone()
+        self.final_norm: torch.Tensor = decoder.norm.weight.detach().clone()
         self.layers = [self._layer(layer) for layer in decoder.layers]
         self.lm_head = Linear(model.get_output_embeddings().weight)
         self.cos, self.sin = self._rotary_tables(decoder.rotary_emb, max_positions)
@@ -179,8 +183,8 @@ class LlamaForward:
     def _layer(layer: Any) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
         return LayerWeights(
-            input_norm=layer.input_layernorm.weight.detach(),
-            post_attention_norm=layer.post_attention_layernorm.weight.detach(),
+            input_norm=layer.input_layernorm.weight.detach().clone(),
+            post_attention_norm=layer.post_attention_layernorm.weight.detach().clone(),
             qkv=Linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),
             o=Linear(attn.o_proj.weight),
             gate_up=Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),

@@ -26,11 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from services.inference import decode_slab, llama
+from services.inference import decode_slab, llama, memory_budget
 from services.inference.config import EngineConfig
 from services.inference.sampler import Sampler
 from services.inference.scheduler import ScheduledSequence
@@ -207,6 +208,22 @@ def keep_large_allocations_mapped() -> bool:
     return mallopt(m_trim_threshold, 1 << 30) == 1 and ok
 
 
+def release_freed_heap() -> bool:
+    """Give glibc's freed heap back to the OS (``malloc_trim``): what loading and packing the
+    weights freed would otherwise stay resident for good under the thresholds set above.
+    A no-op (False) off glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        return bool(ctypes.CDLL(name).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor; on CPU its pages are mapped lazily, so an unused KV cache costs no RAM.
 
@@ -255,9 +272,6 @@ class ModelRunner:
         model_len = getattr(mc, "max_position_embeddings", None) or MAX_MODEL_LEN_CAP
         self.max_model_len = min(config.max_model_len or MAX_MODEL_LEN_CAP, model_len, MAX_MODEL_LEN_CAP)
         self.block_size = config.block_size
-        self.num_blocks = config.num_kv_blocks or self._auto_num_blocks()
-        self.num_slots = self.num_blocks * self.block_size
-
         self.sampler = Sampler()
         self._block_offsets = torch.arange(self.block_size, device=self.device)
         self.native: llama.LlamaForward | None = None
@@ -267,6 +281,14 @@ class ModelRunner:
             self.native = llama.LlamaForward(self.model, self.max_model_len)
             # The native forward holds its own (packed) copies: keep only what the engine reads.
             self.model = _ModelFacts(mc, getattr(self.model, "generation_config", None))
+
+        # Sized once the weights are in their final form, so what is resident now stays.
+        slab_budget = config.decode_slab_mib << 20
+        if self.device.type == "cpu":
+            self.num_blocks, slab_budget = self._fit_host_memory(slab_budget)
+        else:
+            self.num_blocks = config.num_kv_blocks or self._auto_cuda_blocks()
+        self.num_slots = self.num_blocks * self.block_size
 
         # One spare slot at the end takes the K/V of padding tokens. The native forward
         # keeps each KV head's slots together ([kv_heads, slots, D]) so gathered keys feed
@@ -279,7 +301,7 @@ class ModelRunner:
         self.k_caches = [cache() for _ in range(self.num_layers)]
         self.v_caches = [cache() for _ in range(self.num_layers)]
         self.slab: decode_slab.DecodeSlab | None = None
-        if self.native is not None and config.decode_slab_mib > 0:
+        if self.native is not None and slab_budget > 0:
             self.slab = decode_slab.DecodeSlab(
                 self.num_layers,
                 config.max_num_seqs,
@@ -288,13 +310,13 @@ class ModelRunner:
                 self.head_dim,
                 self.dtype,
                 self.device,
-                budget_bytes=config.decode_slab_mib << 20,
+                budget_bytes=slab_budget,
             )
         self.model_impl = "native" if self.native is not None else "transformers"
         log.info(
             "model implementation: %s; decode slab: %s",
             self.model_impl,
-            f"up to {config.decode_slab_mib} MiB" if self.slab is not None else "off (decode steps gather)",
+            f"up to {slab_budget >> 20} MiB" if self.slab is not None else "off (decode steps gather)",
         )
         self.decoder: Any = None if self.native is not None else self.model.base_model
         self.lm_head: Any = (
@@ -309,14 +331,63 @@ class ModelRunner:
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
-    def _auto_num_blocks(self) -> int:
-        wanted = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            cap = int(free * CUDA_KV_MEMORY_SHARE)
-        else:
-            cap = CPU_KV_MEMORY_CAP
-        return max(2, min(wanted, cap // self._bytes_per_block()))
+    def _full_context_blocks(self) -> int:
+        """Blocks for ``max_num_seqs`` sequences of ``max_model_len`` tokens: more is never used."""
+        return self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+
+    def _auto_cuda_blocks(self) -> int:
+        free, _ = torch.cuda.mem_get_info(self.device)
+        cap = int(free * CUDA_KV_MEMORY_SHARE)
+        return max(2, min(self._full_context_blocks(), cap // self._bytes_per_block()))
+
+    def _fit_host_memory(self, slab_wanted: int) -> tuple[int, int]:
+        """KV blocks and slab bytes that fit in the memory this replica may use (memory_budget.py)."""
+        release_freed_heap()
+        per_block = self._bytes_per_block()
+        explicit = self.config.num_kv_blocks
+        wanted = explicit or min(self._full_context_blocks(), CPU_KV_MEMORY_CAP // per_block)
+        limit = memory_budget.memory_limit(self.config.memory_limit_mib)
+        resident = psutil.Process().memory_info().rss
+        plan = memory_budget.plan_cpu_memory(limit.bytes, resident, wanted * per_block, slab_wanted)
+        blocks = explicit or plan.kv_cache_bytes // per_block
+        one_context = -(-self.max_model_len // self.block_size)
+        if not explicit and blocks < one_context:
+            raise ValueError(
+                f"{limit.bytes >> 20} MiB of memory ({limit.source}) leaves {blocks * per_block >> 20} MiB "
+                f"for the KV cache after {resident >> 20} MiB resident and "
+                f"{memory_budget.ACTIVATION_RESERVE_BYTES >> 20} MiB kept for activations: less than one "
+                f"{self.max_model_len}-token context ({one_context * per_block >> 20} MiB). "
+                "Raise the memory limit, or lower --max-model-len"
+            )
+        log.info(
+            "memory: %d MiB may be used (%s), %d MiB resident with the weights ready; KV cache %d MiB "
+            "(%d blocks, %d tokens), decode slab up to %d MiB",
+            limit.bytes >> 20,
+            limit.source,
+            resident >> 20,
+            blocks * per_block >> 20,
+            blocks,
+            blocks * self.block_size,
+            plan.slab_bytes >> 20,
+        )
+        if explicit and explicit * per_block > plan.kv_cache_bytes:
+            log.warning(
+                "--kv-blocks %d takes %d MiB, more than the %d MiB the memory limit leaves it: "
+                "under load the replica may be killed for memory",
+                explicit,
+                explicit * per_block >> 20,
+                plan.kv_cache_bytes >> 20,
+            )
+        elif blocks < wanted:
+            log.warning(
+                "KV cache cut from %d to %d MiB to fit %d MiB (%s): raise the limit or "
+                "--memory-limit-mib for more concurrent context",
+                wanted * per_block >> 20,
+                blocks * per_block >> 20,
+                limit.bytes >> 20,
+                limit.source,
+            )
+        return blocks, plan.slab_bytes
 
     def _compiled_forward(self) -> Any:
         import torch._dynamo.config as dynamo_config

@@ -1,9 +1,13 @@
-"""The inference replica under tight limits: tiny KV cache (preemption), tiny queue (overload), shutdown."""
+"""The inference replica under tight limits: tiny KV cache (preemption), tiny queue (overload), shutdown,
+little memory."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.support.device import TEST_DEVICE, replica_device_args
 from tests.support.inference import Generation, generate, greedy
-from tests.support.processes import ServiceProcess
+from tests.support.processes import ROOT, ServiceProcess
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -150,3 +154,44 @@ async def test_sigterm_finishes_in_flight_work_then_exits(
     assert len(tokens) == 20
     assert replica.proc is not None
     assert await asyncio.to_thread(replica.proc.wait, 60) == 0
+
+
+MEMORY_LINE = re.compile(
+    r"memory: (\d+) MiB may be used \(--memory-limit-mib\), (\d+) MiB resident with the weights ready; "
+    r"KV cache (\d+) MiB \((\d+) blocks, \d+ tokens\), decode slab up to (\d+) MiB"
+)
+
+
+async def test_a_replica_given_little_memory_sizes_its_cache_and_slab_to_fit(model_path: Path) -> None:
+    # What a 4 GiB container limit does (read from the cgroup when the flag is absent).
+    proc = ServiceProcess("services.inference", ["--model", str(model_path), "--memory-limit-mib", "4096"])
+    with proc:
+        match = MEMORY_LINE.search(proc.output())
+        assert match, proc.output()
+        limit, resident, kv_mib, blocks, slab_mib = map(int, match.groups())
+        assert limit == 4096
+        assert re.search(r"KV cache cut from 409\d to \d+ MiB to fit 4096 MiB", proc.output())
+        # Weights, a step's reserve (1 GiB), cache and slab within 90 % of the limit.
+        assert resident + 1024 + kv_mib + slab_mib <= 0.9 * limit
+        assert 0 < kv_mib < 4096 and 0 < slab_mib < 1024
+        async with grpc.aio.insecure_channel(proc.address) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            info = await stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
+            assert info.kv_blocks_total == blocks
+            # Room for at least one whole context of the model's length.
+            assert blocks * info.kv_block_size >= info.max_context_tokens
+            start = inference_pb2.GenerateStart(prompt="The capital of France is", sampling=greedy(4))
+            assert len((await generate(stub, start)).token_ids) == 4
+
+
+def test_a_replica_whose_memory_cannot_hold_one_context_refuses_to_start(model_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "services.inference", "--model", str(model_path), "--port", "0",
+         "--memory-limit-mib", "2048"],
+        cwd=ROOT, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output
+    assert "inference failed to start" in output
+    assert "2048 MiB of memory (--memory-limit-mib) leaves" in output
+    assert "less than one 8192-token context" in output and "Raise the memory limit" in output

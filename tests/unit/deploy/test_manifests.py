@@ -122,6 +122,16 @@ def test_gpu_overlay_runs_the_cuda_image_on_one_gpu_each() -> None:
     assert find(gpu_objects, "HorizontalPodAutoscaler", "inference")["spec"]["maxReplicas"] == 4
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_replicas_are_told_their_memory_limit_so_the_kv_cache_fits_it(overlay: str) -> None:
+    inference = container(find(rendered(overlay), "Deployment", "inference"))
+    env = {e["name"]: e for e in inference["env"]}
+    field = env["LLMMESH_MEMORY_LIMIT_MIB"]["valueFrom"]["resourceFieldRef"]
+    assert field == {"containerName": "inference", "resource": "limits.memory", "divisor": "1Mi"}
+    # The container has a memory limit for it to report (else Kubernetes reports the node's RAM).
+    assert "memory" in inference["resources"]["limits"]
+
+
 def test_redis_and_milvus_come_from_their_charts_not_from_here() -> None:
     kinds = {(o["kind"], o["metadata"]["name"]) for o in rendered("cpu")}
     assert not any(kind == "StatefulSet" for kind, _ in kinds)
