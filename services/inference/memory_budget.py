@@ -37,9 +37,37 @@ class MemoryLimit:
     source: str
 
 
-def container_memory_limit(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """The cgroup's memory limit (v2 ``memory.max``, else v1 ``memory.limit_in_bytes``); None if unlimited."""
-    for path in (cgroup_root / "memory.max", cgroup_root / "memory" / "memory.limit_in_bytes"):
+def _own_cgroups(proc_cgroup: Path) -> tuple[str, str]:
+    """This process's cgroup paths (v2, v1 memory) from ``/proc/self/cgroup``; "" when absent."""
+    v2 = v1 = ""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return v2, v1
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":
+            v2 = path.strip("/")
+        elif "memory" in controllers.split(","):
+            v1 = path.strip("/")
+    return v2, v1
+
+
+def container_memory_limit(
+    cgroup_root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")
+) -> int | None:
+    """The memory limit of this process's cgroup (v2 ``memory.max``, else v1
+    ``memory.limit_in_bytes``); None if unlimited. Inside a container the cgroup is
+    usually the mount's root; a service of systemd's (or a container without its own
+    cgroup namespace) finds its own below it, as ``/proc/self/cgroup`` names it."""
+    v2, v1 = _own_cgroups(proc_cgroup)
+    candidates = [cgroup_root / v2 / "memory.max"] if v2 else []
+    candidates.append(cgroup_root / "memory.max")
+    if v1:
+        candidates.append(cgroup_root / "memory" / v1 / "memory.limit_in_bytes")
+    candidates.append(cgroup_root / "memory" / "memory.limit_in_bytes")
+    for path in candidates:
         try:
             text = path.read_text().strip()
         except OSError:
@@ -58,11 +86,15 @@ def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def memory_limit(limit_mib: int | None, cgroup_root: Path = Path("/sys/fs/cgroup")) -> MemoryLimit:
+def memory_limit(
+    limit_mib: int | None,
+    cgroup_root: Path = Path("/sys/fs/cgroup"),
+    proc_cgroup: Path = Path("/proc/self/cgroup"),
+) -> MemoryLimit:
     """``--memory-limit-mib`` when given, else the container's limit, else the machine's RAM."""
     if limit_mib:
         return MemoryLimit(limit_mib * MIB, "--memory-limit-mib")
-    container = container_memory_limit(cgroup_root)
+    container = container_memory_limit(cgroup_root, proc_cgroup)
     if container is not None:
         return MemoryLimit(min(container, physical_memory()), "the container's cgroup limit")
     return MemoryLimit(physical_memory(), "the machine's RAM")

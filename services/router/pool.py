@@ -9,6 +9,7 @@ the pool by model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
@@ -97,6 +98,8 @@ class Replica:
         self.outlier = OutlierDetector(ejection, clock)
         self.last_probe = 0.0
         self.weight = 1.0
+        #: Its first health check has answered, either way: until then its model is unknown.
+        self.checked = False
 
     async def close(self) -> None:
         await self.mux.close()
@@ -165,6 +168,10 @@ class ReplicaPool:
         self.replicas: dict[str, Replica] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self.on_models_changed: list[Callable[[], None]] = []
+        # Set when a replica's first check answers or a model becomes known (wait_for_models).
+        self._learned = asyncio.Event()
+        # The router's own first discovery and health round is over (mark_started).
+        self._started = False
         #: Called when a replica stops taking work (ejected, or its health check fails).
         self.on_unavailable: list[Callable[[Replica], None]] = []
 
@@ -190,11 +197,44 @@ class ReplicaPool:
         await replica.close()
 
     def models_changed(self) -> None:
+        self._learned.set()
         for callback in self.on_models_changed:
             callback()
 
     def models(self) -> set[str]:
         return {r.model for r in self.replicas.values() if r.model}
+
+    def mark_checked(self, replica: Replica) -> None:
+        """``replica``'s first health check has answered (served or failed)."""
+        if not replica.checked:
+            replica.checked = True
+            self._learned.set()
+
+    def mark_started(self) -> None:
+        """The router's first discovery and health round is over (before it, the pool may
+        still be empty while the server already takes calls)."""
+        self._started = True
+        self._learned.set()
+
+    def discovering(self) -> bool:
+        """The router is still starting, or some replica has not answered its first health
+        check yet (the replica was just added)."""
+        return not self._started or any(not r.checked for r in self.replicas.values())
+
+    async def wait_for_models(self, timeout_s: float) -> set[str]:
+        """The models known, once one is known or every replica has been checked (at most
+        ``timeout_s``): a request that reaches a router which started a moment ago waits for
+        the first health checks (tens of ms) instead of being refused."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.models() and self.discovering():
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            self._learned.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._learned.wait(), left)
+        return self.models()
 
     def candidates(self, model: str) -> list[Replica]:
         return [r for r in self.replicas.values() if r.model == model and r.eligible]

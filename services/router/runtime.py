@@ -156,6 +156,7 @@ class RouterRuntime:
             self.servicer.tasks = self.tasks
         await self.discovery.start()
         await self.health.check_all()  # know the pool before admitting the first request
+        self.pool.mark_started()  # turns that came in meanwhile waited for this (turn.py)
         self.health.start()
         if self.authenticator.redis is not None:
             self.authenticator.start_refresh()

@@ -44,6 +44,9 @@ ROLES = frozenset({"system", "user", "assistant"})
 # What the model reads of a session's past: the rest is left out, oldest first.
 HISTORY_TOKEN_BUDGET = 2048
 DEGRADED_ANSWER = "The service is busy and cannot answer right now; please try again shortly."
+# A turn that finds no model known while replicas await their first health check waits this
+# long at most (and never past its deadline) before UNAVAILABLE.
+STARTUP_WAIT_S = 5.0
 
 
 @dataclass
@@ -272,8 +275,13 @@ class TurnPipeline:
             models = [resume.checkpoint.model]
             messages = [(m.role, m.content) for m in start.messages]
         else:
+            known = s.pool.models()
+            if not known and s.pool.discovering():
+                # The router (or every replica) is new: the first health checks are moments away.
+                wait_s = STARTUP_WAIT_S if deadline is None else min(STARTUP_WAIT_S, deadline - s.clock())
+                known = await s.pool.wait_for_models(wait_s)
             try:
-                models = s.catalog.plan(request.model, s.pool.models())
+                models = s.catalog.plan(request.model, known)
             except errors.DependencyUnavailable as exc:
                 if not request.allow_degraded:
                     raise

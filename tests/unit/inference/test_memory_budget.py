@@ -26,29 +26,43 @@ def cgroup(tmp_path: Path, relative: str, text: str) -> Path:
 
 
 def test_the_limit_comes_from_cgroup_v2_or_v1_and_unlimited_means_none(tmp_path: Path) -> None:
-    assert container_memory_limit(cgroup(tmp_path / "v2", "memory.max", "4294967296\n")) == 4 * GIB
-    assert container_memory_limit(cgroup(tmp_path / "v2max", "memory.max", "max\n")) is None
-    assert (
-        container_memory_limit(cgroup(tmp_path / "v1", "memory/memory.limit_in_bytes", "2147483648\n"))
-        == 2 * GIB
-    )
+    at_root = tmp_path / "proc-cgroup"
+    at_root.write_text("0::/\n")
+
+    def limit(root: Path) -> int | None:
+        return container_memory_limit(root, at_root)
+
+    assert limit(cgroup(tmp_path / "v2", "memory.max", "4294967296\n")) == 4 * GIB
+    assert limit(cgroup(tmp_path / "v2max", "memory.max", "max\n")) is None
+    assert limit(cgroup(tmp_path / "v1", "memory/memory.limit_in_bytes", "2147483648\n")) == 2 * GIB
     # cgroup v1 says "no limit" with a number near 2**63.
-    assert (
-        container_memory_limit(
-            cgroup(tmp_path / "v1max", "memory/memory.limit_in_bytes", "9223372036854771712")
-        )
-        is None
-    )
-    assert container_memory_limit(tmp_path / "none") is None
+    assert limit(cgroup(tmp_path / "v1max", "memory/memory.limit_in_bytes", "9223372036854771712")) is None
+    assert limit(tmp_path / "none") is None
+
+
+def test_a_process_below_the_root_finds_its_own_cgroup(tmp_path: Path) -> None:
+    # A systemd service, or a container without its own cgroup namespace.
+    v2 = tmp_path / "v2-proc"
+    v2.write_text("0::/system.slice/llm-mesh-inference.service\n")
+    root = cgroup(tmp_path / "v2", "system.slice/llm-mesh-inference.service/memory.max", str(3 * GIB))
+    assert container_memory_limit(root, v2) == 3 * GIB
+    v1 = tmp_path / "v1-proc"
+    v1.write_text("12:pids:/docker/abc\n9:memory:/docker/abc\n0::/docker/abc\n")
+    root = cgroup(tmp_path / "v1", "memory/docker/abc/memory.limit_in_bytes", str(5 * GIB))
+    cgroup(root, "memory/memory.limit_in_bytes", "9223372036854771712")
+    assert container_memory_limit(root, v1) == 5 * GIB
 
 
 def test_the_flag_wins_then_the_container_then_the_machine(tmp_path: Path) -> None:
+    at_root = tmp_path / "proc-cgroup"
+    at_root.write_text("0::/\n")
     limited = cgroup(tmp_path / "pod", "memory.max", str(4 * GIB))
-    assert memory_limit(3000, limited).bytes == 3000 * MIB
-    assert memory_limit(3000, limited).source == "--memory-limit-mib"
-    assert memory_limit(None, limited).bytes == min(4 * GIB, physical_memory())
-    assert memory_limit(None, tmp_path / "no-cgroup").bytes == physical_memory()
-    assert memory_limit(None, tmp_path / "no-cgroup").source == "the machine's RAM"
+    assert memory_limit(3000, limited, at_root).bytes == 3000 * MIB
+    assert memory_limit(3000, limited, at_root).source == "--memory-limit-mib"
+    assert memory_limit(None, limited, at_root).bytes == min(4 * GIB, physical_memory())
+    assert memory_limit(None, limited, at_root).source == "the container's cgroup limit"
+    assert memory_limit(None, tmp_path / "no-cgroup", at_root).bytes == physical_memory()
+    assert memory_limit(None, tmp_path / "no-cgroup", at_root).source == "the machine's RAM"
 
 
 def test_a_large_machine_keeps_the_full_defaults() -> None:

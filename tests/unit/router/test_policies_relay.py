@@ -93,3 +93,47 @@ async def test_discovery_follows_the_replicas_file_and_dns(tmp_path: Path) -> No
     finally:
         await discovery.stop()
         await pool.close()
+
+
+async def test_a_turn_at_startup_waits_for_the_first_health_checks_not_longer() -> None:
+    import asyncio
+    import time
+
+    from services.router.pool import ReplicaPool
+
+    pool = ReplicaPool()
+    assert pool.discovering()  # started, no replica yet: the router is still starting
+    pool.set_addresses(["127.0.0.1:1", "127.0.0.1:2"])
+    a, b = pool.replicas.values()
+    try:
+        assert pool.discovering()
+
+        async def first_check_answers() -> None:
+            await asyncio.sleep(0.05)
+            pool.mark_checked(a)  # down: no model from it
+            await asyncio.sleep(0.05)
+            b.model = "m"
+            pool.mark_checked(b)
+            pool.models_changed()
+            pool.mark_started()
+
+        started = time.monotonic()
+        _, known = await asyncio.gather(first_check_answers(), pool.wait_for_models(5.0))
+        assert known == {"m"}
+        assert time.monotonic() - started < 1.0
+        assert not pool.discovering()
+
+        # Every replica checked and none serves a model: no waiting at all.
+        b.model = None
+        started = time.monotonic()
+        assert await pool.wait_for_models(5.0) == set()
+        assert time.monotonic() - started < 0.05
+
+        # A replica added later is waited for, but only as long as the caller allows.
+        pool.set_addresses(["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"])
+        assert pool.discovering()
+        started = time.monotonic()
+        assert await pool.wait_for_models(0.2) == set()
+        assert 0.15 < time.monotonic() - started < 1.0
+    finally:
+        await pool.close()
