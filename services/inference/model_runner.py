@@ -184,6 +184,20 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(p))
 
 
+def glibc_function(name: str) -> Any | None:
+    """``name`` from the C library when it is glibc's (None elsewhere: musl, macOS)."""
+    import ctypes
+    import ctypes.util
+
+    library = ctypes.util.find_library("c")
+    if not library:
+        return None
+    try:
+        return getattr(ctypes.CDLL(library), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def keep_large_allocations_mapped() -> bool:
     """Ask glibc to serve big temporaries from its heap and keep them, not mmap/munmap each.
 
@@ -192,16 +206,8 @@ def keep_large_allocations_mapped() -> bool:
     Raising the mmap and trim thresholds to their maximum keeps freed blocks for
     reuse. A no-op (False) off glibc.
     """
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = glibc_function("mallopt")
+    if mallopt is None:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3
     ok = mallopt(m_mmap_threshold, GLIBC_MMAP_THRESHOLD_MAX) == 1
@@ -212,16 +218,8 @@ def release_freed_heap() -> bool:
     """Give glibc's freed heap back to the OS (``malloc_trim``): what loading and packing the
     weights freed would otherwise stay resident for good under the thresholds set above.
     A no-op (False) off glibc."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        return bool(ctypes.CDLL(name).malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
+    malloc_trim = glibc_function("malloc_trim")
+    return malloc_trim is not None and bool(malloc_trim(0))
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
