@@ -144,17 +144,17 @@ class DecodeSlab:
         self._row_of[moved] = row
 
     def _resize(self, rows: int, length: int) -> None:
+        # The old slab goes before the new one is allocated, so the two never take memory
+        # at once (the replica's memory plan counts one budget); the rows kept are then
+        # filled again from the paged cache, as a row joining the batch is.
+        self.k, self.v = [], []
         shape = (rows, self.num_kv_heads, length, self.head_dim)
-        old_k, old_v, old_length = self.k, self.v, self.length
         # Zeros, not empty: a shorter row's unused positions are read (and masked) with the
         # batch's span, and garbage there could be NaN, which masking does not undo.
         self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        n = len(self._row_of)  # rows in use were released first, so n <= rows
-        keep = min(old_length, length)
-        if old_k and n:
-            for new, old in zip((*self.k, *self.v), (*old_k, *old_v), strict=True):
-                new[:n, :, :keep] = old[:n, :, :keep]
+        for request_id in self._filled:
+            self._filled[request_id] = 0
         self.rows, self.length = rows, length
 
     def _fill(self, row: SlabRow, k_caches: Seq[torch.Tensor], v_caches: Seq[torch.Tensor]) -> None:
