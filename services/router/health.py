@@ -129,6 +129,13 @@ class ActiveHealthChecker:
 
     async def check(self, replica: Replica) -> None:
         try:
+            await self._check(replica)
+        finally:
+            # Answered, failed or broken: either way turns need not wait for it any more.
+            self.pool.mark_checked(replica)
+
+    async def _check(self, replica: Replica) -> None:
+        try:
             response = await replica.health_stub.Check(
                 health_pb2.HealthCheckRequest(), timeout=self.timeout_s
             )
@@ -145,7 +152,7 @@ class ActiveHealthChecker:
             log.debug("health check of %s failed: %s", replica.address, exc.code().name)
             return
         self.pool.set_serving(replica, serving)
-        self.pool.mark_checked(replica)
+        self.pool.mark_checked(replica)  # now, not after GetLoad: its model and health are known
         try:
             replica.last_load = await replica.stub.GetLoad(
                 inference_pb2.GetLoadRequest(), timeout=self.timeout_s
