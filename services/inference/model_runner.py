@@ -329,9 +329,13 @@ class ModelRunner:
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
+    def _context_blocks(self) -> int:
+        """Blocks for one sequence of ``max_model_len`` tokens."""
+        return -(-self.max_model_len // self.block_size)
+
     def _full_context_blocks(self) -> int:
         """Blocks for ``max_num_seqs`` sequences of ``max_model_len`` tokens: more is never used."""
-        return self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+        return self.config.max_num_seqs * self._context_blocks()
 
     def _auto_cuda_blocks(self) -> int:
         free, _ = torch.cuda.mem_get_info(self.device)
@@ -348,7 +352,7 @@ class ModelRunner:
         resident = psutil.Process().memory_info().rss
         plan = memory_budget.plan_cpu_memory(limit.bytes, resident, wanted * per_block, slab_wanted)
         blocks = explicit or plan.kv_cache_bytes // per_block
-        one_context = -(-self.max_model_len // self.block_size)
+        one_context = self._context_blocks()
         if not explicit and blocks < one_context:
             raise ValueError(
                 f"{limit.bytes >> 20} MiB of memory ({limit.source}) leaves {blocks * per_block >> 20} MiB "

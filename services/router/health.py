@@ -148,7 +148,6 @@ class ActiveHealthChecker:
                 self.pool.models_changed()
         except grpc.aio.AioRpcError as exc:
             self.pool.set_serving(replica, False)
-            self.pool.mark_checked(replica)
             log.debug("health check of %s failed: %s", replica.address, exc.code().name)
             return
         self.pool.set_serving(replica, serving)
