@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.inference import memory_budget
 from services.launcher.children import ChildFailed, ChildProcess
 from services.launcher.redis_local import redis_command
 
@@ -24,6 +25,10 @@ RETRIEVER_PORT = 50053
 SESSION_PORT = 50054
 REDIS_PORT = 6379
 GATEWAY_LISTEN = "127.0.0.1:8080"
+# What one machine's Redis, session, retriever (embedding model, Milvus Lite) and router
+# need beside the replicas: ≈ 0.8 GiB resident idle (measured 2026-11-30), with room to
+# grow under load. The replicas share the rest.
+SHARED_SERVICES_MIB = 2048
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,8 @@ class MeshConfig:
     milvus_uri: str | None = None
     gateway: bool = False
     device: str = "auto"
+    # The whole mesh's memory (None: the cgroup's limit, else the machine's RAM).
+    memory_limit_mib: int | None = None
     startup_timeout_s: float = 600.0
     stop_timeout_s: float = 45.0
     python: str = sys.executable
@@ -49,6 +56,8 @@ class MeshConfig:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
         if not 0 <= self.router_port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.router_port}")
+        if self.memory_limit_mib is not None and self.memory_limit_mib < 1:
+            raise ValueError(f"--memory-limit-mib must be >= 1, got {self.memory_limit_mib}")
 
     @property
     def ephemeral(self) -> bool:
@@ -59,6 +68,31 @@ class MeshConfig:
 
     def inference_port(self, index: int) -> int:
         return self.port(INFERENCE_BASE_PORT + 10 * index)
+
+    def memory_plan(self) -> tuple[memory_budget.MemoryLimit, int]:
+        """The mesh's memory and each replica's share of it (MiB).
+
+        Every replica would otherwise plan its KV cache and slab against the whole
+        machine, and N of them on one box would be OOM-killed once busy enough to
+        touch their caches (which are mapped lazily). Each gets an even share of what
+        the other services leave, passed as its ``--memory-limit-mib``; a share too
+        small for one context makes that replica refuse to start, saying so.
+        """
+        limit = memory_budget.memory_limit(self.memory_limit_mib)
+        share = ((limit.bytes >> 20) - SHARED_SERVICES_MIB) // self.replicas
+        return limit, max(1, share)
+
+    def replica_command(self, index: int, memory_mib: int) -> list[str]:
+        return self.service_command(
+            "services.inference",
+            self.inference_port(index),
+            "--model",
+            str(self.model),
+            "--device",
+            self.device,
+            "--memory-limit-mib",
+            str(memory_mib),
+        )
 
     @property
     def milvus(self) -> str:
@@ -139,16 +173,13 @@ class LocalMesh:
             "retriever",
             cfg.service_command("services.retriever", cfg.port(RETRIEVER_PORT), "--milvus-uri", cfg.milvus),
         )
+        limit, share = cfg.memory_plan()
+        self.say(
+            f"  memory: {limit.bytes >> 20} MiB ({limit.source}), {SHARED_SERVICES_MIB} MiB kept for "
+            f"Redis, session, retriever and router, {share} MiB for each inference replica"
+        )
         for i in range(cfg.replicas):
-            command = cfg.service_command(
-                "services.inference",
-                cfg.inference_port(i),
-                "--model",
-                str(cfg.model),
-                "--device",
-                cfg.device,
-            )
-            self.replicas.append(self._spawn(f"inference-{i}", command))
+            self.replicas.append(self._spawn(f"inference-{i}", cfg.replica_command(i, share)))
         # Everything the router depends on loads in parallel; the router starts once they all serve.
         for child in [self.session, self.retriever, *self.replicas]:
             self.say(f"  waiting for {child.name} …")

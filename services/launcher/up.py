@@ -37,6 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="model directory for inference")
     parser.add_argument("--device", default="auto", help="inference device: auto, cpu or cuda")
     parser.add_argument(
+        "--memory-limit-mib",
+        type=int,
+        default=None,
+        help="memory for the whole mesh; the replicas share what the other services leave "
+        "(default: the cgroup's limit, else the machine's RAM)",
+    )
+    parser.add_argument(
         "--gateway", action="store_true", help="also start the REST gateway on 127.0.0.1:8080 (if built)"
     )
     parser.add_argument(
@@ -59,6 +66,7 @@ def config_from_args(args: argparse.Namespace) -> MeshConfig:
         milvus_uri=os.environ.get("MILVUS_URI") or None,
         gateway=args.gateway,
         device=args.device,
+        memory_limit_mib=args.memory_limit_mib,
         startup_timeout_s=args.startup_timeout,
         stop_timeout_s=args.stop_timeout,
     )

@@ -4,6 +4,7 @@ RAG over the sample docs with citations, a second `up` refused, SIGTERM leaves n
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -42,6 +43,14 @@ def test_ready_block_lists_every_service_and_its_own_redis(mesh: LaunchedMesh) -
     for name in ("session", "retriever", "inference-0", "router"):
         assert serving(mesh.endpoints[name]), name
     assert "grpcurl -plaintext" in mesh.output()
+
+
+def test_the_replica_plans_its_memory_within_the_launchers_share(mesh: LaunchedMesh) -> None:
+    # The launcher says what each replica may use; the replica sizes its cache inside it.
+    planned = re.search(r"memory: \d+ MiB .*, (\d+) MiB for each inference replica", mesh.output())
+    assert planned is not None, mesh.output()
+    replica_log = (mesh.data_dir / "logs" / "inference-0.log").read_text()
+    assert f"memory: {planned.group(1)} MiB may be used (--memory-limit-mib)" in replica_log
 
 
 def test_grpcurl_asks_through_the_router_by_reflection(mesh: LaunchedMesh) -> None:

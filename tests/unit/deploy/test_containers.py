@@ -93,6 +93,8 @@ def test_compose_runs_every_service_with_redis_milvus_and_health_checks() -> Non
     assert services["retriever"]["environment"]["LLMMESH_MILVUS_URI"] == "http://milvus:19530"
     # Scaled retrievers share one Milvus: their document write leases live in Redis.
     assert services["retriever"]["environment"]["LLMMESH_REDIS_URL"].startswith("redis://redis:")
+    # Scaled replicas each size their KV cache from their own container's limit, not the host's.
+    assert services["inference"]["mem_limit"] == "4g"
 
 
 def test_readme_deploy_section_names_the_commands() -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from services.launcher.children import ChildFailed, ChildProcess
 from services.launcher.lock import AlreadyRunning, MeshLock
-from services.launcher.mesh import MeshConfig
+from services.launcher.mesh import SHARED_SERVICES_MIB, MeshConfig
 
 
 def test_plan_uses_the_documented_ports_or_free_ones(tmp_path: Path) -> None:
@@ -74,3 +74,20 @@ def test_a_child_that_exits_early_fails_with_its_last_words(tmp_path: Path) -> N
     child = ChildProcess("inference-0", command, tmp_path / "inference-0.log", dict(os.environ)).start()
     with pytest.raises(ChildFailed, match=r"inference-0 exited \(code 3\)[\s\S]*no model here"):
         child.wait_serving(time.monotonic() + 10)
+
+
+def test_replicas_share_the_memory_the_other_services_leave(tmp_path: Path) -> None:
+    # Each replica would otherwise size its KV cache against the whole machine.
+    plan = MeshConfig(data_dir=tmp_path, replicas=4, memory_limit_mib=10240)
+    limit, share = plan.memory_plan()
+    assert (limit.bytes >> 20, limit.source) == (10240, "--memory-limit-mib")
+    assert share == (10240 - SHARED_SERVICES_MIB) // 4
+    command = plan.replica_command(1, share)
+    assert command[command.index("--memory-limit-mib") + 1] == str(share)
+    assert command[command.index("--port") + 1] == "50062"
+    # Without a flag the machine (or its cgroup) is what is shared.
+    _, one = MeshConfig(data_dir=tmp_path).memory_plan()
+    _, two = MeshConfig(data_dir=tmp_path, replicas=2).memory_plan()
+    assert two == one // 2 and one + SHARED_SERVICES_MIB <= psutil.virtual_memory().total >> 20
+    with pytest.raises(ValueError, match=r"^--memory-limit-mib must be >= 1"):
+        MeshConfig(data_dir=tmp_path, memory_limit_mib=0)
