@@ -77,10 +77,17 @@ class MeshConfig:
         touch their caches (which are mapped lazily). Each gets an even share of what
         the other services leave, passed as its ``--memory-limit-mib``; a share too
         small for one context makes that replica refuse to start, saying so.
+        Raises ValueError when nothing is left for the replicas at all.
         """
         limit = memory_budget.memory_limit(self.memory_limit_mib)
         share = ((limit.bytes >> 20) - SHARED_SERVICES_MIB) // self.replicas
-        return limit, max(1, share)
+        if share < 1:
+            raise ValueError(
+                f"{limit.bytes >> 20} MiB of memory ({limit.source}) leaves nothing for "
+                f"{self.replicas} inference replica(s) after {SHARED_SERVICES_MIB} MiB for Redis, "
+                "session, retriever and router"
+            )
+        return limit, share
 
     def replica_command(self, index: int, memory_mib: int) -> list[str]:
         return self.service_command(

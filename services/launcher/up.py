@@ -117,6 +117,7 @@ def ready_block(mesh: LocalMesh, config: MeshConfig) -> str:
 def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
+        config.memory_plan()  # refuse now, not after Redis and the services have started
     except ValueError as exc:
         print(f"llm-mesh up: {exc}", file=sys.stderr)
         return 2

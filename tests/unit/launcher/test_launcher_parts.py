@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -91,3 +92,17 @@ def test_replicas_share_the_memory_the_other_services_leave(tmp_path: Path) -> N
     assert two == one // 2 and one + SHARED_SERVICES_MIB <= psutil.virtual_memory().total >> 20
     with pytest.raises(ValueError, match=r"^--memory-limit-mib must be >= 1"):
         MeshConfig(data_dir=tmp_path, memory_limit_mib=0)
+    with pytest.raises(ValueError, match=r"^1500 MiB of memory \(--memory-limit-mib\) leaves nothing"):
+        MeshConfig(data_dir=tmp_path, memory_limit_mib=1500).memory_plan()
+
+
+def test_up_refuses_a_memory_limit_that_leaves_the_replicas_nothing(tmp_path: Path) -> None:
+    # Refused before anything starts: no Redis, no lock file left behind.
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "up", "--port", "0", "--data-dir", str(tmp_path / "data"),
+         "--memory-limit-mib", "1500"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "leaves nothing for 1 inference replica(s) after 2048 MiB" in done.stderr
+    assert not (tmp_path / "data").exists()
