@@ -153,8 +153,7 @@ class DecodeSlab:
         # batch's span, and garbage there could be NaN, which masking does not undo.
         self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        for request_id in self._filled:
-            self._filled[request_id] = 0
+        self._filled = dict.fromkeys(self._filled, 0)
         self.rows, self.length = rows, length
 
     def _fill(self, row: SlabRow, k_caches: Seq[torch.Tensor], v_caches: Seq[torch.Tensor]) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 
 import pytest
 
 from services.gen.llmmesh.v1 import inference_pb2
-from services.router.pool import parse_address, parse_address_list
+from services.router.pool import ReplicaPool, parse_address, parse_address_list
 from services.router.relay import RelayConfig
 from services.router.turn import token_message
 
@@ -96,11 +98,6 @@ async def test_discovery_follows_the_replicas_file_and_dns(tmp_path: Path) -> No
 
 
 async def test_a_turn_at_startup_waits_for_the_first_health_checks_not_longer() -> None:
-    import asyncio
-    import time
-
-    from services.router.pool import ReplicaPool
-
     pool = ReplicaPool()
     assert pool.discovering()  # started, no replica yet: the router is still starting
     pool.set_addresses(["127.0.0.1:1", "127.0.0.1:2"])
