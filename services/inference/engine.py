@@ -17,6 +17,7 @@ from services.common import errors
 from services.inference.block_manager import BlockManager
 from services.inference.config import EngineConfig
 from services.inference.detokenizer import IncrementalDetokenizer
+from services.inference.gguf_loading import gguf_read_once
 from services.inference.model_runner import ModelRunner, load_tokenizer
 from services.inference.sampling import SamplingParams
 from services.inference.scheduler import Scheduler, SchedulerOutput
@@ -85,8 +86,9 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runner = ModelRunner(config)
-        self.tokenizer = load_tokenizer(config.model)
+        with gguf_read_once():  # a .gguf model: one parse for the weights and the tokenizer
+            self.runner = ModelRunner(config)
+            self.tokenizer = load_tokenizer(config.model)
         self.model_id = config.model_id or _model_name(config.model)
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)

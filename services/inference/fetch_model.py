@@ -45,8 +45,11 @@ def convert(gguf: Path, out_dir: Path) -> None:
     """Dequantize the GGUF once and save a safetensors model directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    from services.inference.gguf_loading import gguf_read_once
+
+    with gguf_read_once():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # A dequantized model still says it is quantized; clear that so the saved
     # checkpoint loads as plain fp32 weights.
     model.hf_quantizer = None  # type: ignore[assignment]

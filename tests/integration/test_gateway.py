@@ -107,10 +107,19 @@ def scrape(process: ServiceProcess) -> dict[tuple[str, tuple[tuple[str, str], ..
     }
 
 
-def replica_running(replica: ServiceProcess) -> float:
-    """Sequences running or queued on the replica, as its engine last reported."""
+def replica_holding(replica: ServiceProcess, seen: list[dict[str, float]]) -> float:
+    """Sequences the replica holds: running, queued, or parked because their reader is behind.
+
+    Every reading is appended to ``seen`` so that a failure can say what the replica reported.
+    """
     samples = scrape(replica)
-    return samples[("llmmesh_running_batch_size", ())] + samples[("llmmesh_queue_depth", ())]
+    names = ("llmmesh_running_batch_size", "llmmesh_queue_depth", "llmmesh_parked_sequences")
+    reading = {name: samples[(name, ())] for name in names}
+    reading["cancelled"] = samples.get(
+        ("llmmesh_inference_requests_total", (("finish_reason", "cancelled"),)), 0.0
+    )
+    seen.append(reading)
+    return sum(reading[name] for name in names)
 
 
 def replica_cancelled(replica: ServiceProcess) -> float:
@@ -118,19 +127,22 @@ def replica_cancelled(replica: ServiceProcess) -> float:
     return scrape(replica).get(("llmmesh_inference_requests_total", (("finish_reason", "cancelled"),)), 0.0)
 
 
-def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> float:
-    """Seconds until ``condition()`` holds; fails naming ``what`` after ``timeout``."""
+def wait_for(condition: Callable[[], bool], timeout: float, what: str | Callable[[], str]) -> float:
+    """Seconds until ``condition()`` holds; fails naming ``what`` (or what it returns then) after ``timeout``."""
     start = time.monotonic()
     while not condition():
         if time.monotonic() - start > timeout:
-            pytest.fail(f"{what}: not true after {timeout}s")
+            pytest.fail(f"{what if isinstance(what, str) else what()}: not true after {timeout}s")
         time.sleep(0.05)
     return time.monotonic() - start
 
 
 def wait_replica_idle(replica: ServiceProcess, timeout: float) -> float:
     """Seconds until the replica runs and queues nothing."""
-    return wait_for(lambda: replica_running(replica) == 0, timeout, "replica idle")
+    seen: list[dict[str, float]] = []
+    return wait_for(
+        lambda: replica_holding(replica, seen) == 0, timeout, lambda: f"replica idle (saw {seen[-3:]})"
+    )
 
 
 def router_requests(router: ServiceProcess, method: str) -> float:
@@ -207,7 +219,14 @@ def test_client_disconnect_cancels_generation_on_replica(
         assert response.status_code == 200
         first = json.loads(next(response.iter_lines()))
         assert "delta" in first["result"]
-        wait_for(lambda: replica_running(replica) == 1, 20, "generation running on the replica")
+        # This client reads no further, so the stream backs up to the replica, which parks the
+        # sequence once its reader is 64 tokens behind: parked still counts as held there.
+        seen: list[dict[str, float]] = []
+        wait_for(
+            lambda: replica_holding(replica, seen) == 1,
+            20,
+            lambda: f"generation held by the replica (saw {seen[-3:]})",
+        )
     # Leaving the block closed the connection mid-stream.
 
     wait_for(lambda: replica_cancelled(replica) == cancelled_before + 1, 15, "generation cancelled")

@@ -19,7 +19,7 @@ from tests.support.processes import ServiceProcess
 pytestmark = pytest.mark.timeout(300)
 
 PROMPT = "Count slowly from one to one thousand, one number per line:"
-ANSWER_TOKENS = 300
+ANSWER_TOKENS = 120
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -79,19 +78,38 @@ def submit_request(text: str = "Write four words.", key: str = "") -> router_pb2
     return router_pb2.SubmitTaskRequest(request=chat, idempotency_key=key)
 
 
-@pytest.fixture(params=["redis", "redis-cluster"])
-async def redis_client(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
-    """One Redis primary, or a 3-node Redis Cluster (the router's ``--redis-cluster``)."""
+@pytest.fixture(scope="module", params=["redis", "redis-cluster"])
+def redis_backend(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RedisServer | RedisClusterServers]:
+    """One Redis primary, or a 3-node Redis Cluster (the router's ``--redis-cluster``), for the module.
+
+    A cluster takes ~2 s to converge; started once, it is emptied before each test instead.
+    """
+    data = tmp_path_factory.mktemp("redis")
+    server: RedisServer | RedisClusterServers
     if request.param == "redis":
-        server: RedisServer | RedisClusterServers = RedisServer(tmp_path / "redis")
+        server = RedisServer(data)
         server.start()
-        client: Any = aioredis.from_url(server.url, socket_timeout=5, socket_connect_timeout=2)
     else:
-        server = RedisClusterServers(tmp_path).start()
-        client = RedisCluster.from_url(server.url, socket_timeout=5, socket_connect_timeout=2)
+        server = RedisClusterServers(data).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+async def redis_client(redis_backend: RedisServer | RedisClusterServers) -> AsyncIterator[Any]:
+    """A client of the module's Redis, emptied first: every test starts from no tasks."""
+    client: Any
+    if isinstance(redis_backend, RedisServer):
+        client = aioredis.from_url(redis_backend.url, socket_timeout=5, socket_connect_timeout=2)
+    else:
+        client = RedisCluster.from_url(redis_backend.url, socket_timeout=5, socket_connect_timeout=2)
+    await client.flushall()
     yield client
     await client.aclose()
-    server.stop()
 
 
 async def wait_for_state(
