@@ -35,6 +35,8 @@ log = logging.getLogger("llmmesh.synthetic")
 VOCAB_SIZE = 49152
 Message = TypeVar("Message", inference_pb2.GenerateResponse, inference_pb2.GenerationEvent)
 DEFAULT_MAX_TOKENS = 16
+#: The context it claims in ModelInfo, and holds generations to, as the engine does.
+MAX_CONTEXT_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -222,6 +224,12 @@ class SyntheticInference(inference_pb2_grpc.InferenceServicer):
         )
         if max_tokens < 1:
             raise errors.InvalidArgument("sampling.max_tokens", f"must be >= 1, got {max_tokens}")
+        if (prompt := prompt_tokens(start)) + max_tokens > MAX_CONTEXT_TOKENS:
+            # Without this a huge max_tokens streams until the client's deadline (the fuzzer found it).
+            raise errors.InvalidArgument(
+                "max_tokens",
+                f"{max_tokens} plus {prompt} prompt tokens exceed the {MAX_CONTEXT_TOKENS}-token context",
+            )
         return max_tokens
 
     async def _tokens(
@@ -312,7 +320,7 @@ class SyntheticInference(inference_pb2_grpc.InferenceServicer):
     ) -> inference_pb2.ModelInfo:
         return inference_pb2.ModelInfo(
             model_id=self.config.model_id,
-            max_context_tokens=8192,
+            max_context_tokens=MAX_CONTEXT_TOKENS,
             dtype="float32",
             device="synthetic",
             vocab_size=VOCAB_SIZE,

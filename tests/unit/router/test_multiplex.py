@@ -167,7 +167,7 @@ async def test_a_consumer_that_stops_taking_events_pauses_its_generation_and_hol
 async def test_a_paused_generation_leaves_the_others_on_the_stream_flowing() -> None:
     async with Replica(SyntheticConfig(step_s=0.002)) as replica:
         mux = ReplicaMultiplexer(replica.stub, "test")
-        stuck = mux.open(start_of("stuck", 100_000), 0.0)
+        stuck = mux.open(start_of("stuck", 8000), 0.0)
         while replica.servicer.tokens_sent < PAUSE_AFTER_TOKENS:
             await asyncio.sleep(0.05)
         await settled_tokens(replica)  # only the paused one runs: nothing more comes
@@ -194,6 +194,20 @@ async def test_one_generations_error_leaves_the_others_running() -> None:
         assert "max_tokens" in error.error.message
         assert ids == expected(good) and last.HasField("finished")
         await mux.close()
+
+
+async def test_the_synthetic_replica_refuses_more_tokens_than_its_context_as_the_engine_does() -> None:
+    async with Replica(SyntheticConfig()) as replica:
+        info = await replica.stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
+        mux = ReplicaMultiplexer(replica.stub, "test")
+        huge = start_of("a prompt", 2**31 - 1)
+        fits = start_of("the whole context less the prompt", info.max_context_tokens - 8)
+        (_, _, error), (ids, _, last) = await asyncio.gather(collect(mux, huge), collect(mux, fits))
+        await mux.close()
+
+    assert error.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "max_tokens" in error.error.message and "8192-token context" in error.error.message
+    assert ids == expected(fits) and last.HasField("finished")
 
 
 async def test_a_generation_past_its_timeout_fails_with_deadline_exceeded() -> None:
