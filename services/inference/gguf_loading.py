@@ -4,7 +4,7 @@ transformers reads a GGUF file from scratch for each of the config, the tokenize
 and gguf's reader walks the whole vocabulary array one numpy view at a time (≈ 13 s a read for
 SmolLM2's 49k tokens on a 2-vCPU VM). Mapping the weights' names then rebuilds the same
 ``TensorNameMap`` once per module of the model (≈ 400 times, ≈ 13 s). Inside ``gguf_read_once()``
-both are built once per file: a replica starting from the GGUF goes from ≈ 50 s to ≈ 15 s there.
+both are built once per file: a replica starting from the GGUF goes from ≈ 50 s to ≈ 16 s there.
 
 Both names are looked up on the ``gguf`` module at call time (transformers imports them inside
 its functions), so swapping the module's attributes for the duration of a load reaches them.

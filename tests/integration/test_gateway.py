@@ -138,7 +138,7 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str | Callable
 
 
 def wait_replica_idle(replica: ServiceProcess, timeout: float) -> float:
-    """Seconds until the replica runs and queues nothing."""
+    """Seconds until the replica runs, queues and parks nothing."""
     seen: list[dict[str, float]] = []
     return wait_for(
         lambda: replica_holding(replica, seen) == 0, timeout, lambda: f"replica idle (saw {seen[-3:]})"
