@@ -35,7 +35,7 @@ log = logging.getLogger("llmmesh.synthetic")
 VOCAB_SIZE = 49152
 Message = TypeVar("Message", inference_pb2.GenerateResponse, inference_pb2.GenerationEvent)
 DEFAULT_MAX_TOKENS = 16
-#: The context it claims in ModelInfo, and holds generations to, as the engine does.
+#: The context it claims in ModelInfo by default (the engine's cap), and holds generations to.
 MAX_CONTEXT_TOKENS = 8192
 
 
@@ -65,6 +65,8 @@ class SyntheticConfig:
     max_queued_requests: int = 256
     #: Log each generation's request id and the deadline it arrived with (tests check propagation).
     log_requests: bool = False
+    #: The context it advertises: prompt + max_tokens beyond it is INVALID_ARGUMENT, as on the engine.
+    max_context_tokens: int = MAX_CONTEXT_TOKENS
 
     def __post_init__(self) -> None:
         if self.tokens_per_second < 0 or self.ttft_s < 0 or self.step_s < 0:
@@ -73,6 +75,8 @@ class SyntheticConfig:
             raise ValueError("--step-ms and --tokens-per-second are two pacings: choose one")
         if self.tokens_per_chunk < 1:
             raise ValueError("--tokens-per-chunk must be >= 1")
+        if self.max_context_tokens < 2:
+            raise ValueError("--max-context-tokens must be >= 2 (a prompt token and an answer token)")
         if not 0.0 <= self.fail_rate <= 1.0:
             raise ValueError("--fail-rate must be in [0, 1]")
         if self.coalesce and not (self.tokens_per_second or self.step_s):
@@ -224,11 +228,11 @@ class SyntheticInference(inference_pb2_grpc.InferenceServicer):
         )
         if max_tokens < 1:
             raise errors.InvalidArgument("sampling.max_tokens", f"must be >= 1, got {max_tokens}")
-        if (prompt := prompt_tokens(start)) + max_tokens > MAX_CONTEXT_TOKENS:
+        context = self.config.max_context_tokens
+        if (prompt := prompt_tokens(start)) + max_tokens > context:
             # Without this a huge max_tokens streams until the client's deadline (the fuzzer found it).
             raise errors.InvalidArgument(
-                "max_tokens",
-                f"{max_tokens} plus {prompt} prompt tokens exceed the {MAX_CONTEXT_TOKENS}-token context",
+                "max_tokens", f"{max_tokens} plus {prompt} prompt tokens exceed the {context}-token context"
             )
         return max_tokens
 
@@ -320,7 +324,7 @@ class SyntheticInference(inference_pb2_grpc.InferenceServicer):
     ) -> inference_pb2.ModelInfo:
         return inference_pb2.ModelInfo(
             model_id=self.config.model_id,
-            max_context_tokens=MAX_CONTEXT_TOKENS,
+            max_context_tokens=self.config.max_context_tokens,
             dtype="float32",
             device="synthetic",
             vocab_size=VOCAB_SIZE,
@@ -377,6 +381,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--fail-rate", type=float, default=0.0, help="share of calls refused with UNAVAILABLE"
     )
     parser.add_argument("--log-requests", action="store_true", help="log each request id and its deadline")
+    parser.add_argument(
+        "--max-context-tokens",
+        type=int,
+        default=MAX_CONTEXT_TOKENS,
+        help="context it advertises; longer generations are refused with INVALID_ARGUMENT",
+    )
     return parser.parse_args(argv)
 
 
@@ -392,6 +402,7 @@ def main(argv: list[str] | None = None) -> None:
         exit_after_tokens=args.exit_after_tokens,
         fail_rate=args.fail_rate,
         log_requests=args.log_requests,
+        max_context_tokens=args.max_context_tokens,
     )
     run(server_options("synthetic-replica", args), SyntheticRuntime(config))
 

@@ -33,7 +33,9 @@ ANSWER_TOKENS = 32_000
 
 @pytest.fixture(scope="module")
 def unpaced_mesh() -> Iterator[Mesh]:
-    with mesh(None, [("--tokens-per-chunk", "4")] * 2, "--max-in-flight", "4096") as m:
+    # Answers longer than the synthetic replica's default 8,192-token context: it advertises 64k.
+    replica = ("--tokens-per-chunk", "4", "--max-context-tokens", "65536")
+    with mesh(None, [replica] * 2, "--max-in-flight", "4096") as m:
         yield m
 
 

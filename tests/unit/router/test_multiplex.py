@@ -210,6 +210,22 @@ async def test_the_synthetic_replica_refuses_more_tokens_than_its_context_as_the
     assert ids == expected(fits) and last.HasField("finished")
 
 
+async def test_the_synthetic_replicas_context_can_be_set_and_is_what_it_advertises() -> None:
+    with pytest.raises(ValueError, match="--max-context-tokens"):
+        SyntheticConfig(max_context_tokens=1)
+    async with Replica(SyntheticConfig(max_context_tokens=64)) as replica:
+        info = await replica.stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
+        mux = ReplicaMultiplexer(replica.stub, "test")
+        (_, _, error), (ids, _, _) = await asyncio.gather(
+            collect(mux, start_of("a prompt", 63)), collect(mux, start_of("a prompt", 62))
+        )
+        await mux.close()
+
+    assert info.max_context_tokens == 64
+    assert "64-token context" in error.error.message
+    assert len(ids) == 62
+
+
 async def test_a_generation_past_its_timeout_fails_with_deadline_exceeded() -> None:
     async with Replica(SyntheticConfig(tokens_per_second=20)) as replica:
         mux = ReplicaMultiplexer(replica.stub, "test")
