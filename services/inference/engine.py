@@ -86,7 +86,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        with gguf_read_once():  # a .gguf model: one parse for the weights and the tokenizer
+        with gguf_read_once(config.model):  # a .gguf model: one parse for the weights and the tokenizer
             self.runner = ModelRunner(config)
             self.tokenizer = load_tokenizer(config.model)
         self.model_id = config.model_id or _model_name(config.model)

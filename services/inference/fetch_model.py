@@ -47,7 +47,7 @@ def convert(gguf: Path, out_dir: Path) -> None:
 
     from services.inference.gguf_loading import gguf_read_once
 
-    with gguf_read_once():
+    with gguf_read_once(gguf):
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # A dequantized model still says it is quantized; clear that so the saved

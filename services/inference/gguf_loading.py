@@ -24,11 +24,17 @@ _lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def gguf_read_once() -> Iterator[None]:
-    """While open, each GGUF file is parsed once and each tensor-name map built once."""
+def gguf_read_once(model: str | os.PathLike[str]) -> Iterator[None]:
+    """While open, each GGUF file is parsed once and each tensor-name map built once.
+
+    Does nothing (not even import gguf) unless ``model`` is a ``.gguf`` file.
+    """
+    if not os.fspath(model).endswith(".gguf"):
+        yield
+        return
     try:
         import gguf
-    except ImportError:  # no GGUF support installed: nothing to share
+    except ImportError:  # no GGUF support installed: transformers will say so
         yield
         return
     with _lock:

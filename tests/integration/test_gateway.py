@@ -107,6 +107,10 @@ def scrape(process: ServiceProcess) -> dict[tuple[str, tuple[tuple[str, str], ..
     }
 
 
+#: The replica's count of generations it ended because their client went away or gave up.
+CANCELLED = ("llmmesh_inference_requests_total", (("finish_reason", "cancelled"),))
+
+
 def replica_holding(replica: ServiceProcess, seen: list[dict[str, float]]) -> float:
     """Sequences the replica holds: running, queued, or parked because their reader is behind.
 
@@ -115,16 +119,14 @@ def replica_holding(replica: ServiceProcess, seen: list[dict[str, float]]) -> fl
     samples = scrape(replica)
     names = ("llmmesh_running_batch_size", "llmmesh_queue_depth", "llmmesh_parked_sequences")
     reading = {name: samples[(name, ())] for name in names}
-    reading["cancelled"] = samples.get(
-        ("llmmesh_inference_requests_total", (("finish_reason", "cancelled"),)), 0.0
-    )
+    reading["cancelled"] = samples.get(CANCELLED, 0.0)
     seen.append(reading)
     return sum(reading[name] for name in names)
 
 
 def replica_cancelled(replica: ServiceProcess) -> float:
     """Generations the replica ended because their client went away or gave up."""
-    return scrape(replica).get(("llmmesh_inference_requests_total", (("finish_reason", "cancelled"),)), 0.0)
+    return scrape(replica).get(CANCELLED, 0.0)
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str | Callable[[], str]) -> float:
@@ -210,6 +212,7 @@ def test_client_disconnect_cancels_generation_on_replica(
 ) -> None:
     wait_replica_idle(replica, 30)
     cancelled_before = replica_cancelled(replica)
+    print(f"cancelled before: {cancelled_before}")
     headers = {"Authorization": f"Bearer {api_keys[1]}"}
     # 2,000 tokens take minutes on CPU: only a cancel ends the generation in seconds.
     with (
@@ -225,7 +228,9 @@ def test_client_disconnect_cancels_generation_on_replica(
         wait_for(
             lambda: replica_holding(replica, seen) == 1,
             20,
-            lambda: f"generation held by the replica (saw {seen[-3:]})",
+            lambda: (
+                f"generation held by the replica ({len(seen)} readings, first {seen[:3]}, last {seen[-3:]})"
+            ),
         )
     # Leaving the block closed the connection mid-stream.
 

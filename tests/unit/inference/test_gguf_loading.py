@@ -31,7 +31,7 @@ def test_inside_a_load_each_file_is_read_once_and_keeps_its_own_contents(tmp_pat
     second = write_gguf(tmp_path / "second.gguf", "second model")
     original_reader, original_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
 
-    with gguf_read_once():
+    with gguf_read_once(first):
         # transformers imports the names at call time, as here.
         from gguf import GGUFReader, get_tensor_name_map
 
@@ -51,6 +51,7 @@ def test_inside_a_load_each_file_is_read_once_and_keeps_its_own_contents(tmp_pat
 
 def test_a_failed_load_leaves_the_gguf_module_as_it_was(tmp_path: Path) -> None:
     original_reader = gguf.GGUFReader
-    with pytest.raises(FileNotFoundError), gguf_read_once():
-        gguf.GGUFReader(tmp_path / "missing.gguf")
+    missing = tmp_path / "missing.gguf"
+    with pytest.raises(FileNotFoundError), gguf_read_once(missing):
+        gguf.GGUFReader(missing)
     assert gguf.GGUFReader is original_reader
