@@ -93,6 +93,13 @@ class DeadlineExceeded(MeshError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class RequestFault(MeshError):
+    """The engine failed on this request's own rows; every other request goes on and the
+    replica stays SERVING. Retrying elsewhere would most likely fail the same way."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
 def status_for(exc: BaseException) -> grpc.StatusCode:
     """The gRPC status for an exception raised by a handler."""
     if isinstance(exc, MeshError):

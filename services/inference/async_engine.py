@@ -20,13 +20,13 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from services.common import errors
 from services.inference import metrics
-from services.inference.engine import EngineLoad, LLMEngine, RequestOutput
+from services.inference.engine import EngineFailure, EngineLoad, LLMEngine, RequestOutput
 from services.inference.sampling import SamplingParams
 from services.inference.sequence import FinishReason
 
@@ -74,8 +74,12 @@ def merge_outputs(outputs: Seq[RequestOutput]) -> RequestOutput:
 class AsyncEngine:
     """Thread-backed front of ``LLMEngine`` for asyncio servicers."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, on_failure: Callable[[str], None] | None = None) -> None:
         self.engine = engine
+        #: Called (from the engine thread) once the engine itself has failed: the replica stops serving.
+        self._on_failure = on_failure
+        #: Why the engine failed (out of memory, device lost), once it has: it takes no more work.
+        self.failure: str | None = None
         self._cond = threading.Condition()
         self._pending: list[_Pending] = []
         self._sinks: dict[str, _Pending] = {}
@@ -101,6 +105,10 @@ class AsyncEngine:
         """Stream one request's outputs; leaving early (cancel, error, client gone) aborts it."""
         if self.draining:
             raise errors.DependencyUnavailable("replica is shutting down; send work elsewhere")
+        if self.failure is not None:
+            raise errors.DependencyUnavailable(
+                f"the inference engine failed ({self.failure}); send work elsewhere"
+            )
         # Validation needs no engine slot and reads only immutable engine state.
         self.engine.validate(prompt_token_ids, params, resume_token_ids)
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -204,6 +212,15 @@ class AsyncEngine:
                     p.loop.call_soon_threadsafe(p.sink.put_nowait, exc)
             try:
                 outputs = engine.step()
+            except EngineFailure as failure:
+                # Not one request's fault (those the engine ends alone): the device or the
+                # process is gone, so every request fails and the replica stops serving.
+                log.exception("the inference engine failed; failing every request in flight")
+                self.failure = str(failure)
+                if self._on_failure is not None:  # stop serving before the clients hear of it
+                    self._on_failure(self.failure)
+                self._fail_all(engine)
+                continue
             except Exception:
                 log.exception("engine step failed; failing every request in flight")
                 self._fail_all(engine)
@@ -220,8 +237,14 @@ class AsyncEngine:
                 self._sinks.pop(out.request_id, None)
         if out.finished:
             _record_finished(out)
-        if target is not None:
-            target.loop.call_soon_threadsafe(self._arrive, target, out)
+        if target is None:
+            return
+        if out.fault:
+            # The engine failed on this request alone: its stream ends with that status.
+            fault = errors.RequestFault(f"request {out.request_id} failed in the engine: {out.error}")
+            target.loop.call_soon_threadsafe(target.sink.put_nowait, fault)
+            return
+        target.loop.call_soon_threadsafe(self._arrive, target, out)
 
     def _forget(self, request_id: str) -> None:
         with self._cond:

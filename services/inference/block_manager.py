@@ -131,6 +131,15 @@ class BlockManager:
             self._free.append(block_id)
         self._by_hash = {h: b for h, b in self._by_hash.items() if self.blocks[b].ref_count > 0}
 
+    def forget(self, block_ids: set[int]) -> None:
+        """Stop offering these blocks as cached prefixes (their contents cannot be trusted)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.block_hash is not None and self._by_hash.get(block.block_hash) == block_id:
+                del self._by_hash[block.block_hash]
+            block.block_hash = None
+            block.tokens = ()
+
     # -- allocation ------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Give ``seq`` room for ``num_new_tokens`` more computed tokens; False (nothing taken) if no room."""

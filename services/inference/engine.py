@@ -2,10 +2,20 @@
 
 Each step reads as schedule -> execute -> update; aborts requested meanwhile
 (from any thread) are applied between execute and update.
+
+A fault is confined to the request that caused it. The sampler draws each row on
+its own (a row it cannot draw is a ``RowFault``); a forward that raises is run
+again on the step's chunks in halves, in order, until the chunks that fail alone
+are found. Those requests end with ``FINISH_REASON_ERROR`` (``fault`` set), the
+others keep the tokens they would have had. Only an engine-wide failure (out of
+memory, the device lost, or every chunk failing alone) leaves ``step()`` as
+``EngineFailure``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import random
 import threading
 import time
@@ -13,15 +23,20 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+import torch
+
 from services.common import errors
 from services.inference.block_manager import BlockManager
 from services.inference.config import EngineConfig
 from services.inference.detokenizer import IncrementalDetokenizer
 from services.inference.gguf_loading import gguf_read_once
 from services.inference.model_runner import ModelRunner, load_tokenizer
+from services.inference.sampler import RowFault
 from services.inference.sampling import SamplingParams
-from services.inference.scheduler import Scheduler, SchedulerOutput
+from services.inference.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from services.inference.sequence import FinishReason, Sequence, SequenceStatus
+
+log = logging.getLogger("llmmesh.inference.engine")
 
 # Tokens/s is averaged over this many recent seconds.
 THROUGHPUT_WINDOW_S = 5.0
@@ -60,6 +75,22 @@ class RequestOutput:
     timings: Timings | None = None
     error: str = ""
     matched_stop: str = ""
+    #: The engine failed on this request alone (``error`` says how); the others go on.
+    fault: bool = False
+
+
+class EngineFailure(Exception):
+    """The engine itself failed (out of memory, device lost): no request of the step can go on."""
+
+
+def is_engine_wide(exc: BaseException) -> bool:
+    """Failures that are the device's or the process's, not one request's: never bisected."""
+    return isinstance(exc, (MemoryError, torch.OutOfMemoryError, torch.AcceleratorError))
+
+
+#: What a step computed for one scheduled chunk: its drawn token, None (a mid-prompt chunk,
+#: nothing drawn), or why the engine failed on it.
+ChunkResult = int | RowFault | None
 
 
 @dataclass(frozen=True)
@@ -186,10 +217,54 @@ class LLMEngine:
         self._apply_parks()
         plan = self.scheduler.schedule()
         self.num_preemptions += len(plan.preempted)
-        sampled = self.runner.execute(plan.scheduled) if plan.scheduled else []
+        results = self._execute(plan.scheduled) if plan.scheduled else []
         outputs += self._drain_aborts()  # those aborted while the step ran
-        outputs += self._update(plan, sampled)
+        outputs += self._update(plan, results)
         return outputs
+
+    def _execute(self, chunks: list[ScheduledSequence]) -> list[ChunkResult]:
+        """One result per chunk, in order; a forward that raises is narrowed to the chunks that
+        fail alone (``EngineFailure`` when the failure is the engine's, not a chunk's)."""
+        try:
+            return self._run(chunks)
+        except Exception as exc:
+            if is_engine_wide(exc):
+                raise EngineFailure(f"{type(exc).__name__}: {exc}") from exc
+            log.warning(
+                "a step of %d chunks failed (%s); finding the chunks that fail alone", len(chunks), exc
+            )
+        results = self._bisect(chunks)
+        faults = [r for r in results if isinstance(r, RowFault)]
+        if len(chunks) > 1 and len(faults) == len(chunks):
+            raise EngineFailure(f"every chunk of the step fails alone: {faults[0].reason}")
+        return results
+
+    def _run(self, chunks: Seq[ScheduledSequence]) -> list[ChunkResult]:
+        drawn = iter(self.runner.execute(chunks))
+        return [next(drawn) if c.samples else None for c in chunks]
+
+    def _bisect(self, chunks: list[ScheduledSequence]) -> list[ChunkResult]:
+        """Run ``chunks`` again in halves, first half first: a prefill chunk that fills blocks a
+        later chunk of the step reads stays ahead of it. K/V writes and slab marks are
+        positional, so running a chunk again writes what it wrote before."""
+        if len(chunks) == 1:
+            try:
+                return self._run(chunks)
+            except Exception as exc:
+                if is_engine_wide(exc):
+                    raise EngineFailure(f"{type(exc).__name__}: {exc}") from exc
+                log.exception("the engine fails on request %s alone; only it fails", chunks[0].seq.request_id)
+                return [RowFault(f"the engine failed on this request: {type(exc).__name__}: {exc}", True)]
+        middle = len(chunks) // 2
+        results: list[ChunkResult] = []
+        for half in (chunks[:middle], chunks[middle:]):
+            try:
+                results += self._run(half)
+            except Exception as exc:
+                if is_engine_wide(exc):
+                    raise EngineFailure(f"{type(exc).__name__}: {exc}") from exc
+                results += self._bisect(half)
+        return results
 
     def _apply_parks(self) -> None:
         with self._control_lock:
@@ -217,20 +292,19 @@ class LLMEngine:
             outputs.append(self._final(req, [], ""))
         return outputs
 
-    def _update(self, plan: SchedulerOutput, sampled: list[int]) -> list[RequestOutput]:
+    def _update(self, plan: SchedulerOutput, results: list[ChunkResult]) -> list[RequestOutput]:
         now = time.monotonic()
         outputs: list[RequestOutput] = []
         for seq in plan.errored:
             req = self._requests.pop(seq.request_id, None)
             if req is not None:
                 outputs.append(self._final(req, [], ""))
-        drawn = iter(sampled)
         generated = 0
-        for chunk in plan.scheduled:
+        outputs += self._fail_faulted(plan.scheduled, results)
+        for chunk, token in zip(plan.scheduled, results, strict=True):
             seq = chunk.seq
-            token = next(drawn) if chunk.samples else None
-            if seq.is_finished:  # aborted while the step ran
-                continue
+            if seq.is_finished or isinstance(token, RowFault) or seq.status is SequenceStatus.WAITING:
+                continue  # aborted while the step ran, failed, or preempted by a failed chunk
             self.scheduler.advance(chunk)
             if seq.prefill_done_time is None and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 seq.prefill_done_time = now
@@ -255,6 +329,28 @@ class LLMEngine:
             outputs.append(self._final(req, [token], text, index, update.matched_stop or ""))
         if generated:
             self._recent.append((now, generated))
+        return outputs
+
+    def _fail_faulted(
+        self, chunks: list[ScheduledSequence], results: list[ChunkResult]
+    ) -> list[RequestOutput]:
+        """End the requests the engine failed on, and only them."""
+        outputs: list[RequestOutput] = []
+        for chunk, result in zip(chunks, results, strict=True):
+            seq = chunk.seq
+            if not isinstance(result, RowFault) or seq.is_finished:
+                continue
+            req = self._requests.pop(seq.request_id)
+            if result.forward_failed:
+                # The blocks it filled this step may hold nothing valid: no later request may
+                # match them, and one of this step that already did computes its prefix again.
+                for other in self.scheduler.discard_filled(chunk):
+                    log.warning(
+                        "%s shares blocks with failed %s: recomputed", other.request_id, seq.request_id
+                    )
+            seq.error = result.reason
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+            outputs.append(dataclasses.replace(self._final(req, [], ""), fault=True))
         return outputs
 
     def _check_stop(self, req: _Request, token: int) -> SequenceStatus | None:

@@ -33,7 +33,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
 from services.inference import decode_slab, llama, memory_budget
 from services.inference.config import EngineConfig
-from services.inference.sampler import Sampler
+from services.inference.sampler import RowFault, Sampler
 from services.inference.scheduler import ScheduledSequence
 
 log = logging.getLogger("llmmesh.inference.runner")
@@ -420,8 +420,9 @@ class ModelRunner:
         return out.last_hidden_state  # type: ignore[no-any-return]
 
     @torch.inference_mode()
-    def execute(self, scheduled: Seq[ScheduledSequence]) -> list[int]:
-        """Run one step; returns the drawn token of every chunk that reached its sequence's end, in order."""
+    def execute(self, scheduled: Seq[ScheduledSequence]) -> Seq[int | RowFault]:
+        """Run one step; returns the drawn token (or its row's fault) of every chunk that reached
+        its sequence's end, in order."""
         sampling = [s for s in scheduled if s.samples]
         if self.native is not None:
             logits = self._native_logits(scheduled)

@@ -26,7 +26,7 @@ from opentelemetry.trace import Status as SpanStatus
 from opentelemetry.trace import StatusCode as SpanStatusCode
 
 from services.common import tracing
-from services.common.errors import status_for
+from services.common.errors import RequestFault, status_for
 from services.gen.llmmesh.v1 import inference_pb2
 
 log = logging.getLogger("llmmesh.inference.multiplex")
@@ -69,9 +69,12 @@ def take_batch(outbox: list[inference_pb2.GenerationEvent]) -> list[inference_pb
     return batch
 
 
-def error_event(tag: int, code: grpc.StatusCode, message: str) -> inference_pb2.GenerationEvent:
+def error_event(
+    tag: int, code: grpc.StatusCode, message: str, request_fault: bool = False
+) -> inference_pb2.GenerationEvent:
     return inference_pb2.GenerationEvent(
-        tag=tag, error=inference_pb2.GenerationError(code=code.value[0], message=message)
+        tag=tag,
+        error=inference_pb2.GenerationError(code=code.value[0], message=message, request_fault=request_fault),
     )
 
 
@@ -125,9 +128,10 @@ async def serve_many(
                 raise
             except Exception as exc:  # one generation's failure is its own, never the stream's
                 code = status_for(exc)
-                if code == grpc.StatusCode.INTERNAL:
+                fault = isinstance(exc, RequestFault)  # the engine logged it, with the row's cause
+                if code == grpc.StatusCode.INTERNAL and not fault:
                     log.exception("generation %s failed", start.request_id)
-                emit(error_event(tag, code, str(exc) or type(exc).__name__))
+                emit(error_event(tag, code, str(exc) or type(exc).__name__, request_fault=fault))
                 if span is not None:
                     span.set_status(SpanStatus(SpanStatusCode.ERROR, str(exc) or type(exc).__name__))
 

@@ -30,6 +30,7 @@ class InferenceRuntime:
         self.config = config
         self.servicer = InferenceServicer()
         self.engine: AsyncEngine | None = None
+        self._tasks: set[asyncio.Task[None]] = set()  # held so they finish (the loop keeps weak refs)
 
     def register(self, server: grpc.aio.Server) -> None:
         add_to_server(self.servicer, server)
@@ -41,7 +42,13 @@ class InferenceRuntime:
             core.generate, [core.tokenizer.encode("Hello")], SamplingParams(max_tokens=2, temperature=0.0)
         )
         log.info("warm-up generated %d tokens", len(warm[0]))
-        self.engine = AsyncEngine(core)
+        loop = asyncio.get_running_loop()
+
+        def stop_serving(reason: str) -> None:  # engine thread: the health status is the loop's
+            log.error("replica NOT_SERVING: the inference engine failed (%s)", reason)
+            loop.call_soon_threadsafe(lambda: self._tasks.add(loop.create_task(health.set_serving(False))))
+
+        self.engine = AsyncEngine(core, on_failure=stop_serving)
         self.servicer.engine = self.engine
         await health.set_serving(True)
 

@@ -3,15 +3,33 @@
 Each random draw uses a generator keyed by (request seed, token index), so a
 request's tokens do not depend on its batch neighbours, and a resumed or
 recomputed request draws exactly what the original would have.
+
+Each row is drawn on its own: a row whose logits are not finite, whose
+probabilities are not a distribution, or whose draw raises becomes a ``RowFault``
+for its request alone, and the other rows of the step keep their tokens.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
 from services.inference.sampling import SamplingParams
+
+log = logging.getLogger("llmmesh.inference.sampler")
+
+
+@dataclass(frozen=True)
+class RowFault:
+    """Why no token could be drawn for one row; its request fails, no other."""
+
+    reason: str
+    #: The forward itself failed on the row: the K/V it wrote this step cannot be trusted.
+    forward_failed: bool = False
+
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK63 = (1 << 63) - 1
@@ -44,6 +62,9 @@ def sample_row(row: torch.Tensor, params: SamplingParams, key: int) -> int:
         drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
         row = row.scatter(0, order[drop], float("-inf"))
     probs = torch.softmax(row, dim=-1).cpu()
+    # multinomial would raise on NaN or inf (and a generator-keyed draw from garbage is worse).
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+        raise ValueError("the sampling probabilities are not finite")
     generator = torch.Generator().manual_seed(key)
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
@@ -58,23 +79,41 @@ class Sampler:
         seeds: Seq[int],
         token_indices: Seq[int],
         histories: Seq[Seq[int]],
-    ) -> list[int]:
-        """``logits`` is [N, vocab]; the other arguments give each row's request state."""
-        simple = all(p.greedy and p.repetition_penalty == 1.0 for p in params)
-        # max().indices is cheaper than argmax on CPU and picks the same (first) maximum.
-        greedy_ids = logits.max(dim=-1).indices.tolist()
-        if simple:
+    ) -> Seq[int | RowFault]:
+        """``logits`` is [N, vocab]; the other arguments give each row's request state.
+
+        One token per row, or a ``RowFault`` for a row that could not be drawn.
+        """
+        # max() is cheaper than argmax on CPU and picks the same (first) maximum. Its values
+        # check every row for free: a NaN or +inf anywhere in a row makes that row's max so.
+        best = logits.max(dim=-1)
+        greedy_ids = best.indices.tolist()
+        finite = bool(torch.isfinite(best.values).all())
+        if finite and all(p.greedy and p.repetition_penalty == 1.0 for p in params):
             return greedy_ids
-        out: list[int] = []
+        row_finite = torch.isfinite(best.values).tolist() if not finite else None
+        out: list[int | RowFault] = []
         for i, p in enumerate(params):
+            if row_finite is not None and not row_finite[i]:
+                out.append(RowFault("the model produced non-finite logits for this request"))
+                continue
             if p.greedy and p.repetition_penalty == 1.0:
                 out.append(greedy_ids[i])
                 continue
-            row = logits[i].float()
-            if p.repetition_penalty != 1.0:
-                row = apply_repetition_penalty(row, histories[i], p.repetition_penalty)
-            if p.greedy:
-                out.append(int(row.argmax().item()))
-            else:
-                out.append(sample_row(row, p, draw_key(seeds[i], token_indices[i])))
+            try:
+                out.append(self._draw(logits[i], p, seeds[i], token_indices[i], histories[i]))
+            except Exception as exc:  # this row's alone: the step's other rows keep their tokens
+                log.exception(
+                    "sampling failed for one row (token %d); only its request fails", token_indices[i]
+                )
+                out.append(RowFault(f"sampling failed: {exc}"))
         return out
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, p: SamplingParams, seed: int, token_index: int, history: Seq[int]) -> int:
+        row = logits.float()
+        if p.repetition_penalty != 1.0:
+            row = apply_repetition_penalty(row, history, p.repetition_penalty)
+        if p.greedy:
+            return int(row.argmax().item())
+        return sample_row(row, p, draw_key(seed, token_index))

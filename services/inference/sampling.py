@@ -7,6 +7,14 @@ from dataclasses import dataclass
 
 from services.common.errors import InvalidArgument
 
+#: Temperatures below this sample as greedy (argmax), as vLLM's ``_SAMPLING_EPS`` does: dividing
+#: logits by a temperature like 1e-40 overflows float32 to inf, and the softmax of inf is NaN.
+MIN_TEMPERATURE = 1e-5
+#: Repetition penalties outside [1/100, 100] are refused: a penalty of 1e-45 multiplies a logit
+#: into inf (NaN probabilities), and past 100 the penalty is already absolute in practice.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -30,13 +38,16 @@ class SamplingParams:
             raise InvalidArgument("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidArgument("top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+        # The slack admits the bounds as float32 carries them (0.01 arrives as 0.0099999998); NaN fails.
         if (
-            math.isnan(self.repetition_penalty)
-            or math.isinf(self.repetition_penalty)
-            or self.repetition_penalty <= 0
+            not MIN_REPETITION_PENALTY * (1 - 1e-6)
+            <= self.repetition_penalty
+            <= MAX_REPETITION_PENALTY * (1 + 1e-6)
         ):
             raise InvalidArgument(
-                "repetition_penalty", f"must be finite and > 0, got {self.repetition_penalty}"
+                "repetition_penalty",
+                f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}] (1 = off), "
+                f"got {self.repetition_penalty}",
             )
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise InvalidArgument("seed", f"must fit in 64 unsigned bits, got {self.seed}")
@@ -45,5 +56,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Temperature 0 means argmax: no randomness, no seed needed."""
-        return self.temperature == 0.0
+        """Temperature 0 (or below ``MIN_TEMPERATURE``) means argmax: no randomness, no seed needed."""
+        return self.temperature < MIN_TEMPERATURE

@@ -177,6 +177,20 @@ class Scheduler:
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def discard_filled(self, chunk: ScheduledSequence) -> list[Sequence]:
+        """After ``chunk``'s forward failed: forget the blocks it was filling as prefixes (their
+        K/V may be garbage) and preempt every other running sequence that already holds one
+        (matched within the same step); those compute their prefix again. Returns them."""
+        seq = chunk.seq
+        bs = self.block_manager.block_size
+        filled = set(seq.block_table[chunk.start // bs : (chunk.start + chunk.num_tokens - 1) // bs + 1])
+        self.block_manager.forget(filled)
+        victims = [s for s in self.running if s is not seq and not filled.isdisjoint(s.block_table)]
+        for victim in victims:
+            self.running.remove(victim)
+            self._preempt(victim)
+        return victims
+
     def _fail(self, seq: Sequence, error: str) -> None:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED_ERROR

@@ -49,6 +49,11 @@ class ReplicaRejected(errors.MeshError):
         self.code = code
 
 
+class RequestFaulted(errors.RequestFault):
+    """The replica's engine failed on this request alone (``GenerationError.request_fault``):
+    the replica is healthy, so it is neither ejected nor tried again elsewhere."""
+
+
 @dataclass(frozen=True)
 class RelayConfig:
     """Retry, failover and stall-detection settings."""
@@ -290,6 +295,8 @@ class Relay:
                         continue
                     if kind == "error":
                         error = event.error
+                        if error.request_fault:
+                            raise RequestFaulted(f"{replica.address}: {error.message}")
                         code = _STATUS_BY_NUMBER.get(error.code, grpc.StatusCode.UNKNOWN)
                         raise self._classify(code, error.message, deadline)
                     done = event.finished

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from services.common.errors import InvalidArgument
-from services.inference.sampler import Sampler, draw_key, sample_row
-from services.inference.sampling import SamplingParams
+from services.inference import sampler as sampler_module
+from services.inference.sampler import RowFault, Sampler, draw_key, sample_row
+from services.inference.sampling import MIN_TEMPERATURE, SamplingParams
 
 VOCAB = 50
 
@@ -68,6 +69,10 @@ def test_repetition_penalty_steers_greedy_away_from_seen_tokens() -> None:
         ("max_tokens", {"max_tokens": 0}),
         ("top_k", {"top_k": -2}),
         ("repetition_penalty", {"repetition_penalty": 0.0}),
+        ("repetition_penalty", {"repetition_penalty": 1.4e-45}),
+        ("repetition_penalty", {"repetition_penalty": 1e30}),
+        ("repetition_penalty", {"repetition_penalty": float("nan")}),
+        ("repetition_penalty", {"repetition_penalty": float("inf")}),
         ("stop", {"stop": ("",)}),
     ],
 )
@@ -75,3 +80,53 @@ def test_invalid_sampling_params_name_the_field(field: str, kwargs: dict[str, ob
     with pytest.raises(InvalidArgument) as caught:
         SamplingParams(**kwargs)  # type: ignore[arg-type]
     assert caught.value.field == field
+
+
+def test_temperatures_below_the_floor_sample_as_greedy() -> None:
+    rows = logits_rows(3, seed=11) * 30  # large logits: x / 1e-40 overflows float32 to inf
+    for temperature in (1e-40, 1e-30, MIN_TEMPERATURE / 2):
+        params = SamplingParams(temperature=temperature, seed=3)
+        assert params.greedy
+        got = Sampler()(rows, [params] * 3, [3] * 3, [0] * 3, [[]] * 3)
+        assert got == rows.argmax(dim=-1).tolist()
+    assert not SamplingParams(temperature=MIN_TEMPERATURE).greedy
+
+
+def test_penalties_at_the_bounds_keep_the_distribution_finite() -> None:
+    row = logits_rows(1, seed=2) * 80
+    history = [[t for t in range(VOCAB) if t % 3]]  # most tokens seen
+    for penalty in (0.01, 100.0):
+        for temperature in (0.0, MIN_TEMPERATURE, 0.7, 3.4e38):
+            params = SamplingParams(temperature=temperature, repetition_penalty=penalty, seed=1)
+            (token,) = Sampler()(row, [params], [1], [0], history)
+            assert isinstance(token, int) and 0 <= token < VOCAB
+
+
+def test_a_row_with_non_finite_logits_fails_alone() -> None:
+    rows = logits_rows(4, seed=4)
+    rows[1, 7] = float("nan")
+    rows[2, 9] = float("inf")
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0)]
+    params += [SamplingParams(temperature=0.8, seed=5), SamplingParams(temperature=0.8, seed=6)]
+    got = Sampler()(rows, params, [0, 0, 5, 6], [0, 0, 2, 2], [[]] * 4)
+    assert isinstance(got[1], RowFault) and "non-finite" in got[1].reason
+    assert isinstance(got[2], RowFault)
+    assert got[0] == int(rows[0].argmax())
+    assert got[3] == sample_row(rows[3], params[3], draw_key(6, 2))
+
+
+def test_an_exception_in_one_rows_draw_fails_that_row_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = logits_rows(3, seed=8)
+    params = [SamplingParams(temperature=0.9, seed=s) for s in (1, 2, 3)]
+    expected = [sample_row(rows[i], params[i], draw_key(i + 1, 0)) for i in range(3)]
+    real = sampler_module.sample_row
+
+    def flaky(row: torch.Tensor, p: SamplingParams, key: int) -> int:
+        if p.seed == 2:
+            raise RuntimeError("boom")
+        return real(row, p, key)
+
+    monkeypatch.setattr(sampler_module, "sample_row", flaky)
+    got = Sampler()(rows, params, [1, 2, 3], [0, 0, 0], [[]] * 3)
+    assert got[0] == expected[0] and got[2] == expected[2]
+    assert isinstance(got[1], RowFault) and "boom" in got[1].reason and not got[1].forward_failed
