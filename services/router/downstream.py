@@ -10,9 +10,13 @@ than handed to gRPC as an iterator. When the retriever ends such a call early
 message the router is still sending fails, and grpc-python then records the
 call's status as INTERNAL "Internal error from Core" — over the retriever's real
 status if that had already arrived. gRPC's own iterator consumer cannot avoid
-that; the pump below can: it is cancelled the moment the call has a status, so
-no write after that point can replace it, and a write that failed before the
-status arrived is followed by the real status, which replaces the INTERNAL.
+that; the pump below can. It is cancelled from the call's done callback, which
+runs synchronously the moment the call has a status: a write then pending (or
+whose failure is queued) resumes with CancelledError instead of its failure, so
+grpc-python never records the INTERNAL over it. A write that failed before the
+status arrived records INTERNAL first, and the real status, still to come from
+the call's receive side, replaces it before ``await call`` returns. (grpcio
+1.85; tests/integration/test_router_downstream_status.py checks it 200 times.)
 """
 
 from __future__ import annotations
