@@ -18,6 +18,7 @@ import grpc
 from services.common import errors
 from services.gen.llmmesh.v1 import common_pb2, retriever_pb2, router_pb2, router_pb2_grpc
 from services.router.auth import Authenticator, Principal, downstream_metadata
+from services.router.downstream import forward_stream, passed_on
 from services.router.pool import ReplicaPool
 from services.router.replay import ReplayBuffer
 from services.router.turn import TurnPipeline
@@ -49,14 +50,6 @@ class TaskBackend(Protocol):
     async def CancelTask(
         self, principal: Principal, request: router_pb2.CancelTaskRequest, context: Context
     ) -> router_pb2.Task: ...
-
-
-class DownstreamStatus(errors.MeshError):
-    """A status from the retriever, passed on to the client as it is."""
-
-    def __init__(self, exc: grpc.aio.AioRpcError) -> None:
-        super().__init__(exc.details() or exc.code().name)
-        self.code = exc.code()
 
 
 class _TurnDone:
@@ -218,45 +211,39 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self, request_iterator: AsyncIterator[retriever_pb2.IngestRequest], context: Context
     ) -> retriever_pb2.IngestSummary:
         principal = self._principal(context)
-        try:
-            return await self._retriever().Ingest(
-                request_iterator, metadata=downstream_metadata(principal), timeout=context.time_remaining()
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise DownstreamStatus(exc) from None
+        # Pumped by us, not handed to gRPC as an iterator: an upload the retriever rejects
+        # part-way must answer with the retriever's status (services/router/downstream.py).
+        call = self._retriever().Ingest(
+            None, metadata=downstream_metadata(principal), timeout=context.time_remaining()
+        )
+        return await forward_stream(call, request_iterator)
 
     async def SearchDocuments(
         self, request: retriever_pb2.SearchRequest, context: Context
     ) -> retriever_pb2.SearchResponse:
         principal = self._principal(context)
-        try:
+        with passed_on():
             return await self._retriever().Search(
                 request, metadata=downstream_metadata(principal), timeout=context.time_remaining()
             )
-        except grpc.aio.AioRpcError as exc:
-            raise DownstreamStatus(exc) from None
 
     async def DeleteDocument(
         self, request: retriever_pb2.DeleteDocumentRequest, context: Context
     ) -> retriever_pb2.DeleteDocumentResponse:
         principal = self._principal(context)
-        try:
+        with passed_on():
             return await self._retriever().DeleteDocument(
                 request, metadata=downstream_metadata(principal), timeout=context.time_remaining()
             )
-        except grpc.aio.AioRpcError as exc:
-            raise DownstreamStatus(exc) from None
 
     async def ListDocuments(
         self, request: retriever_pb2.ListDocumentsRequest, context: Context
     ) -> retriever_pb2.ListDocumentsResponse:
         principal = self._principal(context)
-        try:
+        with passed_on():
             return await self._retriever().ListDocuments(
                 request, metadata=downstream_metadata(principal), timeout=context.time_remaining()
             )
-        except grpc.aio.AioRpcError as exc:
-            raise DownstreamStatus(exc) from None
 
     async def ListReplicas(
         self, request: router_pb2.ListReplicasRequest, context: Context
