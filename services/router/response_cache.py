@@ -36,8 +36,11 @@ class CachedAnswer:
     token_ids: list[int] = field(default_factory=list)
     model: str = ""
     finish_reason: int = common_pb2.FINISH_REASON_STOP
+    # The original answer's usage (its TurnEnd's), which a hit replays: the whole answer's
+    # tokens, every replica's part of a failed-over one included.
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
     created_at_ms: int = 0
     # For a semantic hit: how close the cached prompt was, and which it was.
     similarity: float = 0.0

@@ -134,8 +134,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     turns.put_nowait(message)
             turns.put_nowait(None)
 
-        async def produce(request: router_pb2.ChatRequest, sent: list[router_pb2.ChatResponse]) -> None:
-            async for response in self.pipeline.run_turn(principal, request, deadline):
+        async def produce(
+            request: router_pb2.ChatRequest,
+            sent: list[router_pb2.ChatResponse],
+            stopped: list[router_pb2.ChatResponse],
+        ) -> None:
+            turn = self.pipeline.run_turn(principal, request, deadline, on_stopped=stopped.append)
+            async for response in turn:
                 sent[:] = [response]
                 out.put_nowait(response)
 
@@ -145,7 +150,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 if not request.request_id:
                     request.request_id = uuid.uuid4().hex
                 last: list[router_pb2.ChatResponse] = []  # the turn's latest message
-                task = asyncio.create_task(produce(request, last))
+                stopped: list[router_pb2.ChatResponse] = []  # its TurnEnd, if it stopped without one
+                task = asyncio.create_task(produce(request, last, stopped))
                 running[:] = [task]
                 # A done-callback (not a finally) marks the end even if cancelled before it ran.
                 task.add_done_callback(lambda _: out.put_nowait(TURN_DONE))
@@ -153,19 +159,28 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     yield item
                 # A turn whose TurnEnd is out (cancelled while it finished its bookkeeping) has ended.
                 if task.cancelled() and not (last and last[0].HasField("end")):
-                    yield router_pb2.ChatResponse(
-                        request_id=request.request_id,
-                        seq=last[0].seq + 1 if last else 1,
-                        end=router_pb2.TurnEnd(
-                            finish_reason=common_pb2.FINISH_REASON_CANCELLED, session_id=request.session_id
-                        ),
-                    )
+                    # The pipeline's own CANCELLED end carries the usage of what was streamed, and
+                    # where; a turn cancelled before it began has none, and streamed nothing.
+                    yield stopped[0] if stopped else self._cancelled_early(request, last)
                 elif (exc := task.exception()) is not None:
                     raise exc
         finally:
             reader.cancel()
             for task in running:
                 task.cancel()
+
+    @staticmethod
+    def _cancelled_early(
+        request: router_pb2.ChatRequest, last: list[router_pb2.ChatResponse]
+    ) -> router_pb2.ChatResponse:
+        """The CANCELLED end of a Chat turn cancelled before its pipeline ran."""
+        return router_pb2.ChatResponse(
+            request_id=request.request_id,
+            seq=last[0].seq + 1 if last else 1,
+            end=router_pb2.TurnEnd(
+                finish_reason=common_pb2.FINISH_REASON_CANCELLED, session_id=request.session_id
+            ),
+        )
 
     async def Resume(
         self, request: router_pb2.ResumeRequest, context: Context

@@ -13,7 +13,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,7 +32,7 @@ from services.router.tasks import (
     TaskRefused,
     TaskStore,
 )
-from services.router.turn import OnCheckpoint, ResumePoint, TurnCheckpoint, validate
+from services.router.turn import OnCheckpoint, OnStopped, ResumePoint, TurnCheckpoint, validate
 
 log = logging.getLogger("llmmesh.router.tasks")
 
@@ -48,7 +48,8 @@ class RunTurn(Protocol):
         *,
         resume: ResumePoint | None = None,
         on_checkpoint: OnCheckpoint | None = None,
-    ) -> AsyncIterator[router_pb2.ChatResponse]: ...
+        on_stopped: OnStopped | None = None,
+    ) -> AsyncGenerator[router_pb2.ChatResponse, None]: ...
 
 
 TASKS_FINISHED = Counter("llmmesh_router_tasks_total", "Async tasks finished, by final state.", ["state"])
@@ -458,16 +459,25 @@ class TaskApi:
             record.checkpoint = checkpoint.to_json()
             await self.store.save_checkpoint(record.task_id, record.checkpoint)
 
+        def stopped(response: router_pb2.ChatResponse) -> None:
+            # A cancelled turn's end: the tokens the task streamed, and the replica that made them.
+            nonlocal end
+            end = response.end
+
         async def consume() -> None:
             nonlocal end, streamed
-            turn = self.run_turn(record.principal, request, resume=resume, on_checkpoint=save_checkpoint)
-            async for response in turn:
-                if response.HasField("delta"):
-                    streamed = True
-                    record.text += response.delta.text
-                    await self.store.append_delta(record.task_id, response.delta)
-                elif response.HasField("end"):
-                    end = response.end
+            turn = self.run_turn(
+                record.principal, request, resume=resume, on_checkpoint=save_checkpoint, on_stopped=stopped
+            )
+            # Closed at once on a cancel (not when collected), so its end is known before the task's.
+            async with contextlib.aclosing(turn):
+                async for response in turn:
+                    if response.HasField("delta"):
+                        streamed = True
+                        record.text += response.delta.text
+                        await self._append(record.task_id, response.delta)
+                    elif response.HasField("end"):
+                        end = response.end
 
         generation = asyncio.create_task(consume())
         try:
@@ -505,6 +515,17 @@ class TaskApi:
         if end.finish_reason == common_pb2.FINISH_REASON_CANCELLED:
             return router_pb2.TASK_STATE_CANCELLED, _end_bytes(end), "cancelled"
         return router_pb2.TASK_STATE_SUCCEEDED, _end_bytes(end), ""
+
+    async def _append(self, task_id: str, delta: router_pb2.TokenDelta) -> None:
+        """Store a delta whole even when the task is cancelled meanwhile: the turn counts it as
+        streamed (it left the pipeline), so the task's text and events must hold it too."""
+        write = asyncio.ensure_future(self.store.append_delta(task_id, delta))
+        try:
+            await asyncio.shield(write)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await write
+            raise
 
     def _may_redeliver(self, record: TaskRecord) -> bool:
         """Nothing streamed yet and runs left: failing now would only report a passing outage."""

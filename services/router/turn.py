@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,6 +114,29 @@ class TurnState:
     session: SessionHistory | None = None
     #: The TurnEnd was made: nothing follows it, not even a CANCELLED one.
     ended: bool = False
+    #: The relay's bookkeeping, once the turn asks a replica (model, retries, failovers).
+    outcome: RelayOutcome | None = None
+    #: Answer tokens sent to the client so far (a resumed task's delivered ones included), and
+    #: the replica that made the last of them: a turn that stops early reports these.
+    streamed: int = 0
+    streamed_by: str = ""
+
+
+def turn_usage(finished: inference_pb2.GenerationFinished | None, completion_tokens: int) -> common_pb2.Usage:
+    """A turn's usage: what the client received, the prompt once.
+
+    ``completion_tokens`` is every answer token the client got, across failovers (a replica
+    counts only what it generated itself, not the tokens it resumed after). Every attempt
+    reads the same prompt, so the prompt is counted once, with ``cached_prompt_tokens``, from
+    the attempt that finished (capped at the prompt: its prefix cache may also hold resumed
+    tokens, which are answer, not prompt). Failed and cancelled attempts report nothing, so
+    a turn no attempt finished has prompt_tokens 0: unknown, never guessed.
+    """
+    usage = common_pb2.Usage(completion_tokens=completion_tokens)
+    if finished is not None:
+        usage.prompt_tokens = finished.usage.prompt_tokens
+        usage.cached_prompt_tokens = min(finished.usage.cached_prompt_tokens, usage.prompt_tokens)
+    return usage
 
 
 @dataclass(frozen=True)
@@ -173,6 +196,8 @@ class ResumePoint:
 
 #: Called once per turn, before its first token goes out, with the turn's checkpoint.
 OnCheckpoint = Callable[[TurnCheckpoint], Awaitable[None]]
+#: Called with the TurnEnd (CANCELLED or ERROR) of a turn that stopped before sending its own.
+OnStopped = Callable[[router_pb2.ChatResponse], None]
 
 
 class TurnPipeline:
@@ -191,11 +216,14 @@ class TurnPipeline:
         *,
         resume: ResumePoint | None = None,
         on_checkpoint: OnCheckpoint | None = None,
-    ) -> AsyncIterator[router_pb2.ChatResponse]:
+        on_stopped: OnStopped | None = None,
+    ) -> AsyncGenerator[router_pb2.ChatResponse, None]:
         """The turn's messages: token deltas, then one TurnEnd. ``deadline`` is on ``services.clock``.
 
         ``on_checkpoint`` (async tasks) is awaited before the first token goes out; ``resume``
-        finishes a turn from its checkpoint, after the tokens already delivered.
+        finishes a turn from its checkpoint, after the tokens already delivered. A turn
+        cancelled or failed before its TurnEnd cannot yield one: ``on_stopped`` is given the
+        TurnEnd it would have sent (CANCELLED or ERROR, with the usage of what was streamed).
         """
         validate(request)
         s = self.s
@@ -221,30 +249,69 @@ class TurnPipeline:
         except (asyncio.CancelledError, GeneratorExit):
             # The client cancelled or went away: a Resume must still learn how the turn ended,
             # with the same TurnEnd Chat sends (next seq, CANCELLED), before the buffer finishes.
-            if writer is not None and unbuffered is not None:
-                writer.put(unbuffered)  # it may not have reached the client: Resume sends it
-            if writer is not None and not state.ended:
-                writer.put(self._stopped(state, request, common_pb2.FINISH_REASON_CANCELLED))
+            # The message in flight counts as streamed: Resume sends it, so its usage includes it.
+            self._stop(state, request, writer, unbuffered, on_stopped, common_pb2.FINISH_REASON_CANCELLED)
             raise
         except Exception as exc:
             # The client gets a gRPC status; the replay buffer gets an ERROR TurnEnd saying why.
-            if writer is not None and unbuffered is not None:
-                writer.put(unbuffered)
-            if writer is not None and not state.ended:
-                writer.put(self._stopped(state, request, common_pb2.FINISH_REASON_ERROR, str(exc)))
+            self._stop(
+                state, request, writer, unbuffered, on_stopped, common_pb2.FINISH_REASON_ERROR, str(exc)
+            )
             raise
         finally:
             metrics.IN_FLIGHT.dec()
             if writer is not None:
                 await writer.close()
 
+    def _stop(
+        self,
+        state: TurnState,
+        request: router_pb2.ChatRequest,
+        writer: ReplayWriter | None,
+        unbuffered: router_pb2.ChatResponse | None,
+        on_stopped: OnStopped | None,
+        reason: int,
+        error: str = "",
+    ) -> None:
+        """A turn stopped before its TurnEnd: the replay buffer and ``on_stopped`` get the one it did not send."""
+        if writer is not None and unbuffered is not None:
+            writer.put(unbuffered)  # it may not have reached the client: Resume sends it
+        if state.ended:
+            return
+        stopped = self._stopped(state, request, reason, error)
+        if writer is not None:
+            writer.put(stopped)
+        if on_stopped is not None:
+            on_stopped(stopped)
+
     def _stopped(
         self, state: TurnState, request: router_pb2.ChatRequest, reason: int, error: str = ""
     ) -> router_pb2.ChatResponse:
-        """The TurnEnd of a turn that did not end by itself (cancelled, or failed with a status)."""
+        """The TurnEnd of a turn that did not end by itself (cancelled, or failed with a status).
+
+        Its usage is the tokens streamed before it stopped, and its replica the one that made them.
+        """
+        state.ended = True
+        outcome = state.outcome or RelayOutcome()
+        timings = common_pb2.Timings(total_ms=(self.s.clock() - state.started) * 1000)
+        if outcome.first_token_at is not None:
+            timings.ttft_ms = (outcome.first_token_at - state.started) * 1000
         return self._message(
             state,
-            end=router_pb2.TurnEnd(finish_reason=reason, session_id=request.session_id, error_message=error),  # type: ignore[arg-type]
+            end=router_pb2.TurnEnd(
+                finish_reason=reason,  # type: ignore[arg-type]
+                usage=turn_usage(None, state.streamed),
+                timings=timings,
+                replica=state.streamed_by,
+                model=outcome.model,
+                retries=outcome.retries,
+                failovers=outcome.failovers,
+                degraded=bool(state.degraded),
+                degraded_reasons=state.degraded,
+                citations=state.citations,
+                session_id=request.session_id,
+                error_message=error,
+            ),
         )
 
     def _message(self, state: TurnState, **event: Any) -> router_pb2.ChatResponse:
@@ -320,12 +387,13 @@ class TurnPipeline:
                 return
 
         session_key = f"{tenant}:{request.session_id}" if request.session_id else None
-        outcome = RelayOutcome()
+        outcome = state.outcome = RelayOutcome()
         if resume is not None:
             # The relay continues an answer that has tokens exactly as it fails over mid-stream.
             outcome.model = resume.checkpoint.model
             outcome.token_ids.extend(resume.token_ids)
             outcome.text_parts.append(resume.text)
+            state.streamed = len(resume.token_ids)  # delivered by an earlier attempt: the client has them
         clock = s.clock
         request_id = state.request_id
         previous_at: float | None = None
@@ -342,6 +410,9 @@ class TurnPipeline:
                     metrics.INTER_TOKEN.observe(now - previous_at)
                 previous_at = now
                 state.seq += 1
+                # The relay has added this batch to the answer, and nothing it has not yet sent.
+                state.streamed = len(outcome.token_ids)
+                state.streamed_by = outcome.replica
                 yield token_message(request_id, state.seq, batch)
         except errors.DependencyUnavailable as exc:
             if outcome.token_ids:
@@ -358,7 +429,8 @@ class TurnPipeline:
             s.on_session_served(outcome.replica, tenant, request.session_id)
         # The pin and the token charge change nothing in the TurnEnd: they are written while it goes
         # out, and the turn (so the call) ends only once they landed.
-        bookkeeping = self._bookkeeping(principal, request, outcome, pinned)
+        usage = turn_usage(outcome.finished, len(outcome.token_ids))
+        bookkeeping = self._bookkeeping(principal, request, outcome, usage, pinned)
         answer = "".join(outcome.text_parts)
         finished = outcome.finished
         complete = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
@@ -367,7 +439,7 @@ class TurnPipeline:
             # The session version and cache-fill errors are in the TurnEnd: both before it, at once.
             version, _ = await asyncio.gather(
                 self._save(tenant, request, new_messages, answer, state),
-                self._cache_fill(tenant, key, request, outcome, answer, messages, state),
+                self._cache_fill(tenant, key, request, outcome, usage, answer, messages, state),
             )
         else:
             # Nothing to wait for on a turn without session or cache: its TurnEnd goes out at once.
@@ -375,7 +447,7 @@ class TurnPipeline:
             if state.session is not None:
                 version = await self._save(tenant, request, new_messages, answer, state)
             if fill:
-                await self._cache_fill(tenant, key, request, outcome, answer, messages, state)
+                await self._cache_fill(tenant, key, request, outcome, usage, answer, messages, state)
         if finished is not None:
             metrics.PROMPT_TOKENS.inc(finished.usage.prompt_tokens)
         metrics.COMPLETION_TOKENS.inc(len(outcome.token_ids))
@@ -440,6 +512,7 @@ class TurnPipeline:
         principal: Principal,
         request: router_pb2.ChatRequest,
         outcome: RelayOutcome,
+        usage: common_pb2.Usage,
         pinned: str | None,
     ) -> asyncio.Future[Any] | None:
         """The session's pin and the answer's token charge, written in a task of their own.
@@ -452,7 +525,8 @@ class TurnPipeline:
             writes.append(s.pins.set(principal.tenant, request.session_id, outcome.replica))
         finished = outcome.finished
         if s.rate_limiter is not None and finished is not None and s.rate_limiter.counts_tokens(principal):
-            used = finished.usage.prompt_tokens + finished.usage.completion_tokens
+            # The whole answer's tokens, every replica's part of a failed-over one included.
+            used = usage.prompt_tokens + usage.completion_tokens
             writes.append(s.rate_limiter.record_tokens(principal, used))
         if not writes:
             return None
@@ -557,6 +631,7 @@ class TurnPipeline:
         key: str | None,
         request: router_pb2.ChatRequest,
         outcome: RelayOutcome,
+        usage: common_pb2.Usage,
         answer: str,
         messages: list[tuple[str, str]],
         state: TurnState,
@@ -564,7 +639,7 @@ class TurnPipeline:
         s = self.s
         if key is None or outcome.finished is None:
             return
-        usage = outcome.finished.usage
+        # The turn's usage, as its TurnEnd says: a hit replays it (not the last replica's part).
         cached = CachedAnswer(
             text=answer,
             token_ids=list(outcome.token_ids),
@@ -572,6 +647,7 @@ class TurnPipeline:
             finish_reason=outcome.finished.finish_reason,
             prompt_tokens=usage.prompt_tokens,
             completion_tokens=usage.completion_tokens,
+            cached_prompt_tokens=usage.cached_prompt_tokens,
             created_at_ms=int(time.time() * 1000),
         )
         if s.exact_cache is not None:
@@ -618,6 +694,7 @@ class TurnPipeline:
     ) -> AsyncIterator[router_pb2.ChatResponse]:
         """A stored answer streamed like a live one: one delta, then the TurnEnd."""
         if answer.text or answer.token_ids:
+            state.streamed = len(answer.token_ids)
             yield self._message(
                 state, delta=router_pb2.TokenDelta(text=answer.text, token_ids=answer.token_ids, index=0)
             )
@@ -631,8 +708,10 @@ class TurnPipeline:
         end = self._end(state, request, outcome, version=version)
         end.end.cache_layer = layer  # type: ignore[assignment]
         end.end.finish_reason = answer.finish_reason  # type: ignore[assignment]
+        # The original answer's usage, as it was first reported.
         end.end.usage.prompt_tokens = answer.prompt_tokens
         end.end.usage.completion_tokens = answer.completion_tokens
+        end.end.usage.cached_prompt_tokens = answer.cached_prompt_tokens
         yield end
 
     async def _degraded(
@@ -668,14 +747,15 @@ class TurnPipeline:
         now = self.s.clock()
         finished = outcome.finished
         timings = common_pb2.Timings()
-        usage = common_pb2.Usage()
         reason = common_pb2.FINISH_REASON_ERROR if error else common_pb2.FINISH_REASON_STOP
+        # The replica that made the last token: the one that finished, else (the turn gave up
+        # mid-answer) the last that streamed, not the last one tried.
+        replica = outcome.replica
         if finished is not None:
             timings.CopyFrom(finished.timings)
-            usage.CopyFrom(finished.usage)
             reason = finished.finish_reason
-        # Usage is the whole answer's, across failovers: resumed tokens count too.
-        usage.completion_tokens = max(usage.completion_tokens, len(outcome.token_ids))
+        elif outcome.token_ids:
+            replica = state.streamed_by
         timings.total_ms = (now - state.started) * 1000
         if outcome.first_token_at is not None:
             timings.ttft_ms = (outcome.first_token_at - state.started) * 1000
@@ -684,9 +764,9 @@ class TurnPipeline:
             state,
             end=router_pb2.TurnEnd(
                 finish_reason=reason,
-                usage=usage,
+                usage=turn_usage(finished, len(outcome.token_ids)),
                 timings=timings,
-                replica=outcome.replica,
+                replica=replica,
                 model=outcome.model,
                 retries=outcome.retries,
                 failovers=outcome.failovers,

@@ -174,6 +174,29 @@ def test_client_deadline_and_cancel_reach_the_replica(mesh: Mesh) -> None:
     assert wait_until_idle(mesh.replicas, timeout=5.0) < 5.0
 
 
+def test_a_chat_turn_cancelled_mid_answer_reports_the_tokens_streamed_and_their_replica(mesh: Mesh) -> None:
+    enough = threading.Event()
+    streamer: list[str | None] = []
+
+    def client_messages() -> Iterator[router_pb2.ChatRequest]:
+        yield user_turn("Count from one to one hundred.", 200, ignore_eos=True, cache=BYPASS)
+        enough.wait(60)
+        yield router_pb2.ChatRequest(cancel=True)
+
+    received: list[router_pb2.ChatResponse] = []
+    for response in mesh.stub.Chat(client_messages(), timeout=60):
+        received.append(response)
+        tokens = sum(len(m.delta.token_ids) for m in received if m.HasField("delta"))
+        if not enough.is_set() and tokens >= 5:
+            streamer.append(serving_replica(mesh.stub))
+            enough.set()
+    end = received[-1].end
+    assert end.finish_reason == common_pb2.FINISH_REASON_CANCELLED
+    assert end.usage.completion_tokens == len(read_turn(received[:-1]).token_ids) >= 5
+    assert streamer[0] is not None and end.replica == streamer[0]
+    wait_until_idle(mesh.replicas, timeout=5.0)
+
+
 def test_a_lost_replicas_session_moves_to_a_prewarmed_successor(mesh: Mesh) -> None:
     """Kills the session's replica; the next turn finds its history already in the new replica's cache."""
     session = "engine-prewarm"
@@ -202,15 +225,21 @@ def test_a_lost_replicas_session_moves_to_a_prewarmed_successor(mesh: Mesh) -> N
 
 
 def test_kill_9_mid_stream_gives_exactly_the_uninterrupted_greedy_tokens(mesh: Mesh) -> None:
-    """Runs last in this module: it kills one of the replicas."""
-    request = user_turn("Write a short poem about the sea.", 24, ignore_eos=True, cache=BYPASS)
+    """Runs last in this module: it kills one of the replicas.
+
+    The answer is cached after its failover; a hit replays the whole answer's usage.
+    """
+    request = user_turn("Write a short poem about the sea.", 24, ignore_eos=True)
     start = inference_pb2.GenerateStart(messages=request.messages, sampling=request.sampling)
     alive = next(r for r in mesh.replicas if r.proc is not None and r.proc.poll() is None)
     with grpc.insecure_channel(alive.address) as channel:
-        direct = inference_pb2_grpc.InferenceStub(channel).Generate(
-            iter([inference_pb2.GenerateRequest(start=start)]), timeout=120
+        direct = list(
+            inference_pb2_grpc.InferenceStub(channel).Generate(
+                iter([inference_pb2.GenerateRequest(start=start)]), timeout=120
+            )
         )
         reference = [t for r in direct if r.HasField("chunk") for t in r.chunk.token_ids]
+        prompt_tokens = direct[-1].finished.usage.prompt_tokens
     assert len(reference) == 24
 
     stream = mesh.stub.ChatStream(request, timeout=120)
@@ -226,3 +255,11 @@ def test_kill_9_mid_stream_gives_exactly_the_uninterrupted_greedy_tokens(mesh: M
     assert answer.end.failovers == 1
     assert answer.end.replica != victim
     assert answer.end.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    # Both replicas' tokens, the prompt once (as the engine counts it).
+    usage = answer.end.usage
+    assert usage.completion_tokens == 24 and usage.prompt_tokens == prompt_tokens
+    assert usage.cached_prompt_tokens <= usage.prompt_tokens
+    hit = mesh.stub.Complete(request, timeout=60)
+    assert hit.end.cache_layer == router_pb2.CACHE_LAYER_EXACT
+    assert list(hit.token_ids) == reference
+    assert hit.end.usage == usage

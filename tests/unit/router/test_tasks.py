@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -15,7 +15,7 @@ from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from services.router.auth import Principal
 from services.router.task_api import TaskApi, TaskSettings
 from services.router.tasks import STATUS_FIELDS
-from services.router.turn import OnCheckpoint, ResumePoint, TurnCheckpoint
+from services.router.turn import OnCheckpoint, OnStopped, ResumePoint, TurnCheckpoint
 from tests.support.redis import RedisServer
 from tests.support.redis_cluster import RedisClusterServers
 
@@ -42,7 +42,8 @@ class FakeRunTurn:
         *,
         resume: ResumePoint | None = None,
         on_checkpoint: OnCheckpoint | None = None,
-    ) -> AsyncIterator[router_pb2.ChatResponse]:
+        on_stopped: OnStopped | None = None,
+    ) -> AsyncGenerator[router_pb2.ChatResponse, None]:
         self.started.append(request.request_id)
         self.resumed.append(resume)
         # Like the pipeline: the checkpoint is saved before the first token; a resumed answer
@@ -391,7 +392,7 @@ class FakeRateLimitedRunTurn(FakeRunTurn):
 
     async def __call__(
         self, principal: Principal, request: router_pb2.ChatRequest, *args: Any, **options: Any
-    ) -> AsyncIterator[router_pb2.ChatResponse]:
+    ) -> AsyncGenerator[router_pb2.ChatResponse, None]:
         if self.refusals > 0:
             self.refusals -= 1
             raise errors.Overloaded("rate limit exceeded for API key acme-1", retry_after_s=0.1)
