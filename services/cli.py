@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "chat": ("services.client.chat", "interactive streaming chat through the router"),
     "ask": ("services.client.ask", "ask one question through the router"),
     "status": ("services.client.status", "replicas, health, load and cache hit rate"),
-    "ingest": ("services.retriever.ingest_cli", "ingest files or folders into the retriever"),
+    "ingest": ("services.client.ingest", "ingest files or folders through the router"),
     "bench": ("bench.cli", "run a benchmark (engine, router, retriever, load)"),
 }
 

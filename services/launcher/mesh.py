@@ -25,6 +25,10 @@ RETRIEVER_PORT = 50053
 SESSION_PORT = 50054
 REDIS_PORT = 6379
 GATEWAY_LISTEN = "127.0.0.1:8080"
+# Where everything behind the router listens, whatever --host says: Redis, session, retriever
+# and replicas trust their callers (the tenant is plain metadata the router sets after checking
+# the API key), so only the router, on this machine, may reach them.
+INTERNAL_HOST = "127.0.0.1"
 # What one machine's Redis, session, retriever (embedding model, Milvus Lite) and router
 # need beside the replicas: ≈ 0.8 GiB resident idle (measured 2026-11-30), with room to
 # grow under load. The replicas share the rest.
@@ -38,6 +42,7 @@ class MeshConfig:
     data_dir: Path
     model: Path = DEFAULT_MODEL
     replicas: int = 1
+    #: Where the router listens; the services behind it always listen on INTERNAL_HOST.
     host: str = "127.0.0.1"
     router_port: int = ROUTER_PORT
     redis_url: str | None = None
@@ -101,18 +106,43 @@ class MeshConfig:
             str(memory_mib),
         )
 
+    def session_command(self, redis_url: str) -> list[str]:
+        return self.service_command("services.session", self.port(SESSION_PORT), "--redis-url", redis_url)
+
+    def retriever_command(self) -> list[str]:
+        return self.service_command(
+            "services.retriever", self.port(RETRIEVER_PORT), "--milvus-uri", self.milvus
+        )
+
+    def router_command(self, replicas: list[str], session: str, retriever: str, redis_url: str) -> list[str]:
+        """The one service on ``--host``: every client, and every API-key check, comes through it."""
+        return self.service_command(
+            "services.router",
+            self.router_port,
+            "--replicas",
+            ",".join(replicas),
+            "--session-addr",
+            session,
+            "--retriever-addr",
+            retriever,
+            "--redis-url",
+            redis_url,
+            host=self.host,
+        )
+
     @property
     def milvus(self) -> str:
         return self.milvus_uri or str(self.data_dir / "milvus.db")
 
-    def service_command(self, module: str, port: int, *flags: str) -> list[str]:
+    def service_command(self, module: str, port: int, *flags: str, host: str = INTERNAL_HOST) -> list[str]:
+        """A service's command line, listening on loopback unless it is the router (``host``)."""
         # Metrics on a free port: the ready block and the lock file say which.
         return [
             self.python,
             "-m",
             module,
             "--host",
-            self.host,
+            host,
             "--port",
             str(port),
             "--metrics-port",
@@ -172,14 +202,8 @@ class LocalMesh:
         if self.redis_url is None:
             self._start_redis(deadline)
         assert self.redis_url is not None
-        self.session = self._spawn(
-            "session",
-            cfg.service_command("services.session", cfg.port(SESSION_PORT), "--redis-url", self.redis_url),
-        )
-        self.retriever = self._spawn(
-            "retriever",
-            cfg.service_command("services.retriever", cfg.port(RETRIEVER_PORT), "--milvus-uri", cfg.milvus),
-        )
+        self.session = self._spawn("session", cfg.session_command(self.redis_url))
+        self.retriever = self._spawn("retriever", cfg.retriever_command())
         limit, share = cfg.memory_plan()
         self.say(
             f"  memory: {limit.bytes >> 20} MiB ({limit.source}), {SHARED_SERVICES_MIB} MiB kept for "
@@ -193,16 +217,10 @@ class LocalMesh:
             child.wait_serving(deadline)
         self.router = self._spawn(
             "router",
-            cfg.service_command(
-                "services.router",
-                cfg.router_port,
-                "--replicas",
-                ",".join(r.address for r in self.replicas),
-                "--session-addr",
+            cfg.router_command(
+                [r.address for r in self.replicas],
                 self.session.address,
-                "--retriever-addr",
                 self.retriever.address,
-                "--redis-url",
                 self.redis_url,
             ),
         )
@@ -213,13 +231,13 @@ class LocalMesh:
     def _start_redis(self, deadline: float) -> None:
         cfg = self.config
         port = REDIS_PORT
-        if cfg.ephemeral or port_taken(cfg.host, port):
-            port = free_port(cfg.host)
+        if cfg.ephemeral or port_taken(INTERNAL_HOST, port):
+            port = free_port(INTERNAL_HOST)
         redis_dir = cfg.data_dir / "redis"
         redis_dir.mkdir(parents=True, exist_ok=True)
-        self.redis = self._spawn("redis", redis_command(redis_dir, cfg.host, port))
-        self.redis.wait_port(cfg.host, port, deadline)
-        self.redis_url = f"redis://{cfg.host}:{port}/0"
+        self.redis = self._spawn("redis", redis_command(redis_dir, INTERNAL_HOST, port))
+        self.redis.wait_port(INTERNAL_HOST, port, deadline)
+        self.redis_url = f"redis://{INTERNAL_HOST}:{port}/0"
 
     def _start_gateway(self, deadline: float) -> None:
         if not os.access(GATEWAY_BINARY, os.X_OK):

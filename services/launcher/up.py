@@ -13,10 +13,9 @@ from types import FrameType
 
 from services.launcher.children import ChildFailed
 from services.launcher.lock import AlreadyRunning, MeshLock, port_in_use
-from services.launcher.mesh import DEFAULT_MODEL, RETRIEVER_PORT, ROOT, ROUTER_PORT, LocalMesh, MeshConfig
+from services.launcher.mesh import DEFAULT_MODEL, ROOT, ROUTER_PORT, LocalMesh, MeshConfig
 
 DEFAULT_ROUTER = f"127.0.0.1:{ROUTER_PORT}"
-DEFAULT_RETRIEVER = f"127.0.0.1:{RETRIEVER_PORT}"
 # Tests and scripts wait for this exact line.
 READY_LINE = "llm-mesh is up"
 
@@ -32,7 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--port", type=int, default=ROUTER_PORT, help="router port (0 = every service on a free port)"
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address every service listens on")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address the router listens on; Redis, session, retriever and the replicas "
+        "always listen on 127.0.0.1, reachable only through the router",
+    )
     parser.add_argument("--data-dir", type=Path, default=ROOT / "data", help="Redis, Milvus Lite and logs")
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="model directory for inference")
     parser.add_argument("--device", default="auto", help="inference device: auto, cpu or cuda")
@@ -99,15 +103,13 @@ def ready_block(mesh: LocalMesh, config: MeshConfig) -> str:
     lines.append(f"  {'logs':<12} {config.data_dir / 'logs'}")
     # Name addresses only where they differ from the clients' defaults.
     to_router = "" if router == DEFAULT_ROUTER else f" --router {router}"
-    retriever = endpoints.get("retriever", "")
-    to_retriever = "" if retriever == DEFAULT_RETRIEVER else f" --retriever-addr {retriever}"
     data_dir = "" if config.data_dir == (ROOT / "data").resolve() else f" --data-dir {config.data_dir}"
     lines += [
         "try it:",
         f'  grpcurl -plaintext -d \'{{"messages":[{{"role":"user","content":"What is llm-mesh?"}}],'
         f'"sampling":{{"max_tokens":64}}}}\' {router} llmmesh.v1.Router/Complete',
         f"  llm-mesh chat{to_router}",
-        f"  llm-mesh ingest{to_retriever} examples/docs && llm-mesh ask{to_router} --rag 'How do I stop llm-mesh?'",
+        f"  llm-mesh ingest{to_router} examples/docs && llm-mesh ask{to_router} --rag 'How do I stop llm-mesh?'",
         f"  llm-mesh status{to_router}{data_dir}",
         f"stop: Ctrl-C here, or kill -TERM {os.getpid()}",
     ]

@@ -91,7 +91,7 @@ def test_generated_stub_streams_an_answer(mesh: LaunchedMesh) -> None:
 
 def test_ingest_sample_docs_then_rag_answer_cites_them(mesh: LaunchedMesh) -> None:
     ingest = subprocess.run(
-        cli("ingest", "--retriever-addr", mesh.endpoints["retriever"], "examples/docs"),
+        cli("ingest", "--router", mesh.router, "examples/docs"),
         cwd=ROOT,
         env=mesh.env,
         capture_output=True,

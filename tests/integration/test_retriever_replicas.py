@@ -8,7 +8,6 @@ real Redis can keep them from writing one document at once.
 from __future__ import annotations
 
 import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,6 +32,7 @@ from tests.integration.test_retriever_store import (
     versions_by_document,
     whitespace_token_spans,
 )
+from tests.support.document_router import DocumentRouter, document_router
 from tests.support.processes import ROOT, ServiceProcess
 from tests.support.redis import RedisServer
 from tests.support.redis_cluster import RedisClusterServers
@@ -216,13 +216,12 @@ def test_a_retriever_given_redis_takes_leases_and_refuses_writes_while_redis_is_
 
 
 def ingest_cli(
-    retriever: ServiceProcess, path: Path, *flags: str, on_retry: Callable[[], None] = lambda: None
+    router: DocumentRouter, path: Path, *flags: str, on_retry: Callable[[], None] = lambda: None
 ) -> tuple[int, str, str]:
-    """`llm-mesh ingest PATH` against ``retriever``; ``on_retry`` runs when it announces its first
-    retry (while it waits to send again). Returns the exit status, stdout and stderr."""
+    """`llm-mesh ingest PATH` as tenant acme, through ``router``; ``on_retry`` runs when it announces
+    its first retry (while it waits to send again). Returns the exit status, stdout and stderr."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "ingest", str(path), "--retriever-addr", retriever.address,
-         "--tenant", "acme", *flags],
+        router.ingest_command(str(path), *flags, tenant="acme"),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert proc.stdout is not None and proc.stderr is not None
@@ -248,22 +247,23 @@ def test_ingest_cli_sends_a_document_again_while_another_replica_writes_it_or_re
     other_replica = redis.Redis.from_url(redis_server.url).lock(
         RedisLocks.key("acme", "notes.txt"), timeout=60
     )
-    with service:
+    # The router passes the retriever's ABORTED and UNAVAILABLE on as they are; the command retries them.
+    with service, document_router(service.address, tmp_path, ["acme"]) as router:
         # Another replica holds the document's lease: without retries the document is refused.
         assert other_replica.acquire(blocking=False)
-        code, out, err = ingest_cli(service, notes, "--retries", "0")
+        code, out, err = ingest_cli(router, notes, "--retries", "0")
         assert code == 1, out + err
         assert "skipped 1" in out and "ABORTED" in out and "being written by another retriever replica" in out
 
         # With retries it waits, and goes in once the other writer lets go.
-        code, out, err = ingest_cli(service, notes, "--retry-seconds", "0.5", on_retry=other_replica.release)
+        code, out, err = ingest_cli(router, notes, "--retry-seconds", "0.5", on_retry=other_replica.release)
         assert code == 0, out + err
         assert "notes.txt: ABORTED" in err
         assert "ingested 1 documents (0 unchanged)" in out and ", 1 retries" in out
 
         # Redis away: UNAVAILABLE, sent again once it is back (it then answers "unchanged").
         redis_server.kill()
-        code, out, err = ingest_cli(service, notes, "--retry-seconds", "1.5", on_retry=redis_server.start)
+        code, out, err = ingest_cli(router, notes, "--retry-seconds", "1.5", on_retry=redis_server.start)
         assert code == 0, out + err
         assert "notes.txt: UNAVAILABLE: document locks (Redis) unreachable" in err
         assert "ingested 0 documents (1 unchanged)" in out

@@ -1,14 +1,13 @@
 """The retriever as a real process on Milvus Lite with the real embedding model.
 
 One service for the module; the shipped corpus (tests/data/corpus, PDF and DOCX
-generated from their specs) is ingested once through `llm-mesh ingest` as
-tenant "acme". Tests that change documents use their own ids or tenants.
+generated from their specs) is ingested once through `llm-mesh ingest`, via a
+router with tenant "acme"'s API key, as a user would. Tests that change documents
+use their own ids or tenants, and call the retriever directly.
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ import pytest
 from services.common.metadata import TENANT_KEY
 from services.gen.llmmesh.v1 import retriever_pb2 as pb
 from services.gen.llmmesh.v1 import retriever_pb2_grpc
+from tests.support.document_router import DocumentRouter, document_router
 from tests.support.documents import build_corpus, corpus_questions, text_pdf
 from tests.support.processes import ROOT, ServiceProcess
 
@@ -57,14 +57,17 @@ def stub(retriever: ServiceProcess) -> Iterator[retriever_pb2_grpc.RetrieverStub
 
 
 @pytest.fixture(scope="module")
-def ingest_output(retriever: ServiceProcess, tmp_path_factory: pytest.TempPathFactory) -> str:
+def router(retriever: ServiceProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DocumentRouter]:
+    """What `llm-mesh ingest` talks to: a router with an API key for TENANT."""
+    with document_router(retriever.address, tmp_path_factory.mktemp("keys"), [TENANT]) as door:
+        yield door
+
+
+@pytest.fixture(scope="module")
+def ingest_output(router: DocumentRouter, tmp_path_factory: pytest.TempPathFactory) -> str:
     folder = build_corpus(tmp_path_factory.mktemp("corpus"))
     (folder / "notes.rst").write_text("reStructuredText is not a supported type")
-    result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "ingest", str(folder), "--retriever-addr", retriever.address,
-         "--tenant", TENANT, "--metadata", "collection=handbook"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    result = router.ingest(str(folder), "--metadata", "collection=handbook", tenant=TENANT)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
@@ -156,14 +159,12 @@ def test_chunks_carry_page_heading_position_and_metadata(
 
 
 def test_reingesting_identical_content_changes_nothing(
-    ingest_output: str, retriever: ServiceProcess, stub: retriever_pb2_grpc.RetrieverStub
+    ingest_output: str, router: DocumentRouter, stub: retriever_pb2_grpc.RetrieverStub
 ) -> None:
     before = listed(stub)
-    again = subprocess.run(
-        [sys.executable, "-m", "services.cli", "ingest", str(ROOT / "tests/data/corpus/lighthouses.txt"),
-         str(ROOT / "tests/data/corpus/sourdough.md"), "--retriever-addr", retriever.address, "--tenant", TENANT,
-         "--metadata", "collection=handbook"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    again = router.ingest(
+        str(ROOT / "tests/data/corpus/lighthouses.txt"), str(ROOT / "tests/data/corpus/sourdough.md"),
+        "--metadata", "collection=handbook", tenant=TENANT, timeout=120,
     )  # fmt: skip
     assert again.returncode == 0, again.stdout + again.stderr
     assert "ingested 0 documents (2 unchanged)" in again.stdout

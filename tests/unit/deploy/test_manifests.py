@@ -75,6 +75,55 @@ def test_each_service_has_deployment_service_and_disruption_budget(overlay: str)
         assert budget["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
 
 
+def pod_labels(deployment: dict[str, Any]) -> dict[str, str]:
+    return dict(deployment["spec"]["template"]["metadata"]["labels"])
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, f"selector form not modelled here: {selector}"
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def admits(objects: list[dict[str, Any]], target: dict[str, str], source: dict[str, str], port: int) -> bool:
+    """Whether a pod labelled ``source`` in the namespace may open ``port`` on a pod labelled
+    ``target``, by the NetworkPolicy rules (no policy selecting the target: everything may)."""
+    policies = [
+        o["spec"]
+        for o in objects
+        if o["kind"] == "NetworkPolicy" and selects(o["spec"]["podSelector"], target)
+    ]
+    if not any("Ingress" in p.get("policyTypes", ["Ingress"]) for p in policies):
+        return True
+    for rule in (r for p in policies for r in p.get("ingress", [])):
+        port_ok = "ports" not in rule or any(int(q["port"]) == port for q in rule["ports"])
+        peers = rule.get("from")
+        peer_ok = peers is None or any(set(peer) == {"podSelector"} and selects(peer["podSelector"], source)
+                                       for peer in peers)  # fmt: skip
+        if port_ok and peer_ok:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_only_router_pods_reach_the_grpc_ports_of_the_services_behind_it(overlay: str) -> None:
+    # The tenant is metadata the router sets after checking the key: a pod that reached the retriever
+    # (or session, or a replica) directly could act for any tenant.
+    objects = rendered(overlay)
+    router = pod_labels(find(objects, "Deployment", "router"))
+    stranger = {"app.kubernetes.io/name": "debug-shell"}
+    for name in ("retriever", "session", "inference"):
+        target = pod_labels(find(objects, "Deployment", name))
+        port = SERVICES[name]
+        assert admits(objects, target, router, port), f"the router cannot reach the {name}"
+        assert not admits(objects, target, stranger, port), f"any pod can call the {name}"
+        for other in set(SERVICES) - {name, "router"}:
+            assert not admits(objects, target, pod_labels(find(objects, "Deployment", other)), port)
+        # Prometheus still scrapes it.
+        assert admits(objects, target, {"app.kubernetes.io/name": "prometheus"}, 9090)
+    # The router is the front door: nothing narrows who may call it.
+    assert admits(objects, router, stranger, SERVICES["router"])
+
+
 def test_router_resolves_inference_through_the_headless_service() -> None:
     objects = rendered("cpu")
     headless = find(objects, "Service", "inference-headless")

@@ -30,6 +30,25 @@ def test_plan_uses_the_documented_ports_or_free_ones(tmp_path: Path) -> None:
     ]  # fmt: skip
 
 
+def listen_host(command: list[str]) -> str:
+    return command[command.index("--host") + 1]
+
+
+def test_only_the_router_listens_on_host_everything_behind_it_on_loopback(tmp_path: Path) -> None:
+    # `up --host 0.0.0.0` opens the router to the network; a retriever or session service there
+    # would take any caller's word for its tenant (no API key is checked behind the router).
+    config = MeshConfig(data_dir=tmp_path, host="0.0.0.0")
+    behind = {
+        "session": config.session_command("redis://127.0.0.1:6379/0"),
+        "retriever": config.retriever_command(),
+        "inference": config.replica_command(0, 1024),
+    }
+    assert {name: listen_host(c) for name, c in behind.items()} == dict.fromkeys(behind, "127.0.0.1")
+    router = config.router_command(["127.0.0.1:50052"], "127.0.0.1:50054", "127.0.0.1:50053", "redis://x:1/0")
+    assert listen_host(router) == "0.0.0.0"
+    assert router[router.index("--retriever-addr") + 1] == "127.0.0.1:50053"
+
+
 @pytest.mark.parametrize(
     ("field", "value", "flag"), [("replicas", 0, "--replicas"), ("router_port", 70000, "--port")]
 )

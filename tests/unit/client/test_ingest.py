@@ -9,8 +9,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from services import cli
+from services.client.ingest import ingest_with_retries, parse_metadata, plan
 from services.gen.llmmesh.v1 import retriever_pb2 as pb
-from services.retriever.ingest_cli import ingest_with_retries, parse_metadata, plan
 
 
 def test_folders_become_relative_ids_and_unsupported_files_are_skipped_with_a_reason(tmp_path: Path) -> None:
@@ -117,3 +118,16 @@ def test_no_retries_means_one_attempt() -> None:
     with pytest.raises(grpc.RpcError):
         ingest_with_retries(send, retries=0, first_s=1.0, on_retry=lambda *_: None, sleep=lambda _: None)
     assert send.calls == 1
+
+
+@pytest.mark.parametrize(
+    ("flag", "instead"), [("--retriever-addr", "--router HOST:PORT"), ("--tenant", "--api-key")]
+)
+def test_the_old_direct_to_retriever_flags_say_what_to_pass_instead(
+    tmp_path: Path, flag: str, instead: str
+) -> None:
+    document = tmp_path / "notes.txt"
+    document.write_text("never sent")
+    # Refused before any connection: the router address here listens nowhere.
+    with pytest.raises(SystemExit, match=rf"{flag} is gone: .*{instead}"):
+        cli.main(["ingest", str(document), "--router", "127.0.0.1:1", flag, "somewhere"])

@@ -1,9 +1,15 @@
-"""`llm-mesh ingest PATH…`: walks files and folders, streams each document to the retriever, summarizes."""
+"""`llm-mesh ingest PATH…`: walks files and folders, streams each document through the router, summarizes.
+
+It is a router client like `ask` and `chat`: the router checks the API key and
+the key decides the tenant that owns the documents, so they are the ones that
+tenant's `ask --rag`, SearchDocuments and ListDocuments see. The retriever's own
+port admits only the router (loopback under `llm-mesh up`, mTLS or a
+NetworkPolicy on Kubernetes: docs/retriever.md, "Who may call the retriever").
+"""
 
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -15,8 +21,8 @@ import grpc
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from services.common.metadata import TENANT_KEY
-from services.gen.llmmesh.v1 import retriever_pb2, retriever_pb2_grpc
+from services.client.connection import add_connection_arguments, call_metadata, describe_error, open_router
+from services.gen.llmmesh.v1 import retriever_pb2, router_pb2_grpc
 from services.retriever.parsing import mime_type_for
 
 PIECE_BYTES = 256 * 1024
@@ -25,6 +31,20 @@ PIECE_BYTES = 256 * 1024
 #: restarting, or its Redis away). A document re-sent after one is never half-written: a write
 #: either becomes current whole or not at all, and an identical re-send answers "unchanged".
 RETRYABLE = (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE)
+#: Answers about the caller or the mesh, not the document: every other document would get the same,
+#: so the command stops at the first one (exit 2) instead of "skipping" the whole folder.
+FATAL = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+)
+#: Flags of the days `ingest` dialled the retriever itself: refused with the way to do it now.
+RETIRED_FLAGS = {
+    "--retriever-addr": "ingest goes through the router now: pass --router HOST:PORT (env LLMMESH_ROUTER)",
+    "--tenant": "the tenant is the API key's: pass that tenant's --api-key (env LLMMESH_API_KEY)",
+}
 
 
 @dataclass(frozen=True)
@@ -48,16 +68,12 @@ class IngestReport:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("paths", nargs="+", type=Path, help="files or folders to ingest")
-    parser.add_argument(
-        "--retriever-addr",
-        default=os.environ.get("LLMMESH_RETRIEVER_ADDR", "127.0.0.1:50053"),
-        help="retriever host:port [env LLMMESH_RETRIEVER_ADDR]",
-    )
-    parser.add_argument(
-        "--tenant",
-        default=os.environ.get("LLMMESH_TENANT", "default"),
-        help="tenant that will own the documents [env LLMMESH_TENANT]",
-    )
+    # The key's tenant owns the documents; with keys off, the router's one open tenant does.
+    add_connection_arguments(parser)
+    for flag in RETIRED_FLAGS:
+        # Hidden, and refused in run(): an old script learns what to pass instead of
+        # "unrecognized arguments", and never writes where it did not mean to.
+        parser.add_argument(flag, dest=retired_dest(flag), default=None, help=argparse.SUPPRESS)
     parser.add_argument(
         "--metadata", action="append", default=[], metavar="KEY=VALUE", help="metadata for every document"
     )
@@ -77,6 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="wait before the first retry; doubles for each next one (±20%% jitter)",
     )
+
+
+def retired_dest(flag: str) -> str:
+    return "retired_" + flag.lstrip("-").replace("-", "_")
 
 
 def plan(paths: list[Path], id_prefix: str = "") -> tuple[list[PlannedDocument], list[tuple[str, str]]]:
@@ -132,15 +152,15 @@ def upload_messages(
 
 
 def send_document(
-    stub: retriever_pb2_grpc.RetrieverStub,
+    stub: router_pb2_grpc.RouterStub,
     document: PlannedDocument,
     metadata: dict[str, str],
-    call_metadata: tuple[tuple[str, str], ...],
+    auth: tuple[tuple[str, str | bytes], ...],
     timeout_s: float,
 ) -> retriever_pb2.IngestSummary:
-    """One attempt: the document streamed from its first byte."""
-    summary: retriever_pb2.IngestSummary = stub.Ingest(
-        upload_messages(document, metadata), timeout=timeout_s, metadata=call_metadata
+    """One attempt: the document streamed from its first byte, through the router."""
+    summary: retriever_pb2.IngestSummary = stub.IngestDocument(
+        upload_messages(document, metadata), timeout=timeout_s, metadata=auth
     )
     return summary
 
@@ -180,34 +200,39 @@ def ingest_with_retries(
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
+def refuse_retired_flags(args: argparse.Namespace) -> None:
+    for flag, instead in RETIRED_FLAGS.items():
+        if getattr(args, retired_dest(flag), None) is not None:
+            raise SystemExit(f"error: {flag} is gone: {instead}")
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
+    refuse_retired_flags(args)
     if args.retries < 0 or args.retry_seconds < 0:
         raise SystemExit("--retries and --retry-seconds must be >= 0")
     planned, skipped = plan(args.paths, args.id_prefix)
     metadata = parse_metadata(args.metadata)
     report = IngestReport(skipped=skipped)
-    call_metadata = ((TENANT_KEY, args.tenant),)
-    with grpc.insecure_channel(args.retriever_addr) as channel:
-        stub = retriever_pb2_grpc.RetrieverStub(channel)
+    auth = call_metadata(args.api_key)
+    channel, stub = open_router(args.router)
+    with channel:
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
         with Progress(*columns, console=console, transient=True) as progress:
             task = progress.add_task("ingesting", total=len(planned))
             for document in planned:
                 progress.update(task, description=f"ingesting {document.document_id}")
-                send = partial(send_document, stub, document, metadata, call_metadata, args.timeout_seconds)
+                send = partial(send_document, stub, document, metadata, auth, args.timeout_seconds)
                 try:
                     summary, retries = ingest_with_retries(
                         send, args.retries, args.retry_seconds, partial(say_retry, console, document)
                     )
                 except grpc.RpcError as exc:
-                    code = exc.code()
-                    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                        console.print(
-                            f"[red]retriever at {args.retriever_addr}: {code.name}: {exc.details()}"
-                        )
+                    if exc.code() in FATAL:
+                        # Nothing after this document would fare better; say so once and stop.
+                        console.print(describe_error(exc, args.router), style="red", markup=False)
                         return 2
-                    report.rejected.append((str(document.path), f"{code.name}: {exc.details()}"))
+                    report.rejected.append((str(document.path), f"{exc.code().name}: {exc.details()}"))
                 else:
                     report.retries += retries
                     if summary.unchanged:
