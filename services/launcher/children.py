@@ -108,8 +108,11 @@ class ChildProcess:
             self.command = [*self.command[:at], str(self.port), *self.command[at + 1 :]]
         self._listening.clear()
         self.metrics_port = None
+        # In the tail too: a give-up message shows where each run's last words begin.
+        marker = f"--- llm-mesh up: restarting {self.name} ---"
+        self._tail = [*self._tail[-39:], marker]
         with open(self.log_path, "ab") as log:
-            log.write(f"--- llm-mesh up: restarting {self.name} ---\n".encode())
+            log.write(f"{marker}\n".encode())
         self.start()
 
     def ready_now(self) -> bool:

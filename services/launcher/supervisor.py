@@ -99,7 +99,10 @@ class Supervisor:
                 watch.restart_at = None
                 watch.starting_since = now
                 watch.tracker.started()
-                child.restart()
+                try:
+                    child.restart()
+                except OSError as exc:  # cannot even spawn it (a deleted venv, no memory to fork)
+                    raise ChildGaveUp(f"{child.name} could not be restarted: {exc}") from exc
             return
         if not child.alive():
             self._crashed(watch, now, f"exited {describe_exit(child.returncode)}")
