@@ -52,6 +52,8 @@ class ChildProcess:
         self.host = "127.0.0.1"
         self._listening = threading.Event()
         self._tail: list[str] = []
+        # How start-up decided it was ready, so a restart is judged the same way.
+        self._ready_by_port = False
 
     @property
     def address(self) -> str:
@@ -62,6 +64,11 @@ class ChildProcess:
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
+
+    @property
+    def returncode(self) -> int | None:
+        """Its exit status once it has exited (negative: killed by that signal)."""
+        return self.proc.poll() if self.proc else None
 
     def start(self) -> ChildProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -90,6 +97,46 @@ class ChildProcess:
                     self._listening.set()
                 if m := METRICS_RE.search(line):
                     self.metrics_port = int(m.group(3))
+
+    def restart(self) -> None:
+        """Start the same command again on the port it had, so every client's address stays right.
+
+        ``--port 0`` (tests) is replaced by the port the first run got.
+        """
+        if self.port is not None and "--port" in self.command:
+            at = self.command.index("--port") + 1
+            self.command = [*self.command[:at], str(self.port), *self.command[at + 1 :]]
+        self._listening.clear()
+        self.metrics_port = None
+        # In the tail too: a give-up message shows where each run's last words begin.
+        marker = f"--- llm-mesh up: restarting {self.name} ---"
+        self._tail = [*self._tail[-39:], marker]
+        with open(self.log_path, "ab") as log:
+            log.write(f"{marker}\n".encode())
+        self.start()
+
+    def ready_now(self) -> bool:
+        """One quick readiness check (the one start-up used): health SERVING, or the port open."""
+        if self.port is None or not self.alive():
+            return False
+        if self._ready_by_port:
+            with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), timeout=0.5):
+                return True
+            return False
+        if not self._listening.is_set():
+            return False
+        with grpc.insecure_channel(self.address) as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=1.0
+                )
+            except grpc.RpcError:
+                return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    def kill_leftovers(self) -> None:
+        """SIGKILL whatever is left in an exited child's process group (workers it forked)."""
+        self._signal_group(signal.SIGKILL)
 
     def tail(self) -> str:
         """The last lines it printed, for an error message."""
@@ -133,6 +180,7 @@ class ChildProcess:
             self._check_alive()
             with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
                 self.host, self.port = host, port
+                self._ready_by_port = True
                 return
             if time.monotonic() > deadline:
                 raise ChildFailed(f"{self.name} not accepting connections on {host}:{port}")

@@ -254,9 +254,9 @@ class LocalMesh:
         )
         self.gateway.wait_port(host, port, deadline)
 
-    def first_dead(self) -> ChildProcess | None:
-        """A child that exited on its own, if any (the launcher then stops the rest)."""
-        return next((c for c in self.started if not c.alive()), None)
+    def pids(self) -> dict[str, int]:
+        """name -> pid of every child now running (a restart changes it), for the lock file."""
+        return {c.name: c.pid for c in self.started if c.pid is not None and c.alive()}
 
     def stop(self) -> None:
         """Reverse start order; replicas of one tier drain together. Each tier gets the stop timeout."""

@@ -14,6 +14,8 @@ from types import FrameType
 from services.launcher.children import ChildFailed
 from services.launcher.lock import AlreadyRunning, MeshLock, port_in_use
 from services.launcher.mesh import DEFAULT_MODEL, ROOT, ROUTER_PORT, LocalMesh, MeshConfig
+from services.launcher.supervision import RestartPolicy
+from services.launcher.supervisor import ChildGaveUp, Supervisor
 
 DEFAULT_ROUTER = f"127.0.0.1:{ROUTER_PORT}"
 # Tests and scripts wait for this exact line.
@@ -143,6 +145,14 @@ def run(args: argparse.Namespace) -> int:
         lock.release()
 
 
+def record_mesh(lock: MeshLock, mesh: LocalMesh) -> None:
+    """What `llm-mesh status` and operators read from the lock file: addresses, metrics, pids."""
+    endpoints = mesh.endpoints()
+    lock.record(
+        router=endpoints["router"], endpoints=endpoints, metrics=mesh.metrics_endpoints(), pids=mesh.pids()
+    )
+
+
 def _run_mesh(config: MeshConfig, lock: MeshLock) -> int:
     mesh = LocalMesh(config, say=lambda line: print(line, flush=True))
 
@@ -159,21 +169,24 @@ def _run_mesh(config: MeshConfig, lock: MeshLock) -> int:
             f"llm-mesh starting ({config.replicas} inference replica(s), data in {config.data_dir}) …",
             flush=True,
         )
+        # A child failing before this point stops `up` (ChildFailed): nothing was ever served.
         mesh.start()
-        lock.record(
-            router=mesh.endpoints()["router"], endpoints=mesh.endpoints(), metrics=mesh.metrics_endpoints()
-        )
+        record_mesh(lock, mesh)
         print(ready_block(mesh, config), flush=True)
+        # From here on a child that dies is restarted, and the rest keep serving meanwhile.
+        supervisor = Supervisor(
+            mesh.started,
+            RestartPolicy(),
+            say=lambda line: print(line, flush=True),
+            ready_timeout_s=config.startup_timeout_s,
+            on_ready=lambda child: record_mesh(lock, mesh),  # its metrics port and pid are new
+        )
         while True:
-            dead = mesh.first_dead()
-            if dead is not None:
-                print(f"llm-mesh: {dead.name} exited; see {dead.log_path}:\n{dead.tail()}", file=sys.stderr)
-                code = 1
-                break
+            supervisor.step()
             time.sleep(0.5)
     except StopRequested as stop:
         print(f"llm-mesh stopping ({stop}) …", flush=True)
-    except ChildFailed as exc:
+    except (ChildFailed, ChildGaveUp) as exc:
         print(f"llm-mesh: {exc}", file=sys.stderr)
         code = 1
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -26,9 +27,11 @@ def cli(*args: str) -> list[str]:
 class LaunchedMesh:
     """One `llm-mesh up --port 0` with its own data dir, Redis and Milvus Lite file."""
 
-    def __init__(self, data_dir: Path, trace_file: Path) -> None:
+    def __init__(self, data_dir: Path, trace_file: Path, *flags: str) -> None:
         self.data_dir = data_dir
         self.trace_file = trace_file
+        # More `up` flags (`--replicas 2`).
+        self.flags = flags
         self.proc: subprocess.Popen[str] | None = None
         self.lines: list[str] = []
         self.endpoints: dict[str, str] = {}
@@ -48,7 +51,7 @@ class LaunchedMesh:
 
     def start(self, timeout: float = 600.0) -> LaunchedMesh:
         self.proc = subprocess.Popen(
-            cli("up", "--port", "0", "--data-dir", str(self.data_dir), "--stop-timeout", "30"),
+            cli("up", "--port", "0", "--data-dir", str(self.data_dir), "--stop-timeout", "30", *self.flags),
             cwd=ROOT,
             env=self.env,
             stdout=subprocess.PIPE,
@@ -78,6 +81,11 @@ class LaunchedMesh:
                         self.metrics[m.group(1)] = m.group(3)
                 if line.startswith("stop:"):
                     self._block_done.set()
+
+    def pids(self) -> dict[str, int]:
+        """name -> pid of each running child, as the launcher keeps them in its lock file."""
+        record = json.loads((self.data_dir / "llm-mesh.lock").read_text() or "{}")
+        return {str(name): int(pid) for name, pid in record.get("pids", {}).items()}
 
     def output(self) -> str:
         return "\n".join(self.lines[-200:])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -125,3 +126,36 @@ def test_up_refuses_a_memory_limit_that_leaves_the_replicas_nothing(tmp_path: Pa
     assert done.returncode == 2
     assert "leaves nothing for 1 inference replica(s) after 2048 MiB" in done.stderr
     assert not (tmp_path / "data").exists()
+
+
+def test_a_restarted_child_comes_back_on_the_port_it_had(tmp_path: Path) -> None:
+    # Asked for --port 0 like every service under `up --port 0`; the restart must not move it.
+    script = (
+        "import socket, sys, time\n"
+        "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        "s.bind(('127.0.0.1', int(sys.argv[sys.argv.index('--port') + 1]))); s.listen()\n"
+        "print(f'llm-mesh fake listening on 127.0.0.1:{s.getsockname()[1]}', flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    command = [sys.executable, "-c", script, "--port", "0"]
+    child = ChildProcess("fake", command, tmp_path / "fake.log", dict(os.environ)).start()
+    try:
+        child.wait_listening(time.monotonic() + 30)
+        port, first_pid = child.port, child.pid
+        assert port is not None and first_pid is not None
+        child.wait_port("127.0.0.1", port, time.monotonic() + 30)
+        os.kill(first_pid, signal.SIGKILL)
+        assert child.proc is not None and child.proc.wait(10) == -signal.SIGKILL
+        assert child.returncode == -signal.SIGKILL and not child.ready_now()
+        child.kill_leftovers()
+        child.restart()
+        deadline = time.monotonic() + 30
+        while not child.ready_now():
+            assert time.monotonic() < deadline, child.tail()
+            time.sleep(0.05)
+        assert child.port == port and child.pid != first_pid and child.alive()
+        assert child.command[-2:] == ["--port", str(port)]
+        assert "--- llm-mesh up: restarting fake ---" in (tmp_path / "fake.log").read_text()
+    finally:
+        child.terminate()
+        child.wait_exit(timeout=5.0)
