@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.gen.llmmesh.v1 import (
+    common_pb2,
     inference_pb2,
     inference_pb2_grpc,
     retriever_pb2,
@@ -29,7 +30,7 @@ from services.gen.llmmesh.v1 import (
 from tests.reliability.mesh_support import running, sized, synthetic_replica
 from tests.reliability.property_support import check_status
 from tests.support.processes import ServiceProcess
-from tests.support.protofuzz import messages
+from tests.support.protofuzz import BOUNDARY_FLOATS, messages
 
 TENANT = (("x-llmmesh-tenant", "acme"),)
 EXAMPLES = sized(25, 200)
@@ -143,6 +144,49 @@ def test_any_generate_start_gets_ok_or_a_clear_status_and_invalid_ones_take_no_s
                     assert finished_generations(metrics_port) == ran_before, "an invalid request ran"
 
         run()
+
+
+#: Sampling settings aimed at the numerics: boundary floats in every float field.
+HOSTILE_SAMPLING = st.builds(
+    common_pb2.SamplingParams,
+    max_tokens=st.integers(1, 6),
+    temperature=st.one_of(BOUNDARY_FLOATS, st.sampled_from([0.0, 0.7, 1.0])),
+    top_p=st.one_of(BOUNDARY_FLOATS, st.just(1.0)),
+    top_k=st.sampled_from([0, 1, 2, 50, 2**31 - 1]),
+    repetition_penalty=st.one_of(BOUNDARY_FLOATS, st.sampled_from([1.0, 1.3])),
+    seed=st.integers(0, 2**64 - 1),
+    ignore_eos=st.just(True),
+)
+
+
+def test_any_sampling_settings_get_their_tokens_or_a_clear_status(engine: ServiceProcess) -> None:
+    """Contract-valid but numerically hostile settings (1e-40 temperatures, 1.4e-45 penalties, …)
+    run to max_tokens or get INVALID_ARGUMENT naming the field; never an engine fault."""
+    with grpc.insecure_channel(engine.address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+
+        @PROPERTY_SETTINGS
+        @given(sampling=HOSTILE_SAMPLING)
+        def run(sampling: common_pb2.SamplingParams) -> None:
+            start = inference_pb2.GenerateStart(prompt="Name a colour.", sampling=sampling)
+            tokens = 0
+            finished = None
+            try:
+                for response in stub.Generate(iter([inference_pb2.GenerateRequest(start=start)]), timeout=60):
+                    tokens += len(response.chunk.token_ids)
+                    if response.HasField("finished"):
+                        finished = response.finished
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.code(), err.details(), sampling)
+                check_status(err.code(), err.details() or "", common_pb2.SamplingParams.DESCRIPTOR)
+                return
+            assert finished is not None and finished.finish_reason == common_pb2.FINISH_REASON_LENGTH, (
+                sampling
+            )
+            assert tokens == sampling.max_tokens
+
+        run()
+        wait_idle(stub)
 
 
 # --- router --------------------------------------------------------------------------------------

@@ -12,9 +12,19 @@ INT32 = st.one_of(st.integers(-(2**31), 2**31 - 1), st.sampled_from([0, 1, -1, 2
 UINT32 = st.one_of(st.integers(0, 2**32 - 1), st.sampled_from([0, 1, 2**32 - 1]))
 INT64 = st.integers(-(2**63), 2**63 - 1)
 UINT64 = st.integers(0, 2**64 - 1)
+#: Finite floats where numerics break: float32's smallest subnormal and normal, values whose
+#: reciprocal overflows, float32's largest, and both sides of the engine's documented bounds
+#: (temperature 1e-5, repetition penalty 0.01 and 100).
+BOUNDARY_FLOATS = st.sampled_from(
+    [
+        *(1.4e-45, 1e-40, 1.18e-38, 1e-30, 1e-10, 9.9e-6, 1e-5, 1.1e-5),
+        *(0.0099, 0.01, 0.0101, 99.9, 100.0, 100.1, 1e10, 1e30, 3.4e38, -1.4e-45, -3.4e38),
+    ]
+)
 FLOATS = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True, width=32),
     st.sampled_from([0.0, -0.0, 1.0, -1.0, 0.5, 2.0, float("nan"), float("inf")]),
+    BOUNDARY_FLOATS,
 )
 TEXT = st.one_of(st.text(max_size=40), st.sampled_from(["", "user", "assistant", "system", " ", "a" * 300]))
 
