@@ -136,14 +136,13 @@ def test_kill_9_of_a_replica_is_restarted_while_the_survivor_serves(two_replicas
         client.stop.set()
         worker.join(90)
     assert not client.failed, client.failed
-    # Within 30 s, where a replica boots in time for it: what the launcher and router add to the
-    # replica's own boot (imports, model load, warm-up: ≈ 40 s on a loaded 2-core box) is small.
-    overhead_s = back_s - boot_s
+    # Back within 30 s of the kill. Most of it is the replica's own boot (imports, model load,
+    # warm-up: ≈ 11 s on an idle 2-vCPU VM, 35-60 s when other test runs share its cores).
     timings = (
         f"back after {back_s:.1f} s: respawned after {respawned:.1f} s, booted in {boot_s:.1f} s, "
-        f"launcher and router added {overhead_s:.1f} s"
+        f"launcher and router added {back_s - boot_s:.1f} s"
     )
-    assert back_s <= BACK_WITHIN_S or overhead_s <= 5.0, timings
+    assert back_s <= BACK_WITHIN_S, timings
     print(timings)
     assert served_meanwhile and survivor in served_meanwhile, served_meanwhile
     assert mesh.pids()["inference-1"] != pid
