@@ -96,6 +96,18 @@ class AttemptFailed(Exception):
         self.kind = kind
 
 
+class ReplicaBusy(AttemptFailed):
+    """A replica refused the attempt as busy (RESOURCE_EXHAUSTED): not broken, so not ejected."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason, None)
+
+
+#: What a client refused because every replica was busy is told to wait before trying again:
+#: the engine's own RetryInfo for a full queue (a replica's error event carries no delay).
+BUSY_RETRY_AFTER_S = 1.0
+
+
 class _Watchdog:
     """Fails a generation that sends nothing for too long, with one timer per check, not per token."""
 
@@ -206,6 +218,9 @@ class Relay:
         tried: set[str] = set()
         attempts = 0
         last_error = "no attempt made"
+        #: Every attempt so far was refused as busy: the client is told to back off, not that
+        #: the replicas are down.
+        all_busy = True
         while True:
             if deadline is not None and self._clock() >= deadline:
                 raise errors.DeadlineExceeded("deadline passed before the answer finished")
@@ -217,10 +232,10 @@ class Relay:
                 picked = self.pick(allowed, session_key, {outcome.replica}, deadline, None)
             if picked is None:
                 names = ", ".join(allowed)
-                raise errors.DependencyUnavailable(
-                    f"no replica of model {names} can serve ({last_error})"
-                    if attempts
-                    else f"no healthy replica of model {names}"
+                if not attempts:
+                    raise errors.DependencyUnavailable(f"no healthy replica of model {names}")
+                raise self._gave_up(
+                    f"no replica of model {names} can serve ({last_error})", all_busy, outcome
                 )
             replica, model = picked
             attempts += 1
@@ -234,11 +249,12 @@ class Relay:
                 return
             except AttemptFailed as failure:
                 last_error = f"{replica.address}: {failure}"
+                all_busy = all_busy and isinstance(failure, ReplicaBusy)
                 if failure.kind is not None:
                     self.pool.report_failure(replica, failure.kind)
                 if attempts >= self.config.max_attempts:
-                    raise errors.DependencyUnavailable(
-                        f"gave up after {attempts} attempts; last: {last_error}"
+                    raise self._gave_up(
+                        f"gave up after {attempts} attempts; last: {last_error}", all_busy, outcome
                     ) from None
                 if outcome.token_ids:
                     outcome.failovers += 1
@@ -256,6 +272,18 @@ class Relay:
             finally:
                 # A consumer that stops reading must cancel the replica's call now, not at GC.
                 await attempt.aclose()
+
+    @staticmethod
+    def _gave_up(message: str, all_busy: bool, outcome: RelayOutcome) -> errors.MeshError:
+        """Why the relay stops trying: overload (back off, retry) when every replica it tried
+        was busy and nothing streamed yet; else the replicas could not serve (UNAVAILABLE).
+
+        After tokens the turn ends in-band (turn.py), whatever the reason, so busy is only
+        RESOURCE_EXHAUSTED before the first token.
+        """
+        if all_busy and not outcome.token_ids:
+            return errors.Overloaded(f"every replica is busy: {message}", retry_after_s=BUSY_RETRY_AFTER_S)
+        return errors.DependencyUnavailable(message)
 
     async def _backoff(self, retry: int, deadline: float | None) -> None:
         cap = min(self.config.backoff_max_s, self.config.backoff_base_s * (2 ** (retry - 1)))
@@ -288,20 +316,22 @@ class Relay:
             while True:
                 events = await generation.events()
                 batch = []
+                # The generation's end, when it failed: raised once the chunks that came with it
+                # (a replica sends a step's tokens and a failure in one message) are the client's,
+                # so a failover resumes after them and a passed-on status follows them.
+                failure: Exception | None = None
                 for event in events:
                     kind = event.WhichOneof("event")
                     if kind == "chunk":
                         batch.append(event.chunk)
                         continue
                     if kind == "error":
-                        error = event.error
-                        if error.request_fault:
-                            raise RequestFaulted(f"{replica.address}: {error.message}")
-                        code = _STATUS_BY_NUMBER.get(error.code, grpc.StatusCode.UNKNOWN)
-                        raise self._classify(code, error.message, deadline)
+                        failure = self._failure(replica, event.error, deadline)
+                        break
                     done = event.finished
                     if done.finish_reason == common_pb2.FINISH_REASON_ERROR:
-                        raise AttemptFailed(f"replica error: {done.error_message}", FailureKind.ERROR)
+                        failure = AttemptFailed(f"replica error: {done.error_message}", FailureKind.ERROR)
+                        break
                     outcome.finished = done
                     break
                 if batch:
@@ -332,12 +362,23 @@ class Relay:
                     yield batch
                     watchdog.with_client = False
                     last_at = watchdog.last_progress = clock()
+                if failure is not None:
+                    raise failure
         except StreamBroken as exc:
             raise AttemptFailed(f"{replica.address}: {exc}", FailureKind.ERROR) from None
         finally:
             watchdog.stop()
             replica.in_flight -= 1
             generation.close()
+
+    def _failure(
+        self, replica: Replica, error: inference_pb2.GenerationError, deadline: float | None
+    ) -> Exception:
+        """What a replica's ``GenerationError`` means for this turn."""
+        if error.request_fault:
+            return RequestFaulted(f"{replica.address}: {error.message}")
+        code = _STATUS_BY_NUMBER.get(error.code, grpc.StatusCode.UNKNOWN)
+        return self._classify(code, error.message, deadline)
 
     def _classify(self, code: grpc.StatusCode, details: str, deadline: float | None) -> Exception:
         if code in CLIENT_ERROR_CODES:
@@ -349,7 +390,7 @@ class Relay:
         ):
             return errors.DeadlineExceeded("deadline exceeded while the replica was generating")
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return AttemptFailed(f"busy: {details}", None)  # busy is not broken: no ejection
+            return ReplicaBusy(f"busy: {details}")
         return AttemptFailed(f"{code.name}: {details}", FailureKind.ERROR)
 
 
