@@ -1,6 +1,7 @@
 """A small offline Kustomize renderer: the subset deploy/k8s uses, so tests need no kustomize binary.
 
-Supported: ``resources`` (files and directories with a kustomization), ``namespace``,
+Supported: ``resources`` (files and directories with a kustomization), ``components``
+(directories with a ``kind: Component`` kustomization, applied after the resources), ``namespace``,
 ``labels`` (metadata only), ``images`` and ``patches`` (strategic-merge files with a
 kind/name target; lists of named items merge by ``name``, other lists are replaced).
 Anything else in a kustomization fails loudly, so the renderer never silently
@@ -15,7 +16,7 @@ from typing import Any
 
 import yaml
 
-SUPPORTED_KEYS = {"apiVersion", "kind", "resources", "namespace", "labels", "images", "patches"}
+SUPPORTED_KEYS = {"apiVersion", "kind", "resources", "components", "namespace", "labels", "images", "patches"}
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "PersistentVolume", "StorageClass"}
 
 
@@ -24,16 +25,27 @@ def load_documents(path: Path) -> list[dict[str, Any]]:
         return [doc for doc in yaml.safe_load_all(f) if doc]
 
 
-def render(directory: Path) -> list[dict[str, Any]]:
-    """The objects `kubectl kustomize directory` would print (for the supported subset)."""
+def render(directory: Path, accumulated: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The objects `kubectl kustomize directory` would print (for the supported subset).
+
+    ``accumulated``: the objects a ``kind: Component`` at ``directory`` is applied to."""
     kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
     unknown = set(kustomization) - SUPPORTED_KEYS
     if unknown:
         raise ValueError(f"{directory}: kustomization keys this renderer does not know: {sorted(unknown)}")
-    objects: list[dict[str, Any]] = []
+    is_component = kustomization.get("kind") == "Component"
+    if is_component != (accumulated is not None):
+        raise ValueError(
+            f"{directory}: a Component goes under `components:`, anything else under `resources:`"
+        )
+    objects: list[dict[str, Any]] = list(accumulated or [])
     for resource in kustomization.get("resources", []):
         path = (directory / resource).resolve()
         objects += render(path) if path.is_dir() else load_documents(path)
+    # As kustomize does: a component's resources join, and its patches and transformers apply to,
+    # everything accumulated so far, before this kustomization's own transformers run.
+    for component in kustomization.get("components", []):
+        objects = render(directory / component, objects)
     for patch in kustomization.get("patches", []):
         apply_patch(objects, load_documents(directory / patch["path"])[0], patch.get("target", {}))
     for image in kustomization.get("images", []):

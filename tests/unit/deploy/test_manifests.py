@@ -34,13 +34,34 @@ def container(deployment: dict[str, Any]) -> dict[str, Any]:
     return deployment["spec"]["template"]["spec"]["containers"][0]
 
 
+SERVICES_BEHIND_MTLS = ["retriever", "session"]
+# The keys cert-manager writes to a Certificate's Secret; deploy/k8s/make-certs.sh writes the same.
+TLS_SECRET_KEYS = {"tls.crt", "tls.key", "ca.crt"}
+CERT_MANAGER = "cert-manager.io/v1"
+
+
+def validate(obj: dict[str, Any]) -> None:
+    if obj["apiVersion"] == CERT_MANAGER:
+        # No schemas offline for cert-manager's CRDs: check the shape these files rely on.
+        assert obj["kind"] in {"Issuer", "Certificate"}, obj["kind"]
+        assert obj["metadata"]["namespace"] == "llm-mesh", "a namespaced Issuer only signs in its namespace"
+        spec = obj["spec"]
+        if obj["kind"] == "Issuer":
+            assert len(set(spec) & {"selfSigned", "ca"}) == 1, spec
+        else:
+            assert {"secretName", "issuerRef", "privateKey"} <= set(spec), spec
+            assert set(spec.get("usages", [])) <= {"digital signature", "server auth", "client auth"}
+        return
+    # strict: unknown fields (typos like `readinesProbe`) fail too.
+    kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_rendered_object_validates_against_the_kubernetes_schema(overlay: str) -> None:
     objects = rendered(overlay)
     assert len(objects) >= 15
     for obj in objects:
-        # strict: unknown fields (typos like `readinesProbe`) fail too.
-        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        validate(obj)
 
 
 def test_every_plain_manifest_file_validates_on_its_own() -> None:
@@ -50,7 +71,7 @@ def test_every_plain_manifest_file_validates_on_its_own() -> None:
     patch_files = {p for p in files if "overlays" in p.parts}
     for path in sorted(set(files) - patch_files):
         for doc in load_documents(path):
-            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+            validate(doc)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -60,8 +81,8 @@ def test_each_service_has_deployment_service_and_disruption_budget(overlay: str)
         deployment = find(objects, "Deployment", name)
         pod = deployment["spec"]["template"]["spec"]
         main = container(deployment)
-        assert main["readinessProbe"]["grpc"]["port"] == port
-        assert main["livenessProbe"]["grpc"]["port"] == port
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert probe_port(main[probe]) == port, f"{name}'s {probe} checks another port"
         assert main["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
         assert pod["terminationGracePeriodSeconds"] >= 30
         assert pod["securityContext"]["runAsNonRoot"] is True
@@ -73,6 +94,16 @@ def test_each_service_has_deployment_service_and_disruption_budget(overlay: str)
         assert {p["port"] for p in service["spec"]["ports"]} == {port, 9090}
         budget = find(objects, "PodDisruptionBudget", name)
         assert budget["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+
+
+def probe_port(probe: dict[str, Any]) -> int:
+    """The port a kubelet gRPC probe, or the image's health check run as an exec probe, asks."""
+    if "grpc" in probe:
+        return int(probe["grpc"]["port"])
+    command = probe["exec"]["command"]
+    assert command[:2] == ["python", "/usr/local/bin/grpc_health_check.py"], command
+    address = next(a for a in command[2:] if ":" in a and not a.startswith("-"))
+    return int(address.rpartition(":")[2])
 
 
 def pod_labels(deployment: dict[str, Any]) -> dict[str, str]:
@@ -191,3 +222,117 @@ def test_redis_and_milvus_come_from_their_charts_not_from_here() -> None:
         values = (K8S / "third-party" / f"{chart}.values.yaml").read_text()
         assert "helm install" in values
         yaml.safe_load(values)
+
+
+def flag(args: list[str], name: str) -> str:
+    assert args.count(name) == 1, f"{name} given {args.count(name)} times in {args}"
+    return args[args.index(name) + 1]
+
+
+def mounted_secret_file(deployment: dict[str, Any], path: str) -> tuple[str, str]:
+    """(Secret name, key) of the file at ``path`` in the main container; fails if none is mounted there."""
+    pod = deployment["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    directory, _, key = path.rpartition("/")
+    for mount in container(deployment)["volumeMounts"]:
+        if mount["mountPath"].rstrip("/") == directory and "secret" in volumes[mount["name"]]:
+            assert mount.get("readOnly") is True
+            secret = volumes[mount["name"]]["secret"]
+            assert "items" not in secret, "every key of the Secret is a file in the mount"
+            assert key in TLS_SECRET_KEYS, f"{path}: the Secret has no key {key}"
+            return str(secret["secretName"]), key
+    raise AssertionError(f"{path}: no Secret mounted at {directory}")
+
+
+def certificate_for(objects: list[dict[str, Any]], secret: str) -> dict[str, Any]:
+    (certificate,) = [o for o in objects if o["kind"] == "Certificate" and o["spec"]["secretName"] == secret]
+    assert certificate["spec"]["issuerRef"] == {"kind": "Issuer", "name": "llm-mesh-ca"}
+    return certificate
+
+
+def host_of(address: str) -> str:
+    return address.rpartition(":")[0]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("name", SERVICES_BEHIND_MTLS)
+def test_the_services_behind_the_router_require_a_client_certificate_from_the_mesh_ca(
+    overlay: str, name: str
+) -> None:
+    objects = rendered(overlay)
+    deployment = find(objects, "Deployment", name)
+    args = container(deployment)["args"]
+    files = {
+        f: mounted_secret_file(deployment, flag(args, f))
+        for f in ("--tls-cert", "--tls-key", "--tls-client-ca")
+    }
+    assert {secret for secret, _ in files.values()} == {f"llm-mesh-{name}-tls"}
+    assert {f: key for f, (_, key) in files.items()} == {
+        "--tls-cert": "tls.crt", "--tls-key": "tls.key", "--tls-client-ca": "ca.crt"
+    }  # fmt: skip
+    spec = certificate_for(objects, f"llm-mesh-{name}-tls")["spec"]
+    assert "server auth" in spec["usages"]
+    # The name the router dials is one the certificate carries, so its hostname check passes.
+    router_args = container(find(objects, "Deployment", "router"))["args"]
+    dialled = host_of(flag(router_args, f"--{name}-addr"))
+    assert dialled == f"{find(objects, 'Service', name)['metadata']['name']}.llm-mesh.svc.cluster.local"
+    assert dialled in spec["dnsNames"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("peer", SERVICES_BEHIND_MTLS)
+def test_the_router_dials_them_with_its_client_certificate(overlay: str, peer: str) -> None:
+    objects = rendered(overlay)
+    router = find(objects, "Deployment", "router")
+    args = container(router)["args"]
+    ca, cert, key = (
+        mounted_secret_file(router, flag(args, f"--{peer}-tls-{f}")) for f in ("ca", "cert", "key")
+    )
+    assert {s for s, _ in (ca, cert, key)} == {"llm-mesh-router-client-tls"}
+    assert (ca[1], cert[1], key[1]) == ("ca.crt", "tls.crt", "tls.key")
+    client = certificate_for(objects, "llm-mesh-router-client-tls")["spec"]
+    assert "client auth" in client["usages"] and "server auth" not in client["usages"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("name", SERVICES_BEHIND_MTLS)
+def test_probes_on_an_mtls_port_ask_health_over_mtls_not_plaintext_grpc(overlay: str, name: str) -> None:
+    # The kubelet's grpc: probes speak plaintext: the mTLS port would refuse them and the pods
+    # would never be ready. A tcpSocket probe would pass before the model loads.
+    objects = rendered(overlay)
+    deployment = find(objects, "Deployment", name)
+    main = container(deployment)
+    probes = [main[p] for p in ("startupProbe", "readinessProbe", "livenessProbe") if p in main]
+    assert len(probes) >= 2
+    server = certificate_for(objects, f"llm-mesh-{name}-tls")["spec"]
+    for probe in probes:
+        assert "grpc" not in probe and "tcpSocket" not in probe
+        command = probe["exec"]["command"]
+        assert probe_port(probe) == SERVICES[name]
+        for option in ("--tls-ca", "--tls-cert", "--tls-key"):
+            assert mounted_secret_file(deployment, flag(command, option))[0] == f"llm-mesh-{name}-tls"
+        # The probe dials 127.0.0.1 but checks the certificate against a name it really carries.
+        assert flag(command, "--server-name") in server["dnsNames"]
+        # The port demands a client certificate: the pod's own must be good for client auth.
+        assert "client auth" in server["usages"]
+        # The health check gives up after 3 s; the kubelet must not cut it off first.
+        assert probe["timeoutSeconds"] > 3
+
+
+def test_the_mesh_ca_is_bootstrapped_by_a_self_signed_issuer_in_the_namespace() -> None:
+    objects = rendered("cpu")
+    ca_issuer = find(objects, "Issuer", "llm-mesh-ca")["spec"]["ca"]
+    ca = [
+        o["spec"]
+        for o in objects
+        if o["kind"] == "Certificate" and o["spec"]["secretName"] == ca_issuer["secretName"]
+    ]
+    assert len(ca) == 1 and ca[0]["isCA"] is True
+    assert "selfSigned" in find(objects, "Issuer", ca[0]["issuerRef"]["name"])["spec"]
+    # Every Secret a Deployment mounts for TLS is one a Certificate here issues.
+    issued = {o["spec"]["secretName"] for o in objects if o["kind"] == "Certificate"}
+    for deployment in (o for o in objects if o["kind"] == "Deployment"):
+        for volume in deployment["spec"]["template"]["spec"]["volumes"]:
+            secret = volume.get("secret", {}).get("secretName", "")
+            if secret.endswith("-tls"):
+                assert secret in issued, f"{secret} is mounted but nothing issues it"
