@@ -13,11 +13,11 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common.errors import InvalidArgument, NotFound
 from services.retriever.corpus import TextEmbedder, check_document_id
-from services.retriever.store import MAX_TEXT_BYTES, MilvusStore, digest
+from services.retriever.store import MAX_TEXT_BYTES, AnswerUsage, MilvusStore, digest
 
 DEFAULT_THRESHOLD = 0.92
 DEFAULT_TTL_SECONDS = 7200
@@ -52,6 +52,8 @@ class CacheHit:
     similarity: float
     cached_prompt: str
     age_seconds: float
+    #: The original answer's usage as stored; all zero for an entry stored without it.
+    usage: AnswerUsage = field(default_factory=AnswerUsage)
 
 
 def check_prompt(prompt: str) -> None:
@@ -111,7 +113,12 @@ class SemanticCache:
                 retired.append(row.entry_id)  # a cited document changed or is gone
                 continue
             hit = CacheHit(
-                row.entry_id, row.answer, row.similarity, row.prompt, now - row.created_at_ms / 1000
+                row.entry_id,
+                row.answer,
+                row.similarity,
+                row.prompt,
+                now - row.created_at_ms / 1000,
+                row.usage,
             )
             break
         self._store.delete_cache_entries(retired)
@@ -124,6 +131,7 @@ class SemanticCache:
         answer: str,
         ttl_seconds: int = 0,
         cited: Sequence[tuple[str, int]] = (),
+        usage: AnswerUsage = AnswerUsage(),
     ) -> str:
         check_prompt(prompt)
         if not answer:
@@ -146,6 +154,7 @@ class SemanticCache:
             created_at_ms=int(now * 1000),
             expires_at_ms=int((now + (ttl_seconds or self.ttl_seconds)) * 1000),
             cited=pinned,
+            usage=usage,
         )
         return entry_id
 

@@ -12,11 +12,11 @@ import grpc
 
 from services.common.errors import DependencyUnavailable, InvalidArgument
 from services.common.metadata import TENANT_KEY, metadata_value
-from services.gen.llmmesh.v1 import retriever_pb2, retriever_pb2_grpc
+from services.gen.llmmesh.v1 import common_pb2, retriever_pb2, retriever_pb2_grpc
 from services.retriever import metrics
 from services.retriever.corpus import Corpus, DocumentUpload, SearchQuery
 from services.retriever.semantic_cache import CacheScope, SemanticCache
-from services.retriever.store import DocumentRecord
+from services.retriever.store import AnswerUsage, DocumentRecord
 
 Context = grpc.aio.ServicerContext[Any, Any]
 MAX_TENANT_CHARS = 256
@@ -189,6 +189,12 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             cached_prompt=hit.cached_prompt,
             entry_id=hit.entry_id,
             age_seconds=hit.age_seconds,
+            usage=common_pb2.Usage(
+                prompt_tokens=hit.usage.prompt_tokens,
+                completion_tokens=hit.usage.completion_tokens,
+                cached_prompt_tokens=hit.usage.cached_prompt_tokens,
+            ),
+            finish_reason=hit.usage.finish_reason,  # type: ignore[arg-type]
         )
 
     async def CacheStore(  # type: ignore[override]
@@ -196,7 +202,19 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
     ) -> retriever_pb2.CacheStoreResponse:
         scope = CacheScope(tenant_of(context), request.model, request.params_fingerprint)
         cited = [(c.document_id, c.version) for c in request.cited]
+        usage = AnswerUsage(
+            prompt_tokens=request.usage.prompt_tokens,
+            completion_tokens=request.usage.completion_tokens,
+            cached_prompt_tokens=request.usage.cached_prompt_tokens,
+            finish_reason=request.finish_reason,
+        )
         entry_id = await asyncio.to_thread(
-            self.backends.cache.store, scope, request.prompt, request.answer, request.ttl_seconds, cited
+            self.backends.cache.store,
+            scope,
+            request.prompt,
+            request.answer,
+            request.ttl_seconds,
+            cited,
+            usage,
         )
         return retriever_pb2.CacheStoreResponse(entry_id=entry_id)

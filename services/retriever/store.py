@@ -44,6 +44,21 @@ MAX_QUERY_WINDOW = 16_384
 _WRITE_BATCH = 256
 # Milvus needs a vector field in every collection; the documents collection stores a constant one.
 _PLACEHOLDER_DIM = 2
+# Cache entries moved per round when an older cache collection is adopted (rows carry vectors).
+_MIGRATION_BATCH = 512
+# The usage columns of a cache entry: AnswerUsage's fields, one INT64 each.
+_USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "finish_reason")
+# What the first cache schema stored (besides the vector): copied as they are when adopted.
+_LEGACY_CACHE_FIELDS = (
+    "entry_id",
+    "tenant_key",
+    "scope_key",
+    "prompt",
+    "answer",
+    "created_at_ms",
+    "expires_at_ms",
+    "cited",
+)
 _UNREACHABLE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, 2}
 
 
@@ -141,6 +156,17 @@ class ChunkHit:
 
 
 @dataclass(frozen=True)
+class AnswerUsage:
+    """What a cached answer cost when it was made, kept so that every hit reports the same."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    #: common.proto's FinishReason number; 0 (UNSPECIFIED) when the writer did not say.
+    finish_reason: int = 0
+
+
+@dataclass(frozen=True)
 class CacheRow:
     """One semantic-cache entry found near a prompt."""
 
@@ -151,6 +177,7 @@ class CacheRow:
     created_at_ms: int
     expires_at_ms: int
     cited: tuple[tuple[str, int], ...]
+    usage: AnswerUsage = AnswerUsage()
 
 
 @dataclass(frozen=True)
@@ -158,10 +185,19 @@ class CollectionNames:
     chunks: str
     documents: str
     cache: str
+    #: A cache collection of an older schema (no usage fields), moved into ``cache`` at startup.
+    legacy_cache: str | None = None
 
     @classmethod
     def with_prefix(cls, prefix: str) -> CollectionNames:
-        return cls(f"{prefix}_chunks", f"{prefix}_documents", f"{prefix}_semantic_cache")
+        # Milvus Lite cannot add a field to an existing collection (AddCollectionField is not
+        # implemented), so a new cache schema gets a new name and the old entries are moved over.
+        return cls(
+            f"{prefix}_chunks",
+            f"{prefix}_documents",
+            f"{prefix}_semantic_cache_v2",
+            legacy_cache=f"{prefix}_semantic_cache",
+        )
 
 
 def is_lite_uri(uri: str) -> bool:
@@ -254,9 +290,40 @@ class MilvusStore:
                         "--embedding-model, or use another --collection-prefix or --milvus-uri"
                     )
             self._client.load_collection(name, timeout=self._timeout)
+        legacy = self.names.legacy_cache
+        if legacy is not None and legacy in existing:
+            self._adopt_legacy_cache(legacy, expected)
 
-    def _base_schema(self, pk: str, pk_length: int) -> Any:
-        schema = MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
+    def _adopt_legacy_cache(self, legacy: str, expected: Mapping[str, str]) -> None:
+        """Moves the entries of an older cache collection into the current one, then drops it.
+
+        Its entries keep hitting, with usage 0 (it was never recorded). Rows are
+        written to the new collection before they are deleted from the old one and
+        the old one is dropped only when empty, so a crash midway loses nothing: the
+        next start carries on (rewriting a row already moved is an idempotent upsert).
+        """
+        found = self._client.describe_collection(legacy, timeout=self._timeout).get("properties", {})
+        if {k: str(found.get(k, "")) for k in expected} != dict(expected):
+            # Its vectors come from another embedding model: useless here, and not ours to delete.
+            log.warning("left %s in place: it was built with another embedding model", legacy)
+            return
+        moved = 0
+        try:
+            self._client.load_collection(legacy, timeout=self._timeout)
+            while rows := self._query(legacy, 'entry_id != ""', ["*"], limit=_MIGRATION_BATCH):
+                self._upsert(self.names.cache, [_legacy_cache_row(row) for row in rows])
+                self._settle(self.names.cache)
+                self.delete_cache_entries([str(row["entry_id"]) for row in rows], legacy)
+                moved += len(rows)
+            self._client.drop_collection(legacy, timeout=self._timeout)
+        except MilvusException:
+            if self._client.has_collection(legacy, timeout=self._timeout):
+                raise
+            return  # another replica sharing this Milvus finished the move first
+        log.info("moved %d semantic-cache entries from %s to %s", moved, legacy, self.names.cache)
+
+    def _base_schema(self, pk: str, pk_length: int, dynamic: bool = False) -> Any:
+        schema = MilvusClient.create_schema(auto_id=False, enable_dynamic_field=dynamic)
         schema.add_field(pk, DataType.VARCHAR, is_primary=True, max_length=pk_length)
         schema.add_field("tenant_key", DataType.VARCHAR, max_length=64)
         return schema
@@ -296,7 +363,9 @@ class MilvusStore:
         return schema, self._vector_index("L2", "FLAT")
 
     def _cache_schema(self) -> tuple[Any, Any]:
-        schema = self._base_schema("entry_id", 64)
+        # Dynamic: a later per-entry fact can be written without another collection; readers
+        # default what an older row lacks.
+        schema = self._base_schema("entry_id", 64, dynamic=True)
         # digest(tenant, model, params fingerprint): only entries in the same scope can match.
         schema.add_field("scope_key", DataType.VARCHAR, max_length=64)
         schema.add_field("prompt", DataType.VARCHAR, max_length=MAX_TEXT_BYTES)
@@ -304,6 +373,9 @@ class MilvusStore:
         schema.add_field("created_at_ms", DataType.INT64)
         schema.add_field("expires_at_ms", DataType.INT64)
         schema.add_field("cited", DataType.JSON)
+        # The original answer's usage and finish reason (common.proto numbers), replayed by a hit.
+        for name in _USAGE_FIELDS:
+            schema.add_field(name, DataType.INT64)
         schema.add_field("vector", DataType.FLOAT_VECTOR, dim=self.dimension)
         return schema, self._vector_index()
 
@@ -541,6 +613,7 @@ class MilvusStore:
         created_at_ms: int,
         expires_at_ms: int,
         cited: Sequence[tuple[str, int]],
+        usage: AnswerUsage = AnswerUsage(),
     ) -> None:
         self.require_model()
         row = {
@@ -552,6 +625,7 @@ class MilvusStore:
             "created_at_ms": created_at_ms,
             "expires_at_ms": expires_at_ms,
             "cited": [[document_id, version] for document_id, version in cited],
+            **{name: int(getattr(usage, name)) for name in _USAGE_FIELDS},
             "vector": vector.tolist(),
         }
         self._upsert(self.names.cache, [row])
@@ -566,7 +640,7 @@ class MilvusStore:
                 data=[vector.tolist()],
                 limit=limit,
                 filter=f'scope_key == "{scope_key}" and expires_at_ms > {int(now_ms)}',
-                output_fields=["prompt", "answer", "created_at_ms", "expires_at_ms", "cited"],
+                output_fields=["prompt", "answer", "created_at_ms", "expires_at_ms", "cited", *_USAGE_FIELDS],
                 search_params={"metric_type": "COSINE", "params": {"ef": self.search_ef}},
                 consistency_level=CONSISTENCY,
                 timeout=self._timeout,
@@ -584,19 +658,27 @@ class MilvusStore:
                     created_at_ms=int(entity["created_at_ms"]),
                     expires_at_ms=int(entity["expires_at_ms"]),
                     cited=tuple((str(d), int(v)) for d, v in entity.get("cited") or []),
+                    usage=AnswerUsage(**{name: int(entity.get(name) or 0) for name in _USAGE_FIELDS}),
                 )
             )
         return rows
 
-    def delete_cache_entries(self, entry_ids: Sequence[str]) -> None:
+    def delete_cache_entries(self, entry_ids: Sequence[str], collection: str | None = None) -> None:
         if entry_ids:
-            self._delete(self.names.cache, f"entry_id in {json.dumps(sorted(entry_ids))}")
+            self._delete(collection or self.names.cache, f"entry_id in {json.dumps(sorted(entry_ids))}")
 
     def purge_expired_cache(self, now_ms: int) -> None:
         self._delete(self.names.cache, f"expires_at_ms <= {int(now_ms)}")
 
     def count_cache_entries(self, tenant: str) -> int:
         return self._count(self.names.cache, f'tenant_key == "{digest(tenant)}"')
+
+
+def _legacy_cache_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A row of the older cache schema in the current one: its usage was never recorded, so 0."""
+    moved = {key: value for key, value in row.items() if key in _LEGACY_CACHE_FIELDS}
+    moved["vector"] = [float(x) for x in row["vector"]]
+    return {**moved, **dict.fromkeys(_USAGE_FIELDS, 0)}
 
 
 def _document_from_row(tenant: str, row: Mapping[str, Any]) -> DocumentRecord:

@@ -155,6 +155,12 @@ class SemanticCache:
         return CachedAnswer(
             text=response.answer,
             model=model,
+            # An entry stored without a finish reason (an older router) ended as most do.
+            finish_reason=response.finish_reason or common_pb2.FINISH_REASON_STOP,
+            # All zero for an entry stored without usage: unknown, not guessed.
+            prompt_tokens=response.usage.prompt_tokens,
+            completion_tokens=response.usage.completion_tokens,
+            cached_prompt_tokens=response.usage.cached_prompt_tokens,
             similarity=response.similarity,
             cached_prompt=response.cached_prompt,
         )
@@ -178,6 +184,13 @@ class SemanticCache:
             answer=answer.text,
             ttl_seconds=self.ttl_s,
             cited=[retriever_pb2.CitedDocument(document_id=d, version=v) for d, v in cited],
+            # The original answer's usage and ending, which every hit on this entry replays.
+            usage=common_pb2.Usage(
+                prompt_tokens=answer.prompt_tokens,
+                completion_tokens=answer.completion_tokens,
+                cached_prompt_tokens=answer.cached_prompt_tokens,
+            ),
+            finish_reason=answer.finish_reason,  # type: ignore[arg-type]
         )
         response = await self.breaker.call(
             lambda: self.retriever.CacheStore(request, metadata=_tenant_md(tenant), timeout=self.timeout_s)

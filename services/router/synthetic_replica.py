@@ -67,6 +67,9 @@ class SyntheticConfig:
     log_requests: bool = False
     #: The context it advertises: prompt + max_tokens beyond it is INVALID_ARGUMENT, as on the engine.
     max_context_tokens: int = MAX_CONTEXT_TOKENS
+    #: Prompt tokens it reports as read from a prefix cache (at most the prompt), so tests can
+    #: follow the third usage field; 0 = none, as an engine with a cold prefix cache.
+    cached_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.tokens_per_second < 0 or self.ttft_s < 0 or self.step_s < 0:
@@ -79,6 +82,8 @@ class SyntheticConfig:
             raise ValueError("--max-context-tokens must be >= 2 (a prompt token and an answer token)")
         if not 0.0 <= self.fail_rate <= 1.0:
             raise ValueError("--fail-rate must be in [0, 1]")
+        if self.cached_prompt_tokens < 0:
+            raise ValueError("--cached-prompt-tokens must be >= 0")
         if self.coalesce and not (self.tokens_per_second or self.step_s):
             raise ValueError(
                 "--coalesce needs --tokens-per-second or --step-ms: unpaced tokens are always due"
@@ -297,7 +302,11 @@ class SyntheticInference(inference_pb2_grpc.InferenceServicer):
         yield message(
             finished=inference_pb2.GenerationFinished(
                 finish_reason=reason,
-                usage=common_pb2.Usage(prompt_tokens=prompt_tokens(start), completion_tokens=generated),
+                usage=common_pb2.Usage(
+                    prompt_tokens=prompt_tokens(start),
+                    completion_tokens=generated,
+                    cached_prompt_tokens=min(cfg.cached_prompt_tokens, prompt_tokens(start)),
+                ),
                 timings=common_pb2.Timings(
                     ttft_ms=(first_at - arrived) * 1000,
                     decode_ms=(done - first_at) * 1000,
@@ -387,6 +396,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=MAX_CONTEXT_TOKENS,
         help="context it advertises; longer generations are refused with INVALID_ARGUMENT",
     )
+    parser.add_argument(
+        "--cached-prompt-tokens",
+        type=int,
+        default=0,
+        help="prompt tokens reported as prefix-cache hits (at most the prompt)",
+    )
     return parser.parse_args(argv)
 
 
@@ -403,6 +418,7 @@ def main(argv: list[str] | None = None) -> None:
         fail_rate=args.fail_rate,
         log_requests=args.log_requests,
         max_context_tokens=args.max_context_tokens,
+        cached_prompt_tokens=args.cached_prompt_tokens,
     )
     run(server_options("synthetic-replica", args), SyntheticRuntime(config))
 

@@ -16,8 +16,8 @@ import grpc
 import pytest
 
 from services.common.metadata import TENANT_KEY
+from services.gen.llmmesh.v1 import common_pb2, retriever_pb2_grpc
 from services.gen.llmmesh.v1 import retriever_pb2 as pb
-from services.gen.llmmesh.v1 import retriever_pb2_grpc
 from tests.support.document_router import DocumentRouter, document_router
 from tests.support.documents import build_corpus, corpus_questions, text_pdf
 from tests.support.processes import ROOT, ServiceProcess
@@ -370,6 +370,42 @@ def test_semantic_cache_entries_expire_and_die_with_their_documents(
     assert hit("Is the library open on weekdays?")
     ingest(stub, "hours.txt", b"The library opens at 9 am on weekdays.", tenant=tenant)
     assert not hit("Is the library open on weekdays?")  # it cited version 1
+
+
+def test_a_semantic_hit_returns_the_usage_and_finish_reason_stored_with_the_answer(
+    stub: retriever_pb2_grpc.RetrieverStub,
+) -> None:
+    tenant = "cache-usage"
+    usage = common_pb2.Usage(prompt_tokens=58, completion_tokens=21, cached_prompt_tokens=32)
+    stored = stub.CacheStore(
+        pb.CacheStoreRequest(
+            prompt="How long should I boil an egg for a soft yolk?",
+            model="m",
+            answer="About six minutes.",
+            usage=usage,
+            finish_reason=common_pb2.FINISH_REASON_LENGTH,
+        ),
+        metadata=meta(tenant),
+        timeout=30,
+    )
+    stub.CacheStore(
+        pb.CacheStoreRequest(prompt="Which planet is closest to the sun?", model="m", answer="Mercury."),
+        metadata=meta(tenant),
+        timeout=30,
+    )
+
+    def lookup(prompt: str) -> pb.CacheLookupResponse:
+        request = pb.CacheLookupRequest(prompt=prompt, model="m")
+        response: pb.CacheLookupResponse = stub.CacheLookup(request, metadata=meta(tenant), timeout=30)
+        assert response.hit, prompt
+        return response
+
+    hit = lookup("How long do I boil an egg for a soft yolk?")
+    assert hit.entry_id == stored.entry_id
+    assert hit.usage == usage and hit.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    # Stored without usage: zero and UNSPECIFIED, as an entry from before usage was kept.
+    plain = lookup("Which planet is closest to the sun?")
+    assert plain.usage == common_pb2.Usage() and plain.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
 
 
 def test_metrics_count_chunks_searches_and_cache_lookups(

@@ -14,13 +14,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pymilvus import DataType, MilvusClient
 
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, status_for
 from services.retriever.chunking import ChunkingPolicy, TokenChunker
 from services.retriever.corpus import Corpus, DocumentUpload, SearchQuery
 from services.retriever.embedder import Vectors, normalize_rows
 from services.retriever.semantic_cache import CacheScope, SemanticCache
-from services.retriever.store import ChunkHit, ChunkRow, DocumentRecord, MilvusStore
+from services.retriever.store import (
+    DIMENSION_PROPERTY,
+    MODEL_PROPERTY,
+    AnswerUsage,
+    ChunkHit,
+    ChunkRow,
+    DocumentRecord,
+    MilvusStore,
+    digest,
+)
 
 DIM = 64
 
@@ -287,3 +297,96 @@ def test_a_deleted_document_keeps_its_version_count_so_old_answers_stay_dead(
     assert again.version == first.version + 1
     assert cache.lookup(scope, "what is the soup of the day") is None
     assert [r.document_id for r in corpus.list(tenant, 10, "")[0]] == ["menu"]
+
+
+def test_a_cache_hit_replays_the_usage_stored_with_the_answer(cache: SemanticCache) -> None:
+    scope = CacheScope("usage-tenant", "smollm2", "greedy")
+    usage = AnswerUsage(prompt_tokens=41, completion_tokens=17, cached_prompt_tokens=32, finish_reason=2)
+    stored = cache.store(scope, "how tall is the eiffel tower in paris", "330 metres", usage=usage)
+    cache.store(scope, "what is the boiling point of water", "100 degrees")  # no usage given
+    hit = cache.lookup(scope, "how tall is the eiffel tower in paris today")
+    assert hit is not None and hit.entry_id == stored and hit.answer == "330 metres"
+    assert hit.usage == usage
+    plain = cache.lookup(scope, "what is the boiling point of water")
+    assert plain is not None and plain.usage == AnswerUsage()
+
+
+def create_first_cache_collection(path: str, scope: CacheScope, entries: dict[str, tuple[str, str]]) -> None:
+    """The cache collection as the retriever made it before usage was kept, holding ``entries``."""
+    client = MilvusClient(uri=path)
+    try:
+        schema = MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
+        schema.add_field("entry_id", DataType.VARCHAR, is_primary=True, max_length=64)
+        schema.add_field("tenant_key", DataType.VARCHAR, max_length=64)
+        schema.add_field("scope_key", DataType.VARCHAR, max_length=64)
+        schema.add_field("prompt", DataType.VARCHAR, max_length=65_535)
+        schema.add_field("answer", DataType.VARCHAR, max_length=65_535)
+        schema.add_field("created_at_ms", DataType.INT64)
+        schema.add_field("expires_at_ms", DataType.INT64)
+        schema.add_field("cited", DataType.JSON)
+        schema.add_field("vector", DataType.FLOAT_VECTOR, dim=DIM)
+        properties = {MODEL_PROPERTY: BagOfWordsFakeEmbedder.model_name, DIMENSION_PROPERTY: str(DIM)}
+        client.create_collection(
+            "llmmesh_semantic_cache", schema=schema, consistency_level="Strong", properties=properties
+        )
+        index = client.prepare_index_params()
+        index.add_index(
+            "vector", index_type="HNSW", metric_type="COSINE", params={"M": 16, "efConstruction": 200}
+        )
+        client.create_index("llmmesh_semantic_cache", index, sync=False)
+        client.load_collection("llmmesh_semantic_cache")
+        now_ms = int(FakeClock().now * 1000)
+        rows = [
+            {
+                "entry_id": entry_id,
+                "tenant_key": digest(scope.tenant),
+                "scope_key": scope.key,
+                "prompt": prompt,
+                "answer": answer,
+                "created_at_ms": now_ms,
+                "expires_at_ms": now_ms + 600_000,
+                "cited": [],
+                "vector": BagOfWordsFakeEmbedder().embed([prompt])[0].tolist(),
+            }
+            for entry_id, (prompt, answer) in entries.items()
+        ]
+        client.upsert("llmmesh_semantic_cache", rows)
+        client.flush("llmmesh_semantic_cache")
+    finally:
+        client.close()
+        from milvus_lite.server_manager import server_manager_instance
+
+        server_manager_instance.release_server(path)
+
+
+def test_entries_of_the_cache_collection_without_usage_still_hit_with_usage_zero(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(tmp_path / "milvus.db")
+    scope = CacheScope("upgraded", "smollm2", "greedy")
+    old = {
+        "old-1": ("who painted the mona lisa", "Leonardo"),
+        "old-2": ("who wrote the odyssey", "Homer"),
+        "old-3": ("who composed the four seasons", "Vivaldi"),
+    }
+    create_first_cache_collection(path, scope, old)
+    monkeypatch.setattr("services.retriever.store._MIGRATION_BATCH", 2)  # more than one round
+    store = MilvusStore(path, BagOfWordsFakeEmbedder.model_name, DIM)
+    try:
+        assert store.names.legacy_cache not in store._client.list_collections()  # moved, then dropped
+        cache = SemanticCache(store, BagOfWordsFakeEmbedder(), threshold=0.9, clock=FakeClock())
+        for entry_id, (prompt, answer) in old.items():
+            hit = cache.lookup(scope, prompt)
+            assert hit is not None and (hit.entry_id, hit.answer) == (entry_id, answer)
+            assert hit.usage == AnswerUsage()  # never recorded: zero, not guessed
+        usage = AnswerUsage(prompt_tokens=9, completion_tokens=4, cached_prompt_tokens=0, finish_reason=1)
+        cache.store(scope, "who sculpted the statue of david", "Michelangelo", usage=usage)
+        new = cache.lookup(scope, "who sculpted the statue of david")
+        assert new is not None and new.usage == usage
+    finally:
+        store.close()
+    reopened = MilvusStore(path, BagOfWordsFakeEmbedder.model_name, DIM)  # nothing left to move
+    try:
+        assert reopened.count_cache_entries("upgraded") == 4
+    finally:
+        reopened.close()

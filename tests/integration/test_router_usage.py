@@ -1,4 +1,4 @@
-"""Usage is what the client received: after a cancel, after a failover, and from the exact cache.
+"""Usage is what the client received: after a cancel, after a failover, and from either cache.
 
 Through a real router process over gRPC. The replicas are the synthetic token
 source (deterministic tokens, usage counted like the engine's: resumed tokens
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -191,3 +192,57 @@ def copy_with_cache(request: router_pb2.ChatRequest, cache: router_pb2.CachePoli
     copy.CopyFrom(request)
     copy.cache.CopyFrom(cache)
     return copy
+
+
+def test_a_semantic_hit_replays_the_usage_of_the_original_in_its_end_resume_and_task(tmp_path: Path) -> None:
+    """A near-duplicate prompt answered from the retriever's semantic cache tells the original's usage.
+
+    A real retriever (Milvus Lite, the real embedding model) holds the semantic
+    cache; the replica is the synthetic token source, since what is tested is
+    the router's and the retriever's bookkeeping, not the model's counting.
+    """
+    # Its own Redis: the module's router would otherwise pick up this test's task from the shared queue.
+    redis = RedisServer(tmp_path / "redis").start()
+    replica = synthetic_replica("--cached-prompt-tokens", "3")
+    retriever = ServiceProcess("services.retriever", ["--milvus-uri", str(tmp_path / "milvus.db")])
+    router: ServiceProcess | None = None
+    semantic = router_pb2.CachePolicy(mode=router_pb2.CACHE_MODE_DEFAULT, semantic=True)
+    try:
+        replica.start()
+        retriever.start(timeout=300)
+        router = router_process(
+            [replica], "--redis-url", redis.url, "--retriever-addr", retriever.address
+        ).start()
+        stub = router_stub(router)
+        original = stub.Complete(
+            user_turn("How many moons does the planet Mars have?", 12, cache=semantic), timeout=60
+        )
+        assert original.end.cache_layer == router_pb2.CACHE_LAYER_UNSPECIFIED
+        assert original.end.usage.completion_tokens == len(original.token_ids) == 12
+        assert original.end.usage.prompt_tokens > original.end.usage.cached_prompt_tokens == 3
+
+        # Another wording: the exact cache misses, the semantic one answers with the original's usage.
+        again = user_turn(
+            "How many moons has the planet Mars?", 12, cache=semantic, request_id="usage-semantic"
+        )
+        hit = read_turn(stub.ChatStream(again, timeout=60))
+        assert hit.end.cache_layer == router_pb2.CACHE_LAYER_SEMANTIC
+        assert hit.text == original.text
+        assert hit.end.usage == original.end.usage
+        assert hit.end.finish_reason == original.end.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        replayed = read_turn(stub.Resume(router_pb2.ResumeRequest(request_id="usage-semantic"), timeout=10))
+        assert replayed.messages == hit.messages
+
+        again.request_id = ""
+        task = stub.SubmitTask(router_pb2.SubmitTaskRequest(request=again), timeout=10)
+        for _ in stub.WatchTask(router_pb2.WatchTaskRequest(task_id=task.task_id), timeout=60):
+            pass
+        record = stub.GetTask(router_pb2.GetTaskRequest(task_id=task.task_id), timeout=10)
+        assert record.end.cache_layer == router_pb2.CACHE_LAYER_SEMANTIC
+        assert record.end.usage == original.end.usage
+        assert record.text == original.text
+    finally:
+        for p in [router, retriever, replica]:
+            if p is not None:
+                p.stop()
+        redis.kill()
