@@ -23,8 +23,8 @@ from prometheus_client import Counter, Gauge
 from services.common import errors
 from services.common.settings import EnvArgumentParser
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
-from services.router.auth import Principal
-from services.router.tasks import (
+from services.router.admission.auth import Principal
+from services.router.tasks.store import (
     KIND_TASK,
     TERMINAL_STATES,
     TaskKeys,
@@ -32,7 +32,7 @@ from services.router.tasks import (
     TaskRefused,
     TaskStore,
 )
-from services.router.turn import OnCheckpoint, OnStopped, ResumePoint, TurnCheckpoint, validate
+from services.router.turns.pipeline import OnCheckpoint, OnStopped, ResumePoint, TurnCheckpoint, validate
 
 log = logging.getLogger("llmmesh.router.tasks")
 

@@ -21,10 +21,10 @@ import grpc
 from services.common import errors
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2
 from services.router import metrics
-from services.router.health import FailureKind
-from services.router.multiplex import GenerationHandle, StreamBroken
-from services.router.policies import AffinityPolicy, BalancingPolicy
-from services.router.pool import Replica, ReplicaPool
+from services.router.placement.outliers import FailureKind
+from services.router.placement.policies import AffinityPolicy, BalancingPolicy
+from services.router.placement.pool import GenerationStream, Replica, ReplicaPool
+from services.router.streams.multiplex import StreamBroken
 
 log = logging.getLogger("llmmesh.router.relay")
 
@@ -112,7 +112,7 @@ class _Watchdog:
     )
 
     def __init__(
-        self, generation: GenerationHandle, ttft_s: float, stall_s: float, clock: Callable[[], float]
+        self, generation: GenerationStream, ttft_s: float, stall_s: float, clock: Callable[[], float]
     ) -> None:
         self.generation = generation
         self.ttft_s = ttft_s
