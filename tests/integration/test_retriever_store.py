@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, status_for
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.common.grpc_status import status_for
 from services.retriever.chunking import ChunkingPolicy, TokenChunker
 from services.retriever.corpus import Corpus, DocumentUpload, SearchQuery
 from services.retriever.embedder import Vectors, normalize_rows

@@ -493,7 +493,7 @@ class TaskApi:
             if isinstance(exc, errors.Overloaded) and not streamed:
                 raise  # refused before the first token: _generate waits and retries
             message = f"{exc.code.name}: {exc}"
-            if exc.code == grpc.StatusCode.UNAVAILABLE and self._may_redeliver(record):
+            if exc.code == errors.Code.UNAVAILABLE and self._may_redeliver(record):
                 raise Redeliver(message) from exc
             return router_pb2.TASK_STATE_FAILED, b"", message
         except grpc.aio.AioRpcError as exc:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from services.common import errors
+from services.common.grpc_status import domain_code
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2
 from services.router import metrics
 from services.router.placement.outliers import FailureKind
@@ -46,7 +47,7 @@ class ReplicaRejected(errors.MeshError):
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
-        self.code = code
+        self.code = domain_code(code)
 
 
 class RequestFaulted(errors.RequestFault):

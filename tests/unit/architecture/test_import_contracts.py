@@ -85,6 +85,24 @@ VIOLATIONS = [
         "placement-pure",
         id="ring-imports-grpc",
     ),
+    pytest.param(
+        "services/common/errors.py",
+        "import grpc",
+        "engine-no-grpc",
+        id="domain-errors-import-grpc",
+    ),
+    pytest.param(
+        "services/inference/engine.py",
+        "from services.gen.llmmesh.v1 import inference_pb2",
+        "engine-no-grpc",
+        id="engine-imports-protobuf",
+    ),
+    pytest.param(
+        "services/inference/scheduler.py",
+        "import asyncio",
+        "scheduler-pure",
+        id="scheduler-imports-asyncio",
+    ),
 ]
 
 
