@@ -33,11 +33,12 @@ model: $(MODEL_DIR)/config.json $(GGUF)
 $(MODEL_DIR)/config.json $(GGUF): | $(STAMPS)/deps
 	$(PY) -m services.inference.fetch_model --out $(MODEL_DIR) --keep-gguf
 
-## lint: ruff (lint + format check) and mypy
+## lint: ruff (lint + format check), mypy, and the architecture's import contracts (pyproject.toml)
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 format: setup
 	$(VENV)/bin/ruff format .
@@ -60,7 +61,7 @@ bench-engine: setup
 	$(PY) -m bench.engine --workload uniform --json bench/results/engine-uniform.json
 
 clean:
-	rm -rf services/gen $(STAMPS) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf services/gen $(STAMPS) .mypy_cache .ruff_cache .pytest_cache .import_linter_cache
 
 .PHONY: reliability-full
 ## reliability-full: the reliability matrix at full size (1,000 streams, 500 cancels, …) and the load report

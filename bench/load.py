@@ -355,7 +355,7 @@ class OwnMesh:
             else:
                 # The synthetic token source: a load-testing fake replica, no model.
                 pace = ["--tokens-per-second", str(args.tokens_per_second)]
-                replicas.append(Service("services.router.synthetic_replica", pace))
+                replicas.append(Service("services.synthetic", pace))
         for r in replicas:
             r.start()
         await asyncio.gather(*(r.wait_serving() for r in replicas))

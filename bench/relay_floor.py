@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from services.gen.llmmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
-from services.router.pool import CHANNEL_OPTIONS
+from services.router.placement.pool import CHANNEL_OPTIONS
 
 if TYPE_CHECKING:
     from services.gen.llmmesh.v1.inference_pb2_grpc import InferenceAsyncStub

@@ -606,9 +606,9 @@ async def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
     names = [n for n in args.relays if n not in SEPARATE_PASS]
     apart = [n for n in args.relays if n in SEPARATE_PASS]
     redis = LocalRedis() if "router+redis" in names else None
-    unpaced = [Service("services.router.synthetic_replica", []) for _ in range(2)]
+    unpaced = [Service("services.synthetic", []) for _ in range(2)]
     pace = ["--tokens-per-second", str(args.paced_tokens_per_second)]
-    paced = [Service("services.router.synthetic_replica", pace) for _ in range(2)]
+    paced = [Service("services.synthetic", pace) for _ in range(2)]
     started: list[Service] = []
     try:
         for s in [*unpaced, *paced]:
@@ -664,7 +664,7 @@ async def throughput_with(
 ) -> dict[str, Throughput]:
     """Throughput of the relays ``names`` (the router alone by default) over two synthetic sources
     started with ``replica_flags``."""
-    replicas = [Service("services.router.synthetic_replica", replica_flags) for _ in range(2)]
+    replicas = [Service("services.synthetic", replica_flags) for _ in range(2)]
     started: list[Service] = []
     try:
         for r in replicas:

@@ -1,24 +1,48 @@
-"""Domain errors and the table that turns them into gRPC status codes.
+"""Domain errors, each with the canonical status it means; no transport in here.
 
-Engines, stores and policies raise these (or ValueError for bad input); only
-the error mapping in ``services.common.server`` knows about gRPC codes.
+Engines, stores and policies raise these (or ValueError for bad input). The
+status is a ``Code`` (the google.rpc.Code numbers and names, which gRPC's status
+codes also are); only ``services.common.grpc_status``, used by the server
+bootstrap, turns one into a gRPC status, so the engine and the stores need no gRPC.
 """
 
 from __future__ import annotations
 
-import grpc
+import enum
+
+
+class Code(enum.Enum):
+    """The canonical status codes (google.rpc.Code): what went wrong, whatever the transport."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
 
 
 class MeshError(Exception):
-    """Base of the errors that map to a specific gRPC status."""
+    """Base of the errors that map to a specific status."""
 
-    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    code: Code = Code.INTERNAL
 
 
 class InvalidArgument(MeshError, ValueError):
     """Bad input; the message names the field."""
 
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    code = Code.INVALID_ARGUMENT
 
     def __init__(self, field: str, problem: str) -> None:
         super().__init__(f"{field}: {problem}")
@@ -28,31 +52,31 @@ class InvalidArgument(MeshError, ValueError):
 class NotFound(MeshError):
     """The named thing does not exist (or has expired)."""
 
-    code = grpc.StatusCode.NOT_FOUND
+    code = Code.NOT_FOUND
 
 
 class AlreadyExists(MeshError):
     """The id is taken."""
 
-    code = grpc.StatusCode.ALREADY_EXISTS
+    code = Code.ALREADY_EXISTS
 
 
 class PermissionDenied(MeshError):
     """The thing belongs to another tenant."""
 
-    code = grpc.StatusCode.PERMISSION_DENIED
+    code = Code.PERMISSION_DENIED
 
 
 class Unauthenticated(MeshError):
     """Missing, wrong or revoked credentials."""
 
-    code = grpc.StatusCode.UNAUTHENTICATED
+    code = Code.UNAUTHENTICATED
 
 
 class Overloaded(MeshError):
     """Refused to protect the service; the client may retry after a pause."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    code = Code.RESOURCE_EXHAUSTED
 
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
@@ -62,13 +86,13 @@ class Overloaded(MeshError):
 class LimitExceeded(MeshError):
     """A fixed quota (turns per session, sessions per owner, …) is used up."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    code = Code.RESOURCE_EXHAUSTED
 
 
 class Conflict(MeshError):
     """Optimistic concurrency lost: the stored version moved on."""
 
-    code = grpc.StatusCode.ABORTED
+    code = Code.ABORTED
 
     def __init__(self, message: str, trailing: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(message)
@@ -78,37 +102,37 @@ class Conflict(MeshError):
 class FailedPrecondition(MeshError):
     """The system is not in a state to do this (e.g. wrong embedding model)."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code = Code.FAILED_PRECONDITION
 
 
 class DependencyUnavailable(MeshError):
     """A dependency (Redis, Milvus, every replica) cannot be reached."""
 
-    code = grpc.StatusCode.UNAVAILABLE
+    code = Code.UNAVAILABLE
 
 
 class DeadlineExceeded(MeshError):
     """The caller's deadline passed or cannot be met."""
 
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    code = Code.DEADLINE_EXCEEDED
 
 
 class RequestFault(MeshError):
     """The engine failed on this request's own rows; every other request goes on and the
     replica stays SERVING. Retrying elsewhere would most likely fail the same way."""
 
-    code = grpc.StatusCode.INTERNAL
+    code = Code.INTERNAL
 
 
-def status_for(exc: BaseException) -> grpc.StatusCode:
-    """The gRPC status for an exception raised by a handler."""
+def code_for(exc: BaseException) -> Code:
+    """The status an exception raised by a handler means: the error table."""
     if isinstance(exc, MeshError):
         return exc.code
     if isinstance(exc, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT
+        return Code.INVALID_ARGUMENT
     if isinstance(exc, (ConnectionError, TimeoutError)) or _is_dependency_outage(exc):
-        return grpc.StatusCode.UNAVAILABLE
-    return grpc.StatusCode.INTERNAL
+        return Code.UNAVAILABLE
+    return Code.INTERNAL
 
 
 def _is_dependency_outage(exc: BaseException) -> bool:

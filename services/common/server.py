@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from services.common import errors, tracing
+from services.common.grpc_status import status_for
 from services.common.handlers import HandlerWrappingServer, MethodWrapper, wrap_handler
 from services.common.metrics import REQUEST_SECONDS, REQUESTS
 from services.common.settings import ServerOptions
@@ -89,7 +90,7 @@ def rich_status_trailers(
 
 async def abort_for(exc: BaseException, context: grpc.aio.ServicerContext[Any, Any], method: str) -> None:
     """Abort the RPC with the status the error table gives ``exc``."""
-    code = errors.status_for(exc)
+    code = status_for(exc)
     message = str(exc) or type(exc).__name__
     trailing: tuple[tuple[str, Any], ...] = ()
     if isinstance(exc, errors.Overloaded):
@@ -135,7 +136,7 @@ def error_mapping(service: str) -> MethodWrapper:
                 code = _code_name(context, "UNKNOWN")
                 raise
             except Exception as exc:  # the table decides; nothing escapes as UNKNOWN
-                code = errors.status_for(exc).name
+                code = status_for(exc).name
                 await abort_for(exc, context, method)
             finally:
                 count(code, started)
@@ -157,7 +158,7 @@ def error_mapping(service: str) -> MethodWrapper:
                 code = _code_name(context, "UNKNOWN")
                 raise
             except Exception as exc:
-                code = errors.status_for(exc).name
+                code = status_for(exc).name
                 await abort_for(exc, context, method)
             finally:
                 count(code, started)

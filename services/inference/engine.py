@@ -30,7 +30,8 @@ from services.inference.block_manager import BlockManager
 from services.inference.config import EngineConfig
 from services.inference.detokenizer import IncrementalDetokenizer
 from services.inference.gguf_loading import gguf_read_once
-from services.inference.model_runner import ModelRunner, load_tokenizer
+from services.inference.model_loading import load_tokenizer
+from services.inference.model_runner import ModelRunner
 from services.inference.sampler import RowFault
 from services.inference.sampling import SamplingParams
 from services.inference.scheduler import ScheduledSequence, Scheduler, SchedulerOutput

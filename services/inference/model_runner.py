@@ -4,7 +4,7 @@ Two implementations run a step. Llama-family models (SmolLM2 included) use the
 native forward in ``llama.py``: every scheduled token of the step in one flat
 batch, fused matmuls, pre-packed weights. Any other transformers causal LM runs
 through its own modules with our attention: we register a paged attention
-function with transformers' ``AttentionInterface`` and hand it per-step metadata
+function with transformers' ``AttentionInterface`` (paged_attention.py) and hand it per-step metadata
 (slot mapping, gathered block slots, mask) in a forward-context object passed as
 a forward kwarg, so every decoder layer writes its new K/V into the paged cache
 and attends over the sequence's blocks; decodes run as one [B, 1] forward and
@@ -15,30 +15,26 @@ before any chunk attends, which in-step prefix sharing (scheduler) relies on.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
-import mmap
 import os
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
-import torch.nn.functional as F
-from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from services.inference import decode_slab, llama, memory_budget
 from services.inference.config import EngineConfig
+from services.inference.host_memory import keep_large_allocations_mapped, release_freed_heap, zeroed
+from services.inference.model_loading import load_model, resolve_device, resolve_dtype
+from services.inference.paged_attention import ForwardContext
 from services.inference.sampler import RowFault, Sampler
 from services.inference.scheduler import ScheduledSequence
 
 log = logging.getLogger("llmmesh.inference.runner")
 
-ATTENTION_NAME = "llmmesh_paged"
 MAX_MODEL_LEN_CAP = 8192
 # Auto-sized KV caches stay under this many bytes on CPU (as vLLM's CPU default): the
 # host runs other services too. Pages are touched only as blocks fill, so an idle
@@ -48,101 +44,6 @@ CPU_KV_MEMORY_CAP = 4 << 30
 CUDA_KV_MEMORY_SHARE = 0.5
 # Decode batches are padded up to one of these sizes when compiling, so few graphs cover all.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# glibc's ceiling for M_MMAP_THRESHOLD on 64-bit (4 MiB * sizeof(long)).
-GLIBC_MMAP_THRESHOLD_MAX = 32 * 1024 * 1024
-
-
-@dataclass
-class ForwardContext:
-    """Per-step attention metadata, shared by every layer of one forward.
-
-    transformers hands extra forward kwargs down to the attention function, so the
-    context travels as the ``paged_context`` kwarg: no global state, and a compiled
-    forward sees its tensors as ordinary inputs.
-    """
-
-    k_caches: list[torch.Tensor]  # per layer: [num_slots + 1, kv_heads, head_dim]
-    v_caches: list[torch.Tensor]
-    slot_mapping: torch.Tensor  # [B * T] where each new token's K/V goes (pads -> the spare slot)
-    gather_slots: torch.Tensor  # [B * L] the cache slots each row attends over, in position order
-    attn_mask: torch.Tensor  # [B, 1, T, L] True where query t may see key l
-
-
-# A custom op, opaque to torch.compile: declaring the cache mutation lets inductor
-# update the caches in place instead of copying them whole around every graph.
-@torch.library.custom_op("llmmesh::paged_attention", mutates_args=("k_cache", "v_cache"))
-def paged_attention_op(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    gather_slots: torch.Tensor,
-    attn_mask: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Write this step's K/V into the cache, attend over each row's slots; returns [B, T, heads, D]."""
-    batch, kv_heads, steps, head_dim = key.shape
-    k_cache.index_copy_(0, slot_mapping, key.transpose(1, 2).reshape(batch * steps, kv_heads, head_dim))
-    v_cache.index_copy_(0, slot_mapping, value.transpose(1, 2).reshape(batch * steps, kv_heads, head_dim))
-    span = gather_slots.shape[0] // batch
-    # index_select is cheaper than advanced indexing for this gather.
-    keys = k_cache.index_select(0, gather_slots).view(batch, span, kv_heads, head_dim).transpose(1, 2)
-    values = v_cache.index_select(0, gather_slots).view(batch, span, kv_heads, head_dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=attn_mask, scale=scale, enable_gqa=True
-    )
-    return out.transpose(1, 2).contiguous()
-
-
-@paged_attention_op.register_fake
-def _paged_attention_shape(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    gather_slots: torch.Tensor,
-    attn_mask: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
-
-
-def paged_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    paged_context: ForwardContext | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers' attention hook: route each layer to the paged-attention op."""
-    ctx = paged_context
-    if ctx is None:
-        raise RuntimeError("paged attention needs the `paged_context` forward kwarg (see ModelRunner)")
-    layer: int = module.layer_idx  # type: ignore[assignment]
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = paged_attention_op(
-        query,
-        key,
-        value,
-        ctx.k_caches[layer],
-        ctx.v_caches[layer],
-        ctx.slot_mapping,
-        ctx.gather_slots,
-        ctx.attn_mask,
-        scale,
-    )
-    return out, None
-
-
-AttentionInterface.register(ATTENTION_NAME, paged_attention)
 
 
 @dataclass(frozen=True)
@@ -151,97 +52,6 @@ class _ModelFacts:
 
     config: Any
     generation_config: Any
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def load_model(path: str, device: torch.device, dtype: torch.dtype) -> Any:
-    """A transformers causal LM from a local directory or a ``.gguf`` file, with our attention."""
-    p = Path(path)
-    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": ATTENTION_NAME}
-    model: Any
-    if p.suffix == ".gguf":
-        model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, **kwargs)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
-    return model.to(device).eval()
-
-
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    p = Path(path)
-    if p.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-    return AutoTokenizer.from_pretrained(str(p))
-
-
-def glibc_function(name: str) -> Any | None:
-    """``name`` from the C library when it is glibc's (None elsewhere: musl, macOS)."""
-    import ctypes
-    import ctypes.util
-
-    library = ctypes.util.find_library("c")
-    if not library:
-        return None
-    try:
-        return getattr(ctypes.CDLL(library), name)
-    except (OSError, AttributeError):
-        return None
-
-
-def keep_large_allocations_mapped() -> bool:
-    """Ask glibc to serve big temporaries from its heap and keep them, not mmap/munmap each.
-
-    A forward allocates tens-of-MB activations per layer; mmapped blocks are
-    page-faulted in on every use, which on CPU cost more than the ops writing them.
-    Raising the mmap and trim thresholds to their maximum keeps freed blocks for
-    reuse. A no-op (False) off glibc.
-    """
-    mallopt = glibc_function("mallopt")
-    if mallopt is None:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    ok = mallopt(m_mmap_threshold, GLIBC_MMAP_THRESHOLD_MAX) == 1
-    return mallopt(m_trim_threshold, 1 << 30) == 1 and ok
-
-
-def release_freed_heap() -> bool:
-    """Give glibc's freed heap back to the OS (``malloc_trim``): what loading and packing the
-    weights freed would otherwise stay resident for good under the thresholds set above.
-    A no-op (False) off glibc."""
-    malloc_trim = glibc_function("malloc_trim")
-    return malloc_trim is not None and bool(malloc_trim(0))
-
-
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor; on CPU its pages are mapped lazily, so an unused KV cache costs no RAM.
-
-    ``torch.zeros`` writes every byte (a 4 GiB cache is 4 GiB resident at start). An
-    anonymous mapping gets zero pages from the OS that become resident only when a
-    block is first written; transparent huge pages make that one fault per 2 MiB
-    instead of per 4 KiB (per-page faults cost ~15 % of a decode step in a VM).
-    Masked-out keys must still read as zeros (never NaN).
-    """
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    numel = math.prod(shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    region = mmap.mmap(-1, max(1, numel * itemsize))
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):
-            region.madvise(mmap.MADV_HUGEPAGE)
-    # The tensor keeps the mapping alive through the buffer protocol.
-    raw = torch.frombuffer(region, dtype=torch.uint8, count=numel * itemsize)
-    return raw.view(dtype).view(shape)
 
 
 class ModelRunner:

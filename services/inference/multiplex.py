@@ -26,7 +26,8 @@ from opentelemetry.trace import Status as SpanStatus
 from opentelemetry.trace import StatusCode as SpanStatusCode
 
 from services.common import tracing
-from services.common.errors import RequestFault, status_for
+from services.common.errors import RequestFault
+from services.common.grpc_status import status_for
 from services.gen.llmmesh.v1 import inference_pb2
 
 log = logging.getLogger("llmmesh.inference.multiplex")

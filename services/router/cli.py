@@ -5,12 +5,12 @@ from __future__ import annotations
 from services.common.server import run
 from services.common.settings import EnvArgumentParser, add_server_args, server_options
 from services.router import grpc_io
-from services.router.health import EjectionConfig
-from services.router.policies import POLICY_NAMES
-from services.router.relay import RelayConfig
+from services.router.admission.tls import DialTls
+from services.router.api.task_api import TaskSettings, add_task_arguments
+from services.router.placement.outliers import EjectionConfig
+from services.router.placement.policies import POLICY_NAMES
 from services.router.runtime import RouterRuntime, RouterSettings, static_replicas
-from services.router.task_api import TaskSettings, add_task_arguments
-from services.router.tls import DialTls
+from services.router.streams.relay import RelayConfig
 
 
 def main(argv: list[str] | None = None) -> None:

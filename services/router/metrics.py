@@ -32,7 +32,7 @@ FAILOVERS = Counter(
 )
 EJECTIONS = Counter("llmmesh_router_replica_ejections_total", "Replicas ejected by outlier detection.")
 CACHE_HITS = Counter("llmmesh_router_cache_hits_total", "Turns answered from a response cache.", ["layer"])
-# llmmesh_router_rate_limited_total{reason} lives in ratelimit.py, next to the limiter that counts it.
+# llmmesh_router_rate_limited_total{reason} lives in admission/ratelimit.py, next to the limiter that counts it.
 TOKENS = Counter(
     "llmmesh_router_tokens_total", "Tokens through the router: prompt in, completion out.", ["direction"]
 )

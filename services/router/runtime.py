@@ -12,22 +12,26 @@ import grpc
 
 from services.common.server import HealthReporter
 from services.gen.llmmesh.v1 import retriever_pb2_grpc, router_pb2_grpc, session_pb2_grpc
-from services.router.auth import Authenticator
-from services.router.context import ConversationContext
-from services.router.health import ActiveHealthChecker, EjectionConfig
-from services.router.models import ModelCatalog
-from services.router.pins import AffinityPins
-from services.router.policies import make_policy
-from services.router.pool import ReplicaDiscovery, ReplicaPool, parse_address_list
-from services.router.prewarm import SessionMover
-from services.router.ratelimit import InflightLimiter, RateLimiter
-from services.router.relay import Relay, RelayConfig
-from services.router.replay import ReplayBuffer
-from services.router.response_cache import ExactCache, SemanticCache
-from services.router.servicer import RouterServicer, TaskBackend
-from services.router.task_api import TaskApi, TaskSettings
-from services.router.tls import DialTls, dial
-from services.router.turn import TurnPipeline, TurnServices
+from services.router.admission.auth import Authenticator
+from services.router.admission.ratelimit import InflightLimiter, RateLimiter
+from services.router.admission.tls import DialTls, dial
+from services.router.api.servicer import RouterServicer, TaskBackend
+from services.router.api.task_api import TaskApi, TaskSettings
+from services.router.placement.discovery import ReplicaDiscovery, parse_address_list
+from services.router.placement.health import ActiveHealthChecker
+from services.router.placement.models import ModelCatalog
+from services.router.placement.outliers import EjectionConfig
+from services.router.placement.pins import AffinityPins
+from services.router.placement.policies import make_policy
+from services.router.placement.pool import ReplicaPool
+from services.router.placement.prewarm import SessionMover
+from services.router.streams.multiplex import ReplicaMultiplexer
+from services.router.streams.relay import Relay, RelayConfig
+from services.router.streams.replay import ReplayBuffer
+from services.router.turns.context import ConversationContext
+from services.router.turns.pipeline import TurnPipeline, TurnServices
+from services.router.turns.response_cache import ExactCache, SemanticCache
+from services.router.turns.warm_history import warm_messages
 
 log = logging.getLogger("llmmesh.router")
 SERVICE_NAME = "llmmesh.v1.Router"
@@ -85,7 +89,8 @@ class RouterRuntime:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
         self.redis = self._redis(settings.redis_url, settings.redis_cluster)
-        self.pool = ReplicaPool(settings.ejection, tls=settings.replica_tls)
+        # Each replica's generations share one GenerateMany stream: the pool is handed its maker.
+        self.pool = ReplicaPool(ReplicaMultiplexer, settings.ejection, tls=settings.replica_tls)
         self.discovery = ReplicaDiscovery(
             self.pool, settings.replicas, settings.replicas_dns, settings.replicas_file
         )
@@ -149,14 +154,16 @@ class RouterRuntime:
             self.servicer.retriever = retriever  # type: ignore[assignment]
         if session is not None or retriever is not None:
             self.services.context = ConversationContext(session, retriever)  # type: ignore[arg-type]
-        self.mover = SessionMover(self.pool, self.services.relay, self.services.pins, self.services.context)
+        self.mover = SessionMover(
+            self.pool, self.services.relay.pick, self.services.pins, warm_messages(self.services.context)
+        )
         self.services.on_session_served = self.mover.note
         self.tasks = self._task_api()
         if self.tasks is not None:
             self.servicer.tasks = self.tasks
         await self.discovery.start()
         await self.health.check_all()  # know the pool before admitting the first request
-        self.pool.mark_started()  # turns that came in meanwhile waited for this (turn.py)
+        self.pool.mark_started()  # turns that came in meanwhile waited for this (turns/pipeline.py)
         self.health.start()
         if self.authenticator.redis is not None:
             self.authenticator.start_refresh()
@@ -168,7 +175,7 @@ class RouterRuntime:
     def _task_api(self) -> TaskBackend | None:
         if self.redis is None:
             return None  # tasks answer FAILED_PRECONDITION "needs --redis-url"
-        # On a Redis Cluster client the task keys take their one-slot layout (tasks.py).
+        # On a Redis Cluster client the task keys take their one-slot layout (tasks/store.py).
         api: TaskBackend = TaskApi(self.redis, self.pipeline.run_turn, settings=self.settings.tasks)
         return api
 

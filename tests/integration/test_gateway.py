@@ -17,8 +17,8 @@ from openapi_spec_validator.validation import OpenAPIV2SpecValidator
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.gen.llmmesh.v1 import router_pb2
-from services.router.auth import KeyLimits
-from services.router.keys import add_key
+from services.router.admission.auth import KeyLimits
+from services.router.admission.keys import add_key
 from tests.support.gateway import GATEWAY_DIR, GatewayProcess, ensure_gateway_built
 from tests.support.processes import ServiceProcess
 from tests.support.redis import RedisServer

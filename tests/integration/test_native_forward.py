@@ -74,7 +74,7 @@ def test_the_forward_keeps_no_view_into_the_loaded_checkpoint(model_path: Path) 
     # The loader's tensors can share storage mapped from the checkpoint file: one view kept by
     # the forward would keep the whole file resident (0.4 GiB of a 1.4 GiB replica, measured).
     from services.inference import llama
-    from services.inference.model_runner import load_model
+    from services.inference.model_loading import load_model
 
     model: Any = load_model(str(model_path), torch.device(TEST_DEVICE), torch.float32)
     loaded = {p.untyped_storage().data_ptr() for p in model.parameters()}

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from pymilvus import DataType, MilvusClient
 
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, status_for
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.common.grpc_status import status_for
 from services.retriever.chunking import ChunkingPolicy, TokenChunker
 from services.retriever.corpus import Corpus, DocumentUpload, SearchQuery
 from services.retriever.embedder import Vectors, normalize_rows

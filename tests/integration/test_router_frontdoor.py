@@ -10,8 +10,8 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 
 from services.gen.llmmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.router.auth import KeyLimits
-from services.router.keys import add_key, revoke_key
+from services.router.admission.auth import KeyLimits
+from services.router.admission.keys import add_key, revoke_key
 from tests.support.processes import ServiceProcess
 from tests.support.redis import RedisServer
 
@@ -41,7 +41,7 @@ def door(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FrontDoor]:
         "revoked": add_key(keys_file, "acme", "acme-old")[0],
     }
     redis = RedisServer(tmp / "redis").start()
-    replica = ServiceProcess("services.router.synthetic_replica", [])
+    replica = ServiceProcess("services.synthetic", [])
     router: ServiceProcess | None = None
     try:
         replica.start(timeout=120)

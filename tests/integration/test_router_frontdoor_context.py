@@ -17,8 +17,8 @@ from services.gen.llmmesh.v1 import (
     router_pb2,
     session_pb2_grpc,
 )
-from services.router.context import ConversationContext, build_messages
-from services.router.response_cache import CachedAnswer, SemanticCache, sampling_fingerprint
+from services.router.turns.context import ConversationContext, build_messages
+from services.router.turns.response_cache import CachedAnswer, SemanticCache, sampling_fingerprint
 from tests.support.processes import ServiceProcess
 from tests.support.redis import RedisServer
 

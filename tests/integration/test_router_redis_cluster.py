@@ -13,8 +13,8 @@ import grpc
 import pytest
 
 from services.gen.llmmesh.v1 import router_pb2
-from services.router.auth import KeyLimits
-from services.router.keys import add_key
+from services.router.admission.auth import KeyLimits
+from services.router.admission.keys import add_key
 from tests.integration.test_router_tasks import TASK_ENV, chat_request, read_then_drop, stub_for, wait_task
 from tests.support.processes import ServiceProcess
 from tests.support.redis_cluster import RedisClusterServers
@@ -40,7 +40,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterMesh]:
     key, _ = add_key(keys_file, "acme", "acme-main", KeyLimits())
     limited, _ = add_key(keys_file, "acme", "acme-two", KeyLimits(requests_per_second=0.01, burst=2))
     # A synthetic token source (no model): deterministic tokens, paced at 50 tokens/s.
-    replica = ServiceProcess("services.router.synthetic_replica", ["--tokens-per-second", "50"])
+    replica = ServiceProcess("services.synthetic", ["--tokens-per-second", "50"])
     routers: list[ServiceProcess] = []
     try:
         replica.start(timeout=120)
@@ -103,7 +103,7 @@ def test_rate_limits_and_the_exact_cache_are_shared_by_both_routers(mesh: Cluste
 
 def test_the_keys_tool_stores_and_lists_keys_in_the_cluster(mesh: ClusterMesh) -> None:
     where = ["--redis-url", mesh.cluster.url, "--redis-cluster"]
-    tool = [sys.executable, "-m", "services.router.keys"]
+    tool = [sys.executable, "-m", "services.router.admission.keys"]
     added = subprocess.run(
         [*tool, "add", *where, "--tenant", "initech", "--id", "initech-1"], capture_output=True, text=True
     )

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from services.gen.llmmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.router.auth import hash_key
+from services.router.admission.auth import hash_key
 from tests.support.processes import ServiceProcess
 from tests.support.redis import RedisServer
 from tests.support.router_mesh import (
@@ -450,8 +450,8 @@ async def test_replay_writer_batches_messages_without_losing_or_reordering_any(
 ) -> None:
     import redis.asyncio
 
-    from services.router.replay import ReplayBuffer
-    from services.router.replay_writer import ReplayWriter
+    from services.router.streams.replay import ReplayBuffer
+    from services.router.streams.replay_writer import ReplayWriter
 
     client = redis.asyncio.Redis.from_url(redis_module.url)
     try:

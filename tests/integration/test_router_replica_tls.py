@@ -26,7 +26,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> CertPaths:
 def mtls_replica(certs: CertPaths) -> Iterator[ServiceProcess]:
     """A synthetic token source that accepts only clients with a certificate from the test CA."""
     replica = ServiceProcess(
-        "services.router.synthetic_replica",
+        "services.synthetic",
         [
             "--log-level", "WARNING",
             "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),

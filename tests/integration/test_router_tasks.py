@@ -13,9 +13,9 @@ import pytest
 from redis import Redis
 
 from services.gen.llmmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.router.auth import KeyLimits
-from services.router.keys import add_key
-from services.router.tasks import STANDALONE_KEYS
+from services.router.admission.auth import KeyLimits
+from services.router.admission.keys import add_key
+from services.router.tasks.store import STANDALONE_KEYS
 from tests.support.processes import ServiceProcess
 from tests.support.redis import RedisServer
 
@@ -46,7 +46,7 @@ def start_router(
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServer, ServiceProcess]]:
     redis = RedisServer(Path(tmp_path_factory.mktemp("redis"))).start()
     # A synthetic token source (no model): deterministic tokens, paced at 50 tokens/s.
-    replica = ServiceProcess("services.router.synthetic_replica", ["--tokens-per-second", "50"])
+    replica = ServiceProcess("services.synthetic", ["--tokens-per-second", "50"])
     try:
         replica.start(timeout=120)
         yield redis, replica

@@ -38,9 +38,7 @@ def running(module: str, args: list[str], timeout: float = 300.0) -> Iterator[Se
 
 def synthetic_replica(*args: str) -> ServiceProcess:
     """A synthetic token source (a load-testing fake replica, no model) as a process."""
-    return ServiceProcess(
-        "services.router.synthetic_replica", ["--model-id", "synthetic", "--log-level", "WARNING", *args]
-    )
+    return ServiceProcess("services.synthetic", ["--model-id", "synthetic", "--log-level", "WARNING", *args])
 
 
 @dataclass

@@ -12,7 +12,7 @@ from collections import Counter
 
 from bench.load import run_closed_loop
 from services.gen.llmmesh.v1 import router_pb2
-from services.router.ring import ConsistentHashRing
+from services.router.placement.ring import ConsistentHashRing
 from tests.reliability.mesh_support import Mesh, chat, sized, synthetic_replica
 from tests.support.processes import ServiceProcess
 from tests.support.proxy import FaultProxy

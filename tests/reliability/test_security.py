@@ -23,8 +23,8 @@ import h2.events
 import pytest
 
 from services.gen.llmmesh.v1 import retriever_pb2, router_pb2, router_pb2_grpc
-from services.router.auth import KeyLimits
-from services.router.keys import add_key, revoke_key
+from services.router.admission.auth import KeyLimits
+from services.router.admission.keys import add_key, revoke_key
 from tests.reliability.mesh_support import Mesh, chat, synthetic_replica
 from tests.support.processes import ServiceProcess
 from tests.support.redis import RedisServer

@@ -26,7 +26,7 @@ from tests.support.processes import ServiceProcess
 # Short visibility timeout: a surviving router reclaims a dead one's task within seconds.
 TASK_ENV = {"LLMMESH_TASK_VISIBILITY_SECONDS": "1.5"}
 FINAL = {router_pb2.TASK_STATE_SUCCEEDED, router_pb2.TASK_STATE_FAILED, router_pb2.TASK_STATE_CANCELLED}
-# The router's open mode: every caller is this tenant and key id (services/router/auth.py).
+# The router's open mode: every caller is this tenant and key id (services/router/admission/auth.py).
 SESSION_METADATA = (("x-llmmesh-tenant", "default"), ("x-llmmesh-user", "anonymous"))
 
 

@@ -77,7 +77,7 @@ def test_plaintext_client_is_refused(mtls_service: ServiceProcess) -> None:
 @pytest.fixture(scope="module")
 def tls_router(certs: CertPaths) -> Iterator[ServiceProcess]:
     """The router's front door with TLS, in front of a synthetic token source (fake replica)."""
-    replica = ServiceProcess("services.router.synthetic_replica", ["--log-level", "WARNING"])
+    replica = ServiceProcess("services.synthetic", ["--log-level", "WARNING"])
     router: ServiceProcess | None = None
     try:
         replica.start(timeout=120)
@@ -122,7 +122,7 @@ def test_router_front_door_serves_tls_clients_and_refuses_plaintext(
 def test_router_reaches_an_mtls_replica_only_with_its_client_certificate(certs: CertPaths) -> None:
     """mTLS between services: a replica that demands client certificates, and two routers."""
     replica = ServiceProcess(
-        "services.router.synthetic_replica",
+        "services.synthetic",
         [
             "--log-level", "WARNING", "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
             "--tls-client-ca", str(certs.ca),
@@ -183,7 +183,7 @@ def test_router_keeps_history_in_an_mtls_session_service_only_with_its_client_ce
     mtls_service: ServiceProcess, certs: CertPaths
 ) -> None:
     """The session service holds every conversation: the router reaches it over mTLS, or not at all."""
-    replica = ServiceProcess("services.router.synthetic_replica", ["--log-level", "WARNING"])
+    replica = ServiceProcess("services.synthetic", ["--log-level", "WARNING"])
     routers: list[ServiceProcess] = []
     try:
         replica.start(timeout=120)

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.router.keys import add_key
+from services.router.admission.keys import add_key
 from tests.support.processes import ROOT, ServiceProcess
 
 
@@ -53,7 +53,7 @@ def document_router(
         keys_file = keys_dir / "keys.yaml"
         keys = {tenant: add_key(keys_file, tenant, f"{tenant}-ingest")[0] for tenant in tenants}
         args += ["--api-keys-file", str(keys_file)]
-    replica = ServiceProcess("services.router.synthetic_replica", ["--log-level", "WARNING"])
+    replica = ServiceProcess("services.synthetic", ["--log-level", "WARNING"])
     router: ServiceProcess | None = None
     try:
         replica.start(timeout=120)

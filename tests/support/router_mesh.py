@@ -9,13 +9,13 @@ from dataclasses import dataclass
 import grpc
 
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
-from services.router.synthetic_replica import prompt_key, synthetic_token
+from services.synthetic.replica import prompt_key, synthetic_token
 from tests.support.processes import ServiceProcess
 
 
 def synthetic_replica(*args: str) -> ServiceProcess:
     """A synthetic token source (load-testing fake replica) as a process."""
-    return ServiceProcess("services.router.synthetic_replica", ["--model-id", "synthetic", *args])
+    return ServiceProcess("services.synthetic", ["--model-id", "synthetic", *args])
 
 
 def router_process(replicas: Iterable[ServiceProcess], *args: str) -> ServiceProcess:

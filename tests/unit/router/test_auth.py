@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 import yaml
 
 from services.common import errors
-from services.router.auth import (
+from services.router.admission.auth import (
     Authenticator,
     KeyLimits,
     Principal,
@@ -21,7 +21,7 @@ from services.router.auth import (
     hash_key,
     strip_internal,
 )
-from services.router.keys import add_key, revoke_key
+from services.router.admission.keys import add_key, revoke_key
 from tests.support.redis import RedisServer
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -113,7 +113,7 @@ async def test_keys_added_to_redis_are_accepted_after_refresh(redis_server: Redi
         [
             sys.executable,
             "-m",
-            "services.router.keys",
+            "services.router.admission.keys",
             "add",
             "--redis-url",
             redis_server.url,
@@ -144,7 +144,7 @@ async def test_keys_added_to_redis_are_accepted_after_refresh(redis_server: Redi
             [
                 sys.executable,
                 "-m",
-                "services.router.keys",
+                "services.router.admission.keys",
                 "revoke",
                 "--redis-url",
                 redis_server.url,
@@ -166,7 +166,7 @@ async def test_keys_added_to_redis_are_accepted_after_refresh(redis_server: Redi
 
 def test_keys_cli_prints_the_key_once_and_revokes(tmp_path: Path) -> None:
     path = tmp_path / "keys.yaml"
-    cmd = [sys.executable, "-m", "services.router.keys"]
+    cmd = [sys.executable, "-m", "services.router.admission.keys"]
     added = subprocess.run(
         [*cmd, "add", "--file", str(path), "--tenant", "acme", "--id", "cli-1", "--requests-per-second", "5"],
         cwd=ROOT,

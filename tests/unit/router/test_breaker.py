@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from services.common import errors
-from services.router.breaker import BreakerState, CircuitBreaker
+from services.router.admission.breaker import BreakerState, CircuitBreaker
 
 
 class FakeClock:

@@ -18,8 +18,8 @@ from services.gen.llmmesh.v1 import (
     session_pb2,
     session_pb2_grpc,
 )
-from services.router.breaker import CircuitBreaker
-from services.router.context import ConversationContext, build_messages, citations_for, cited_documents
+from services.router.admission.breaker import CircuitBreaker
+from services.router.turns.context import ConversationContext, build_messages, citations_for, cited_documents
 
 
 @dataclass

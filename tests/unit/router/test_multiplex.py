@@ -14,13 +14,13 @@ import pytest
 
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.inference.multiplex import MESSAGE_BUDGET_BYTES, serve_many
-from services.router.multiplex import (
+from services.router.streams.multiplex import (
     MERGE_PENDING_AFTER,
     PAUSE_AFTER_TOKENS,
     ReplicaMultiplexer,
     StreamBroken,
 )
-from services.router.synthetic_replica import SyntheticConfig, SyntheticInference, prompt_key, synthetic_token
+from services.synthetic.replica import SyntheticConfig, SyntheticInference, prompt_key, synthetic_token
 
 
 def start_of(text: str, max_tokens: int) -> inference_pb2.GenerateStart:
@@ -386,12 +386,12 @@ async def test_a_paused_generation_still_times_out() -> None:
 
 
 async def test_time_spent_on_a_slow_client_is_not_a_replica_stall() -> None:
-    from services.router.policies import AffinityPolicy, LeastOutstandingPolicy
-    from services.router.pool import ReplicaPool
-    from services.router.relay import Relay, RelayConfig, RelayOutcome
+    from services.router.placement.policies import AffinityPolicy, LeastOutstandingPolicy
+    from services.router.placement.pool import ReplicaPool
+    from services.router.streams.relay import Relay, RelayConfig, RelayOutcome
 
     async with Replica(SyntheticConfig(tokens_per_second=100)) as replica:
-        pool = ReplicaPool()
+        pool = ReplicaPool(ReplicaMultiplexer)
         pool.set_addresses([f"127.0.0.1:{replica.port}"])
         try:
             for r in pool.replicas.values():

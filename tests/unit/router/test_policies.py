@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from services.router.policies import (
+from services.router.placement.policies import (
     AffinityPolicy,
     LatencyEwma,
     LeastOutstandingPolicy,

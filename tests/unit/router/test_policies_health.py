@@ -7,8 +7,8 @@ import random
 import pytest
 
 from services.common import errors
-from services.router.health import EjectionConfig, FailureKind, OutlierDetector, may_eject
-from services.router.models import ModelCatalog
+from services.router.placement.models import ModelCatalog
+from services.router.placement.outliers import EjectionConfig, FailureKind, OutlierDetector, may_eject
 
 
 class FakeClock:

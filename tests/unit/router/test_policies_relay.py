@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 
 from services.gen.llmmesh.v1 import inference_pb2
-from services.router.pool import ReplicaPool, parse_address, parse_address_list
-from services.router.relay import RelayConfig
-from services.router.turn import token_message
+from services.router.placement.discovery import parse_address, parse_address_list
+from services.router.placement.pool import ReplicaPool
+from services.router.streams.multiplex import ReplicaMultiplexer
+from services.router.streams.relay import RelayConfig
+from services.router.turns.pipeline import token_message
 
 
 def chunk(index: int) -> inference_pb2.TokenChunk:
@@ -45,11 +47,11 @@ def test_relay_config_rejects_nonsense() -> None:
 
 async def test_pick_refuses_when_the_predicted_queue_wait_exceeds_the_deadline() -> None:
     from services.common import errors
-    from services.router.policies import AffinityPolicy, LeastOutstandingPolicy
-    from services.router.pool import ReplicaPool
-    from services.router.relay import Relay
+    from services.router.placement.policies import AffinityPolicy, LeastOutstandingPolicy
+    from services.router.placement.pool import ReplicaPool
+    from services.router.streams.relay import Relay
 
-    pool = ReplicaPool()
+    pool = ReplicaPool(ReplicaMultiplexer)
     # Channels connect lazily: no server is needed to build the pool.
     pool.set_addresses(["127.0.0.1:1", "127.0.0.1:2"])
     try:
@@ -74,11 +76,12 @@ async def test_pick_refuses_when_the_predicted_queue_wait_exceeds_the_deadline()
 async def test_discovery_follows_the_replicas_file_and_dns(tmp_path: Path) -> None:
     import os
 
-    from services.router.pool import ReplicaDiscovery, ReplicaPool
+    from services.router.placement.discovery import ReplicaDiscovery
+    from services.router.placement.pool import ReplicaPool
 
     path = tmp_path / "replicas.txt"
     path.write_text("127.0.0.1:7001\n127.0.0.1:7002  # second\n")
-    pool = ReplicaPool()
+    pool = ReplicaPool(ReplicaMultiplexer)
     discovery = ReplicaDiscovery(pool, static=["127.0.0.1:7000"], dns="localhost:7100", file=str(path))
     try:
         await discovery.start()
@@ -98,7 +101,7 @@ async def test_discovery_follows_the_replicas_file_and_dns(tmp_path: Path) -> No
 
 
 async def test_a_turn_at_startup_waits_for_the_first_health_checks_not_longer() -> None:
-    pool = ReplicaPool()
+    pool = ReplicaPool(ReplicaMultiplexer)
     assert pool.discovering()  # started, no replica yet: the router is still starting
     pool.set_addresses(["127.0.0.1:1", "127.0.0.1:2"])
     a, b = pool.replicas.values()

@@ -9,8 +9,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from services.common import errors
-from services.router.auth import KeyLimits, Principal
-from services.router.ratelimit import InflightLimiter, RateLimiter
+from services.router.admission.auth import KeyLimits, Principal
+from services.router.admission.ratelimit import InflightLimiter, RateLimiter
 from tests.support.redis import RedisServer
 
 BURSTY = Principal("acme", "acme-1", KeyLimits(requests_per_second=1, burst=3))

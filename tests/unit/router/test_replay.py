@@ -10,8 +10,8 @@ import redis.asyncio as aioredis
 
 from services.common import errors
 from services.gen.llmmesh.v1 import router_pb2
-from services.router.replay import ReplayBuffer
-from services.router.replay_writer import ReplayWriter
+from services.router.streams.replay import ReplayBuffer
+from services.router.streams.replay_writer import ReplayWriter
 from tests.support.redis import RedisServer
 
 

@@ -11,8 +11,8 @@ import redis.asyncio as aioredis
 from services.common import errors
 from services.common.metadata import TENANT_KEY, metadata_value
 from services.gen.llmmesh.v1 import common_pb2, retriever_pb2, retriever_pb2_grpc
-from services.router.breaker import CircuitBreaker
-from services.router.response_cache import (
+from services.router.admission.breaker import CircuitBreaker
+from services.router.turns.response_cache import (
     CachedAnswer,
     ExactCache,
     SemanticCache,

@@ -6,7 +6,7 @@ import math
 import random
 from collections import Counter
 
-from services.router.ring import ConsistentHashRing, bounded_capacity
+from services.router.placement.ring import ConsistentHashRing, bounded_capacity
 
 
 def test_same_key_same_node_on_every_router() -> None:

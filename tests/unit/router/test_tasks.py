@@ -12,10 +12,10 @@ from redis.asyncio.cluster import RedisCluster
 
 from services.common import errors
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
-from services.router.auth import Principal
-from services.router.task_api import TaskApi, TaskSettings
-from services.router.tasks import STATUS_FIELDS
-from services.router.turn import OnCheckpoint, OnStopped, ResumePoint, TurnCheckpoint
+from services.router.admission.auth import Principal
+from services.router.api.task_api import TaskApi, TaskSettings
+from services.router.tasks.store import STATUS_FIELDS
+from services.router.turns.pipeline import OnCheckpoint, OnStopped, ResumePoint, TurnCheckpoint
 from tests.support.redis import RedisServer
 from tests.support.redis_cluster import RedisClusterServers
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from services.router.ring import ConsistentHashRing, bounded_capacity
+from services.router.placement.ring import ConsistentHashRing, bounded_capacity
 
 POLICY_NAMES = ("auto", "affinity", "wrt", "least", "p2c", "round_robin")
 

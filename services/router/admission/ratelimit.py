@@ -23,7 +23,7 @@ import redis.exceptions
 from prometheus_client import Counter
 
 from services.common import errors
-from services.router.auth import KeyLimits, Principal
+from services.router.admission.auth import KeyLimits, Principal
 
 log = logging.getLogger("llmmesh.router.ratelimit")
 

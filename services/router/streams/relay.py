@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 import grpc
 
 from services.common import errors
+from services.common.grpc_status import domain_code
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2
 from services.router import metrics
-from services.router.health import FailureKind
-from services.router.multiplex import GenerationHandle, StreamBroken
-from services.router.policies import AffinityPolicy, BalancingPolicy
-from services.router.pool import Replica, ReplicaPool
+from services.router.placement.outliers import FailureKind
+from services.router.placement.policies import AffinityPolicy, BalancingPolicy
+from services.router.placement.pool import GenerationStream, Replica, ReplicaPool
+from services.router.streams.multiplex import StreamBroken
 
 log = logging.getLogger("llmmesh.router.relay")
 
@@ -46,7 +47,7 @@ class ReplicaRejected(errors.MeshError):
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
-        self.code = code
+        self.code = domain_code(code)
 
 
 class RequestFaulted(errors.RequestFault):
@@ -124,7 +125,7 @@ class _Watchdog:
     )
 
     def __init__(
-        self, generation: GenerationHandle, ttft_s: float, stall_s: float, clock: Callable[[], float]
+        self, generation: GenerationStream, ttft_s: float, stall_s: float, clock: Callable[[], float]
     ) -> None:
         self.generation = generation
         self.ttft_s = ttft_s

@@ -21,16 +21,16 @@ from typing import Any
 from services.common import errors, tracing
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, retriever_pb2, router_pb2
 from services.router import metrics
-from services.router.auth import Principal
-from services.router.context import ConversationContext, SessionHistory, citations_for
-from services.router.models import ModelCatalog
-from services.router.pins import AffinityPins
-from services.router.pool import ReplicaPool
-from services.router.ratelimit import InflightLimiter, RateLimiter
-from services.router.relay import Relay, RelayOutcome
-from services.router.replay import ReplayBuffer
-from services.router.replay_writer import ReplayWriter
-from services.router.response_cache import (
+from services.router.admission.auth import Principal
+from services.router.admission.ratelimit import InflightLimiter, RateLimiter
+from services.router.placement.models import ModelCatalog
+from services.router.placement.pins import AffinityPins
+from services.router.placement.pool import ReplicaPool
+from services.router.streams.relay import Relay, RelayOutcome
+from services.router.streams.replay import ReplayBuffer
+from services.router.streams.replay_writer import ReplayWriter
+from services.router.turns.context import ConversationContext, SessionHistory, citations_for
+from services.router.turns.response_cache import (
     CachedAnswer,
     ExactCache,
     SemanticCache,

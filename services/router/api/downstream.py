@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import grpc
 
 from services.common import errors
+from services.common.grpc_status import domain_code
 
 Request = TypeVar("Request")
 Response = TypeVar("Response")
@@ -39,7 +40,7 @@ class DownstreamStatus(errors.MeshError):
 
     def __init__(self, exc: grpc.aio.AioRpcError) -> None:
         super().__init__(exc.details() or exc.code().name)
-        self.code = exc.code()
+        self.code = domain_code(exc.code())
 
 
 @contextlib.contextmanager

@@ -57,7 +57,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from services.common import errors
 from services.gen.llmmesh.v1 import router_pb2
-from services.router.auth import KeyLimits, Principal
+from services.router.admission.auth import KeyLimits, Principal
 
 GROUP = "routers"
 TERMINAL_STATES = frozenset(

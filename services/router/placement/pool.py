@@ -1,9 +1,9 @@
-"""The replica pool: one reused channel per replica, its stats, and where replicas come from.
+"""The replica pool: one reused channel per replica, its stats, candidates per model, outlier ejection.
 
-Replicas come from a static list, a DNS name re-resolved periodically (a
-Kubernetes headless Service), and/or a file watched for changes; the pool is
-the union. Each replica reports its model through GetModelInfo, which groups
-the pool by model.
+Each replica reports its model through GetModelInfo, which groups the pool by
+model; where the addresses come from is discovery.py's. The stream that carries
+a replica's generations belongs to the streams layer, which the pool is handed
+as a factory (``ReplicaStreams``): placement never imports it.
 """
 
 from __future__ import annotations
@@ -11,21 +11,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from services.gen.llmmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2
 from services.router import metrics
-from services.router.health import EjectionConfig, FailureKind, OutlierDetector, may_eject
-from services.router.multiplex import ReplicaMultiplexer
-from services.router.policies import LatencyEwma
-from services.router.tls import DialTls, dial
+from services.router.admission.tls import DialTls, dial
+from services.router.placement.outliers import EjectionConfig, FailureKind, OutlierDetector, may_eject
+from services.router.placement.policies import LatencyEwma
 
 if TYPE_CHECKING:
     from services.gen.llmmesh.v1.inference_pb2_grpc import InferenceAsyncStub
@@ -50,26 +47,31 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 ]
 
 
+class GenerationStream(Protocol):
+    """One generation on a replica's shared stream, as the relay consumes it."""
+
+    async def events(self) -> list[inference_pb2.GenerationEvent]: ...
+
+    def fail(self, failure: BaseException) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ReplicaStreams(Protocol):
+    """What carries a replica's generations (streams/multiplex.py's ``ReplicaMultiplexer``)."""
+
+    def open(self, start: inference_pb2.GenerateStart, timeout_s: float | None) -> GenerationStream: ...
+
+    async def close(self) -> None: ...
+
+
+#: Builds a replica's ``ReplicaStreams`` from its stub and address; the router wires in the multiplexer.
+StreamsFactory = Callable[["InferenceAsyncStub", str], ReplicaStreams]
+
+
 def open_channel(address: str, tls: DialTls | None) -> grpc.aio.Channel:
     """A channel to one replica: plaintext, or TLS when the router has replica TLS settings."""
     return dial(address, tls, CHANNEL_OPTIONS)
-
-
-def parse_address(raw: str) -> str:
-    """Validate ``host:port``; raises ValueError naming the flag's format."""
-    host, sep, port = raw.strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"replica address {raw!r}: expected host:port")
-    return f"{host}:{int(port)}"
-
-
-def parse_address_list(text: str) -> list[str]:
-    """Addresses separated by commas, whitespace or newlines; ``#`` starts a comment."""
-    out: list[str] = []
-    for line in text.splitlines():
-        line = line.split("#", 1)[0]
-        out.extend(parse_address(part) for part in line.replace(",", " ").split())
-    return out
 
 
 class Replica:
@@ -79,6 +81,7 @@ class Replica:
         self,
         address: str,
         ejection: EjectionConfig,
+        streams: StreamsFactory,
         clock: Callable[[], float] = time.monotonic,
         tls: DialTls | None = None,
     ) -> None:
@@ -87,7 +90,7 @@ class Replica:
         self.stub: InferenceAsyncStub = inference_pb2_grpc.InferenceStub(self.channel)  # type: ignore[assignment]
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         #: Every generation the router runs here shares one GenerateMany stream.
-        self.mux = ReplicaMultiplexer(self.stub, address)
+        self.mux = streams(self.stub, address)
         self.model: str | None = None
         #: None until the first health check answers.
         self.serving: bool | None = None
@@ -158,10 +161,12 @@ class ReplicaPool:
 
     def __init__(
         self,
+        streams: StreamsFactory,
         ejection: EjectionConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         tls: DialTls | None = None,
     ) -> None:
+        self.streams = streams
         self.ejection = ejection or EjectionConfig()
         self._clock = clock
         self.tls = tls
@@ -180,7 +185,7 @@ class ReplicaPool:
         wanted = set(addresses)
         for address in sorted(wanted - self.replicas.keys()):
             log.info("replica %s added", address)
-            self.replicas[address] = Replica(address, self.ejection, self._clock, self.tls)
+            self.replicas[address] = Replica(address, self.ejection, self.streams, self._clock, self.tls)
         for address in sorted(self.replicas.keys() - wanted):
             log.info("replica %s removed", address)
             replica = self.replicas.pop(address)
@@ -276,95 +281,3 @@ class ReplicaPool:
             task.cancel()
         await asyncio.gather(*(r.close() for r in self.replicas.values()), return_exceptions=True)
         self.replicas.clear()
-
-
-class ReplicaDiscovery:
-    """Keeps the pool equal to static ∪ DNS ∪ file addresses."""
-
-    def __init__(
-        self,
-        pool: ReplicaPool,
-        static: Iterable[str] = (),
-        dns: str | None = None,
-        file: str | None = None,
-        dns_interval_s: float = 10.0,
-        file_interval_s: float = 1.0,
-    ) -> None:
-        self.pool = pool
-        self.static = [parse_address(a) for a in static]
-        if dns is not None:
-            parse_address(dns)  # NAME:PORT, checked at start
-        self.dns = dns
-        self.file = Path(file) if file else None
-        self.dns_interval_s = dns_interval_s
-        self.file_interval_s = file_interval_s
-        self._dns_addresses: set[str] = set()
-        self._file_addresses: set[str] = set()
-        self._file_mtime: float | None = None
-        self._tasks: list[asyncio.Task[None]] = []
-
-    def _apply(self) -> None:
-        self.pool.set_addresses({*self.static, *self._dns_addresses, *self._file_addresses})
-
-    async def resolve_dns(self) -> None:
-        assert self.dns is not None
-        name, _, port = self.dns.rpartition(":")
-        try:
-            infos = await asyncio.get_running_loop().getaddrinfo(name, int(port), type=socket.SOCK_STREAM)
-        except OSError as exc:
-            # Keep the last answer: a DNS hiccup must not empty the pool.
-            log.warning("resolving %s failed: %s", self.dns, exc)
-            return
-        found = set()
-        for family, *_, sockaddr in infos:
-            host = f"[{sockaddr[0]}]" if family == socket.AF_INET6 else sockaddr[0]
-            found.add(f"{host}:{port}")
-        self._dns_addresses = found
-
-    def read_file(self) -> bool:
-        """Re-read the replicas file if it changed; True when it did."""
-        assert self.file is not None
-        try:
-            mtime = self.file.stat().st_mtime
-        except FileNotFoundError:
-            log.warning(
-                "--replicas-file %s is missing; keeping %d replicas", self.file, len(self._file_addresses)
-            )
-            return False
-        if mtime == self._file_mtime:
-            return False
-        self._file_mtime = mtime
-        try:
-            self._file_addresses = set(parse_address_list(self.file.read_text()))
-        except ValueError as exc:
-            log.error("--replicas-file %s: %s; keeping the previous list", self.file, exc)
-            return False
-        return True
-
-    async def start(self) -> None:
-        if self.dns:
-            await self.resolve_dns()
-            self._tasks.append(asyncio.create_task(self._dns_loop(), name="router-dns"))
-        if self.file:
-            self.read_file()
-            self._tasks.append(asyncio.create_task(self._file_loop(), name="router-replicas-file"))
-        self._apply()
-
-    async def _dns_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.dns_interval_s)
-            before = set(self._dns_addresses)
-            await self.resolve_dns()
-            if self._dns_addresses != before:
-                self._apply()
-
-    async def _file_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.file_interval_s)
-            if self.read_file():
-                self._apply()
-
-    async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)

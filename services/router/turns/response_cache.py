@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from services.common import errors
 from services.gen.llmmesh.v1 import common_pb2, retriever_pb2
-from services.router.auth import Principal, downstream_metadata
-from services.router.breaker import CircuitBreaker
+from services.router.admission.auth import Principal, downstream_metadata
+from services.router.admission.breaker import CircuitBreaker
 
 if TYPE_CHECKING:
     from services.gen.llmmesh.v1.retriever_pb2_grpc import RetrieverAsyncStub

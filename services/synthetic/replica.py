@@ -6,7 +6,7 @@ so a generation resumed from any index continues exactly as the original would
 time to first token. Failure injection (die after N tokens, refuse a share of
 requests) exercises retries. Never a substitute for the real engine in serving.
 
-    python -m services.router.synthetic_replica --port 0 --model-id synthetic
+    python -m services.synthetic --port 0 --model-id synthetic
 """
 
 from __future__ import annotations
@@ -364,7 +364,7 @@ class SyntheticRuntime:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = EnvArgumentParser(
-        prog="python -m services.router.synthetic_replica",
+        prog="python -m services.synthetic",
         description="Synthetic token source (load testing only): a fake inference replica.",
     )
     add_server_args(parser, default_port=50062)

@@ -17,11 +17,11 @@ import grpc
 
 from services.common import errors
 from services.gen.llmmesh.v1 import common_pb2, retriever_pb2, router_pb2, router_pb2_grpc
-from services.router.auth import Authenticator, Principal, downstream_metadata
-from services.router.downstream import forward_stream, passed_on
-from services.router.pool import ReplicaPool
-from services.router.replay import ReplayBuffer
-from services.router.turn import TurnPipeline
+from services.router.admission.auth import Authenticator, Principal, downstream_metadata
+from services.router.api.downstream import forward_stream, passed_on
+from services.router.placement.pool import ReplicaPool
+from services.router.streams.replay import ReplayBuffer
+from services.router.turns.pipeline import TurnPipeline
 
 if TYPE_CHECKING:
     from services.gen.llmmesh.v1.retriever_pb2_grpc import RetrieverAsyncStub
@@ -227,7 +227,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> retriever_pb2.IngestSummary:
         principal = self._principal(context)
         # Pumped by us, not handed to gRPC as an iterator: an upload the retriever rejects
-        # part-way must answer with the retriever's status (services/router/downstream.py).
+        # part-way must answer with the retriever's status (services/router/api/downstream.py).
         call = self._retriever().Ingest(
             None, metadata=downstream_metadata(principal), timeout=context.time_remaining()
         )

@@ -11,7 +11,7 @@ import grpc
 from services.common import errors
 from services.common.metadata import TENANT_KEY
 from services.gen.llmmesh.v1 import retriever_pb2, router_pb2, session_pb2
-from services.router.breaker import CircuitBreaker
+from services.router.admission.breaker import CircuitBreaker
 
 if TYPE_CHECKING:
     from services.gen.llmmesh.v1.retriever_pb2_grpc import RetrieverAsyncStub

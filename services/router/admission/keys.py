@@ -1,4 +1,4 @@
-"""Manage API keys: ``python -m services.router.keys add|revoke|list`` (stores only SHA-256 hashes)."""
+"""Manage API keys: ``python -m services.router.admission.keys add|revoke|list`` (stores only SHA-256 hashes)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,13 @@ from typing import Any
 
 import yaml
 
-from services.router.auth import REDIS_KEYS_HASH, ApiKeyRecord, KeyLimits, hash_key, load_key_records
+from services.router.admission.auth import (
+    REDIS_KEYS_HASH,
+    ApiKeyRecord,
+    KeyLimits,
+    hash_key,
+    load_key_records,
+)
 
 KEY_PREFIX = "llmk_"
 
@@ -167,7 +173,7 @@ def _now() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.router.keys", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m services.router.admission.keys", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -11,18 +11,28 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
 
 import grpc
 
 from services.common import errors
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2
-from services.router.context import ConversationContext, build_messages
-from services.router.pins import AffinityPins
-from services.router.pool import Replica, ReplicaPool
+from services.router.placement.pins import AffinityPins
+from services.router.placement.pool import Replica, ReplicaPool
 
-if TYPE_CHECKING:
-    from services.router.relay import Relay
+
+class PickReplica(Protocol):
+    """The choice the next turn would make (``Relay.pick``): a replica and its model, or None."""
+
+    def __call__(
+        self, models: Sequence[str], session_key: str | None, exclude: set[str], deadline: float | None
+    ) -> tuple[Replica, str] | None: ...
+
+
+#: A session's history as chat messages (role, content) to pre-warm with; the turns layer
+#: provides it (turns/warm_history.py), so placement never reaches up into the conversation.
+LoadMessages = Callable[[str, str], Awaitable[list[dict[str, str]]]]
 
 log = logging.getLogger("llmmesh.router.prewarm")
 
@@ -33,18 +43,17 @@ class SessionMover:
     def __init__(
         self,
         pool: ReplicaPool,
-        relay: Relay,
+        pick: PickReplica,
         pins: AffinityPins,
-        context: ConversationContext | None,
+        load_messages: LoadMessages | None,
         sessions_per_replica: int = 256,
-        history_token_budget: int = 2048,
     ) -> None:
         self.pool = pool
-        self.relay = relay
+        self.pick = pick
         self.pins = pins
-        self.context = context
+        #: None when the router has no session service: nothing to pre-warm with.
+        self.load_messages = load_messages
         self.sessions_per_replica = sessions_per_replica
-        self.history_token_budget = history_token_budget
         self._recent: dict[str, OrderedDict[tuple[str, str], None]] = {}
         self._tasks: set[asyncio.Task[int]] = set()
         pool.on_unavailable.append(self.replica_lost)
@@ -73,7 +82,7 @@ class SessionMover:
         for tenant, session_id in sessions:
             if await self.pins.get(tenant, session_id) not in (lost, None):
                 continue  # another router or a later turn already moved it
-            picked = self.relay.pick([model], f"{tenant}:{session_id}", {lost}, None)
+            picked = self.pick([model], f"{tenant}:{session_id}", {lost}, None)
             if picked is None:
                 return warmed
             target = picked[0]
@@ -85,16 +94,15 @@ class SessionMover:
         return warmed
 
     async def prewarm(self, target: Replica, tenant: str, session_id: str) -> bool:
-        if self.context is None or self.context.session is None:
+        if self.load_messages is None:
             return False
         try:
-            history = await self.context.load_history(tenant, session_id, self.history_token_budget)
+            messages = await self.load_messages(tenant, session_id)
         except (errors.MeshError, grpc.aio.AioRpcError) as exc:
             log.debug("no history to pre-warm %s: %s", session_id, exc)
             return False
-        if not history.turns:
+        if not messages:
             return False
-        messages = build_messages(history.system_prompt, history.turns, [], [])
         start = inference_pb2.GenerateStart(
             request_id=f"prewarm-{session_id}",
             messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages],

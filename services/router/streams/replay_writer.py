@@ -21,7 +21,7 @@ import redis.exceptions
 from redis.asyncio.cluster import RedisCluster
 
 from services.gen.llmmesh.v1 import router_pb2
-from services.router.replay import FINISHED_FIELD, PAYLOAD_FIELD, ReplayBuffer, meta_key, stream_key
+from services.router.streams.replay import FINISHED_FIELD, PAYLOAD_FIELD, ReplayBuffer, meta_key, stream_key
 
 log = logging.getLogger("llmmesh.router.replay")
 

@@ -23,8 +23,8 @@ from prometheus_client import Counter, Gauge
 from services.common import errors
 from services.common.settings import EnvArgumentParser
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
-from services.router.auth import Principal
-from services.router.tasks import (
+from services.router.admission.auth import Principal
+from services.router.tasks.store import (
     KIND_TASK,
     TERMINAL_STATES,
     TaskKeys,
@@ -32,7 +32,7 @@ from services.router.tasks import (
     TaskRefused,
     TaskStore,
 )
-from services.router.turn import OnCheckpoint, OnStopped, ResumePoint, TurnCheckpoint, validate
+from services.router.turns.pipeline import OnCheckpoint, OnStopped, ResumePoint, TurnCheckpoint, validate
 
 log = logging.getLogger("llmmesh.router.tasks")
 
@@ -493,7 +493,7 @@ class TaskApi:
             if isinstance(exc, errors.Overloaded) and not streamed:
                 raise  # refused before the first token: _generate waits and retries
             message = f"{exc.code.name}: {exc}"
-            if exc.code == grpc.StatusCode.UNAVAILABLE and self._may_redeliver(record):
+            if exc.code == errors.Code.UNAVAILABLE and self._may_redeliver(record):
                 raise Redeliver(message) from exc
             return router_pb2.TASK_STATE_FAILED, b"", message
         except grpc.aio.AioRpcError as exc:

@@ -1,0 +1,1 @@
+"""Where a request goes: the replica pool, health and outlier ejection, pins, prewarm, the ring and policies."""

@@ -1,0 +1,1 @@
+"""Durable async tasks: the task records, their event streams and the shared work queue in Redis."""

@@ -1,0 +1,5 @@
+"""`python -m services.synthetic`: one synthetic replica on a port, for tests and benches."""
+
+from services.synthetic.replica import main
+
+main()
