@@ -29,7 +29,8 @@ from services.router.streams.multiplex import ReplicaMultiplexer
 from services.router.streams.relay import Relay, RelayConfig
 from services.router.streams.replay import ReplayBuffer
 from services.router.turns.context import ConversationContext
-from services.router.turns.pipeline import TurnPipeline, TurnServices
+from services.router.turns.dependencies import TurnServices
+from services.router.turns.pipeline import TurnPipeline
 from services.router.turns.response_cache import ExactCache, SemanticCache
 from services.router.turns.warm_history import warm_messages
 

@@ -32,7 +32,8 @@ from services.router.tasks.store import (
     TaskRefused,
     TaskStore,
 )
-from services.router.turns.pipeline import OnCheckpoint, OnStopped, ResumePoint, TurnCheckpoint, validate
+from services.router.turns.checkpoints import OnCheckpoint, OnStopped, ResumePoint, TurnCheckpoint
+from services.router.turns.validation import validate
 
 log = logging.getLogger("llmmesh.router.tasks")
 

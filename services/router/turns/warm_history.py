@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from services.router.placement.prewarm import LoadMessages
 from services.router.turns.context import ConversationContext, build_messages
-from services.router.turns.pipeline import HISTORY_TOKEN_BUDGET
+from services.router.turns.sources import HISTORY_TOKEN_BUDGET
 
 
 def warm_messages(

@@ -13,7 +13,7 @@ from services.router.placement.discovery import parse_address, parse_address_lis
 from services.router.placement.pool import ReplicaPool
 from services.router.streams.multiplex import ReplicaMultiplexer
 from services.router.streams.relay import RelayConfig
-from services.router.turns.pipeline import token_message
+from services.router.turns.turn_end import token_message
 
 
 def chunk(index: int) -> inference_pb2.TokenChunk:

@@ -1,0 +1,129 @@
+"""A turn's response caches: whether it may read and fill them, the lookup, the fill, the stale fallback.
+
+A cache that fails degrades the turn (the reason goes in the TurnEnd), never fails it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+from services.common import errors, tracing
+from services.gen.llmmesh.v1 import common_pb2, router_pb2
+from services.router.streams.relay import RelayOutcome
+from services.router.turns.dependencies import TurnServices
+from services.router.turns.response_cache import CachedAnswer, exact_cache_key, sampling_fingerprint
+from services.router.turns.turn_end import TurnState
+
+DEGRADED_ANSWER = "The service is busy and cannot answer right now; please try again shortly."
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """The turn's cache key (None: not cacheable, or no cache) and what the client lets it do."""
+
+    key: str | None
+    may_read: bool
+    may_fill: bool
+
+
+def cache_plan(
+    s: TurnServices,
+    request: router_pb2.ChatRequest,
+    model: str,
+    messages: list[tuple[str, str]],
+    resumed: bool,
+) -> CachePlan:
+    """A resumed turn never reads: its answer has begun, and a hit would be another answer."""
+    cache_mode = request.cache.mode
+    caching = s.exact_cache is not None or (request.cache.semantic and s.semantic_cache is not None)
+    key = exact_cache_key(model, messages, request.sampling) if caching else None
+    may_read = not resumed and cache_mode in (
+        router_pb2.CACHE_MODE_UNSPECIFIED,
+        router_pb2.CACHE_MODE_DEFAULT,
+    )
+    return CachePlan(key, may_read, cache_mode != router_pb2.CACHE_MODE_BYPASS)
+
+
+async def cache_lookup(
+    s: TurnServices,
+    tenant: str,
+    key: str | None,
+    request: router_pb2.ChatRequest,
+    model: str,
+    messages: list[tuple[str, str]],
+    state: TurnState,
+) -> tuple[CachedAnswer, int] | None:
+    """The exact cache, then the semantic one: the first hit and its layer, or None."""
+    if key is not None and s.exact_cache is not None:
+        try:
+            with tracing.stage("exact cache lookup"):
+                hit = await s.exact_cache.get(tenant, key)
+        except errors.DependencyUnavailable as exc:
+            state.degraded.append(f"exact cache: {exc}")
+        else:
+            if hit is not None:
+                return hit, router_pb2.CACHE_LAYER_EXACT
+    if request.cache.semantic and key is not None and s.semantic_cache is not None:
+        threshold = request.cache.semantic_threshold if request.cache.HasField("semantic_threshold") else None
+        try:
+            hit = await s.semantic_cache.lookup(
+                tenant, messages[-1][1], model, sampling_fingerprint(request.sampling), threshold
+            )
+        except errors.DependencyUnavailable as exc:
+            state.degraded.append(f"semantic cache: {exc}")
+        else:
+            if hit is not None:
+                return hit, router_pb2.CACHE_LAYER_SEMANTIC
+    return None
+
+
+async def cache_fill(
+    s: TurnServices,
+    tenant: str,
+    key: str | None,
+    request: router_pb2.ChatRequest,
+    outcome: RelayOutcome,
+    usage: common_pb2.Usage,
+    answer: str,
+    messages: list[tuple[str, str]],
+    state: TurnState,
+) -> None:
+    """A finished answer stored in the exact cache and, where asked, the semantic one."""
+    if key is None or outcome.finished is None:
+        return
+    # The turn's usage, as its TurnEnd says: a hit replays it (not the last replica's part).
+    cached = CachedAnswer(
+        text=answer,
+        token_ids=list(outcome.token_ids),
+        model=outcome.model,
+        finish_reason=outcome.finished.finish_reason,
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        cached_prompt_tokens=usage.cached_prompt_tokens,
+        created_at_ms=int(time.time() * 1000),
+    )
+    if s.exact_cache is not None:
+        try:
+            await s.exact_cache.put(tenant, key, cached)
+        except errors.DependencyUnavailable as exc:
+            state.degraded.append(f"exact cache: {exc}")
+    if request.cache.semantic and s.semantic_cache is not None:
+        try:
+            await s.semantic_cache.store(
+                tenant, messages[-1][1], outcome.model, sampling_fingerprint(request.sampling), cached
+            )
+        except errors.DependencyUnavailable as exc:
+            state.degraded.append(f"semantic cache: {exc}")
+
+
+async def fallback_answer(s: TurnServices, tenant: str, key: str | None) -> tuple[CachedAnswer, int]:
+    """What a turn no replica can serve answers: a stale cached answer if any, else a fixed reply."""
+    stale: CachedAnswer | None = None
+    if key is not None and s.exact_cache is not None:
+        with contextlib.suppress(errors.DependencyUnavailable):
+            stale = await s.exact_cache.get(tenant, key)
+    layer = router_pb2.CACHE_LAYER_EXACT if stale is not None else router_pb2.CACHE_LAYER_UNSPECIFIED
+    answer = stale or CachedAnswer(text=DEGRADED_ANSWER, finish_reason=common_pb2.FINISH_REASON_STOP)
+    return answer, layer

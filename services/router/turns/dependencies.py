@@ -1,0 +1,35 @@
+"""What a turn may use: the pool, the relay, limits, caches and context, wired once by the runtime."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.router.admission.ratelimit import InflightLimiter, RateLimiter
+from services.router.placement.models import ModelCatalog
+from services.router.placement.pins import AffinityPins
+from services.router.placement.pool import ReplicaPool
+from services.router.streams.relay import Relay
+from services.router.streams.replay import ReplayBuffer
+from services.router.turns.context import ConversationContext
+from services.router.turns.response_cache import ExactCache, SemanticCache
+
+
+@dataclass
+class TurnServices:
+    """Everything a turn may use; the optional ones are off when not configured."""
+
+    pool: ReplicaPool
+    relay: Relay
+    catalog: ModelCatalog
+    pins: AffinityPins
+    rate_limiter: RateLimiter | None = None
+    inflight: InflightLimiter | None = None
+    exact_cache: ExactCache | None = None
+    semantic_cache: SemanticCache | None = None
+    context: ConversationContext | None = None
+    replay: ReplayBuffer | None = None
+    #: Told where each session's turn ran, to move and pre-warm sessions off a lost replica.
+    on_session_served: Callable[[str, str, str], None] | None = None
+    clock: Callable[[], float] = time.monotonic

@@ -1,0 +1,123 @@
+"""What a turn reads and writes besides the model: history, retrieved chunks, the pin, the save.
+
+Each source the client did not require falls back to a degraded turn (the reason goes in
+the TurnEnd) rather than failing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.common import errors
+from services.gen.llmmesh.v1 import retriever_pb2, router_pb2
+from services.router.turns.context import ConversationContext, SessionHistory, citations_for
+from services.router.turns.dependencies import TurnServices
+from services.router.turns.turn_end import TurnState
+
+# What the model reads of a session's past: the rest is left out, oldest first.
+HISTORY_TOKEN_BUDGET = 2048
+
+
+async def lookups(
+    s: TurnServices,
+    tenant: str,
+    request: router_pb2.ChatRequest,
+    new_messages: list[tuple[str, str]],
+    state: TurnState,
+) -> tuple[SessionHistory | None, list[retriever_pb2.RetrievedChunk], str | None]:
+    """History, retrieved chunks and the session's pinned replica: none needs another, so at once."""
+    if request.session_id:
+        pin = s.pins.get(tenant, request.session_id)
+        if request.rag.enabled:
+            return await asyncio.gather(
+                history(s, tenant, request, state),
+                retrieve(s, tenant, request, new_messages, state),
+                pin,
+            )
+        found, pinned = await asyncio.gather(history(s, tenant, request, state), pin)
+        return found, [], pinned
+    chunks = await retrieve(s, tenant, request, new_messages, state)
+    return None, chunks, None
+
+
+async def history(
+    s: TurnServices, tenant: str, request: router_pb2.ChatRequest, state: TurnState
+) -> SessionHistory | None:
+    """The session's history within the budget, or None (degraded) where it cannot be had."""
+    if not request.session_id:
+        return None
+    if s.context is None or s.context.session is None:
+        if request.session_required:
+            raise errors.FailedPrecondition("session_id: this router has no --session-addr")
+        state.degraded.append("history: no session service configured")
+        return None
+    try:
+        found = await s.context.load_history(tenant, request.session_id, HISTORY_TOKEN_BUDGET)
+    except errors.DependencyUnavailable as exc:
+        if request.session_required:
+            raise
+        state.degraded.append(f"history: {exc}")
+        return None
+    state.session = found
+    return found
+
+
+async def retrieve(
+    s: TurnServices,
+    tenant: str,
+    request: router_pb2.ChatRequest,
+    new_messages: list[tuple[str, str]],
+    state: TurnState,
+) -> list[retriever_pb2.RetrievedChunk]:
+    """The chunks retrieved for the last user message (their citations in ``state``), or none."""
+    if not request.rag.enabled:
+        return []
+    if s.context is None or s.context.retriever is None:
+        if request.rag.required:
+            raise errors.FailedPrecondition("rag: this router has no --retriever-addr")
+        state.degraded.append("rag: no retriever configured")
+        return []
+    query = next((c for r, c in reversed(new_messages) if r == "user"), new_messages[-1][1])
+    try:
+        chunks = await s.context.retrieve(tenant, query, request.rag)
+    except errors.DependencyUnavailable as exc:
+        if request.rag.required:
+            raise
+        state.degraded.append(f"rag: {exc}")
+        return []
+    state.citations = citations_for(chunks)
+    return list(chunks)
+
+
+def build_prompt(
+    history: SessionHistory | None,
+    chunks: list[retriever_pb2.RetrievedChunk],
+    new_messages: list[tuple[str, str]],
+) -> list[tuple[str, str]]:
+    """The prompt's messages: system prompt, history, sources, then the request's own."""
+    system_prompt = history.system_prompt if history is not None else ""
+    turns = history.turns if history is not None else []
+    built = ConversationContext.build_messages(system_prompt, turns, chunks, new_messages)
+    return [(m["role"], m["content"]) for m in built]
+
+
+async def save_turn(
+    s: TurnServices,
+    tenant: str,
+    request: router_pb2.ChatRequest,
+    new_messages: list[tuple[str, str]],
+    answer: str,
+    state: TurnState,
+) -> int:
+    """The turn appended to its session; the new version, or 0 where it was not saved."""
+    if state.session is None or s.context is None:
+        return 0
+    expected = state.session.version if state.session.exists else 0
+    try:
+        return await s.context.save_turn(tenant, request.session_id, new_messages, answer, expected)
+    except (errors.DependencyUnavailable, errors.Conflict) as exc:
+        # The answer already reached the client; losing the save is reported, not fatal.
+        if request.session_required and isinstance(exc, errors.DependencyUnavailable):
+            raise
+        state.degraded.append(f"history not saved: {exc}")
+        return 0

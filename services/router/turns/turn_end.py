@@ -1,0 +1,148 @@
+"""A turn's messages to the client: its numbering, token deltas, the TurnEnd and its usage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.gen.llmmesh.v1 import common_pb2, inference_pb2, router_pb2
+from services.router import metrics
+from services.router.streams.relay import RelayOutcome
+from services.router.turns.context import SessionHistory
+
+
+@dataclass
+class TurnState:
+    """Bookkeeping of one turn while it runs."""
+
+    request_id: str
+    started: float
+    seq: int = 0
+    degraded: list[str] = field(default_factory=list)
+    citations: list[router_pb2.Citation] = field(default_factory=list)
+    session: SessionHistory | None = None
+    #: The TurnEnd was made: nothing follows it, not even a CANCELLED one.
+    ended: bool = False
+    #: The relay's bookkeeping, once the turn asks a replica (model, retries, failovers).
+    outcome: RelayOutcome | None = None
+    #: Answer tokens sent to the client so far (a resumed task's delivered ones included), and
+    #: the replica that made the last of them: a turn that stops early reports these.
+    streamed: int = 0
+    streamed_by: str = ""
+
+
+def token_message(
+    request_id: str, seq: int, batch: list[inference_pb2.TokenChunk]
+) -> router_pb2.ChatResponse:
+    """One ChatResponse whose TokenDelta carries consecutive chunks, filled in place (no copy of a delta)."""
+    response = router_pb2.ChatResponse(request_id=request_id, seq=seq)
+    delta = response.delta
+    first = batch[0]
+    delta.index = first.index
+    if len(batch) == 1:
+        delta.text = first.text
+        delta.token_ids.extend(first.token_ids)
+    else:
+        delta.text = "".join(c.text for c in batch)
+        for c in batch:
+            delta.token_ids.extend(c.token_ids)
+    return response
+
+
+def turn_usage(finished: inference_pb2.GenerationFinished | None, completion_tokens: int) -> common_pb2.Usage:
+    """A turn's usage: what the client received, the prompt once.
+
+    ``completion_tokens`` is every answer token the client got, across failovers (a replica
+    counts only what it generated itself, not the tokens it resumed after). Every attempt
+    reads the same prompt, so the prompt is counted once, with ``cached_prompt_tokens``, from
+    the attempt that finished (capped at the prompt: its prefix cache may also hold resumed
+    tokens, which are answer, not prompt). Failed and cancelled attempts report nothing, so
+    a turn no attempt finished has prompt_tokens 0: unknown, never guessed.
+    """
+    usage = common_pb2.Usage(completion_tokens=completion_tokens)
+    if finished is not None:
+        usage.prompt_tokens = finished.usage.prompt_tokens
+        usage.cached_prompt_tokens = min(finished.usage.cached_prompt_tokens, usage.prompt_tokens)
+    return usage
+
+
+def next_message(state: TurnState, **event: Any) -> router_pb2.ChatResponse:
+    """The turn's next message, numbered after the last one."""
+    state.seq += 1
+    return router_pb2.ChatResponse(request_id=state.request_id, seq=state.seq, **event)
+
+
+def turn_end(
+    state: TurnState,
+    request: router_pb2.ChatRequest,
+    outcome: RelayOutcome,
+    now: float,
+    version: int = 0,
+    error: str = "",
+) -> router_pb2.ChatResponse:
+    """The turn's last message."""
+    state.ended = True
+    finished = outcome.finished
+    timings = common_pb2.Timings()
+    reason = common_pb2.FINISH_REASON_ERROR if error else common_pb2.FINISH_REASON_STOP
+    # The replica that made the last token: the one that finished, else (the turn gave up
+    # mid-answer) the last that streamed, not the last one tried.
+    replica = outcome.replica
+    if finished is not None:
+        timings.CopyFrom(finished.timings)
+        reason = finished.finish_reason
+    elif outcome.token_ids:
+        replica = state.streamed_by
+    timings.total_ms = (now - state.started) * 1000
+    if outcome.first_token_at is not None:
+        timings.ttft_ms = (outcome.first_token_at - state.started) * 1000
+    metrics.E2E.observe(now - state.started)
+    return next_message(
+        state,
+        end=router_pb2.TurnEnd(
+            finish_reason=reason,
+            usage=turn_usage(finished, len(outcome.token_ids)),
+            timings=timings,
+            replica=replica,
+            model=outcome.model,
+            retries=outcome.retries,
+            failovers=outcome.failovers,
+            degraded=bool(state.degraded),
+            degraded_reasons=state.degraded,
+            citations=state.citations,
+            session_id=request.session_id,
+            session_version=version,
+            error_message=error,
+        ),
+    )
+
+
+def stopped_end(
+    state: TurnState, request: router_pb2.ChatRequest, now: float, reason: int, error: str = ""
+) -> router_pb2.ChatResponse:
+    """The TurnEnd of a turn that did not end by itself (cancelled, or failed with a status).
+
+    Its usage is the tokens streamed before it stopped, and its replica the one that made them.
+    """
+    state.ended = True
+    outcome = state.outcome or RelayOutcome()
+    timings = common_pb2.Timings(total_ms=(now - state.started) * 1000)
+    if outcome.first_token_at is not None:
+        timings.ttft_ms = (outcome.first_token_at - state.started) * 1000
+    return next_message(
+        state,
+        end=router_pb2.TurnEnd(
+            finish_reason=reason,  # type: ignore[arg-type]
+            usage=turn_usage(None, state.streamed),
+            timings=timings,
+            replica=state.streamed_by,
+            model=outcome.model,
+            retries=outcome.retries,
+            failovers=outcome.failovers,
+            degraded=bool(state.degraded),
+            degraded_reasons=state.degraded,
+            citations=state.citations,
+            session_id=request.session_id,
+            error_message=error,
+        ),
+    )

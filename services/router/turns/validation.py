@@ -1,0 +1,24 @@
+"""What a turn's request must be before any work is done: roles, ids, RAG bounds."""
+
+from __future__ import annotations
+
+from services.common import errors
+from services.gen.llmmesh.v1 import router_pb2
+
+ROLES = frozenset({"system", "user", "assistant"})
+
+
+def validate(request: router_pb2.ChatRequest, field_prefix: str = "") -> None:
+    """Reject bad input with a message naming the field (after ``field_prefix``), before any work is done."""
+    if not request.messages:
+        raise errors.InvalidArgument(f"{field_prefix}messages", "at least one message is required")
+    for i, message in enumerate(request.messages):
+        if message.role not in ROLES:
+            raise errors.InvalidArgument(
+                f"{field_prefix}messages[{i}].role",
+                f"must be one of system, user, assistant; got {message.role!r}",
+            )
+    if len(request.request_id) > 128:
+        raise errors.InvalidArgument(f"{field_prefix}request_id", "must be at most 128 characters")
+    if request.rag.enabled and request.rag.top_k > 20:
+        raise errors.InvalidArgument(f"{field_prefix}rag.top_k", f"must be in 0..20, got {request.rag.top_k}")
