@@ -6,11 +6,11 @@ from services.common.server import run
 from services.common.settings import EnvArgumentParser, add_server_args, server_options
 from services.router import grpc_io
 from services.router.admission.tls import DialTls
-from services.router.api.task_api import TaskSettings, add_task_arguments
 from services.router.placement.outliers import EjectionConfig
 from services.router.placement.policies import POLICY_NAMES
 from services.router.runtime import RouterRuntime, RouterSettings, static_replicas
 from services.router.streams.relay import RelayConfig
+from services.router.tasks.settings import TaskSettings, add_task_arguments
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,7 +16,7 @@ from services.router.admission.auth import Authenticator
 from services.router.admission.ratelimit import InflightLimiter, RateLimiter
 from services.router.admission.tls import DialTls, dial
 from services.router.api.servicer import RouterServicer, TaskBackend
-from services.router.api.task_api import TaskApi, TaskSettings
+from services.router.api.task_api import TaskApi
 from services.router.placement.discovery import ReplicaDiscovery, parse_address_list
 from services.router.placement.health import ActiveHealthChecker
 from services.router.placement.models import ModelCatalog
@@ -28,6 +28,7 @@ from services.router.placement.prewarm import SessionMover
 from services.router.streams.multiplex import ReplicaMultiplexer
 from services.router.streams.relay import Relay, RelayConfig
 from services.router.streams.replay import ReplayBuffer
+from services.router.tasks.settings import TaskSettings
 from services.router.turns.context import ConversationContext
 from services.router.turns.dependencies import TurnServices
 from services.router.turns.pipeline import TurnPipeline

@@ -1,29 +1,23 @@
-"""The async-task RPCs (SubmitTask, GetTask, WatchTask, CancelTask) and the worker that runs tasks.
+"""The async-task RPCs: SubmitTask, GetTask, WatchTask, CancelTask, for an authenticated tenant.
 
-Every router runs a worker in the consumer group, so any router may run any
-task; a task survives the router that accepted it, or ran it, being killed.
+Tasks are stored in Redis (``tasks/store.py``) and run by every router's worker
+(``tasks/worker.py``), so a task outlives the router that accepted it.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
-import logging
-import os
-import socket
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
-from prometheus_client import Counter, Gauge
 
 from services.common import errors
-from services.common.settings import EnvArgumentParser
-from services.gen.llmmesh.v1 import common_pb2, router_pb2
+from services.gen.llmmesh.v1 import router_pb2
 from services.router.admission.auth import Principal
+from services.router.tasks.counters import TASKS_FINISHED, TASKS_REFUSED
+from services.router.tasks.settings import TaskSettings
 from services.router.tasks.store import (
     KIND_TASK,
     TERMINAL_STATES,
@@ -32,135 +26,14 @@ from services.router.tasks.store import (
     TaskRefused,
     TaskStore,
 )
-from services.router.turns.checkpoints import OnCheckpoint, OnStopped, ResumePoint, TurnCheckpoint
+from services.router.tasks.worker import RunTurn, TaskWorker
 from services.router.turns.validation import validate
 
-log = logging.getLogger("llmmesh.router.tasks")
-
-
-class RunTurn(Protocol):
-    """``TurnPipeline.run_turn`` as the task worker calls it."""
-
-    def __call__(
-        self,
-        principal: Principal,
-        request: router_pb2.ChatRequest,
-        deadline: float | None = None,
-        *,
-        resume: ResumePoint | None = None,
-        on_checkpoint: OnCheckpoint | None = None,
-        on_stopped: OnStopped | None = None,
-    ) -> AsyncGenerator[router_pb2.ChatResponse, None]: ...
-
-
-TASKS_FINISHED = Counter("llmmesh_router_tasks_total", "Async tasks finished, by final state.", ["state"])
-TASKS_RECLAIMED = Counter(
-    "llmmesh_router_tasks_reclaimed_total", "Tasks taken over from a router that stopped acknowledging them."
-)
-TASKS_RESUMED = Counter(
-    "llmmesh_router_tasks_resumed_total",
-    "Task attempts that continued an answer another attempt had started, after its delivered tokens.",
-)
-TASKS_RUNNING = Gauge("llmmesh_router_tasks_running", "Async tasks this router is running now.")
-TASKS_REFUSED = Counter(
-    "llmmesh_router_tasks_refused_total",
-    "Task submissions refused at admission, by reason (tenant_cap, queue_full).",
-    ["reason"],
-)
-
 MAX_IDEMPOTENCY_KEY = 256
-QUEUED_OR_RUNNING = frozenset({router_pb2.TASK_STATE_QUEUED, router_pb2.TASK_STATE_RUNNING})
-
-
-class Redeliver(Exception):
-    """The turn could not start (no replica reachable, before any token): run the task again later."""
-
-
-@dataclass(frozen=True)
-class TaskSettings:
-    """How the task worker behaves; every router of a deployment should agree on these."""
-
-    result_ttl_s: int = 600
-    # An entry unacknowledged this long belongs to a dead router and is taken over.
-    visibility_timeout_s: float = 30.0
-    concurrency: int = 4
-    # A task whose runs keep killing routers is failed instead of retried forever.
-    max_attempts: int = 3
-    block_ms: int = 1000
-    # How long a task waits in all for its key's rate limit before failing.
-    overload_wait_s: float = 300.0
-    # Unfinished (queued or running) tasks one tenant may have: one tenant must not fill the queue.
-    max_per_tenant: int = 1000
-    # Entries the shared work queue may hold; beyond it submissions are refused, never dropped.
-    max_queued: int = 100_000
-
-    def __post_init__(self) -> None:
-        if self.result_ttl_s < 1:
-            raise ValueError(f"--task-result-ttl-seconds: must be >= 1, got {self.result_ttl_s}")
-        if self.visibility_timeout_s <= 0:
-            raise ValueError(f"--task-visibility-seconds: must be > 0, got {self.visibility_timeout_s}")
-        if self.concurrency < 1:
-            raise ValueError(f"--task-concurrency: must be >= 1, got {self.concurrency}")
-        if self.max_attempts < 1:
-            raise ValueError(f"--task-max-attempts: must be >= 1, got {self.max_attempts}")
-        if self.max_per_tenant < 0:
-            raise ValueError(f"--task-max-per-tenant: must be >= 0 (0 = no cap), got {self.max_per_tenant}")
-        if self.max_queued < 0:
-            raise ValueError(f"--task-max-queued: must be >= 0 (0 = no cap), got {self.max_queued}")
-
-    @classmethod
-    def from_env(cls) -> TaskSettings:
-        """Settings from the same ``LLMMESH_TASK_*`` variables the router flags default to."""
-        parser = EnvArgumentParser(add_help=False)
-        add_task_arguments(parser)
-        return cls.from_args(parser.parse_args([]))
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> TaskSettings:
-        return cls(
-            result_ttl_s=args.task_result_ttl_seconds,
-            visibility_timeout_s=args.task_visibility_seconds,
-            concurrency=args.task_concurrency,
-            max_attempts=args.task_max_attempts,
-            max_per_tenant=args.task_max_per_tenant,
-            max_queued=args.task_max_queued,
-        )
-
-
-def add_task_arguments(parser: argparse.ArgumentParser) -> None:
-    """Router flags for the task worker (the router's __main__ adds them)."""
-    parser.add_argument(
-        "--task-result-ttl-seconds", type=int, default=600, help="keep task results this long"
-    )
-    parser.add_argument(
-        "--task-visibility-seconds",
-        type=float,
-        default=30.0,
-        help="take over a task another router left unacknowledged this long",
-    )
-    parser.add_argument("--task-concurrency", type=int, default=4, help="tasks this router runs at once")
-    parser.add_argument("--task-max-attempts", type=int, default=3, help="runs of one task before it fails")
-    parser.add_argument(
-        "--task-max-per-tenant",
-        type=int,
-        default=1000,
-        help="unfinished tasks one tenant may have; more are refused RESOURCE_EXHAUSTED (0 = no cap)",
-    )
-    parser.add_argument(
-        "--task-max-queued",
-        type=int,
-        default=100_000,
-        help="tasks queued or running in all; more are refused RESOURCE_EXHAUSTED (0 = no cap)",
-    )
-
-
-def default_consumer_name() -> str:
-    """Unique per process: a restarted router must not inherit the dead one's pending entries by name."""
-    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 class TaskApi:
-    """Serves the task RPCs for an authenticated principal, and runs the task worker."""
+    """Serves the task RPCs for an authenticated principal; starts and stops the task worker."""
 
     def __init__(
         self,
@@ -178,11 +51,7 @@ class TaskApi:
             max_queued=self.settings.max_queued,
             keys=keys,
         )
-        self.run_turn = run_turn
-        self.consumer = consumer_name or default_consumer_name()
-        self._worker: asyncio.Task[None] | None = None
-        self._running: dict[str, asyncio.Task[None]] = {}  # entry id -> task run
-        self._stopping = False
+        self.worker = TaskWorker(self.store, run_turn, consumer_name, self.settings)
 
     # --- RPCs -------------------------------------------------------------------------
 
@@ -293,265 +162,13 @@ class TaskApi:
             raise errors.PermissionDenied(f"task_id: task {task_id!r} belongs to another tenant")
         return record
 
-    # --- worker -------------------------------------------------------------------------
-
     async def start(self) -> None:
-        await self.store.ensure_group()
-        self._stopping = False
-        self._worker = asyncio.create_task(self._work(), name=f"task-worker-{self.consumer}")
+        """Join the consumer group and start taking tasks."""
+        await self.worker.start()
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stop taking tasks; let running ones finish for ``grace_s``, then leave the rest to other routers."""
-        self._stopping = True
-        if self._worker is not None:
-            # The loop notices the flag when its blocking read returns; cancel only if it does not.
-            done, _ = await asyncio.wait({self._worker}, timeout=self.settings.block_ms / 1000 + 2.0)
-            if not done:
-                self._worker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._worker
-            self._worker = None
-        if self._running:
-            await asyncio.wait(list(self._running.values()), timeout=grace_s)
-        for run in list(self._running.values()):
-            run.cancel()  # unacknowledged: another router reclaims it
-        for run in list(self._running.values()):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await run
-
-    async def _work(self) -> None:
-        loop = asyncio.get_running_loop()
-        next_reclaim = 0.0
-        next_heartbeat = loop.time() + self.settings.visibility_timeout_s / 3
-        while not self._stopping:
-            try:
-                now = loop.time()
-                if now >= next_heartbeat:
-                    await self.store.heartbeat(self.consumer, list(self._running))
-                    next_heartbeat = now + self.settings.visibility_timeout_s / 3
-                free = self.settings.concurrency - len(self._running)
-                if free > 0 and now >= next_reclaim:
-                    min_idle = int(self.settings.visibility_timeout_s * 1000)
-                    for entry_id, task_id in await self.store.reclaim(self.consumer, min_idle, free):
-                        TASKS_RECLAIMED.inc()
-                        log.warning("took over task %s left unacknowledged by another router", task_id)
-                        self._launch(entry_id, task_id)
-                    next_reclaim = now + min(5.0, self.settings.visibility_timeout_s / 2)
-                    free = self.settings.concurrency - len(self._running)
-                if free <= 0:
-                    await asyncio.wait(
-                        list(self._running.values()), timeout=1.0, return_when=asyncio.FIRST_COMPLETED
-                    )
-                    continue
-                block = min(self.settings.block_ms, int(self.settings.visibility_timeout_s * 1000 / 3))
-                for entry_id, task_id in await self.store.take_new(self.consumer, free, block):
-                    if self._stopping:
-                        break  # left pending: reclaimed by another router once idle
-                    self._launch(entry_id, task_id)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # Redis away: keep the loop alive and try again shortly
-                log.warning("task worker: %s: %s", type(exc).__name__, exc)
-                await asyncio.sleep(1.0)
-
-    def _launch(self, entry_id: str, task_id: str) -> None:
-        run = asyncio.create_task(self._run_task(entry_id, task_id), name=f"task-{task_id}")
-        self._running[entry_id] = run
-        TASKS_RUNNING.set(len(self._running))
-
-        def done(finished: asyncio.Task[None]) -> None:
-            self._running.pop(entry_id, None)
-            TASKS_RUNNING.set(len(self._running))
-            if not finished.cancelled() and (exc := finished.exception()) is not None:
-                # Most likely Redis went away mid-task: the entry stays pending and is retried.
-                log.warning("task %s interrupted, left for a retry: %s: %s", task_id, type(exc).__name__, exc)
-
-        run.add_done_callback(done)
-
-    async def _run_task(self, entry_id: str, task_id: str) -> None:
-        record = await self.store.get(task_id, with_resume_state=True)
-        if record is None or record.finished:
-            await self.store.ack(entry_id)
-            return
-        if record.cancel_requested:
-            await self._finish(record, router_pb2.TASK_STATE_CANCELLED, error="cancelled by the client")
-            await self.store.ack(entry_id)
-            return
-        if record.attempts >= self.settings.max_attempts:
-            await self._finish(
-                record,
-                router_pb2.TASK_STATE_FAILED,
-                error=f"gave up after {record.attempts} interrupted attempts",
-            )
-            await self.store.ack(entry_id)
-            return
-        # An attempt that delivered tokens after saving its checkpoint is continued after them;
-        # any other starts again from nothing (its text and token ids are cleared).
-        resume = _resume_point(record)
-        _, changed = await self.store.transition(
-            record,
-            QUEUED_OR_RUNNING,
-            router_pb2.TASK_STATE_RUNNING,
-            reset_text=resume is None,
-            extra={"attempts": record.attempts + 1},
-        )
-        if not changed:  # cancelled between the read and now
-            await self.store.ack(entry_id)
-            return
-        record.attempts += 1
-        if resume is None:
-            record.checkpoint, record.token_ids = "", ()
-        else:
-            TASKS_RESUMED.inc()
-            log.info("task %s continues after %d tokens", record.task_id, len(resume.token_ids))
-        try:
-            final_state, end, error = await self._generate(record, resume)
-        except Redeliver as exc:
-            # Left unacknowledged: once idle past the visibility timeout, a router (maybe this
-            # one) reclaims it; that wait is the back-off while the replicas come back.
-            log.warning(
-                "task %s goes back to the queue (attempt %d): %s", record.task_id, record.attempts, exc
-            )
-            await self.store.transition(record, {router_pb2.TASK_STATE_RUNNING}, router_pb2.TASK_STATE_QUEUED)
-            return
-        except asyncio.CancelledError:
-            if self._stopping:
-                raise  # left pending on purpose: another router finishes it
-            final_state, end, error = router_pb2.TASK_STATE_CANCELLED, b"", "cancelled by the client"
-        await self._finish(record, final_state, end=end, error=error)
-        await self.store.ack(entry_id)
-
-    async def _generate(self, record: TaskRecord, resume: ResumePoint | None) -> tuple[int, bytes, str]:
-        """Run the turn; while the key is over its rate limit, wait and try again instead of failing.
-
-        A task is the asynchronous form of a turn: the client asked for it to
-        happen, not to happen now, so a refusal before the first token waits
-        out the RetryInfo delay (up to ``overload_wait_s`` in all).
-        """
-        waited = 0.0
-        while True:
-            try:
-                return await self._generate_once(record, resume)
-            except errors.Overloaded as exc:
-                if waited >= self.settings.overload_wait_s:
-                    return router_pb2.TASK_STATE_FAILED, b"", f"RESOURCE_EXHAUSTED: {exc}"
-                pause = min(max(exc.retry_after_s, 0.05), 30.0, self.settings.overload_wait_s - waited)
-                log.info("task %s waits %.2fs: %s", record.task_id, pause, exc)
-                if await self._cancelled_within(record.task_id, pause):
-                    return router_pb2.TASK_STATE_CANCELLED, b"", "cancelled by the client"
-                waited += pause
-
-    async def _cancelled_within(self, task_id: str, seconds: float) -> bool:
-        loop = asyncio.get_running_loop()
-        until = loop.time() + seconds
-        while (left := until - loop.time()) > 0:
-            if await self.store.cancel_requested(task_id):
-                return True
-            await asyncio.sleep(min(0.25, left))
-        return False
-
-    async def _generate_once(self, record: TaskRecord, resume: ResumePoint | None) -> tuple[int, bytes, str]:
-        """Run the turn, streaming deltas into the task; a cancel request stops it mid-way."""
-        request = router_pb2.ChatRequest.FromString(record.request)
-        end: router_pb2.TurnEnd | None = None
-        streamed = False
-
-        async def save_checkpoint(checkpoint: TurnCheckpoint) -> None:
-            record.checkpoint = checkpoint.to_json()
-            await self.store.save_checkpoint(record.task_id, record.checkpoint)
-
-        def stopped(response: router_pb2.ChatResponse) -> None:
-            # A cancelled turn's end: the tokens the task streamed, and the replica that made them.
-            nonlocal end
-            end = response.end
-
-        async def consume() -> None:
-            nonlocal end, streamed
-            turn = self.run_turn(
-                record.principal, request, resume=resume, on_checkpoint=save_checkpoint, on_stopped=stopped
-            )
-            # Closed at once on a cancel (not when collected), so its end is known before the task's.
-            async with contextlib.aclosing(turn):
-                async for response in turn:
-                    if response.HasField("delta"):
-                        streamed = True
-                        record.text += response.delta.text
-                        await self._append(record.task_id, response.delta)
-                    elif response.HasField("end"):
-                        end = response.end
-
-        generation = asyncio.create_task(consume())
-        try:
-            while not generation.done():
-                done, _ = await asyncio.wait({generation}, timeout=0.25)
-                if not done and await self.store.cancel_requested(record.task_id):
-                    generation.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await generation
-                    return router_pb2.TASK_STATE_CANCELLED, _end_bytes(end), "cancelled by the client"
-            generation.result()
-        except errors.MeshError as exc:
-            if isinstance(exc, errors.Overloaded) and not streamed:
-                raise  # refused before the first token: _generate waits and retries
-            message = f"{exc.code.name}: {exc}"
-            if exc.code == errors.Code.UNAVAILABLE and self._may_redeliver(record):
-                raise Redeliver(message) from exc
-            return router_pb2.TASK_STATE_FAILED, b"", message
-        except grpc.aio.AioRpcError as exc:
-            message = f"{exc.code().name}: {exc.details()}"
-            if exc.code() == grpc.StatusCode.UNAVAILABLE and self._may_redeliver(record):
-                raise Redeliver(message) from exc
-            return router_pb2.TASK_STATE_FAILED, b"", message
-        except ValueError as exc:
-            return router_pb2.TASK_STATE_FAILED, b"", f"INVALID_ARGUMENT: {exc}"
-        finally:
-            if not generation.done():
-                generation.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await generation
-        if end is None:
-            return router_pb2.TASK_STATE_FAILED, b"", "the turn ended without a turn-end message"
-        if end.finish_reason == common_pb2.FINISH_REASON_ERROR:
-            return router_pb2.TASK_STATE_FAILED, _end_bytes(end), end.error_message or "generation failed"
-        if end.finish_reason == common_pb2.FINISH_REASON_CANCELLED:
-            return router_pb2.TASK_STATE_CANCELLED, _end_bytes(end), "cancelled"
-        return router_pb2.TASK_STATE_SUCCEEDED, _end_bytes(end), ""
-
-    async def _append(self, task_id: str, delta: router_pb2.TokenDelta) -> None:
-        """Store a delta whole even when the task is cancelled meanwhile: the turn counts it as
-        streamed (it left the pipeline), so the task's text and events must hold it too."""
-        write = asyncio.ensure_future(self.store.append_delta(task_id, delta))
-        try:
-            await asyncio.shield(write)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await write
-            raise
-
-    def _may_redeliver(self, record: TaskRecord) -> bool:
-        """Nothing streamed yet and runs left: failing now would only report a passing outage."""
-        return not record.text and record.attempts < self.settings.max_attempts
-
-    async def _finish(self, record: TaskRecord, state: int, *, end: bytes = b"", error: str = "") -> None:
-        _, changed = await self.store.transition(record, QUEUED_OR_RUNNING, state, end=end, error=error)
-        if changed:
-            TASKS_FINISHED.labels(router_pb2.TaskState.Name(state).removeprefix("TASK_STATE_")).inc()  # type: ignore[arg-type]
-
-
-def _resume_point(record: TaskRecord) -> ResumePoint | None:
-    """Where a task's earlier attempt left its answer, when it can be continued exactly."""
-    if not record.checkpoint or not record.token_ids:
-        return None
-    try:
-        checkpoint = TurnCheckpoint.from_json(record.checkpoint)
-    except (ValueError, KeyError, TypeError) as exc:
-        log.warning("task %s: unreadable checkpoint, its answer starts again: %r", record.task_id, exc)
-        return None
-    return ResumePoint(checkpoint, record.token_ids, record.text)
-
-
-def _end_bytes(end: router_pb2.TurnEnd | None) -> bytes:
-    return b"" if end is None else end.SerializeToString()
+        await self.worker.stop(grace_s)
 
 
 def _new_task_id() -> str:
