@@ -157,7 +157,10 @@ class RouterRuntime:
         if session is not None or retriever is not None:
             self.services.context = ConversationContext(session, retriever)  # type: ignore[arg-type]
         self.mover = SessionMover(
-            self.pool, self.services.relay.pick, self.services.pins, warm_messages(self.services.context)
+            self.pool,
+            self.services.relay.picker.pick,
+            self.services.pins,
+            warm_messages(self.services.context),
         )
         self.services.on_session_served = self.mover.note
         self.tasks = self._task_api()

@@ -81,13 +81,24 @@ class BalancingPolicy(Protocol):
 
     def choose(self, candidates: Sequence[C], session_key: str | None = None) -> C | None: ...
 
+    def accepts_pin(self, pinned: Candidate, candidates: Sequence[Candidate]) -> bool:
+        """Whether a session pinned to ``pinned`` (one of ``candidates``) may stay there."""
+        ...
+
+
+class HonoursPins:
+    """For a policy without a load bound: a session's pinned replica always keeps it."""
+
+    def accepts_pin(self, pinned: Candidate, candidates: Sequence[Candidate]) -> bool:
+        return True
+
 
 def outstanding(c: Candidate) -> int:
     """Work ahead of a new request on this replica, as this router sees it plus what it reports."""
     return c.in_flight + c.queue_depth
 
 
-class RoundRobinPolicy:
+class RoundRobinPolicy(HonoursPins):
     """Each replica in turn."""
 
     name = "round_robin"
@@ -101,7 +112,7 @@ class RoundRobinPolicy:
         return candidates[next(self._counter) % len(candidates)]
 
 
-class LeastOutstandingPolicy:
+class LeastOutstandingPolicy(HonoursPins):
     """The replica with the fewest outstanding requests; ties broken at random."""
 
     name = "least"
@@ -117,7 +128,7 @@ class LeastOutstandingPolicy:
         return tied[0] if len(tied) == 1 else self._rng.choice(tied)
 
 
-class PowerOfTwoChoicesPolicy:
+class PowerOfTwoChoicesPolicy(HonoursPins):
     """Two replicas drawn at random; the less loaded one wins (Mitzenmacher)."""
 
     name = "p2c"
@@ -144,7 +155,7 @@ class ResponseTimeModel:
     default_itl_s: float = 0.01
 
 
-class WeightedResponseTimePolicy:
+class WeightedResponseTimePolicy(HonoursPins):
     """Random pick weighted by 1 / expected response time.
 
     Expected time = (EWMA TTFT + EWMA inter-token latency × typical tokens) ×
@@ -214,6 +225,10 @@ class AffinityPolicy:
         """Whether ``chosen`` (e.g. a pinned replica) may take one more under the load cap."""
         total = sum(c.in_flight for c in candidates)
         return chosen.in_flight < bounded_capacity(total, len(candidates), self.epsilon)
+
+    def accepts_pin(self, pinned: Candidate, candidates: Sequence[Candidate]) -> bool:
+        """A pin holds while its replica is within the bounded load, as the ring's own choice does."""
+        return self.within_bound(pinned, candidates)
 
 
 def make_policy(name: str, rng: random.Random | None = None, epsilon: float = 0.25) -> BalancingPolicy:

@@ -23,7 +23,7 @@ from services.router.placement.pool import Replica, ReplicaPool
 
 
 class PickReplica(Protocol):
-    """The choice the next turn would make (``Relay.pick``): a replica and its model, or None."""
+    """The choice the next turn would make (``ReplicaPicker.pick``): a replica and its model, or None."""
 
     def __call__(
         self, models: Sequence[str], session_key: str | None, exclude: set[str], deadline: float | None

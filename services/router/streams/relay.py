@@ -23,7 +23,8 @@ from services.common.grpc_status import domain_code
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2
 from services.router import metrics
 from services.router.placement.outliers import FailureKind
-from services.router.placement.policies import AffinityPolicy, BalancingPolicy
+from services.router.placement.picker import ReplicaPicker
+from services.router.placement.policies import BalancingPolicy
 from services.router.placement.pool import GenerationStream, Replica, ReplicaPool
 from services.router.streams.multiplex import StreamBroken
 
@@ -163,7 +164,8 @@ class Relay:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pool = pool
-        self.policy = policy
+        #: Where each attempt goes (placement/picker.py); failover asks it again, minus those tried.
+        self.picker = ReplicaPicker(pool, policy, clock)
         self.config = config or RelayConfig()
         self._rng = rng or random.Random()
         self._clock = clock
@@ -176,34 +178,8 @@ class Relay:
         deadline: float | None,
         preferred: str | None = None,
     ) -> tuple[Replica, str] | None:
-        """The replica for the next attempt and its model, or None when no model has one."""
-        too_slow = 0.0
-        for model in models:
-            candidates = [r for r in self.pool.candidates(model) if r.address not in exclude]
-            if deadline is not None and candidates:
-                remaining = deadline - self._clock()
-                fits = [r for r in candidates if r.predicted_wait_s() < remaining]
-                if not fits:
-                    too_slow = min(r.predicted_wait_s() for r in candidates)
-                    continue
-                candidates = fits
-            if not candidates:
-                continue
-            if preferred is not None:
-                for r in candidates:
-                    # A pinned replica keeps its session unless it is over the bounded-load cap.
-                    if r.address == preferred and (
-                        not isinstance(self.policy, AffinityPolicy) or self.policy.within_bound(r, candidates)
-                    ):
-                        return r, model
-            chosen = self.policy.choose(candidates, session_key)
-            if chosen is not None:
-                return chosen, model
-        if too_slow:
-            raise errors.DeadlineExceeded(
-                f"predicted queue wait {too_slow:.2f} s exceeds the time left before the deadline"
-            )
-        return None
+        """The replica for the next attempt and its model, or None: ``ReplicaPicker.pick``."""
+        return self.picker.pick(models, session_key, exclude, deadline, preferred)
 
     async def generate(
         self,
@@ -227,10 +203,10 @@ class Relay:
                 raise errors.DeadlineExceeded("deadline passed before the answer finished")
             # Once tokens flowed the answer must continue on the same model: token ids differ across models.
             allowed = [outcome.model] if outcome.token_ids else models
-            picked = self.pick(allowed, session_key, tried, deadline, preferred)
+            picked = self.picker.pick(allowed, session_key, tried, deadline, preferred)
             if picked is None and tried:
                 # Every replica tried once: allow the others again, never the one that just failed.
-                picked = self.pick(allowed, session_key, {outcome.replica}, deadline, None)
+                picked = self.picker.pick(allowed, session_key, {outcome.replica}, deadline, None)
             if picked is None:
                 names = ", ".join(allowed)
                 if not attempts:
