@@ -16,6 +16,8 @@ from services.router.auth import Authenticator
 from services.router.context import ConversationContext
 from services.router.health import ActiveHealthChecker, EjectionConfig
 from services.router.models import ModelCatalog
+from services.router.openai.app import OpenAiFront
+from services.router.openai.listener import HttpListener, HttpSettings
 from services.router.pins import AffinityPins
 from services.router.policies import make_policy
 from services.router.pool import ReplicaDiscovery, ReplicaPool, parse_address_list
@@ -63,6 +65,8 @@ class RouterSettings:
     replica_tls: DialTls | None = None
     session_tls: DialTls | None = None
     retriever_tls: DialTls | None = None
+    #: The OpenAI-compatible HTTP front; None = off.
+    http: HttpSettings | None = None
 
     def __post_init__(self) -> None:
         if not (self.replicas or self.replicas_dns or self.replicas_file):
@@ -118,6 +122,10 @@ class RouterRuntime:
         )
         self._channels: list[grpc.aio.Channel] = []
         self.mover: SessionMover | None = None
+        self.http: HttpListener | None = None
+        if settings.http is not None:
+            front = OpenAiFront(self.pipeline, self.authenticator, settings.http.limits)
+            self.http = HttpListener(front, settings.http)
 
     @staticmethod
     def _redis(url: str | None, cluster: bool) -> Any:
@@ -163,6 +171,8 @@ class RouterRuntime:
         if self.tasks is not None:
             # Only now: a task taken over from a dead router would otherwise run against an empty pool.
             await self.tasks.start()
+        if self.http is not None:
+            await self.http.start()  # in this loop: an HTTP turn is a call into the same pipeline
         await health.set_serving(True)
 
     def _task_api(self) -> TaskBackend | None:
@@ -173,10 +183,14 @@ class RouterRuntime:
         return api
 
     async def drain(self) -> None:
+        if self.http is not None:
+            self.http.begin_shutdown()  # no new connections; open streams finish before close()
         if self.tasks is not None:
             await self.tasks.stop()
 
     async def close(self) -> None:
+        if self.http is not None:
+            await self.http.stop()  # its streams still need the pool, closed below
         if self.mover is not None:
             await self.mover.stop()
         await self.health.stop()
