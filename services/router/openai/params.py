@@ -83,8 +83,10 @@ _CHAT_KNOWN = frozenset(
     }
 )
 _COMPLETIONS_KNOWN = _CHAT_KNOWN - {"messages", "max_completion_tokens"} | {"prompt", "echo", "suffix"}
-# Unknown fields are ignored (clients send new ones all the time) but said once each, not per request.
+# Unknown fields are ignored (clients send new ones all the time) but said once each, not per request;
+# the names remembered are bounded, so a client inventing names cannot grow the set.
 _logged_unknown: set[str] = set()
+MAX_LOGGED_UNKNOWN = 64
 
 
 @dataclass(frozen=True)
@@ -234,7 +236,9 @@ def _refuse_unsupported(body: Mapping[str, Any], known: frozenset[str]) -> None:
     if body.get("best_of") not in (None, 1) and body.get("best_of") != body.get("n"):
         raise unsupported("best_of", "only best_of = n is supported")
     for name in body:
-        if name not in known and name not in _HARMLESS and name not in _logged_unknown:
+        if name in known or name in _HARMLESS or name in _logged_unknown:
+            continue
+        if len(_logged_unknown) < MAX_LOGGED_UNKNOWN:
             _logged_unknown.add(name)
             log.info("ignoring unknown request field %r (logged once)", name)
 
