@@ -16,6 +16,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "router": ("bench.router", "the router's overhead and balancing under load"),
     "retriever": ("bench.retriever", "ingest and search throughput of the retriever"),
     "load": ("bench.load", "the whole mesh under many concurrent clients"),
+    "http-stack": ("bench.http_stack", "what uvicorn+starlette and aiohttp add per request and SSE event"),
     "idle-box": (
         "bench.idle_box",
         "what a thread wake-up and a gRPC write cost on this machine after idle gaps",

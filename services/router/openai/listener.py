@@ -50,6 +50,8 @@ class HttpListener:
         self.settings = settings
         config = uvicorn.Config(
             front.app(),
+            # httptools when installed (a dependency): half h11's cost per request (bench/http_stack.py).
+            http="auto",
             lifespan="off",
             log_config=None,  # keep the router's logging as configured
             access_log=False,
