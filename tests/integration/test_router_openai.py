@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -588,3 +590,33 @@ def test_random_json_gets_a_4xx_in_openai_shape_never_a_500(
 def test_the_router_stays_healthy_after_the_fuzzing(front: Front) -> None:
     assert httpx.get(f"{front.base}/health").json()["status"] == "ok"
     assert greedy(front, HELLO, 2)
+
+
+# -- the README's own snippets
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+README_BASE = "http://127.0.0.1:8000"
+
+
+def _readme_block(language: str, containing: str) -> str:
+    text = README.read_text()
+    for block in text.split(f"```{language}\n")[1:]:
+        code = block.split("```", 1)[0]
+        if containing in code:
+            return code
+    raise AssertionError(f"README has no {language} block with {containing!r}")
+
+
+def test_the_readme_snippets_run_against_an_open_router(front: Front) -> None:
+    # The README's snippets send no key (curl) or any key (the SDK): an open router, on the same replica.
+    router = ServiceProcess("services.router", ["--replicas", front.replica.address, "--http-port", "0"])
+    with router.start():
+        base = http_base(router)
+        curl = _readme_block("bash", "/v1/chat/completions").replace(README_BASE, base)
+        answered = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120)
+        assert answered.returncode == 0, answered.stderr
+        assert json.loads(answered.stdout)["choices"][0]["message"]["content"]
+        sdk = _readme_block("python", "from openai import OpenAI").replace(README_BASE, base)
+        printed = subprocess.run([sys.executable, "-c", sdk], capture_output=True, text=True, timeout=120)
+        assert printed.returncode == 0, printed.stderr
+        assert printed.stdout.strip()

@@ -18,6 +18,7 @@ from services.router.openai.errors import api_error
         (errors.Unauthenticated("invalid API key"), 401, "authentication_error"),
         (errors.PermissionDenied("another tenant's"), 403, "permission_error"),
         (errors.NotFound("gone"), 404, "not_found_error"),
+        (errors.Conflict("the session moved on"), 409, "conflict_error"),
         (errors.Overloaded("busy", retry_after_s=2.5), 429, "rate_limit_error"),
         (errors.DependencyUnavailable("no replica"), 503, "service_unavailable_error"),
         (errors.DeadlineExceeded("late"), 504, "timeout_error"),
