@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -620,3 +621,29 @@ def test_the_readme_snippets_run_against_an_open_router(front: Front) -> None:
         printed = subprocess.run([sys.executable, "-c", sdk], capture_output=True, text=True, timeout=120)
         assert printed.returncode == 0, printed.stderr
         assert printed.stdout.strip()
+
+
+def test_sigterm_lets_an_open_stream_finish_then_the_router_exits(front: Front) -> None:
+    router = ServiceProcess("services.router", ["--replicas", front.replica.address, "--http-port", "0"])
+    router.start()
+    try:
+        base = http_base(router)
+        body = {"model": front.model, "messages": HELLO, "max_tokens": 24, "ignore_eos": True, "stream": True}
+        chunks: list[dict] = []
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    break
+            router.signal(signal.SIGTERM)  # mid-answer
+            time.sleep(0.5)
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(f"{base}/health", timeout=5)  # no new connections while draining
+            rest = list(lines)
+        chunks += [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
+        assert [line for line in rest if line][-1] == "data: [DONE]"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert router.proc is not None and router.proc.wait(30) == 0
+    finally:
+        router.stop()

@@ -149,14 +149,17 @@ class OpenAiFront:
         try:
             # Admission, rate limits, an unknown model, no replica: all decided before the first
             # token, so waiting for it lets those answer with their own status, not a 200 stream.
-            first = await streams.next(self.limits.keepalive_s)
+            first = await _unless_gone(streams.next(self.limits.keepalive_s), request)
         except TimeoutError:
             first = NO_EVENT_YET
         except BaseException:
             await streams.close()
             raise
-        if first is None:  # cannot happen (every turn yields its TurnEnd) but must not hang
+        if first is CLIENT_GONE or first is None:
+            # None cannot happen (every turn yields its TurnEnd) but must not hang.
             await streams.close()
+            if first is CLIENT_GONE:
+                return Response(status_code=499)
             raise ApiError(500, "the turn ended without an answer", "server_error", "internal_error")
         body_iter = sse_body(streams, framer, first, generation.include_usage, self.limits.keepalive_s)
         return SseResponse(body_iter, streams.close)
