@@ -124,7 +124,12 @@ class RouterRuntime:
         self.mover: SessionMover | None = None
         self.http: HttpListener | None = None
         if settings.http is not None:
-            front = OpenAiFront(self.pipeline, self.authenticator, settings.http.limits)
+            front = OpenAiFront(
+                self.pipeline,
+                self.authenticator,
+                settings.http.limits,
+                retriever=lambda: self.servicer.retriever,
+            )
             self.http = HttpListener(front, settings.http)
 
     @staticmethod

@@ -565,7 +565,9 @@ def _bounded(body: object) -> object:
 
 
 @given(
-    route=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/v1/embed"]),
+    route=st.sampled_from(
+        ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/health", "/v1/embed"]
+    ),
     body=_BODIES,
     model=st.text(max_size=12),
 )
@@ -647,3 +649,54 @@ def test_sigterm_lets_an_open_stream_finish_then_the_router_exits(front: Front) 
         assert router.proc is not None and router.proc.wait(30) == 0
     finally:
         router.stop()
+
+
+# -- embeddings, through the retriever's model
+
+
+def test_embeddings_come_from_the_retrievers_model(front: Front, tmp_path: Path) -> None:
+    import numpy as np
+    from langchain_openai import OpenAIEmbeddings
+
+    retriever = ServiceProcess("services.retriever", ["--milvus-uri", str(tmp_path / "milvus.db")]).start(240)
+    router = ServiceProcess(
+        "services.router",
+        ["--replicas", front.replica.address, "--retriever-addr", retriever.address, "--http-port", "0"],
+    )
+    try:
+        with router.start():
+            v1 = f"{http_base(router)}/v1"
+            client = openai.OpenAI(base_url=v1, api_key="unused-on-an-open-router", max_retries=0)
+            texts = ["a cat sat on the mat", "a kitten sat on a rug", "quarterly tax filing deadlines"]
+            got = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts)  # the SDK asks for base64
+            assert [d.index for d in got.data] == [0, 1, 2]
+            assert got.model == "sentence-transformers/all-MiniLM-L6-v2" and got.usage.prompt_tokens > 0
+            vectors = [np.asarray(d.embedding) for d in got.data]
+            assert all(v.shape == (384,) and abs(np.linalg.norm(v) - 1) < 1e-4 for v in vectors)
+            assert vectors[0] @ vectors[1] > vectors[0] @ vectors[2]  # near in meaning, near in space
+            floats = httpx.post(
+                f"{v1}/embeddings", json={"input": texts[0], "encoding_format": "float"}
+            ).json()
+            assert np.allclose(floats["data"][0]["embedding"], vectors[0], atol=1e-6)
+            langchain = OpenAIEmbeddings(
+                base_url=v1,
+                api_key="unused",
+                model="all-MiniLM-L6-v2",
+                check_embedding_ctx_length=False,  # type: ignore[arg-type]
+            )
+            assert np.allclose(langchain.embed_query(texts[0]), vectors[0], atol=1e-6)
+            wrong_model = httpx.post(
+                f"{v1}/embeddings", json={"input": "x", "model": "text-embedding-3-small"}
+            )
+            assert "all-MiniLM-L6-v2" in assert_error(wrong_model, 404, "model", "model_not_found")["message"]
+            assert_error(
+                httpx.post(f"{v1}/embeddings", json={"input": "x", "dimensions": 64}), 400, "dimensions"
+            )
+            assert_error(httpx.post(f"{v1}/embeddings", json={"input": [[1, 2]]}), 400, "input")
+    finally:
+        retriever.stop()
+
+
+def test_embeddings_without_a_retriever_say_so(front: Front) -> None:
+    error = assert_error(front.post("/v1/embeddings", {"input": "x"}), 400, code="failed_precondition")
+    assert "--retriever-addr" in error["message"]

@@ -16,8 +16,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from services.router.auth import Authenticator, Principal
+from services.common import errors
+from services.gen.llmmesh.v1 import retriever_pb2
+from services.router.auth import Authenticator, Principal, downstream_metadata
 from services.router.openai.choices import ChoiceEvent, ChoiceStreams
+from services.router.openai.embeddings import check_model, embedding_body, embedding_request
 from services.router.openai.errors import ApiError, api_error, bad_request
 from services.router.openai.framing import Framer, Kind
 from services.router.openai.metrics import HttpMetrics
@@ -62,9 +65,12 @@ class OpenAiFront:
         authenticator: Authenticator,
         limits: FrontLimits = FrontLimits(),
         clock: Callable[[], float] = time.monotonic,
+        retriever: Callable[[], Any] = lambda: None,
     ) -> None:
         self.pipeline = pipeline
         self.authenticator = authenticator
+        # Looked up per request: the router dials the retriever only once it has started.
+        self._retriever = retriever
         self.limits = limits
         self._clock = clock
 
@@ -75,6 +81,7 @@ class OpenAiFront:
             Route("/v1/models/{model:path}", self._endpoint(self.get_model), methods=["GET"]),
             Route("/v1/chat/completions", self._endpoint(self.chat), methods=["POST"]),
             Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
+            Route("/v1/embeddings", self._endpoint(self.embeddings), methods=["POST"]),
         ]
         app = Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
         return HttpMetrics(app)
@@ -124,6 +131,24 @@ class OpenAiFront:
 
     async def completions(self, request: Request) -> Any:
         return await self._generate(request, "text", completion_generation, "cmpl-")
+
+    async def embeddings(self, request: Request) -> Response:
+        principal = self._principal(request)
+        deadline = self._deadline(request)
+        wanted = embedding_request(await self._json(request))
+        stub = self._retriever()
+        if stub is None:
+            raise errors.FailedPrecondition("embeddings need --retriever-addr: this router has no retriever")
+        if (limiter := self.pipeline.s.rate_limiter) is not None:
+            await limiter.admit_request(principal)  # an embedding request is a request like a turn
+        timeout = None if deadline is None else max(0.001, deadline - self._clock())
+        reply = await stub.Embed(
+            retriever_pb2.EmbedRequest(texts=wanted.texts),
+            metadata=downstream_metadata(principal),
+            timeout=timeout,
+        )
+        check_model(wanted.model, reply.model)
+        return JSONResponse(embedding_body(wanted, reply))
 
     # -- the one generation path
 

@@ -20,7 +20,7 @@ HTTP_SECONDS = Histogram(
     ["route"],
     buckets=LATENCY_BUCKETS,
 )
-ROUTES = ("/health", "/v1/models", "/v1/chat/completions", "/v1/completions")
+ROUTES = ("/health", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 
 def route_label(path: str) -> str:
