@@ -160,7 +160,9 @@ class OpenAiFront:
         body = await self._json(request)
         completion_id = prefix + uuid.uuid4().hex
         generation = parse(body, completion_id)
-        framer = Framer(kind, completion_id, int(time.time()), self._model_name(generation.model))
+        framer = Framer(
+            kind, completion_id, int(time.time()), self._model_name(generation.model), generation.per_prompt
+        )
         streams = ChoiceStreams(self.pipeline, principal, generation.turns, deadline)
         if not generation.stream:
             try:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -15,7 +15,10 @@ FINISH_REASONS: dict[int, str] = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
 }
-KEEPALIVE = b": keep-alive\n\n"
+# A comment line with no blank line after it: a blank line would end an "event" with no data,
+# which parsers that keep the last event id (as the SSE spec says, and the OpenAI SDKs do) hand
+# on as an empty event, and the SDKs then fail to parse its "" as JSON.
+KEEPALIVE = b": keep-alive\n"
 DONE = b"data: [DONE]\n\n"
 Kind = Literal["chat", "text"]
 
@@ -38,11 +41,17 @@ def usage_body(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     }
 
 
-def total_usage(ends: Sequence[common_pb2.Usage]) -> dict[str, Any]:
-    """Choices of one request read the same prompt: it is counted once, as OpenAI counts it."""
-    prompt = max((u.prompt_tokens for u in ends), default=0)
-    cached = max((u.cached_prompt_tokens for u in ends), default=0)
-    return usage_body(prompt, sum(u.completion_tokens for u in ends), cached)
+def total_usage(usages: Mapping[int, common_pb2.Usage], per_prompt: int = 1) -> dict[str, Any]:
+    """The n choices of one prompt read the same prompt: it counts once per prompt, as OpenAI counts it.
+
+    ``usages`` is by choice index; choices ``[k * per_prompt, (k + 1) * per_prompt)`` share prompt k.
+    """
+    prompts: dict[int, tuple[int, int]] = {}
+    for index, u in usages.items():
+        seen, cached = prompts.get(index // per_prompt, (0, 0))
+        prompts[index // per_prompt] = (max(seen, u.prompt_tokens), max(cached, u.cached_prompt_tokens))
+    completion = sum(u.completion_tokens for u in usages.values())
+    return usage_body(sum(p for p, _ in prompts.values()), completion, sum(c for _, c in prompts.values()))
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,8 @@ class Framer:
     completion_id: str
     created: int
     model: str
+    #: Choices per prompt (n): they share one prompt's tokens in the usage.
+    per_prompt: int = 1
 
     def _head(self, object_name: str, model: str | None = None) -> dict[str, Any]:
         return {
@@ -80,7 +91,9 @@ class Framer:
                 )
         body = self._head("chat.completion" if self.kind == "chat" else "text_completion", model)
         body["choices"] = choices
-        body["usage"] = total_usage([e.usage for e in ends])
+        body["usage"] = total_usage(
+            {i: a.end.usage for i, a in enumerate(answers) if a.end is not None}, self.per_prompt
+        )
         return body
 
     def _chunk(self, choice: dict[str, Any], with_usage: bool) -> dict[str, Any]:
@@ -114,9 +127,9 @@ class Framer:
             choice = {"index": index, "text": "", "logprobs": None, "finish_reason": name}
         return self._chunk(choice, with_usage)
 
-    def usage(self, ends: Sequence[common_pb2.Usage]) -> dict[str, Any]:
+    def usage(self, usages: Mapping[int, common_pb2.Usage]) -> dict[str, Any]:
         """The last chunk of a stream that asked for ``stream_options.include_usage``: no choices."""
         body = self._head("chat.completion.chunk" if self.kind == "chat" else "text_completion")
         body["choices"] = []
-        body["usage"] = total_usage(ends)
+        body["usage"] = total_usage(usages, self.per_prompt)
         return body

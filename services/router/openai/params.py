@@ -97,6 +97,8 @@ class Generation:
     turns: tuple[router_pb2.ChatRequest, ...]
     stream: bool
     include_usage: bool
+    #: n: the choices of each prompt, consecutive in ``turns``.
+    per_prompt: int = 1
 
 
 def chat_generation(body: Any, request_id: str) -> Generation:
@@ -174,7 +176,7 @@ def _generation(
                     request_id=f"{request_id}-{index}" if len(conversations) * n > 1 else request_id,
                 )
             )
-    return Generation(model or "", tuple(turns), stream, include_usage)
+    return Generation(model or "", tuple(turns), stream, include_usage, n)
 
 
 def _sampling(body: Mapping[str, Any], max_tokens: int | None) -> common_pb2.SamplingParams:

@@ -94,7 +94,7 @@ async def sse_body(
         usages[index] = end.usage
         yield event(framer.finish(index, end.finish_reason, include_usage))
     if include_usage:
-        yield event(framer.usage(list(usages.values())))
+        yield event(framer.usage(usages))
     yield DONE
 
 
