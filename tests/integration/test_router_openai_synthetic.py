@@ -49,3 +49,15 @@ def test_the_openai_sdk_reads_a_stream_with_keepalives_between_tokens(base: str)
     contents = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert len(contents) == 3
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("off", [["--no-http"], ["--http-port", "-1"]])
+def test_the_http_front_can_be_turned_off(off: list[str]) -> None:
+    replica = synthetic_replica().start()
+    router = router_process([replica], *off)
+    try:
+        router.start()  # SERVING: the HTTP front would have printed its line before this
+        assert not any(" http on " in line for line in router.lines), router.output()
+    finally:
+        router.stop()
+        replica.stop()
