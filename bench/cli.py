@@ -16,6 +16,11 @@ BENCHES: dict[str, tuple[str, str]] = {
     "router": ("bench.router", "the router's overhead and balancing under load"),
     "retriever": ("bench.retriever", "ingest and search throughput of the retriever"),
     "load": ("bench.load", "the whole mesh under many concurrent clients"),
+    "http-stack": ("bench.http_stack", "what uvicorn+starlette and aiohttp add per request and SSE event"),
+    "openai-front": (
+        "bench.openai_front",
+        "one short turn through the router's gRPC and its OpenAI HTTP front",
+    ),
     "idle-box": (
         "bench.idle_box",
         "what a thread wake-up and a gRPC write cost on this machine after idle gaps",

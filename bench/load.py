@@ -368,6 +368,7 @@ class OwnMesh:
             str(max(2048, 2 * max(args.concurrency_levels))),
             "--policy",
             args.policy,
+            "--no-http",  # a gRPC load test: the default HTTP port 8000 may belong to a running mesh
         ]
         router = Service("services.router", router_args).start()
         await router.wait_serving()

@@ -504,6 +504,8 @@ def router_flags(replicas: list[Service]) -> list[str]:
         "least",
         "--max-in-flight",
         "8192",
+        # Several routers run at once here: none may take the shared default HTTP port 8000.
+        "--no-http",
     ]
 
 

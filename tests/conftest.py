@@ -14,6 +14,8 @@ from tests.support.redis import RedisServer
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every router a test starts opens its OpenAI HTTP front on a free port, never the shared 8000.
+os.environ.setdefault("LLMMESH_HTTP_PORT", "0")
 
 
 @pytest.hookimpl(wrapper=True)

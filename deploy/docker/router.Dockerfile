@@ -28,10 +28,12 @@ ENV PATH=/opt/venv/bin:$PATH \
     HF_HOME=/tmp/hf \
     LLMMESH_HOST=0.0.0.0 \
     LLMMESH_PORT=50051 \
+    LLMMESH_HTTP_PORT=8000 \
     LLMMESH_METRICS_PORT=9090
 USER 10001:10001
 WORKDIR /home/llmmesh
-EXPOSE 50051 9090
+# 8000: the OpenAI-compatible HTTP front (docs/openai.md).
+EXPOSE 50051 8000 9090
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
     CMD ["python", "/usr/local/bin/grpc_health_check.py", "127.0.0.1:50051"]
 # SIGTERM drains: health goes NOT_SERVING, in-flight work finishes, then the process exits.

@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 LISTEN_RE = re.compile(r"llm-mesh (\S+) listening on (\S+):(\d+)")
+HTTP_RE = re.compile(r"llm-mesh (\S+) http on (\S+):(\d+)")
 METRICS_RE = re.compile(r"llm-mesh (\S+) metrics on (\S+):(\d+)")
 _PR_SET_PDEATHSIG = 1
 
@@ -49,6 +50,8 @@ class ChildProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.port: int | None = None
         self.metrics_port: int | None = None
+        #: The router's OpenAI HTTP port, once it said so.
+        self.http_port: int | None = None
         self.host = "127.0.0.1"
         self._listening = threading.Event()
         self._tail: list[str] = []
@@ -97,6 +100,8 @@ class ChildProcess:
                     self._listening.set()
                 if m := METRICS_RE.search(line):
                     self.metrics_port = int(m.group(3))
+                if m := HTTP_RE.search(line):
+                    self.http_port = int(m.group(3))
 
     def restart(self) -> None:
         """Start the same command again on the port it had, so every client's address stays right.
@@ -106,6 +111,9 @@ class ChildProcess:
         if self.port is not None and "--port" in self.command:
             at = self.command.index("--port") + 1
             self.command = [*self.command[:at], str(self.port), *self.command[at + 1 :]]
+        if self.http_port is not None and "--http-port" in self.command:
+            at = self.command.index("--http-port") + 1  # the same for the router's HTTP clients
+            self.command = [*self.command[:at], str(self.http_port), *self.command[at + 1 :]]
         self._listening.clear()
         self.metrics_port = None
         # In the tail too: a give-up message shows where each run's last words begin.

@@ -20,6 +20,8 @@ GATEWAY_BINARY = ROOT / "deploy" / "gateway" / "bin" / "llm-mesh-gateway"
 
 # The documented ports (DESIGN.md): replicas step by 10 so each can add neighbours later.
 ROUTER_PORT = 50051
+# The router's OpenAI-compatible HTTP front: where OpenAI SDKs and tools expect a local server.
+ROUTER_HTTP_PORT = 8000
 INFERENCE_BASE_PORT = 50052
 RETRIEVER_PORT = 50053
 SESSION_PORT = 50054
@@ -45,6 +47,8 @@ class MeshConfig:
     #: Where the router listens; the services behind it always listen on INTERNAL_HOST.
     host: str = "127.0.0.1"
     router_port: int = ROUTER_PORT
+    #: The router's OpenAI HTTP port on ``host``; None = no HTTP front.
+    http_port: int | None = ROUTER_HTTP_PORT
     redis_url: str | None = None
     milvus_uri: str | None = None
     gateway: bool = False
@@ -61,6 +65,8 @@ class MeshConfig:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
         if not 0 <= self.router_port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.router_port}")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"--http-port must be in 0..65535, got {self.http_port}")
         if self.memory_limit_mib is not None and self.memory_limit_mib < 1:
             raise ValueError(f"--memory-limit-mib must be >= 1, got {self.memory_limit_mib}")
 
@@ -127,6 +133,7 @@ class MeshConfig:
             retriever,
             "--redis-url",
             redis_url,
+            *(["--no-http"] if self.http_port is None else ["--http-port", str(self.port(self.http_port))]),
             host=self.host,
         )
 

@@ -13,7 +13,7 @@ from types import FrameType
 
 from services.launcher.children import ChildFailed
 from services.launcher.lock import AlreadyRunning, MeshLock, port_in_use
-from services.launcher.mesh import DEFAULT_MODEL, ROOT, ROUTER_PORT, LocalMesh, MeshConfig
+from services.launcher.mesh import DEFAULT_MODEL, ROOT, ROUTER_HTTP_PORT, ROUTER_PORT, LocalMesh, MeshConfig
 from services.launcher.supervision import RestartPolicy
 from services.launcher.supervisor import ChildGaveUp, Supervisor
 
@@ -32,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--port", type=int, default=ROUTER_PORT, help="router port (0 = every service on a free port)"
+    )
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=ROUTER_HTTP_PORT,
+        help=f"the router's OpenAI-compatible HTTP port (default {ROUTER_HTTP_PORT}; -1 = off)",
     )
     parser.add_argument(
         "--host",
@@ -67,6 +73,7 @@ def config_from_args(args: argparse.Namespace) -> MeshConfig:
         replicas=args.replicas,
         host=args.host,
         router_port=args.port,
+        http_port=None if args.http_port < 0 else args.http_port,
         # An existing Redis / Milvus wins over the embedded ones, as in every deployment.
         redis_url=os.environ.get("REDIS_URL") or None,
         milvus_uri=os.environ.get("MILVUS_URI") or None,
@@ -90,6 +97,15 @@ def ensure_model(model: Path) -> None:
     )
 
 
+def openai_base_url(mesh: LocalMesh) -> str | None:
+    """The OpenAI base URL of the router's HTTP front (loopback when it listens on every address)."""
+    router = mesh.router
+    if router is None or router.http_port is None:
+        return None
+    host = "127.0.0.1" if router.host in ("0.0.0.0", "::") else router.host
+    return f"http://{host}:{router.http_port}/v1"
+
+
 def ready_block(mesh: LocalMesh, config: MeshConfig) -> str:
     endpoints = mesh.endpoints()
     metrics = mesh.metrics_endpoints()
@@ -101,6 +117,8 @@ def ready_block(mesh: LocalMesh, config: MeshConfig) -> str:
             extra = f"   REST: curl http://{address}/healthz"
         lines.append(f"  {name:<12} {address}{extra}")
     lines.append(f"  {'redis':<12} {mesh.redis_url}" if mesh.redis is None else "")
+    if (base := openai_base_url(mesh)) is not None:
+        lines.append(f"  {'openai':<12} {base}   (OPENAI_BASE_URL for the OpenAI SDKs)")
     lines.append(f"  {'milvus':<12} {config.milvus}")
     lines.append(f"  {'logs':<12} {config.data_dir / 'logs'}")
     # Name addresses only where they differ from the clients' defaults.
@@ -110,6 +128,14 @@ def ready_block(mesh: LocalMesh, config: MeshConfig) -> str:
         "try it:",
         f'  grpcurl -plaintext -d \'{{"messages":[{{"role":"user","content":"What is llm-mesh?"}}],'
         f'"sampling":{{"max_tokens":64}}}}\' {router} llmmesh.v1.Router/Complete',
+        *(
+            [
+                f"  curl {base}/chat/completions -H 'content-type: application/json' "
+                f'-d \'{{"model":"","messages":[{{"role":"user","content":"What is llm-mesh?"}}]}}\''
+            ]
+            if base is not None
+            else []
+        ),
         f"  llm-mesh chat{to_router}",
         f"  llm-mesh ingest{to_router} examples/docs && llm-mesh ask{to_router} --rag 'How do I stop llm-mesh?'",
         f"  llm-mesh status{to_router}{data_dir}",
@@ -136,6 +162,13 @@ def run(args: argparse.Namespace) -> int:
             print(
                 f"llm-mesh is already running, or something else listens on {config.host}:{config.router_port}; "
                 "stop it first or pass --port",
+                file=sys.stderr,
+            )
+            return 1
+        if config.http_port and port_in_use(config.host, config.http_port):
+            print(
+                f"something else listens on {config.host}:{config.http_port} (the router's OpenAI HTTP port); "
+                "stop it first or pass --http-port (-1 = no HTTP front)",
                 file=sys.stderr,
             )
             return 1

@@ -59,6 +59,7 @@ class RetrieverRuntime:
             Backends(
                 corpus=Corpus(self._store, embedder, chunker, locks=self._document_locks()),
                 cache=SemanticCache(self._store, embedder, config.cache_threshold, config.cache_ttl_seconds),
+                embedder=embedder,
             )
         )
         await health.set_serving(True)

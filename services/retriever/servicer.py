@@ -15,11 +15,13 @@ from services.common.metadata import TENANT_KEY, metadata_value
 from services.gen.llmmesh.v1 import common_pb2, retriever_pb2, retriever_pb2_grpc
 from services.retriever import metrics
 from services.retriever.corpus import Corpus, DocumentUpload, SearchQuery
+from services.retriever.embedder import Embedder, Vectors
 from services.retriever.semantic_cache import CacheScope, SemanticCache
 from services.retriever.store import AnswerUsage, DocumentRecord
 
 Context = grpc.aio.ServicerContext[Any, Any]
 MAX_TENANT_CHARS = 256
+MAX_EMBED_TEXTS = 256
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,8 @@ class Backends:
 
     corpus: Corpus
     cache: SemanticCache
+    #: The model both embed with, for Embed.
+    embedder: Embedder
 
 
 def tenant_of(context: Context) -> str:
@@ -218,3 +222,23 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             usage,
         )
         return retriever_pb2.CacheStoreResponse(entry_id=entry_id)
+
+    async def Embed(  # type: ignore[override]
+        self, request: retriever_pb2.EmbedRequest, context: Context
+    ) -> retriever_pb2.EmbedResponse:
+        if not 1 <= len(request.texts) <= MAX_EMBED_TEXTS:
+            raise InvalidArgument("texts", f"must hold 1..{MAX_EMBED_TEXTS} texts, got {len(request.texts)}")
+        embedder = self.backends.embedder
+        texts = list(request.texts)
+        vectors, tokens = await asyncio.to_thread(_embed_counted, embedder, texts)
+        return retriever_pb2.EmbedResponse(
+            embeddings=[retriever_pb2.Embedding(values=row.tolist()) for row in vectors],
+            model=embedder.model_name,
+            tokens=tokens,
+        )
+
+
+def _embed_counted(embedder: Embedder, texts: list[str]) -> tuple[Vectors, int]:
+    """The vectors and the tokens the model read (each text cut at its input length)."""
+    tokens = sum(min(len(embedder.token_spans(t)), embedder.max_tokens) for t in texts)
+    return embedder.embed(texts), tokens

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from services.common.server import run
 from services.common.settings import EnvArgumentParser, add_server_args, server_options
 from services.router import grpc_io
 from services.router.admission.tls import DialTls
+from services.router.api.openai.app import FrontLimits
+from services.router.api.openai.listener import HTTP_OFF, HttpSettings
 from services.router.placement.outliers import EjectionConfig
 from services.router.placement.policies import POLICY_NAMES
 from services.router.runtime import RouterRuntime, RouterSettings, static_replicas
@@ -57,6 +61,16 @@ def main(argv: list[str] | None = None) -> None:
         )
         add(f"--{peer}-tls-cert", default=None, help=f"PEM client certificate shown to the {peer} (mTLS)")
         add(f"--{peer}-tls-key", default=None, help=f"PEM private key of --{peer}-tls-cert")
+    add(
+        "--http-port",
+        type=int,
+        default=8000,
+        help=f"OpenAI-compatible HTTP port (0 = any free, {HTTP_OFF} = off)",
+    )
+    add("--no-http", action="store_true", help="no OpenAI-compatible HTTP front (same as --http-port -1)")
+    add("--http-host", default=None, help="address of the HTTP front (default: --host)")
+    add("--http-max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest HTTP request body")
+    add("--http-keepalive-s", type=float, default=10.0, help="SSE keep-alive comment period while waiting")
     add_task_arguments(parser)
     args = parser.parse_args(argv)
     try:
@@ -98,6 +112,16 @@ def main(argv: list[str] | None = None) -> None:
                 "retriever", args.retriever_tls_ca, args.retriever_tls_cert, args.retriever_tls_key
             ),
         )
+        if not args.no_http and args.http_port != HTTP_OFF:
+            settings = dataclasses.replace(
+                settings,
+                http=HttpSettings(
+                    host=args.http_host or args.host,
+                    port=args.http_port,
+                    limits=FrontLimits(args.http_max_body_bytes, args.http_keepalive_s),
+                    grace_s=args.grace_seconds,
+                ),
+            )
         runtime = RouterRuntime(settings)
     except ValueError as exc:
         parser.error(str(exc))

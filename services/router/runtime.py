@@ -15,6 +15,8 @@ from services.gen.llmmesh.v1 import retriever_pb2_grpc, router_pb2_grpc, session
 from services.router.admission.auth import Authenticator
 from services.router.admission.ratelimit import InflightLimiter, RateLimiter
 from services.router.admission.tls import DialTls, dial
+from services.router.api.openai.app import OpenAiFront
+from services.router.api.openai.listener import HttpListener, HttpSettings
 from services.router.api.servicer import RouterServicer, TaskBackend
 from services.router.api.task_api import TaskApi
 from services.router.placement.discovery import ReplicaDiscovery, parse_address_list
@@ -69,6 +71,8 @@ class RouterSettings:
     replica_tls: DialTls | None = None
     session_tls: DialTls | None = None
     retriever_tls: DialTls | None = None
+    #: The OpenAI-compatible HTTP front; None = off.
+    http: HttpSettings | None = None
 
     def __post_init__(self) -> None:
         if not (self.replicas or self.replicas_dns or self.replicas_file):
@@ -125,6 +129,15 @@ class RouterRuntime:
         )
         self._channels: list[grpc.aio.Channel] = []
         self.mover: SessionMover | None = None
+        self.http: HttpListener | None = None
+        if settings.http is not None:
+            front = OpenAiFront(
+                self.pipeline,
+                self.authenticator,
+                settings.http.limits,
+                retriever=lambda: self.servicer.retriever,
+            )
+            self.http = HttpListener(front, settings.http)
 
     @staticmethod
     def _redis(url: str | None, cluster: bool) -> Any:
@@ -175,6 +188,8 @@ class RouterRuntime:
         if self.tasks is not None:
             # Only now: a task taken over from a dead router would otherwise run against an empty pool.
             await self.tasks.start()
+        if self.http is not None:
+            await self.http.start()  # in this loop: an HTTP turn is a call into the same pipeline
         await health.set_serving(True)
 
     def _task_api(self) -> TaskBackend | None:
@@ -185,10 +200,14 @@ class RouterRuntime:
         return api
 
     async def drain(self) -> None:
+        if self.http is not None:
+            self.http.begin_shutdown()  # no new connections; open streams finish before close()
         if self.tasks is not None:
             await self.tasks.stop()
 
     async def close(self) -> None:
+        if self.http is not None:
+            await self.http.stop()  # its streams still need the pool, closed below
         if self.mover is not None:
             await self.mover.stop()
         await self.health.stop()

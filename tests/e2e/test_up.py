@@ -45,6 +45,19 @@ def test_ready_block_lists_every_service_and_its_own_redis(mesh: LaunchedMesh) -
     assert "grpcurl -plaintext" in mesh.output()
 
 
+def test_the_ready_block_gives_an_openai_base_url_that_answers(mesh: LaunchedMesh) -> None:
+    import openai
+
+    found = re.search(r"^  openai\s+(http://\S+/v1)\s", mesh.output(), re.MULTILINE)
+    assert found is not None, mesh.output()
+    client = openai.OpenAI(base_url=found.group(1), api_key="unused-on-an-open-router", max_retries=0)
+    models = [m.id for m in client.models.list()]
+    answer = client.chat.completions.create(
+        model=models[0], messages=[{"role": "user", "content": "Name a colour."}], max_tokens=8, temperature=0
+    )
+    assert answer.choices[0].message.content and answer.usage is not None
+
+
 def test_the_replica_plans_its_memory_within_the_launchers_share(mesh: LaunchedMesh) -> None:
     # The launcher says what each replica may use; the replica sizes its cache inside it.
     planned = re.search(r"memory: \d+ MiB .*, (\d+) MiB for each inference replica", mesh.output())

@@ -87,7 +87,7 @@ def test_compose_runs_every_service_with_redis_milvus_and_health_checks() -> Non
         if build:
             assert (ROOT / "deploy" / build["context"] / build["dockerfile"]).exists()
     router = services["router"]
-    assert router["ports"] == ["127.0.0.1:50051:50051"]
+    assert router["ports"] == ["127.0.0.1:50051:50051", "127.0.0.1:8000:8000"]
     assert all(services[d]["healthcheck"] for d in router["depends_on"])
     assert services["session"]["environment"]["LLMMESH_REDIS_URL"].startswith("redis://redis:")
     assert services["retriever"]["environment"]["LLMMESH_MILVUS_URI"] == "http://milvus:19530"

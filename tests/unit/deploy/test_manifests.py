@@ -91,7 +91,9 @@ def test_each_service_has_deployment_service_and_disruption_budget(overlay: str)
         service_name = "inference-headless" if name == "inference" else name
         service = find(objects, "Service", service_name)
         assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
-        assert {p["port"] for p in service["spec"]["ports"]} == {port, 9090}
+        # The router also serves the OpenAI-compatible HTTP front, on 8000.
+        extra = {8000} if name == "router" else set()
+        assert {p["port"] for p in service["spec"]["ports"]} == {port, 9090, *extra}
         budget = find(objects, "PodDisruptionBudget", name)
         assert budget["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
 

@@ -50,8 +50,23 @@ def test_only_the_router_listens_on_host_everything_behind_it_on_loopback(tmp_pa
     assert router[router.index("--retriever-addr") + 1] == "127.0.0.1:50053"
 
 
+def test_the_router_serves_openai_http_on_8000_a_free_port_or_not_at_all(tmp_path: Path) -> None:
+    args = (["127.0.0.1:50052"], "127.0.0.1:50054", "127.0.0.1:50053", "redis://x:1/0")
+
+    def http_flags(config: MeshConfig) -> list[str]:
+        command = config.router_command(*args)
+        if "--no-http" in command:
+            return ["--no-http"]
+        return command[command.index("--http-port") : command.index("--http-port") + 2]
+
+    assert http_flags(MeshConfig(data_dir=tmp_path)) == ["--http-port", "8000"]
+    assert http_flags(MeshConfig(data_dir=tmp_path, router_port=0)) == ["--http-port", "0"]
+    assert http_flags(MeshConfig(data_dir=tmp_path, http_port=None)) == ["--no-http"]
+
+
 @pytest.mark.parametrize(
-    ("field", "value", "flag"), [("replicas", 0, "--replicas"), ("router_port", 70000, "--port")]
+    ("field", "value", "flag"),
+    [("replicas", 0, "--replicas"), ("router_port", 70000, "--port"), ("http_port", 70000, "--http-port")],
 )
 def test_plan_rejects_bad_flags_by_name(tmp_path: Path, field: str, value: int, flag: str) -> None:
     with pytest.raises(ValueError, match=f"^{flag} must be"):

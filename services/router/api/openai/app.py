@@ -1,0 +1,278 @@
+"""The routes of the OpenAI front: auth, body limits, and each endpoint handed to the turn pipeline."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from services.common import errors
+from services.gen.llmmesh.v1 import retriever_pb2
+from services.router.admission.auth import Authenticator, Principal, downstream_metadata
+from services.router.api.openai.choices import ChoiceEvent, ChoiceStreams
+from services.router.api.openai.embeddings import check_model, embedding_body, embedding_request
+from services.router.api.openai.errors import ApiError, api_error, bad_request
+from services.router.api.openai.framing import Framer, Kind
+from services.router.api.openai.metrics import HttpMetrics
+from services.router.api.openai.params import Generation, chat_generation, completion_generation
+from services.router.api.openai.streaming import (
+    NO_EVENT_YET,
+    NoEventYet,
+    SseResponse,
+    sse_body,
+    until_disconnected,
+)
+from services.router.turns.pipeline import TurnPipeline
+
+# Deadline headers, in seconds: ours, and the one the official OpenAI SDKs send with their timeout.
+TIMEOUT_HEADERS = ("x-request-timeout", "x-stainless-timeout")
+OWNER = "llm-mesh"
+CLIENT_GONE = object()
+
+
+@dataclass(frozen=True)
+class FrontLimits:
+    """How the HTTP front bounds a request."""
+
+    max_body_bytes: int = 4 * 1024 * 1024
+    #: Seconds without an event before a stream sends ``: keep-alive`` (and before a queued
+    #: stream starts its response rather than wait for a first token that decides its status).
+    keepalive_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1:
+            raise ValueError("--http-max-body-bytes must be >= 1")
+        if not self.keepalive_s > 0:
+            raise ValueError("--http-keepalive-s must be > 0")
+
+
+class OpenAiFront:
+    """The endpoints, over the router's own pipeline, authenticator and pool."""
+
+    def __init__(
+        self,
+        pipeline: TurnPipeline,
+        authenticator: Authenticator,
+        limits: FrontLimits = FrontLimits(),
+        clock: Callable[[], float] = time.monotonic,
+        retriever: Callable[[], Any] = lambda: None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.authenticator = authenticator
+        # Looked up per request: the router dials the retriever only once it has started.
+        self._retriever = retriever
+        self.limits = limits
+        self._clock = clock
+
+    def app(self) -> Any:
+        routes = [
+            Route("/health", self._endpoint(self.health), methods=["GET"]),
+            Route("/v1/models", self._endpoint(self.list_models), methods=["GET"]),
+            Route("/v1/models/{model:path}", self._endpoint(self.get_model), methods=["GET"]),
+            Route("/v1/chat/completions", self._endpoint(self.chat), methods=["POST"]),
+            Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
+            Route("/v1/embeddings", self._endpoint(self.embeddings), methods=["POST"]),
+        ]
+        app = Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
+        return HttpMetrics(app)
+
+    def _endpoint(self, handler: Callable[[Request], Awaitable[Any]]) -> Callable[[Request], Awaitable[Any]]:
+        """Every failure leaves as an OpenAI-shaped error with the table's status, never a traceback."""
+
+        async def run(request: Request) -> Any:
+            try:
+                return await handler(request)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                return error_response(api_error(exc, request.url.path))
+
+        return run
+
+    # -- endpoints
+
+    async def health(self, request: Request) -> Response:
+        models = sorted(self.pipeline.s.pool.models())
+        if not models:
+            raise ApiError(503, "no inference replica is serving", "service_unavailable_error", "no_replica")
+        return JSONResponse({"status": "ok", "models": models})
+
+    async def list_models(self, request: Request) -> Response:
+        self._principal(request)
+        return JSONResponse({"object": "list", "data": [self._model(m) for m in sorted(self._known())]})
+
+    async def get_model(self, request: Request) -> Response:
+        self._principal(request)
+        name = request.path_params["model"]
+        known = self._known()
+        if name not in known:
+            served = ", ".join(sorted(known)) or "none yet"
+            raise ApiError(
+                404,
+                f"model {name!r} not found; this router serves: {served}",
+                "invalid_request_error",
+                "model_not_found",
+                "model",
+            )
+        return JSONResponse(self._model(name))
+
+    async def chat(self, request: Request) -> Any:
+        return await self._generate(request, "chat", chat_generation, "chatcmpl-")
+
+    async def completions(self, request: Request) -> Any:
+        return await self._generate(request, "text", completion_generation, "cmpl-")
+
+    async def embeddings(self, request: Request) -> Response:
+        principal = self._principal(request)
+        deadline = self._deadline(request)
+        wanted = embedding_request(await self._json(request))
+        stub = self._retriever()
+        if stub is None:
+            raise errors.FailedPrecondition("embeddings need --retriever-addr: this router has no retriever")
+        if (limiter := self.pipeline.s.rate_limiter) is not None:
+            await limiter.admit_request(principal)  # an embedding request is a request like a turn
+        timeout = None if deadline is None else max(0.001, deadline - self._clock())
+        reply = await stub.Embed(
+            retriever_pb2.EmbedRequest(texts=wanted.texts),
+            metadata=downstream_metadata(principal),
+            timeout=timeout,
+        )
+        check_model(wanted.model, reply.model)
+        return JSONResponse(embedding_body(wanted, reply))
+
+    # -- the one generation path
+
+    async def _generate(
+        self, request: Request, kind: Kind, parse: Callable[[Any, str], Generation], prefix: str
+    ) -> Any:
+        principal = self._principal(request)
+        deadline = self._deadline(request)
+        body = await self._json(request)
+        completion_id = prefix + uuid.uuid4().hex
+        generation = parse(body, completion_id)
+        framer = Framer(
+            kind, completion_id, int(time.time()), self._model_name(generation.model), generation.per_prompt
+        )
+        streams = ChoiceStreams(self.pipeline, principal, generation.turns, deadline)
+        if not generation.stream:
+            try:
+                answers = await _unless_gone(streams.answers(), request)
+            finally:
+                await streams.close()
+            if answers is CLIENT_GONE:
+                return Response(status_code=499)
+            return JSONResponse(framer.whole(answers))
+        first: ChoiceEvent | NoEventYet | None
+        try:
+            # Admission, rate limits, an unknown model, no replica: all decided before the first
+            # token, so waiting for it lets those answer with their own status, not a 200 stream.
+            first = await _unless_gone(streams.next(self.limits.keepalive_s), request)
+        except TimeoutError:
+            first = NO_EVENT_YET
+        except BaseException:
+            await streams.close()
+            raise
+        if first is CLIENT_GONE or first is None:
+            # None cannot happen (every turn yields its TurnEnd) but must not hang.
+            await streams.close()
+            if first is CLIENT_GONE:
+                return Response(status_code=499)
+            raise ApiError(500, "the turn ended without an answer", "server_error", "internal_error")
+        body_iter = sse_body(streams, framer, first, generation.include_usage, self.limits.keepalive_s)
+        return SseResponse(body_iter, streams.close)
+
+    # -- helpers
+
+    def _principal(self, request: Request) -> Principal:
+        header = request.headers.get("authorization")
+        return self.authenticator.authenticate([("authorization", header)] if header is not None else [])
+
+    def _deadline(self, request: Request) -> float | None:
+        seconds: list[float] = []
+        for name in TIMEOUT_HEADERS:
+            raw = request.headers.get(name)
+            if raw is None:
+                continue
+            try:
+                value = float(raw)
+            except ValueError:
+                value = float("nan")
+            if not value > 0 or value == float("inf"):
+                raise bad_request(name, f"header {name}: must be a positive number of seconds")
+            seconds.append(value)
+        return self._clock() + min(seconds) if seconds else None
+
+    async def _json(self, request: Request) -> Any:
+        limit = self.limits.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _too_large(limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:  # a chunked body has no length to check up front
+                raise _too_large(limit)
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except (ValueError, RecursionError) as exc:
+            raise bad_request(None, f"the request body is not valid JSON: {exc}", "invalid_json") from None
+
+    def _known(self) -> set[str]:
+        return self.pipeline.s.pool.models()
+
+    def _model_name(self, requested: str) -> str:
+        """What chunks name as the model before the TurnEnd says which answered: the alias resolved."""
+        catalog = self.pipeline.s.catalog
+        try:
+            return catalog.plan(requested, self._known())[0]
+        except Exception:
+            return requested  # the turn itself will say what is wrong with it
+
+    @staticmethod
+    def _model(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": 0, "owned_by": OWNER}
+
+
+async def _unless_gone(work: Awaitable[Any], request: Request) -> Any:
+    """``work``'s result, or cancel it when the client disconnects first (no one would read the answer)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.create_task(until_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        return CLIENT_GONE  # nobody reads it; counted as 499, as nginx names a client that left
+    return task.result()
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(
+        413, f"the request body is larger than {limit} bytes", "invalid_request_error", "request_too_large"
+    )
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    """Unknown paths and wrong methods, in the same error shape as everything else."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    kinds = {404: ("not_found_error", "unknown_url"), 405: ("invalid_request_error", "method_not_allowed")}
+    kind, code = kinds.get(status, ("invalid_request_error", "bad_request"))
+    message = f"{request.method} {request.url.path}: {exc.detail if isinstance(exc, HTTPException) else exc}"
+    return error_response(ApiError(status, message, kind, code))

@@ -1,0 +1,88 @@
+"""The one table from the mesh's errors (and gRPC codes) to OpenAI-shaped HTTP errors."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import grpc
+
+from services.common import errors
+from services.common.grpc_status import status_for
+
+log = logging.getLogger("llmmesh.router.openai")
+
+
+@dataclass(frozen=True)
+class ApiError(Exception):
+    """An error as an OpenAI client reads it: an HTTP status and ``{"error": {...}}``."""
+
+    status: int
+    message: str
+    type: str
+    code: str | None = None
+    param: str | None = None
+    #: Seconds, for the ``Retry-After`` header of a 429 or 503.
+    retry_after_s: float | None = None
+
+    def body(self) -> dict[str, object]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        # Retry-After takes whole seconds; rounding down would invite a retry that is refused again.
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+def bad_request(param: str | None, message: str, code: str | None = "invalid_value") -> ApiError:
+    return ApiError(400, message, "invalid_request_error", code, param)
+
+
+def unsupported(param: str, what: str) -> ApiError:
+    """A field that would change the answer and that this server cannot honour: refused, never ignored."""
+    return ApiError(400, f"{param}: {what}", "invalid_request_error", "unsupported_parameter", param)
+
+
+# (HTTP status, OpenAI error type, error code) by gRPC status: the one place the two vocabularies meet.
+_BY_CODE: dict[grpc.StatusCode, tuple[int, str, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_value"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", "invalid_value"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", "failed_precondition"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error", "invalid_api_key"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error", "permission_denied"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error", "not_found"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error", "already_exists"),
+    grpc.StatusCode.ABORTED: (409, "conflict_error", "conflict"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error", "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error", "timeout"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled_error", "cancelled"),
+}
+_INTERNAL = (500, "server_error", "internal_error")
+
+
+def api_error(exc: BaseException, route: str = "") -> ApiError:
+    """What the client is told about ``exc``; anything the table does not know is a bug, logged once here."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, grpc.RpcError) and isinstance(
+        code := getattr(exc, "code", lambda: None)(), grpc.StatusCode
+    ):
+        message = getattr(exc, "details", lambda: "")() or code.name
+    else:
+        code = status_for(exc)
+        message = str(exc) or type(exc).__name__
+    status, kind, error_code = _BY_CODE.get(code, _INTERNAL)
+    param = getattr(exc, "field", None) if isinstance(exc, errors.InvalidArgument) else None
+    if param == "model" and "unknown model" in message:
+        # The catalog names the models it serves in the message: OpenAI says 404 for a model it lacks.
+        return ApiError(404, message, "invalid_request_error", "model_not_found", "model")
+    retry_after = None
+    if status == 429:
+        retry_after = exc.retry_after_s if isinstance(exc, errors.Overloaded) else 1.0
+    if status == 500:
+        log.error("%s failed", route or "HTTP request", exc_info=exc)
+        message = f"internal error: {type(exc).__name__}"
+    return ApiError(status, message, kind, error_code, param, retry_after)

@@ -1,0 +1,135 @@
+"""OpenAI response bodies and SSE framing: whole answers, stream chunks, usage."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from services.gen.llmmesh.v1 import common_pb2
+from services.router.api.openai.choices import ChoiceAnswer
+
+SYSTEM_FINGERPRINT = "llm-mesh"
+FINISH_REASONS: dict[int, str] = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+}
+# A comment line with no blank line after it: a blank line would end an "event" with no data,
+# which parsers that keep the last event id (as the SSE spec says, and the OpenAI SDKs do) hand
+# on as an empty event, and the SDKs then fail to parse its "" as JSON.
+KEEPALIVE = b": keep-alive\n"
+DONE = b"data: [DONE]\n\n"
+Kind = Literal["chat", "text"]
+
+
+def dumps(payload: Any) -> str:
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+
+
+def sse(event_id: str, payload: Any) -> bytes:
+    """One SSE event; its id (request id + sequence number) lets a client say where it got to."""
+    return f"id: {event_id}\ndata: {dumps(payload)}\n\n".encode()
+
+
+def usage_body(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def total_usage(usages: Mapping[int, common_pb2.Usage], per_prompt: int = 1) -> dict[str, Any]:
+    """The n choices of one prompt read the same prompt: it counts once per prompt, as OpenAI counts it.
+
+    ``usages`` is by choice index; choices ``[k * per_prompt, (k + 1) * per_prompt)`` share prompt k.
+    """
+    prompts: dict[int, tuple[int, int]] = {}
+    for index, u in usages.items():
+        seen, cached = prompts.get(index // per_prompt, (0, 0))
+        prompts[index // per_prompt] = (max(seen, u.prompt_tokens), max(cached, u.cached_prompt_tokens))
+    completion = sum(u.completion_tokens for u in usages.values())
+    return usage_body(sum(p for p, _ in prompts.values()), completion, sum(c for _, c in prompts.values()))
+
+
+@dataclass(frozen=True)
+class Framer:
+    """Builds one request's bodies: ``chat.completion`` (chat) or ``text_completion`` (text)."""
+
+    kind: Kind
+    completion_id: str
+    created: int
+    model: str
+    #: Choices per prompt (n): they share one prompt's tokens in the usage.
+    per_prompt: int = 1
+
+    def _head(self, object_name: str, model: str | None = None) -> dict[str, Any]:
+        return {
+            "id": self.completion_id,
+            "object": object_name,
+            "created": self.created,
+            "model": model or self.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+        }
+
+    def whole(self, answers: Sequence[ChoiceAnswer]) -> dict[str, Any]:
+        ends = [a.end for a in answers if a.end is not None]
+        model = next((e.model for e in ends if e.model), None)
+        choices = []
+        for index, answer in enumerate(answers):
+            reason = FINISH_REASONS.get(answer.end.finish_reason) if answer.end is not None else None
+            if self.kind == "chat":
+                message = {"role": "assistant", "content": answer.text, "refusal": None}
+                choices.append(
+                    {"index": index, "message": message, "logprobs": None, "finish_reason": reason}
+                )
+            else:
+                choices.append(
+                    {"index": index, "text": answer.text, "logprobs": None, "finish_reason": reason}
+                )
+        body = self._head("chat.completion" if self.kind == "chat" else "text_completion", model)
+        body["choices"] = choices
+        body["usage"] = total_usage(
+            {i: a.end.usage for i, a in enumerate(answers) if a.end is not None}, self.per_prompt
+        )
+        return body
+
+    def _chunk(self, choice: dict[str, Any], with_usage: bool) -> dict[str, Any]:
+        body = self._head("chat.completion.chunk" if self.kind == "chat" else "text_completion")
+        body["choices"] = [choice]
+        if with_usage:
+            body["usage"] = None  # OpenAI's shape when include_usage: null on all but the last chunk
+        return body
+
+    def opening(self, index: int, with_usage: bool) -> dict[str, Any] | None:
+        """Chat streams open each choice with its role; text streams have no such chunk."""
+        if self.kind != "chat":
+            return None
+        delta = {"role": "assistant", "content": ""}
+        return self._chunk(
+            {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}, with_usage
+        )
+
+    def delta(self, index: int, text: str, with_usage: bool) -> dict[str, Any]:
+        if self.kind == "chat":
+            choice = {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+        else:
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+        return self._chunk(choice, with_usage)
+
+    def finish(self, index: int, reason: int, with_usage: bool) -> dict[str, Any]:
+        name = FINISH_REASONS.get(reason)
+        if self.kind == "chat":
+            choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": name}
+        else:
+            choice = {"index": index, "text": "", "logprobs": None, "finish_reason": name}
+        return self._chunk(choice, with_usage)
+
+    def usage(self, usages: Mapping[int, common_pb2.Usage]) -> dict[str, Any]:
+        """The last chunk of a stream that asked for ``stream_options.include_usage``: no choices."""
+        body = self._head("chat.completion.chunk" if self.kind == "chat" else "text_completion")
+        body["choices"] = []
+        body["usage"] = total_usage(usages, self.per_prompt)
+        return body

@@ -1,0 +1,90 @@
+"""The HTTP listener: uvicorn serving the OpenAI front inside the router's own event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import socket
+from collections.abc import Generator
+from dataclasses import dataclass, field
+
+import uvicorn
+
+from services.router.api.openai.app import FrontLimits, OpenAiFront
+
+log = logging.getLogger("llmmesh.router.openai")
+#: --http-port that turns the listener off.
+HTTP_OFF = -1
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    """Where and how the OpenAI front listens."""
+
+    host: str = "127.0.0.1"
+    #: 0 = any free port (printed on the ``http on`` line).
+    port: int = 8000
+    limits: FrontLimits = field(default_factory=FrontLimits)
+    #: Seconds a shutdown waits for open responses (streams included) before cutting them.
+    grace_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--http-port must be in 0..65535 (or {HTTP_OFF} for off), got {self.port}")
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn without its signal handlers: the router's bootstrap owns SIGTERM and drains both fronts."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+class HttpListener:
+    """Binds first (so an ephemeral port is known at once), then serves until ``stop``."""
+
+    def __init__(self, front: OpenAiFront, settings: HttpSettings) -> None:
+        self.settings = settings
+        config = uvicorn.Config(
+            front.app(),
+            # httptools when installed (a dependency): half h11's cost per request (bench/http_stack.py).
+            http="auto",
+            lifespan="off",
+            log_config=None,  # keep the router's logging as configured
+            access_log=False,
+            timeout_graceful_shutdown=math.ceil(settings.grace_s),
+            # Clients reuse connections (the OpenAI SDK pools them); an idle one is closed after this.
+            timeout_keep_alive=30,
+        )
+        self._server = _EmbeddedServer(config)
+        self._task: asyncio.Task[None] | None = None
+        self.port: int | None = None
+
+    async def start(self, service: str = "router") -> None:
+        s = self.settings
+        family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((s.host, s.port))
+        sock.set_inheritable(False)
+        self.port = sock.getsockname()[1]
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="openai-http")
+        while not self._server.started and not self._task.done():
+            await asyncio.sleep(0.01)
+        if self._task.done():
+            self._task.result()  # it failed to start: say why
+        # Tests and the launcher read this line (like the gRPC one) to learn the port.
+        print(f"llm-mesh {service} http on {s.host}:{self.port}", flush=True)
+
+    def begin_shutdown(self) -> None:
+        """Stop accepting connections; open responses finish within the grace period."""
+        self._server.should_exit = True
+
+    async def stop(self) -> None:
+        self.begin_shutdown()
+        if self._task is not None:
+            await self._task
+            self._task = None

@@ -1,0 +1,348 @@
+"""OpenAI request bodies → the router's own ChatRequests, refusing clearly what cannot be honoured.
+
+Every problem raises ``ApiError`` (400) naming the offending field in ``param``,
+before any turn starts. A field that would change the answer and is not supported
+is refused; ``null`` means "default" everywhere, as OpenAI's own API treats it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from services.gen.llmmesh.v1 import common_pb2, router_pb2
+from services.router.api.openai.errors import bad_request, unsupported
+
+log = logging.getLogger("llmmesh.router.openai")
+
+MAX_CHOICES = 8
+MAX_STOP_STRINGS = 16
+SEED_LIMIT = 2**64
+INT32_MAX = 2**31 - 1
+# Legacy completions default to 16 tokens (OpenAI's documented default); chat leaves it to the engine.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# "developer" is OpenAI's newer name for the system role.
+ROLE_NAMES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+# Accepted and ignored: they change nothing in the answer (bookkeeping, vLLM load-tool extras).
+_HARMLESS = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "parallel_tool_calls",
+        "prompt_cache_key",
+        "safety_identifier",
+        "stream_options",
+        "ignore_eos",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "include_stop_str_in_output",
+    }
+)
+_CHAT_KNOWN = frozenset(
+    {
+        "model",
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "n",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_tokens",
+        "stream",
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "response_format",
+        "logit_bias",
+        "logprobs",
+        "top_logprobs",
+        "audio",
+        "modalities",
+        "prediction",
+        "web_search_options",
+        "reasoning_effort",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "best_of",
+        "use_beam_search",
+    }
+)
+_COMPLETIONS_KNOWN = _CHAT_KNOWN - {"messages", "max_completion_tokens"} | {"prompt", "echo", "suffix"}
+# Unknown fields are ignored (clients send new ones all the time) but said once each, not per request;
+# the names remembered are bounded, so a client inventing names cannot grow the set.
+_logged_unknown: set[str] = set()
+MAX_LOGGED_UNKNOWN = 64
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One HTTP request as turns: ``turns[i]`` makes choice ``i``."""
+
+    model: str
+    turns: tuple[router_pb2.ChatRequest, ...]
+    stream: bool
+    include_usage: bool
+    #: n: the choices of each prompt, consecutive in ``turns``.
+    per_prompt: int = 1
+
+
+def chat_generation(body: Any, request_id: str) -> Generation:
+    """A ``POST /v1/chat/completions`` body as turns."""
+    body = _object(body)
+    _refuse_unsupported(body, _CHAT_KNOWN)
+    messages = _messages(body.get("messages"))
+    max_tokens = _int(body, "max_completion_tokens", 1, INT32_MAX)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", 1, INT32_MAX)
+    sampling = _sampling(body, max_tokens)
+    return _generation(body, request_id, [messages], sampling)
+
+
+def completion_generation(body: Any, request_id: str) -> Generation:
+    """A ``POST /v1/completions`` body as turns: one per prompt and choice, prompt-major as OpenAI orders them."""
+    body = _object(body)
+    _refuse_unsupported(body, _COMPLETIONS_KNOWN)
+    if body.get("echo"):
+        raise unsupported("echo", "echoing the prompt is not supported")
+    if body.get("suffix") not in (None, ""):
+        raise unsupported("suffix", "insertion (suffix) is not supported")
+    prompt = body.get("prompt")
+    prompts: list[str]
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (int, list)) for p in prompt):
+        raise unsupported("prompt", "token-id prompts are not supported; send text")
+    else:
+        raise bad_request("prompt", "prompt: required, a string or a non-empty list of strings")
+    if len(prompts) > MAX_CHOICES:
+        raise bad_request("prompt", f"prompt: at most {MAX_CHOICES} prompts per request")
+    max_tokens = _int(body, "max_tokens", 1, INT32_MAX)
+    sampling = _sampling(body, COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
+    # The engine's chat template frames each prompt as a user turn: the router's turns carry messages only.
+    conversations = [[common_pb2.ChatMessage(role="user", content=p)] for p in prompts]
+    return _generation(body, request_id, conversations, sampling)
+
+
+def _generation(
+    body: Mapping[str, Any],
+    request_id: str,
+    conversations: list[list[common_pb2.ChatMessage]],
+    sampling: common_pb2.SamplingParams,
+) -> Generation:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("model", "model: must be a string")
+    if model is not None:
+        model = _utf8(model, "model")
+    n = _int(body, "n", 1, MAX_CHOICES) or 1
+    if len(conversations) * n > MAX_CHOICES:
+        raise bad_request("n", f"n: prompts × n must be at most {MAX_CHOICES}")
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad_request("stream_options", "stream_options: must be an object")
+    include_usage = bool(options and options.get("include_usage"))
+    turns: list[router_pb2.ChatRequest] = []
+    for conversation in conversations:
+        for _ in range(n):
+            index = len(turns)
+            params = common_pb2.SamplingParams()
+            params.CopyFrom(sampling)
+            if sampling.HasField("seed") and index:
+                # Choices of one seeded request differ from each other, and each is reproducible.
+                params.seed = (sampling.seed + index) % SEED_LIMIT
+            turns.append(
+                router_pb2.ChatRequest(
+                    messages=conversation,
+                    model=model or "",
+                    sampling=params,
+                    request_id=f"{request_id}-{index}" if len(conversations) * n > 1 else request_id,
+                )
+            )
+    return Generation(model or "", tuple(turns), stream, include_usage, n)
+
+
+def _sampling(body: Mapping[str, Any], max_tokens: int | None) -> common_pb2.SamplingParams:
+    sampling = common_pb2.SamplingParams()
+    if max_tokens is not None:
+        sampling.max_tokens = max_tokens
+    if (temperature := _number(body, "temperature", 0.0, 2.0)) is not None:
+        sampling.temperature = temperature
+    if (top_p := _number(body, "top_p", 0.0, 1.0)) is not None:
+        if top_p <= 0:
+            raise bad_request("top_p", "top_p: must be in (0, 1]")
+        sampling.top_p = top_p
+    if (top_k := _int(body, "top_k", -1, INT32_MAX)) is not None and top_k > 0:
+        sampling.top_k = top_k  # vLLM's extra; -1 and 0 mean off there as here
+    if (seed := _int(body, "seed", 0, SEED_LIMIT - 1)) is not None:
+        sampling.seed = seed
+    if (penalty := _number(body, "repetition_penalty", 0.01, 100.0)) is not None:
+        sampling.repetition_penalty = penalty
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _number(body, name, -2.0, 2.0)
+        if value:
+            # The engine has only a multiplicative repetition penalty; an additive one cannot be mapped.
+            raise unsupported(name, "only 0 is supported; use repetition_penalty (vLLM's extra) instead")
+    if _int(body, "min_tokens", 0, INT32_MAX):
+        raise unsupported("min_tokens", "only 0 is supported")
+    sampling.ignore_eos = _bool(body, "ignore_eos")
+    sampling.stop.extend(_stop(body.get("stop")))
+    return sampling
+
+
+def _refuse_unsupported(body: Mapping[str, Any], known: frozenset[str]) -> None:
+    """Fields that would change the answer get a 400 unless null or their neutral value."""
+    neutral: dict[str, tuple[Any, ...]] = {
+        "tools": ([],),
+        "functions": ([],),
+        "tool_choice": ("none",),
+        "function_call": ("none",),
+        "logit_bias": ({},),
+        "logprobs": (False,),
+        "audio": (),
+        "prediction": (),
+        "web_search_options": (),
+        "guided_json": (),
+        "guided_regex": (),
+        "guided_choice": (),
+        "guided_grammar": (),
+        "use_beam_search": (False,),
+    }
+    for name, allowed in neutral.items():
+        value = body.get(name)
+        if value is not None and not any(value == a and type(value) is type(a) for a in allowed):
+            raise unsupported(name, "not supported by this server")
+    if body.get("top_logprobs") not in (None, 0):
+        raise unsupported("top_logprobs", "not supported by this server")
+    if (fmt := body.get("response_format")) is not None and fmt != {"type": "text"}:
+        raise unsupported("response_format", "only {'type': 'text'} is supported")
+    if (modalities := body.get("modalities")) is not None and modalities != ["text"]:
+        raise unsupported("modalities", "only ['text'] is supported")
+    if body.get("best_of") not in (None, 1) and body.get("best_of") != body.get("n"):
+        raise unsupported("best_of", "only best_of = n is supported")
+    for name in body:
+        if name in known or name in _HARMLESS or name in _logged_unknown:
+            continue
+        if len(_logged_unknown) < MAX_LOGGED_UNKNOWN:
+            _logged_unknown.add(name)
+            log.info("ignoring unknown request field %r (logged once)", name)
+
+
+def _messages(raw: Any) -> list[common_pb2.ChatMessage]:
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("messages", "messages: required, a non-empty list of messages")
+    out = []
+    for i, message in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad_request(where, f"{where}: must be an object")
+        role = message.get("role")
+        if role in ("tool", "function") or message.get("tool_calls") or message.get("function_call"):
+            raise unsupported(f"{where}.role", "tool and function messages are not supported")
+        if not isinstance(role, str) or role not in ROLE_NAMES:
+            raise bad_request(
+                f"{where}.role", f"{where}.role: must be one of system, developer, user, assistant"
+            )
+        out.append(
+            common_pb2.ChatMessage(role=ROLE_NAMES[role], content=_content(message.get("content"), where))
+        )
+    return out
+
+
+def _content(raw: Any, where: str) -> str:
+    """A message's text: a string, or a list of text parts joined as OpenAI's own models read them."""
+    if isinstance(raw, str):
+        return _utf8(raw, f"{where}.content")
+    if isinstance(raw, list):
+        texts = []
+        for j, part in enumerate(raw):
+            if not isinstance(part, dict):
+                raise bad_request(f"{where}.content[{j}]", f"{where}.content[{j}]: must be an object")
+            if part.get("type") != "text":
+                raise unsupported(f"{where}.content[{j}].type", "only text parts are supported")
+            if not isinstance(part.get("text"), str):
+                raise bad_request(
+                    f"{where}.content[{j}].text", f"{where}.content[{j}].text: must be a string"
+                )
+            texts.append(_utf8(part["text"], f"{where}.content[{j}].text"))
+        return "\n".join(texts)
+    raise bad_request(f"{where}.content", f"{where}.content: must be a string or a list of text parts")
+
+
+def _stop(raw: Any) -> list[str]:
+    if raw is None:
+        return []
+    stops = [raw] if isinstance(raw, str) else raw
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad_request("stop", "stop: must be a string or a list of strings")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request("stop", f"stop: at most {MAX_STOP_STRINGS} strings")
+    # An empty stop string would end every answer at once.
+    return [_utf8(s, f"stop[{i}]") for i, s in enumerate(stops) if s]
+
+
+def _utf8(text: str, where: str) -> str:
+    """JSON may escape a lone surrogate, which no UTF-8 text (so no proto string) can hold."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise bad_request(where, f"{where}: must be valid Unicode text (no lone surrogates)") from None
+    return text
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise bad_request(None, "the request body must be a JSON object", "invalid_request_body")
+    return body
+
+
+def _bool(body: Mapping[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad_request(name, f"{name}: must be true or false")
+    return value
+
+
+def _int(body: Mapping[str, Any], name: str, lo: int, hi: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    # JSON has one number type: 2.0 is an integer to most clients, 2.5 is not; true is never one.
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(name, f"{name}: must be an integer")
+    if value < lo or (hi is not None and value > hi):
+        bounds = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+        raise bad_request(name, f"{name}: must be {bounds}, got {value}")
+    return value
+
+
+def _number(body: Mapping[str, Any], name: str, lo: float, hi: float) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad_request(name, f"{name}: must be a number")
+    if not lo <= value <= hi:
+        raise bad_request(name, f"{name}: must be in [{lo}, {hi}], got {value}")
+    return float(value)

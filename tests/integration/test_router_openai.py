@@ -1,0 +1,701 @@
+"""The router's OpenAI front over real sockets: the official SDK, LangChain and raw httpx against a
+router process with a real replica (SmolLM2 on CPU, fp32). Answers stay short for the CI CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
+
+import grpc
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from services.gen.llmmesh.v1 import router_pb2
+from tests.support.openai_front import http_base, keys_file
+from tests.support.processes import ServiceProcess
+from tests.support.router_mesh import router_stub, running_sequences, user_turn
+
+KEY = "sk-test-tenant-a"
+LIMITED_KEY = "sk-test-limited"
+REVOKED_KEY = "sk-test-revoked"
+HELLO = [{"role": "user", "content": "Name three colours."}]
+
+
+@dataclass
+class Front:
+    router: ServiceProcess
+    replica: ServiceProcess
+    base: str
+    model: str
+
+    @property
+    def v1(self) -> str:
+        return f"{self.base}/v1"
+
+    def client(self, **kwargs: object) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.v1, api_key=KEY, max_retries=0, **kwargs)  # type: ignore[arg-type]
+
+    def post(
+        self, path: str, body: object, key: str | None = KEY, headers: dict[str, str] | None = None
+    ) -> httpx.Response:
+        sent = {"authorization": f"Bearer {key}"} if key else {}
+        return httpx.post(f"{self.base}{path}", json=body, headers={**sent, **(headers or {})}, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterator[Front]:
+    keys = keys_file(
+        tmp_path_factory.mktemp("keys") / "keys.yaml",
+        {
+            KEY: {"tenant": "a"},
+            # One request, then a refill so slow that the second is refused.
+            LIMITED_KEY: {"tenant": "b", "requests_per_second": 0.001, "burst": 1},
+            REVOKED_KEY: {"tenant": "c", "revoked": True},
+        },
+    )
+    replica = ServiceProcess(
+        "services.inference",
+        ["--model", str(model_path), "--device", "cpu", "--dtype", "float32", "--max-num-seqs", "2"],
+    ).start(240)
+    router = ServiceProcess(
+        "services.router",
+        [
+            "--replicas",
+            replica.address,
+            "--health-interval-s",
+            "0.3",
+            "--api-keys-file",
+            str(keys),
+            "--http-port",
+            "0",
+            "--http-keepalive-s",
+            "0.3",
+            "--http-max-body-bytes",
+            "65536",
+            "--metrics-port",
+            "0",
+        ],
+    )
+    try:
+        router.start()
+        base = http_base(router)
+        models = httpx.get(f"{base}/v1/models", headers={"authorization": f"Bearer {KEY}"}, timeout=10).json()
+        yield Front(router, replica, base, models["data"][0]["id"])
+    finally:
+        router.stop()
+        replica.stop()
+
+
+def greedy(front: Front, messages: list[dict[str, str]], max_tokens: int = 10) -> str:
+    answer = front.client().chat.completions.create(
+        model=front.model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    return answer.choices[0].message.content or ""
+
+
+# -- the official SDK
+
+
+def test_sdk_chat_answer_carries_id_usage_and_finish_reason(front: Front) -> None:
+    answer = front.client().chat.completions.create(
+        model=front.model,
+        messages=HELLO,
+        max_tokens=6,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    assert answer.id.startswith("chatcmpl-") and answer.object == "chat.completion"
+    assert answer.model == front.model and answer.system_fingerprint and answer.created > 0
+    (choice,) = answer.choices
+    assert choice.index == 0 and choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length"
+    assert answer.usage is not None and answer.usage.completion_tokens == 6 and answer.usage.prompt_tokens > 0
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + 6
+
+
+def test_fp32_greedy_over_http_equals_router_complete(front: Front) -> None:
+    text = greedy(front, HELLO, 12)
+    metadata = (("authorization", f"Bearer {KEY}"),)
+    request = user_turn(HELLO[0]["content"], max_tokens=12, model=front.model)
+    completed = router_stub(front.router).Complete(request, metadata=metadata, timeout=60)
+    assert text == completed.text and text
+
+
+def test_sdk_stream_with_usage_equals_the_whole_answer(front: Front) -> None:
+    whole = greedy(front, HELLO, 10)
+    chunks = list(
+        front.client().chat.completions.create(
+            model=front.model,
+            messages=HELLO,  # type: ignore[arg-type]
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None and last.usage.completion_tokens == 10
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+async def test_async_sdk_streams_and_answers_whole(front: Front) -> None:
+    client = openai.AsyncOpenAI(base_url=front.v1, api_key=KEY, max_retries=0)
+    async with client:
+        whole, stream = await asyncio.gather(
+            client.chat.completions.create(model=front.model, messages=HELLO, max_tokens=8, temperature=0),  # type: ignore[arg-type]
+            client.chat.completions.create(
+                model=front.model,
+                messages=HELLO,  # type: ignore[arg-type]
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+            ),
+        )
+        parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+    assert "".join(parts) == whole.choices[0].message.content
+
+
+def test_n_choices_are_indexed_seeded_and_differ(front: Front) -> None:
+    create = front.client().chat.completions.create
+    answer = create(model=front.model, messages=HELLO, max_tokens=12, temperature=1.0, seed=7, n=3)  # type: ignore[arg-type]
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    texts = [c.message.content for c in answer.choices]
+    assert len(set(texts)) >= 2, texts
+    assert answer.usage is not None and answer.usage.completion_tokens == 36
+    again = create(model=front.model, messages=HELLO, max_tokens=12, temperature=1.0, seed=7, n=3)  # type: ignore[arg-type]
+    assert [c.message.content for c in again.choices] == texts  # seeded: reproducible
+    streamed: dict[int, str] = {0: "", 1: ""}
+    for chunk in create(
+        model=front.model,
+        messages=HELLO,
+        max_tokens=12,
+        temperature=1.0,
+        seed=7,
+        n=2,
+        stream=True,  # type: ignore[arg-type]
+    ):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert [streamed[0], streamed[1]] == texts[:2]
+
+
+def test_a_stop_list_ends_the_answer_before_the_stop_string(front: Front) -> None:
+    text = greedy(front, HELLO, 16)
+    words = text.split()
+    assert len(words) >= 3, text
+    stop = words[2]
+    answer = front.client().chat.completions.create(
+        model=front.model,
+        messages=HELLO,  # type: ignore[arg-type]
+        max_tokens=16,
+        temperature=0,
+        stop=["never-appears", stop],
+    )
+    choice = answer.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.message.content == text[: text.index(stop)]
+
+
+def test_legacy_completions_answer_each_prompt(front: Front) -> None:
+    client = front.client()
+    answer = client.completions.create(
+        model=front.model, prompt=["Hello", "Goodbye"], max_tokens=4, temperature=0
+    )
+    assert [c.index for c in answer.choices] == [0, 1]
+    assert all(c.text and c.finish_reason == "length" for c in answer.choices)
+    assert answer.object == "text_completion" and answer.usage is not None
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=front.model, prompt="Hello", max_tokens=4, temperature=0, stream=True
+        )
+        if c.choices
+    )
+    assert streamed == answer.choices[0].text
+
+
+def test_models_list_and_get(front: Front) -> None:
+    client = front.client()
+    assert [m.id for m in client.models.list()] == [front.model]
+    assert client.models.retrieve(front.model).id == front.model
+
+
+# -- LangChain
+
+
+def test_langchain_chat_openai_invokes_and_streams(front: Front) -> None:
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(
+        base_url=front.v1,
+        api_key=KEY,
+        model=front.model,
+        max_tokens=10,
+        temperature=0,
+        max_retries=0,  # type: ignore[arg-type]
+    )
+    answer = llm.invoke(HELLO[0]["content"])
+    assert answer.content == greedy(front, HELLO, 10)
+    assert "".join(str(c.content) for c in llm.stream(HELLO[0]["content"])) == answer.content
+
+
+# -- raw SSE
+
+
+def test_sse_events_are_framed_numbered_and_end_with_done(front: Front) -> None:
+    body = {"model": front.model, "messages": HELLO, "max_tokens": 5, "temperature": 0, "stream": True}
+    with httpx.stream(
+        "POST",
+        f"{front.v1}/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {KEY}"},
+        timeout=60,
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = response.read().decode()
+    # Keep-alives are comment lines; every event is an id and a data line, then a blank line.
+    events = "".join(line for line in raw.splitlines(keepends=True) if not line.startswith(":")).split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    ids = []
+    for event in events[:-2]:
+        id_line, data_line = event.split("\n")
+        assert id_line.startswith("id: ") and data_line.startswith("data: ")
+        ids.append(id_line[4:])
+        chunk = json.loads(data_line[6:])
+        assert chunk["object"] == "chat.completion.chunk"
+        assert id_line[4:].startswith(chunk["id"] + "-")
+    assert [int(i.rsplit("-", 1)[1]) for i in ids] == list(range(1, len(ids) + 1))
+
+
+def _long_stream(front: Front, lines: list[str], opened: threading.Event, stop: threading.Event) -> None:
+    """A stream long enough to hold a replica slot until ``stop``, then dropped mid-answer."""
+    body = {
+        "model": front.model,
+        "messages": HELLO,
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST",
+        f"{front.v1}/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {KEY}"},
+        timeout=60,
+    ) as response:
+        for line in response.iter_lines():
+            lines.append(line)
+            if line.startswith("data:"):
+                opened.set()
+            if stop.is_set():
+                return  # leaving the block closes the connection: the client has gone
+
+
+def test_a_queued_stream_gets_keepalives_and_leaving_frees_the_replica(front: Front) -> None:
+    stop = threading.Event()
+    runs = []
+    for _ in range(3):  # the replica runs 2 at once: the third waits in its queue
+        lines: list[str] = []
+        opened = threading.Event()
+        thread = threading.Thread(target=_long_stream, args=(front, lines, opened, stop), daemon=True)
+        runs.append((thread, lines, opened))
+        thread.start()
+        time.sleep(0.3 if len(runs) < 3 else 0)
+    try:
+        assert runs[0][2].wait(30) and runs[1][2].wait(30)
+        time.sleep(1.0)
+        queued = runs[2][1]
+        assert ": keep-alive" in queued, queued[:5]
+        assert running_sequences(front.replica) == 3
+    finally:
+        stop.set()
+    for thread, _, _ in runs:
+        thread.join(30)
+    left_at = time.monotonic()
+    while running_sequences(front.replica) and time.monotonic() - left_at < 5:
+        time.sleep(0.02)
+    assert running_sequences(front.replica) == 0
+    assert time.monotonic() - left_at < 1.0
+
+
+def test_a_client_that_leaves_a_whole_answer_cancels_it(front: Front) -> None:
+    body = json.dumps(
+        {"model": front.model, "messages": HELLO, "max_tokens": 400, "ignore_eos": True}
+    ).encode()
+    host, port = front.base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            + f"authorization: Bearer {KEY}\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        started = time.monotonic()
+        while running_sequences(front.replica) == 0 and time.monotonic() - started < 10:
+            time.sleep(0.02)
+        assert running_sequences(front.replica) == 1
+    left_at = time.monotonic()
+    while running_sequences(front.replica) and time.monotonic() - left_at < 5:
+        time.sleep(0.02)
+    assert time.monotonic() - left_at < 1.0
+
+
+# -- errors: status and body for every row of the table
+
+
+def assert_error(
+    response: httpx.Response, status: int, param: str | None = None, code: str | None = None
+) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+def test_400_names_the_field(front: Front) -> None:
+    chat = {"model": front.model, "messages": HELLO}
+    assert_error(front.post("/v1/chat/completions", {**chat, "temperature": 9}), 400, "temperature")
+    assert_error(
+        front.post("/v1/chat/completions", {**chat, "tools": [{"type": "function"}]}),
+        400,
+        "tools",
+        "unsupported_parameter",
+    )
+    assert_error(front.post("/v1/chat/completions", {**chat, "presence_penalty": 1}), 400, "presence_penalty")
+    assert_error(front.post("/v1/chat/completions", {**chat, "min_tokens": 2}), 400, "min_tokens")
+    assert_error(front.post("/v1/chat/completions", {**chat, "n": 9}), 400, "n")
+    assert_error(
+        front.post("/v1/completions", {"model": front.model, "prompt": "x", "echo": True}), 400, "echo"
+    )
+    raw = httpx.post(
+        f"{front.v1}/chat/completions", content=b"{not json", headers={"authorization": f"Bearer {KEY}"}
+    )
+    assert_error(raw, 400, code="invalid_json")
+    with pytest.raises(openai.BadRequestError):
+        front.client().chat.completions.create(model=front.model, messages=HELLO, logprobs=True)  # type: ignore[arg-type]
+
+
+def test_nulls_and_load_tool_extras_are_served(front: Front) -> None:
+    body = {
+        "model": front.model,
+        "messages": HELLO,
+        "max_tokens": 2,
+        "temperature": None,
+        "stop": None,
+        "tools": None,
+        "ignore_eos": True,
+        "min_tokens": 0,
+        "stream_options": {"include_usage": False, "continuous_usage_stats": True},
+        "an_unknown_field": [1, 2],
+    }
+    response = front.post("/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
+
+
+def test_401_without_a_valid_key(front: Front) -> None:
+    for key in (None, "sk-wrong", REVOKED_KEY):
+        assert_error(
+            front.post("/v1/chat/completions", {"messages": HELLO}, key=key), 401, code="invalid_api_key"
+        )
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=front.v1, api_key="sk-wrong", max_retries=0).models.list()
+
+
+def test_404_for_an_unknown_model_lists_the_served_ones(front: Front) -> None:
+    error = assert_error(
+        front.post("/v1/chat/completions", {"model": "nope", "messages": HELLO}),
+        404,
+        "model",
+        "model_not_found",
+    )
+    assert front.model in error["message"]
+    got = httpx.get(f"{front.v1}/models/nope", headers={"authorization": f"Bearer {KEY}"})
+    assert front.model in assert_error(got, 404, "model", "model_not_found")["message"]
+    with pytest.raises(openai.NotFoundError):
+        front.client().chat.completions.create(model="nope", messages=HELLO, stream=True)  # type: ignore[arg-type]
+    assert_error(httpx.get(f"{front.base}/v1/nowhere"), 404)
+    assert_error(httpx.get(f"{front.v1}/chat/completions"), 405)
+
+
+def test_413_for_a_body_over_the_limit(front: Front) -> None:
+    huge = {"model": front.model, "messages": [{"role": "user", "content": "x" * 70_000}]}
+    assert_error(front.post("/v1/chat/completions", huge), 413, code="request_too_large")
+
+
+def test_429_with_retry_after_when_the_key_is_over_its_rate(front: Front) -> None:
+    body = {"model": front.model, "messages": HELLO, "max_tokens": 1}
+    assert front.post("/v1/chat/completions", body, key=LIMITED_KEY).status_code == 200
+    refused = front.post("/v1/chat/completions", body, key=LIMITED_KEY)
+    assert_error(refused, 429, code="rate_limit_exceeded")
+    assert int(refused.headers["retry-after"]) >= 1
+    streamed = front.post("/v1/chat/completions", {**body, "stream": True}, key=LIMITED_KEY)
+    assert_error(streamed, 429)  # before any token: a status, not a 200 stream
+
+
+def test_504_when_the_deadline_passes(front: Front) -> None:
+    body = {"model": front.model, "messages": HELLO, "max_tokens": 300, "ignore_eos": True}
+    started = time.monotonic()
+    late = front.post("/v1/chat/completions", body, headers={"x-request-timeout": "0.3"})
+    assert_error(late, 504, code="timeout")
+    assert time.monotonic() - started < 5
+    assert_error(front.post("/v1/chat/completions", body, headers={"x-request-timeout": "soon"}), 400)
+
+
+def test_503_when_no_replica_can_serve(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"  # closed again before the router dials it
+    router = ServiceProcess(
+        "services.router", ["--replicas", dead, "--http-port", "0", "--health-interval-s", "0.2"]
+    )
+    with router.start():
+        base = http_base(router)
+        body = {"model": "any", "messages": HELLO}
+        assert_error(httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30), 503)
+        assert_error(httpx.get(f"{base}/health"), 503)
+
+
+def _http_counter(front: Front, route: str, status: int) -> float:
+    page = httpx.get(f"http://127.0.0.1:{front.router.metrics_port}/metrics", timeout=5).text
+    wanted = f'llmmesh_router_http_requests_total{{route="{route}",status="{status}"}} '
+    return sum(float(line.split()[-1]) for line in page.splitlines() if line.startswith(wanted))
+
+
+def test_http_metrics_count_requests_by_route_and_status(front: Front) -> None:
+    before = _http_counter(front, "/v1/chat/completions", 401)
+    for _ in range(2):
+        front.post("/v1/chat/completions", {"messages": HELLO}, key="sk-wrong")
+    httpx.get(f"{front.base}/v1/models/a/b/c", headers={"authorization": f"Bearer {KEY}"})
+    assert _http_counter(front, "/v1/chat/completions", 401) == before + 2
+    assert _http_counter(front, "/v1/models/{model}", 404) >= 1  # the path itself is never a label
+
+
+def test_the_router_still_answers_grpc_beside_http(front: Front) -> None:
+    stub = router_stub(front.router)
+    listed = stub.ListReplicas(
+        router_pb2.ListReplicasRequest(), metadata=(("authorization", f"Bearer {KEY}"),), timeout=5
+    )
+    assert [r.model for r in listed.replicas] == [front.model]
+    with pytest.raises(grpc.RpcError):
+        stub.ListReplicas(router_pb2.ListReplicasRequest(), timeout=5)  # no key: refused there too
+
+
+# -- random JSON at every endpoint
+
+_LEAVES = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12)
+)
+_JSON = st.recursive(
+    _LEAVES,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+_FIELDS = st.sampled_from(
+    [
+        "model",
+        "messages",
+        "prompt",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "n",
+        "stream",
+        "stream_options",
+        "tools",
+        "response_format",
+        "logprobs",
+        "presence_penalty",
+        "min_tokens",
+        "ignore_eos",
+        "echo",
+    ]
+) | st.text(max_size=10)
+_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]) | _LEAVES, "content": _JSON}
+)
+_BODIES = (
+    st.dictionaries(_FIELDS, _JSON, max_size=8)
+    | st.fixed_dictionaries({"messages": st.lists(_MESSAGE, max_size=3)}, optional={"stream": st.booleans()})
+    | st.fixed_dictionaries({"prompt": _JSON}, optional={"n": _LEAVES, "stream": st.booleans()})
+    | _JSON
+)
+
+
+def _bounded(body: object) -> object:
+    """Random bodies that happen to be valid answer in one token: the test is about input, not length."""
+    if isinstance(body, dict):
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = body.get(name)
+            if name == "max_tokens" or (isinstance(value, int) and not isinstance(value, bool) and value > 1):
+                body[name] = 1
+    return body
+
+
+@given(
+    route=st.sampled_from(
+        ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/health", "/v1/embed"]
+    ),
+    body=_BODIES,
+    model=st.text(max_size=12),
+)
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_random_json_gets_a_4xx_in_openai_shape_never_a_500(
+    front: Front, route: str, body: object, model: str
+) -> None:
+    headers = {"authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=front.base, headers=headers, timeout=60) as client:
+        response = client.post(route, json=_bounded(body))
+        fetched = client.get(f"/v1/models/{quote(model, safe='')}") if model else None
+    for r in (response, fetched):
+        if r is None:
+            continue
+        assert r.status_code < 500, r.text
+        if r.status_code >= 400:
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}, r.text
+        elif r.headers["content-type"].startswith("text/event-stream"):
+            assert r.text.endswith("data: [DONE]\n\n")
+
+
+def test_the_router_stays_healthy_after_the_fuzzing(front: Front) -> None:
+    assert httpx.get(f"{front.base}/health").json()["status"] == "ok"
+    assert greedy(front, HELLO, 2)
+
+
+# -- the README's own snippets
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+README_BASE = "http://127.0.0.1:8000"
+
+
+def _readme_block(language: str, containing: str) -> str:
+    text = README.read_text()
+    for block in text.split(f"```{language}\n")[1:]:
+        code = block.split("```", 1)[0]
+        if containing in code:
+            return code
+    raise AssertionError(f"README has no {language} block with {containing!r}")
+
+
+def test_the_readme_snippets_run_against_an_open_router(front: Front) -> None:
+    # The README's snippets send no key (curl) or any key (the SDK): an open router, on the same replica.
+    router = ServiceProcess("services.router", ["--replicas", front.replica.address, "--http-port", "0"])
+    with router.start():
+        base = http_base(router)
+        curl = _readme_block("bash", "/v1/chat/completions").replace(README_BASE, base)
+        answered = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120)
+        assert answered.returncode == 0, answered.stderr
+        assert json.loads(answered.stdout)["choices"][0]["message"]["content"]
+        sdk = _readme_block("python", "from openai import OpenAI").replace(README_BASE, base)
+        printed = subprocess.run([sys.executable, "-c", sdk], capture_output=True, text=True, timeout=120)
+        assert printed.returncode == 0, printed.stderr
+        assert printed.stdout.strip()
+
+
+def test_sigterm_lets_an_open_stream_finish_then_the_router_exits(front: Front) -> None:
+    router = ServiceProcess("services.router", ["--replicas", front.replica.address, "--http-port", "0"])
+    router.start()
+    try:
+        base = http_base(router)
+        body = {"model": front.model, "messages": HELLO, "max_tokens": 24, "ignore_eos": True, "stream": True}
+        chunks: list[dict] = []
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    break
+            router.signal(signal.SIGTERM)  # mid-answer
+            time.sleep(0.5)
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(f"{base}/health", timeout=5)  # no new connections while draining
+            rest = list(lines)
+        chunks += [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
+        assert [line for line in rest if line][-1] == "data: [DONE]"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert router.proc is not None and router.proc.wait(30) == 0
+    finally:
+        router.stop()
+
+
+# -- embeddings, through the retriever's model
+
+
+def test_embeddings_come_from_the_retrievers_model(front: Front, tmp_path: Path) -> None:
+    import numpy as np
+    from langchain_openai import OpenAIEmbeddings
+
+    retriever = ServiceProcess("services.retriever", ["--milvus-uri", str(tmp_path / "milvus.db")]).start(240)
+    router = ServiceProcess(
+        "services.router",
+        ["--replicas", front.replica.address, "--retriever-addr", retriever.address, "--http-port", "0"],
+    )
+    try:
+        with router.start():
+            v1 = f"{http_base(router)}/v1"
+            client = openai.OpenAI(base_url=v1, api_key="unused-on-an-open-router", max_retries=0)
+            texts = ["a cat sat on the mat", "a kitten sat on a rug", "quarterly tax filing deadlines"]
+            got = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts)  # the SDK asks for base64
+            assert [d.index for d in got.data] == [0, 1, 2]
+            assert got.model == "sentence-transformers/all-MiniLM-L6-v2" and got.usage.prompt_tokens > 0
+            vectors = [np.asarray(d.embedding) for d in got.data]
+            assert all(v.shape == (384,) and abs(np.linalg.norm(v) - 1) < 1e-4 for v in vectors)
+            assert vectors[0] @ vectors[1] > vectors[0] @ vectors[2]  # near in meaning, near in space
+            floats = httpx.post(
+                f"{v1}/embeddings", json={"input": texts[0], "encoding_format": "float"}
+            ).json()
+            assert np.allclose(floats["data"][0]["embedding"], vectors[0], atol=1e-6)
+            langchain = OpenAIEmbeddings(
+                base_url=v1,
+                api_key="unused",
+                model="all-MiniLM-L6-v2",
+                check_embedding_ctx_length=False,  # type: ignore[arg-type]
+            )
+            assert np.allclose(langchain.embed_query(texts[0]), vectors[0], atol=1e-6)
+            wrong_model = httpx.post(
+                f"{v1}/embeddings", json={"input": "x", "model": "text-embedding-3-small"}
+            )
+            assert "all-MiniLM-L6-v2" in assert_error(wrong_model, 404, "model", "model_not_found")["message"]
+            assert_error(
+                httpx.post(f"{v1}/embeddings", json={"input": "x", "dimensions": 64}), 400, "dimensions"
+            )
+            assert_error(httpx.post(f"{v1}/embeddings", json={"input": [[1, 2]]}), 400, "input")
+    finally:
+        retriever.stop()
+
+
+def test_embeddings_without_a_retriever_say_so(front: Front) -> None:
+    error = assert_error(front.post("/v1/embeddings", {"input": "x"}), 400, code="failed_precondition")
+    assert "--retriever-addr" in error["message"]

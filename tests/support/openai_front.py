@@ -1,0 +1,34 @@
+"""Helpers for tests of the router's OpenAI HTTP front: its port, its base URL, an API-keys file."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import yaml
+from services.router.auth import hash_key
+
+from tests.support.processes import ServiceProcess
+
+HTTP_RE = re.compile(r"llm-mesh router http on (\S+):(\d+)")
+
+
+def http_base(router: ServiceProcess, timeout: float = 30.0) -> str:
+    """``http://host:port`` of a started router's HTTP front, from the line it prints."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in router.lines:
+            if m := HTTP_RE.search(line):
+                return f"http://127.0.0.1:{m.group(2)}"
+        time.sleep(0.05)
+    raise TimeoutError("the router printed no 'http on' line:\n" + router.output())
+
+
+def keys_file(path: Path, keys: dict[str, dict[str, object]]) -> Path:
+    """A keys file: ``{api_key: {"tenant": ..., other record fields}}``, stored hashed."""
+    records = [
+        {"id": f"key-{i}", "sha256": hash_key(k), **fields} for i, (k, fields) in enumerate(keys.items())
+    ]
+    path.write_text(yaml.safe_dump({"keys": records}))
+    return path

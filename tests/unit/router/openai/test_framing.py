@@ -1,0 +1,56 @@
+"""Usage and chunk shapes the OpenAI clients read."""
+
+from __future__ import annotations
+
+from services.gen.llmmesh.v1 import common_pb2, router_pb2
+from services.router.api.openai.choices import ChoiceAnswer
+from services.router.api.openai.framing import DONE, KEEPALIVE, Framer, sse, total_usage
+
+
+def usage(prompt: int, completion: int, cached: int = 0) -> common_pb2.Usage:
+    return common_pb2.Usage(prompt_tokens=prompt, completion_tokens=completion, cached_prompt_tokens=cached)
+
+
+def test_the_prompt_counts_once_per_prompt_however_many_choices() -> None:
+    # Two prompts (10 and 7 tokens), n=2 each: prompts counted once each, completions summed.
+    by_choice = {0: usage(10, 3), 1: usage(10, 4, 8), 2: usage(7, 5), 3: usage(7, 1)}
+    assert total_usage(by_choice, per_prompt=2) == {
+        "prompt_tokens": 17,
+        "completion_tokens": 13,
+        "total_tokens": 30,
+        "prompt_tokens_details": {"cached_tokens": 8},
+    }
+
+
+def test_a_whole_chat_answer_has_openais_shape() -> None:
+    end = router_pb2.TurnEnd(finish_reason=common_pb2.FINISH_REASON_STOP, usage=usage(5, 2), model="m-v2")
+    body = Framer("chat", "chatcmpl-1", 1, "m").whole([ChoiceAnswer(["Hel", "lo"], end)])
+    assert body["model"] == "m-v2" and body["object"] == "chat.completion"
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Hello", "refusal": None},
+            "logprobs": None,
+            "finish_reason": "stop",
+        }
+    ]
+    assert body["usage"]["total_tokens"] == 7
+
+
+def test_stream_chunks_carry_null_usage_only_when_usage_was_asked_for() -> None:
+    framer = Framer("text", "cmpl-1", 1, "m")
+    assert "usage" not in framer.delta(0, "x", with_usage=False)
+    assert framer.delta(0, "x", with_usage=True)["usage"] is None
+    assert framer.opening(0, True) is None  # text streams have no role chunk
+    last = framer.usage({0: usage(3, 2)})
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 2
+
+
+def test_keepalives_between_events_are_invisible_to_the_openai_sdks_parser() -> None:
+    from openai._streaming import SSEDecoder  # the parser the SDK's streams run on
+
+    chunk = {"choices": [{"index": 0, "delta": {"content": "x"}}]}
+    stream = KEEPALIVE + sse("c-1", chunk) + KEEPALIVE + KEEPALIVE + sse("c-2", chunk) + KEEPALIVE + DONE
+    events = list(SSEDecoder().iter_bytes(iter([stream[i : i + 7] for i in range(0, len(stream), 7)])))
+    assert [e.id for e in events] == ["c-1", "c-2", "c-2"]
+    assert [e.json() for e in events[:2]] == [chunk, chunk] and events[2].data == "[DONE]"

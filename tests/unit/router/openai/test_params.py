@@ -1,0 +1,128 @@
+"""OpenAI request bodies become the router's turns, or a 400 that names the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from services.router.api.openai.errors import ApiError
+from services.router.api.openai.params import chat_generation, completion_generation
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def refused(body: Any, completions: bool = False) -> ApiError:
+    with pytest.raises(ApiError) as caught:
+        (completion_generation if completions else chat_generation)(body, "chatcmpl-1")
+    assert caught.value.status == 400
+    return caught.value
+
+
+def test_sampling_fields_reach_the_turn() -> None:
+    g = chat_generation(
+        {
+            "model": "m",
+            "messages": USER,
+            "max_completion_tokens": 7,
+            "max_tokens": 99,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "seed": 11,
+            "stop": "END",
+            "repetition_penalty": 1.2,
+            "ignore_eos": True,
+        },
+        "chatcmpl-1",
+    )
+    (turn,) = g.turns
+    s = turn.sampling
+    assert turn.model == "m" and turn.request_id == "chatcmpl-1"
+    assert s.max_tokens == 7  # max_completion_tokens wins over the deprecated max_tokens
+    assert (round(s.temperature, 3), round(s.top_p, 3), s.seed, list(s.stop)) == (0.5, 0.9, 11, ["END"])
+    assert round(s.repetition_penalty, 3) == 1.2 and s.ignore_eos
+
+
+def test_text_parts_are_joined_and_developer_is_system() -> None:
+    g = chat_generation(
+        {
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            ]
+        },
+        "x",
+    )
+    messages = g.turns[0].messages
+    assert [(m.role, m.content) for m in messages] == [("system", "be brief"), ("user", "a\nb")]
+
+
+def test_n_choices_get_their_own_ids_and_distinct_seeds() -> None:
+    g = chat_generation({"messages": USER, "n": 3, "seed": 5, "temperature": 1}, "chatcmpl-9")
+    assert [t.request_id for t in g.turns] == ["chatcmpl-9-0", "chatcmpl-9-1", "chatcmpl-9-2"]
+    assert [t.sampling.seed for t in g.turns] == [5, 6, 7]
+
+
+def test_completions_are_prompt_major_and_default_to_16_tokens() -> None:
+    g = completion_generation({"prompt": ["a", "b"], "n": 2}, "cmpl-1")
+    assert [t.messages[0].content for t in g.turns] == ["a", "a", "b", "b"]
+    assert all(t.sampling.max_tokens == 16 for t in g.turns)
+
+
+def test_nulls_and_load_tool_extras_are_accepted() -> None:
+    g = chat_generation(
+        {
+            "messages": USER,
+            "temperature": None,
+            "stop": None,
+            "tools": None,
+            "presence_penalty": 0,
+            "min_tokens": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "user": "u",
+            "some_future_field": {"x": 1},
+        },
+        "x",
+    )
+    assert g.stream and g.include_usage
+    assert not g.turns[0].sampling.HasField("temperature")
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
+        ({"messages": USER, "temperature": 2.5}, "temperature"),
+        ({"messages": USER, "temperature": "hot"}, "temperature"),
+        ({"messages": USER, "max_tokens": 0}, "max_tokens"),
+        ({"messages": USER, "max_tokens": True}, "max_tokens"),
+        ({"messages": USER, "n": 9}, "n"),
+        ({"messages": USER, "seed": -1}, "seed"),
+        ({"messages": USER, "stop": [1]}, "stop"),
+        ({"messages": USER, "presence_penalty": 0.5}, "presence_penalty"),
+        ({"messages": USER, "frequency_penalty": -1}, "frequency_penalty"),
+        ({"messages": USER, "min_tokens": 4}, "min_tokens"),
+        ({"messages": USER, "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": USER, "logit_bias": {"1": 5}}, "logit_bias"),
+        ({"messages": USER, "logprobs": True}, "logprobs"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
+    ],
+)
+def test_bad_or_unsupported_fields_are_refused_by_name(body: dict[str, Any], param: str) -> None:
+    assert refused(body).param == param
+
+
+def test_completions_refuse_echo_and_token_prompts() -> None:
+    assert refused({"prompt": "a", "echo": True}, completions=True).param == "echo"
+    assert refused({"prompt": [[1, 2]]}, completions=True).param == "prompt"
+    assert refused({"prompt": 5}, completions=True).param == "prompt"
+
+
+def test_a_body_that_is_not_an_object_is_refused() -> None:
+    assert refused([1, 2]).param is None
