@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import yaml
-from services.router.auth import hash_key
+from services.router.admission.auth import hash_key
 
 from tests.support.processes import ServiceProcess
 
