@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 import yaml
-from services.router.admission.auth import hash_key
 
+from services.router.admission.auth import hash_key
 from tests.support.processes import ServiceProcess
 
 HTTP_RE = re.compile(r"llm-mesh router http on (\S+):(\d+)")
