@@ -170,17 +170,6 @@ class Relay:
         self._rng = rng or random.Random()
         self._clock = clock
 
-    def pick(
-        self,
-        models: Sequence[str],
-        session_key: str | None,
-        exclude: set[str],
-        deadline: float | None,
-        preferred: str | None = None,
-    ) -> tuple[Replica, str] | None:
-        """The replica for the next attempt and its model, or None: ``ReplicaPicker.pick``."""
-        return self.picker.pick(models, session_key, exclude, deadline, preferred)
-
     async def generate(
         self,
         start: inference_pb2.GenerateStart,

@@ -61,13 +61,13 @@ async def test_pick_refuses_when_the_predicted_queue_wait_exceeds_the_deadline()
             replica.last_load.waiting = 10  # ≈ 5 s before a new request would start
         relay = Relay(pool, AffinityPolicy(LeastOutstandingPolicy()), clock=lambda: 0.0)
         with pytest.raises(errors.DeadlineExceeded, match="predicted queue wait"):
-            relay.pick(["m"], None, set(), deadline=1.0)
-        picked = relay.pick(["m"], None, set(), deadline=60.0)
+            relay.picker.pick(["m"], None, set(), deadline=1.0)
+        picked = relay.picker.pick(["m"], None, set(), deadline=60.0)
         assert picked is not None and picked[1] == "m"
         # A pinned replica keeps its session while it is within the load bound …
-        assert relay.pick(["m"], "s", set(), None, preferred="127.0.0.1:2")[0].address == "127.0.0.1:2"  # type: ignore[index]
+        assert relay.picker.pick(["m"], "s", set(), None, preferred="127.0.0.1:2")[0].address == "127.0.0.1:2"  # type: ignore[index]
         # … and an excluded (failed) one is never picked again for this turn.
-        again = relay.pick(["m"], "s", {"127.0.0.1:2"}, None, preferred="127.0.0.1:2")
+        again = relay.picker.pick(["m"], "s", {"127.0.0.1:2"}, None, preferred="127.0.0.1:2")
         assert again is not None and again[0].address == "127.0.0.1:1"
     finally:
         await pool.close()
