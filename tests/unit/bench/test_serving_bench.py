@@ -1,0 +1,70 @@
+"""The serving benchmark's parts: the workload every server gets, the summary and the verdict."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from bench.serving import ratios
+from bench.serving_client import OUTPUT_TOKENS, Outcome, summarize, workload
+from services import cli
+
+
+def test_every_server_gets_the_same_poisson_workload_of_distinct_prompts() -> None:
+    first, again = workload(200, rate=4.0, seed=7), workload(200, rate=4.0, seed=7)
+    assert first == again
+    assert workload(200, rate=4.0, seed=8) != first
+    gaps = [b.at_s - a.at_s for a, b in itertools.pairwise(first)]
+    assert all(g >= 0 for g in gaps)
+    # Poisson at 4/s: mean gap 0.25 s (200 draws: well within ±30 %).
+    assert 0.175 < sum(gaps) / len(gaps) < 0.325
+    assert len({r.prompt for r in first}) == len(first), "no two requests share a prompt"
+    assert {r.max_tokens for r in first} == set(OUTPUT_TOKENS)
+    assert len({len(r.prompt) for r in first}) > 10, "prompt lengths are mixed"
+    assert all(r.at_s == 0.0 for r in workload(10, rate=float("inf"), seed=0))
+
+
+def test_summary_counts_tokens_over_the_span_to_the_last_token_and_reports_failures() -> None:
+    outcomes = [
+        Outcome(
+            ok=True, ttft_s=0.1, latency_s=1.0, itl_s=[0.01, 0.03], completion_tokens=30, finished_at_s=2.0
+        ),
+        Outcome(ok=True, ttft_s=0.3, latency_s=2.0, itl_s=[0.02], completion_tokens=50, finished_at_s=4.0),
+        Outcome(ok=False, error="APIConnectionError: refused"),
+    ]
+    row = summarize(outcomes, wall_s=9.0)
+    assert row["completion_tokens"] == 80
+    assert row["output_tokens_per_s"] == 20.0  # 80 tokens over 4 s, not the 9 s wall
+    assert row["failed"] == 1
+    assert row["ttft_ms_p50"] == 200.0
+    assert row["itl_ms_p50"] == 20.0
+    assert "refused" in str(row["errors"])
+
+
+def _row(server: str, tok_s: float, ttft: float) -> dict[str, object]:
+    return {"server": server, "output_tokens_per_s": tok_s, "ttft_ms_p50": ttft, "failed": 0}
+
+
+def test_the_verdict_compares_with_the_best_peer_at_the_same_precision_only() -> None:
+    rows = [
+        _row("llm_mesh", 100.0, 500.0),
+        _row("transformers", 20.0, 900.0),
+        _row("llama_cpp", 40.0, 400.0),
+        _row("llama_cpp_q4", 90.0, 100.0),  # 4-bit: a reference row, never "the better peer"
+        {"server": "other", "not_run": "missing"},
+    ]
+    verdict = ratios(rows)
+    assert verdict["best_peer"] == "llama_cpp"
+    assert verdict["tokens_per_s_ratio"] == 2.5
+    assert verdict["ttft_p50_ratio_peer_over_mesh"] == 0.8
+    assert verdict["goal_met"] is False  # 2.5× the tokens, but a worse TTFT p50
+    assert verdict["vs_each"] == {"transformers": 5.0, "llama_cpp": 2.5, "llama_cpp_q4": 1.11}
+
+
+def test_bench_serving_rejects_an_unknown_server_naming_the_choices(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["bench", "serving", "--servers", "llm_mesh,vllm", "--no-front"]) == 2
+    err = capsys.readouterr().err
+    assert "vllm" in err and "transformers" in err and "llama_cpp" in err
