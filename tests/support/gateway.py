@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
+
+from services.launcher.process_output import ProcessOutput, start_process
 
 ROOT = Path(__file__).resolve().parents[2]
 GATEWAY_DIR = ROOT / "deploy" / "gateway"
 GATEWAY_BINARY = GATEWAY_DIR / "bin" / "llm-mesh-gateway"
-LISTEN_RE = re.compile(r"llm-mesh gateway listening on (\S+):(\d+)")
 
 
 def gateway_build_inputs() -> list[Path]:
@@ -55,10 +54,17 @@ class GatewayProcess:
     def __init__(self, upstream: str, extra_args: list[str] | None = None) -> None:
         self.upstream = upstream
         self.extra_args = extra_args or []
-        self.proc: subprocess.Popen[str] | None = None
-        self.port: int | None = None
-        self.lines: list[str] = []
-        self._listening = threading.Event()
+        self.proc: subprocess.Popen[bytes] | None = None
+        #: What it printed, and the port of its ``llm-mesh gateway listening on`` line.
+        self.out = ProcessOutput()
+
+    @property
+    def port(self) -> int | None:
+        return self.out.port
+
+    @property
+    def lines(self) -> list[str]:
+        return self.out.lines
 
     @property
     def url(self) -> str:
@@ -67,25 +73,14 @@ class GatewayProcess:
 
     def start(self, timeout: float = 30.0) -> GatewayProcess:
         cmd = [str(GATEWAY_BINARY), "--listen", "127.0.0.1:0", "--upstream", self.upstream, *self.extra_args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        threading.Thread(target=self._pump, daemon=True).start()
-        deadline = time.monotonic() + timeout
-        while not self._listening.wait(0.05):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError("gateway did not start:\n" + self.output())
+        self.proc, _ = start_process(cmd, self.out, "gateway")
+        if not self.out.wait_listening(self.proc, time.monotonic() + timeout, poll_s=0.05):
+            self.kill()
+            raise RuntimeError("gateway did not start:\n" + self.output())
         return self
 
-    def _pump(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if m := LISTEN_RE.search(line):
-                self.port = int(m.group(2))
-                self._listening.set()
-
     def output(self) -> str:
-        return "\n".join(self.lines[-100:])
+        return self.out.tail(100)
 
     def terminate(self) -> None:
         """SIGTERM: the gateway stops accepting and lets in-flight requests finish."""
