@@ -59,7 +59,7 @@ from services.gen.llmmesh.v1 import (
     router_pb2,
     router_pb2_grpc,
 )
-from services.launcher.process_output import ProcessOutput, start_process
+from services.launcher.process_output import ProcessHandle
 from services.router import grpc_io
 
 if TYPE_CHECKING:
@@ -75,32 +75,26 @@ TARGET_ADDED_P50_MS = 1.0
 TARGET_TOKENS_PER_CORE_S = 20_000
 
 
-class Service:
+class Service(ProcessHandle):
     """A service process on an ephemeral port (the bootstrap prints where it listens)."""
 
     def __init__(self, module: str, args: list[str], env: dict[str, str] | None = None) -> None:
         self.module = module
         self.args = args
         self.env = env or {}
-        self.proc: subprocess.Popen[bytes] | None = None
-        #: What it printed, and the port of its ``listening on`` line.
-        self.out = ProcessOutput()
+        super().__init__()
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.out.port}" if self.out.port is not None else ""
-
-    @property
-    def lines(self) -> list[str]:
-        return self.out.lines
+        return f"127.0.0.1:{self.port}" if self.port is not None else ""
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", self.module, "--port", "0", "--log-level", "WARNING", *self.args]
 
     def start(self, timeout_s: float = 300.0) -> Service:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **self.env}
-        self.proc, _ = start_process(self.command(), self.out, self.module, cwd=ROOT, env=env)
-        if not self.out.wait_listening(self.proc, time.monotonic() + timeout_s):
+        self.launch(self.command(), self.module, cwd=ROOT, env=env)
+        if not self.wait_listening_line(time.monotonic() + timeout_s):
             raise RuntimeError(f"{self.module} did not start:\n" + self.out.tail(40))
         return self
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.launcher.process_output import ProcessOutput, start_process
+from services.launcher.process_output import ProcessHandle, ProcessOutput
 
 _PR_SET_PDEATHSIG = 1
 
@@ -32,7 +32,7 @@ class ChildFailed(RuntimeError):
     """A child exited or did not become ready in time."""
 
 
-class ChildProcess:
+class ChildProcess(ProcessHandle):
     """A service (or Redis, or the gateway) started in a new session so that Ctrl-C reaches only the launcher.
 
     The launcher decides the shutdown order, and a signal to the group also
@@ -44,28 +44,10 @@ class ChildProcess:
         self.command = command
         self.log_path = log_path
         self.env = env
-        self.proc: subprocess.Popen[bytes] | None = None
-        #: What it printed (the last 40 lines) and the ports it announced; also copied to its log.
-        self.output = ProcessOutput(keep=40, log_path=log_path)
+        # What it printed (the last 40 lines) and the ports it announced; also copied to its log.
+        super().__init__(ProcessOutput(keep=40, log_path=log_path))
         # How start-up decided it was ready, so a restart is judged the same way.
         self._ready_by_port = False
-
-    @property
-    def host(self) -> str:
-        return self.output.host or "127.0.0.1"
-
-    @property
-    def port(self) -> int | None:
-        return self.output.port
-
-    @property
-    def metrics_port(self) -> int | None:
-        return self.output.metrics_port
-
-    @property
-    def http_port(self) -> int | None:
-        """The router's OpenAI HTTP port, once it said so."""
-        return self.output.http_port
 
     @property
     def address(self) -> str:
@@ -84,9 +66,8 @@ class ChildProcess:
 
     def start(self) -> ChildProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.proc, _ = start_process(
+        self.launch(
             self.command,
-            self.output,
             self.name,
             env=self.env,
             stdin=subprocess.DEVNULL,
@@ -106,10 +87,10 @@ class ChildProcess:
         if self.http_port is not None and "--http-port" in self.command:
             at = self.command.index("--http-port") + 1  # the same for the router's HTTP clients
             self.command = [*self.command[:at], str(self.http_port), *self.command[at + 1 :]]
-        self.output.restarting()
+        self.out.restarting()
         # In the tail too: a give-up message shows where each run's last words begin.
         marker = f"--- llm-mesh up: restarting {self.name} ---"
-        self.output.note(marker)
+        self.out.note(marker)
         with open(self.log_path, "ab") as log:
             log.write(f"{marker}\n".encode())
         self.start()
@@ -122,7 +103,7 @@ class ChildProcess:
             with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), timeout=0.5):
                 return True
             return False
-        if not self.output.listening.is_set():
+        if not self.out.listening.is_set():
             return False
         with grpc.insecure_channel(self.address) as channel:
             try:
@@ -139,7 +120,7 @@ class ChildProcess:
 
     def tail(self) -> str:
         """The last lines it printed, for an error message."""
-        return self.output.tail(20)
+        return self.out.tail(20)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -151,8 +132,7 @@ class ChildProcess:
 
     def wait_listening(self, deadline: float) -> None:
         """Until the bootstrap printed its `listening on` line (which names an ephemeral port)."""
-        assert self.proc is not None, "not started"
-        if not self.output.wait_listening(self.proc, deadline):
+        if not self.wait_listening_line(deadline):
             self._check_alive()
             raise ChildFailed(f"{self.name} did not start listening; see {self.log_path}")
 
@@ -178,7 +158,7 @@ class ChildProcess:
         while True:
             self._check_alive()
             with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
-                self.output.host, self.output.port = host, port
+                self.out.host, self.out.port = host, port
                 self._ready_by_port = True
                 return
             if time.monotonic() > deadline:

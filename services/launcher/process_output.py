@@ -5,7 +5,7 @@ HOST:PORT`` once its gRPC port is bound, then ``… metrics on …`` and, for th
 router, ``… http on …``; the REST gateway and the relay-floor bench print the same
 ``listening on`` line. A child started on ``--port 0`` can only be found by reading
 its port from there, so the launcher, the tests and the benches all start their
-children with ``start_process`` and wait on ``ProcessOutput.wait_listening``.
+children through ``ProcessHandle`` and wait on ``wait_listening_line``.
 """
 
 from __future__ import annotations
@@ -107,3 +107,44 @@ def start_process(
     proc = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **popen)
     output.follow(proc, name)
     return proc, output
+
+
+class ProcessHandle:
+    """A child started by ``launch``: its ``proc``, its ``out``, and what it announced.
+
+    The base of the launcher's, the tests' and the benches' process wrappers.
+    """
+
+    def __init__(self, out: ProcessOutput | None = None) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.out = out if out is not None else ProcessOutput()
+
+    @property
+    def host(self) -> str:
+        return self.out.host or "127.0.0.1"
+
+    @property
+    def port(self) -> int | None:
+        return self.out.port
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.out.metrics_port
+
+    @property
+    def http_port(self) -> int | None:
+        """The router's OpenAI HTTP port, once it said so."""
+        return self.out.http_port
+
+    @property
+    def lines(self) -> list[str]:
+        return self.out.lines
+
+    def launch(self, command: Sequence[str], name: str, **popen: Any) -> subprocess.Popen[bytes]:
+        self.proc, _ = start_process(command, self.out, name, **popen)
+        return self.proc
+
+    def wait_listening_line(self, deadline: float, poll_s: float = 0.1) -> bool:
+        """Until the ``listening on`` line came (True), or the child exited or ``deadline`` passed."""
+        assert self.proc is not None, "not started"
+        return self.out.wait_listening(self.proc, deadline, poll_s)

@@ -33,37 +33,35 @@ def main(argv: list[str] | None = None) -> None:
     add = parser.add_argument
     add("--replicas", default="", help="inference replicas, host:port,host:port")
     add_flags(parser, RouterSettings)
-    # The relay's and outlier detection's own settings: only a few of their fields are flags.
-    add(
-        "--max-attempts",
-        type=int,
-        default=RelayConfig.max_attempts,
-        help="replicas tried per turn (retries + failovers + 1)",
-    )
-    add(
-        "--ttft-timeout-s",
-        type=float,
-        default=RelayConfig.ttft_timeout_s,
-        help="no first token this long: try another replica",
-    )
-    add(
-        "--stall-timeout-s",
-        type=float,
-        default=RelayConfig.stall_timeout_s,
-        help="no token this long mid-stream: fail over",
-    )
-    add(
-        "--ejection-failures",
-        type=int,
-        default=EjectionConfig.consecutive_failures,
-        help="consecutive failures that eject a replica",
-    )
-    add(
-        "--ejection-base-s",
-        type=float,
-        default=EjectionConfig.base_ejection_s,
-        help="ejection time, times the ejection count",
-    )
+    # The relay's and outlier detection's own settings: a few of their fields are flags, defaults theirs.
+    for name, kind, default, help_text in (
+        (
+            "--max-attempts",
+            int,
+            RelayConfig.max_attempts,
+            "replicas tried per turn (retries + failovers + 1)",
+        ),
+        (
+            "--ttft-timeout-s",
+            float,
+            RelayConfig.ttft_timeout_s,
+            "no first token this long: try another replica",
+        ),
+        ("--stall-timeout-s", float, RelayConfig.stall_timeout_s, "no token this long mid-stream: fail over"),
+        (
+            "--ejection-failures",
+            int,
+            EjectionConfig.consecutive_failures,
+            "consecutive failures that eject a replica",
+        ),
+        (
+            "--ejection-base-s",
+            float,
+            EjectionConfig.base_ejection_s,
+            "ejection time, times the ejection count",
+        ),
+    ):
+        add(name, type=kind, default=default, help=help_text)
     add(
         "--replica-tls-ca", default=None, help="PEM CA that signed the replicas' certificates (dial with TLS)"
     )

@@ -8,7 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from services.launcher.process_output import ProcessOutput, start_process
+from services.launcher.process_output import ProcessHandle
 
 ROOT = Path(__file__).resolve().parents[2]
 GATEWAY_DIR = ROOT / "deploy" / "gateway"
@@ -48,23 +48,13 @@ def ensure_gateway_built(timeout: float = 900.0) -> Path:
     return GATEWAY_BINARY
 
 
-class GatewayProcess:
+class GatewayProcess(ProcessHandle):
     """``llm-mesh-gateway --listen 127.0.0.1:0 --upstream ROUTER``; the port is read from its first line."""
 
     def __init__(self, upstream: str, extra_args: list[str] | None = None) -> None:
         self.upstream = upstream
         self.extra_args = extra_args or []
-        self.proc: subprocess.Popen[bytes] | None = None
-        #: What it printed, and the port of its ``llm-mesh gateway listening on`` line.
-        self.out = ProcessOutput()
-
-    @property
-    def port(self) -> int | None:
-        return self.out.port
-
-    @property
-    def lines(self) -> list[str]:
-        return self.out.lines
+        super().__init__()  # the port comes from its ``llm-mesh gateway listening on`` line
 
     @property
     def url(self) -> str:
@@ -73,8 +63,8 @@ class GatewayProcess:
 
     def start(self, timeout: float = 30.0) -> GatewayProcess:
         cmd = [str(GATEWAY_BINARY), "--listen", "127.0.0.1:0", "--upstream", self.upstream, *self.extra_args]
-        self.proc, _ = start_process(cmd, self.out, "gateway")
-        if not self.out.wait_listening(self.proc, time.monotonic() + timeout, poll_s=0.05):
+        self.launch(cmd, "gateway")
+        if not self.wait_listening_line(time.monotonic() + timeout, poll_s=0.05):
             self.kill()
             raise RuntimeError("gateway did not start:\n" + self.output())
         return self

@@ -14,7 +14,7 @@ from typing import ClassVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.launcher.process_output import ProcessOutput, start_process
+from services.launcher.process_output import ProcessHandle
 
 ROOT = Path(__file__).resolve().parents[2]
 # A test run killed by a timeout never reaches its fixtures' teardown; children
@@ -25,7 +25,7 @@ SETPRIV = shutil.which("setpriv")
 DIE_WITH_PARENT = [SETPRIV, "--pdeathsig", "TERM"] if SETPRIV else []
 
 
-class ServiceProcess:
+class ServiceProcess(ProcessHandle):
     """One service started as ``python -m <module> --port 0 …``.
 
     The bootstrap prints ``llm-mesh <service> listening on HOST:PORT``; we read
@@ -40,21 +40,7 @@ class ServiceProcess:
         self.module = module
         self.args = args
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
-        self.proc: subprocess.Popen[bytes] | None = None
-        #: Everything it printed, and the ports it announced.
-        self.out = ProcessOutput()
-
-    @property
-    def port(self) -> int | None:
-        return self.out.port
-
-    @property
-    def metrics_port(self) -> int | None:
-        return self.out.metrics_port
-
-    @property
-    def lines(self) -> list[str]:
-        return self.out.lines
+        super().__init__()  # keeps everything it prints
 
     @property
     def address(self) -> str:
@@ -65,10 +51,10 @@ class ServiceProcess:
         cmd = [*DIE_WITH_PARENT, sys.executable, "-m", self.module, *self.args]
         if "--port" not in self.args:
             cmd += ["--port", "0"]
-        self.proc, _ = start_process(cmd, self.out, self.module, cwd=ROOT, env=self.env)
+        self.launch(cmd, self.module, cwd=ROOT, env=self.env)
         ServiceProcess.running.append(self)
         deadline = time.monotonic() + timeout
-        if not self.out.wait_listening(self.proc, deadline):
+        if not self.wait_listening_line(deadline):
             raise RuntimeError(f"{self.module} did not start:\n" + self.output())
         if wait_serving:
             self.wait_serving(max(1.0, deadline - time.monotonic()))
