@@ -114,7 +114,6 @@ async def test_an_engine_failure_reaches_the_reader_after_the_tokens_before_it()
     assert [t for o in got for t in o.new_token_ids] == [100 + i for i in range(5)]
 
 
-
 class RefusingEngine(FakeTokenEngine):
     """The engine's own admission refuses every request (as a full waiting queue does)."""
 
@@ -142,6 +141,7 @@ async def test_a_refusal_of_the_engine_reaches_the_caller_and_aborts_nothing() -
         engine.close()
     assert refused.value.retry_after_s == 1.0
     assert fake.aborted == []
+
 
 def test_merge_keeps_the_first_index_and_the_last_outputs_end() -> None:
     outs = [
