@@ -38,12 +38,10 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
@@ -61,6 +59,7 @@ from services.gen.llmmesh.v1 import (
     router_pb2,
     router_pb2_grpc,
 )
+from services.launcher.process_output import ProcessHandle
 from services.router import grpc_io
 
 if TYPE_CHECKING:
@@ -68,7 +67,6 @@ if TYPE_CHECKING:
     from services.gen.llmmesh.v1.router_pb2_grpc import RouterAsyncStub
 
 ROOT = Path(__file__).resolve().parents[1]
-LISTEN_RE = re.compile(r"llm-mesh \S+ listening on (\S+):(\d+)")
 #: The router's I/O choice, and the floor's: gRPC core's poller (see services/router/grpc_io.py).
 POLLER_ENV = {"GRPC_EXPERIMENTS": grpc_io.POLLER_EXPERIMENTS}
 EVENTENGINE_ENV = {grpc_io.ENV: "eventengine"}
@@ -77,43 +75,28 @@ TARGET_ADDED_P50_MS = 1.0
 TARGET_TOKENS_PER_CORE_S = 20_000
 
 
-class Service:
+class Service(ProcessHandle):
     """A service process on an ephemeral port (the bootstrap prints where it listens)."""
 
     def __init__(self, module: str, args: list[str], env: dict[str, str] | None = None) -> None:
         self.module = module
         self.args = args
         self.env = env or {}
-        self.proc: subprocess.Popen[str] | None = None
-        self.address = ""
-        self._ready = threading.Event()
-        self.lines: list[str] = []
+        super().__init__()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}" if self.port is not None else ""
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", self.module, "--port", "0", "--log-level", "WARNING", *self.args]
 
     def start(self, timeout_s: float = 300.0) -> Service:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **self.env}
-        self.proc = subprocess.Popen(
-            self.command(),
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        threading.Thread(target=self._pump, daemon=True).start()
-        if not self._ready.wait(timeout_s):
-            raise RuntimeError(f"{self.module} did not start:\n" + "\n".join(self.lines[-40:]))
+        self.launch(self.command(), self.module, cwd=ROOT, env=env)
+        if not self.wait_listening_line(time.monotonic() + timeout_s):
+            raise RuntimeError(f"{self.module} did not start:\n" + self.out.tail(40))
         return self
-
-    def _pump(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip())
-            if m := LISTEN_RE.search(line):
-                self.address = f"127.0.0.1:{m.group(2)}"
-                self._ready.set()
 
     async def wait_serving(self, timeout_s: float = 300.0) -> None:
         from grpc_health.v1 import health_pb2, health_pb2_grpc

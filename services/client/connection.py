@@ -8,9 +8,10 @@ import os
 import grpc
 
 from services.common.metadata import AUTHORIZATION_KEY
+from services.common.settings import ROUTER_PORT
 from services.gen.llmmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
-DEFAULT_ROUTER = "127.0.0.1:50051"
+DEFAULT_ROUTER = f"127.0.0.1:{ROUTER_PORT}"
 
 
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:

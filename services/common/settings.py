@@ -3,14 +3,33 @@
 Every flag `--foo-bar` of every service defaults to the environment variable
 `LLMMESH_FOO_BAR` when set, so a container can be configured by environment
 alone while a person can still override anything on the command line.
+
+A settings dataclass declares each of its flags once, on the field (``flag()``):
+the default and the help text live there, ``add_flags`` makes the argparse
+flags from them and ``from_flags`` builds the dataclass from the parsed flags,
+so a default can never differ between the command line and code that builds
+the settings directly (tests, the launcher).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+#: The ports each service listens on by default (DESIGN.md); `llm-mesh up` uses the same.
+ROUTER_PORT = 50051
+#: The router's OpenAI-compatible HTTP front: where OpenAI SDKs and tools expect a local server.
+ROUTER_HTTP_PORT = 8000
+INFERENCE_PORT = 50052
+RETRIEVER_PORT = 50053
+SESSION_PORT = 50054
+
+_FLAG = "llmmesh.flag"
 
 
 def env_name(flag: str) -> str:
@@ -40,21 +59,79 @@ class EnvArgumentParser(argparse.ArgumentParser):
 
 
 @dataclass(frozen=True)
+class _Flag:
+    help: str
+    #: None: ``--`` and the field's name with dashes.
+    name: str | None
+    #: More ``add_argument`` keywords (``choices``; ``type`` where the default is None).
+    options: Mapping[str, Any]
+
+
+def flag(default: Any = MISSING, *, help: str, name: str | None = None, **options: Any) -> Any:
+    """A settings field that is also a command-line flag; no default: the flag is required.
+
+    ``type`` comes from an int or float default, a bool default makes a ``store_true`` switch.
+    """
+    metadata = {_FLAG: _Flag(help, name, options)}
+    if default is MISSING:
+        return field(metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _flag_fields(settings: type) -> list[tuple[Field[Any], _Flag, str]]:
+    """(field, its flag, the flag's name) for each ``flag()`` field of the dataclass ``settings``."""
+    found = []
+    for f in fields(settings):
+        spec = f.metadata.get(_FLAG)
+        if spec is not None:
+            found.append((f, spec, spec.name or "--" + f.name.replace("_", "-")))
+    return found
+
+
+def add_flags(parser: argparse.ArgumentParser, settings: type, **defaults: Any) -> None:
+    """One flag per ``flag()`` field of ``settings``; ``defaults`` replace fields' defaults (a service's port)."""
+    for f, spec, name in _flag_fields(settings):
+        default = defaults.get(f.name, f.default)
+        kwargs: dict[str, Any] = {"help": spec.help, **spec.options}
+        if default is MISSING:
+            kwargs["required"] = True
+        elif isinstance(default, bool):
+            kwargs.update(action="store_true", default=default)
+        else:
+            kwargs["default"] = default
+            if isinstance(default, int | float) and "type" not in kwargs:
+                kwargs["type"] = type(default)
+        parser.add_argument(name, **kwargs)
+
+
+def from_flags(settings: type[T], args: argparse.Namespace, **values: Any) -> T:
+    """``settings`` from the parsed flags of its ``flag()`` fields; ``values`` give (or replace) fields."""
+    kwargs = {
+        f.name: getattr(args, spec.options.get("dest") or name.lstrip("-").replace("-", "_"))
+        for f, spec, name in _flag_fields(settings)
+    }
+    return settings(**{**kwargs, **values})
+
+
+@dataclass(frozen=True)
 class ServerOptions:
-    """What the shared bootstrap needs to serve one service."""
+    """What the shared bootstrap needs to serve one service (the flags every service takes)."""
 
     service: str
-    host: str = "127.0.0.1"
-    port: int = 0
-    metrics_port: int | None = None
-    grace_seconds: float = 30.0
-    drain_seconds: float = 0.0
-    max_message_bytes: int = 4 * 1024 * 1024
-    handshake_timeout_ms: int = 10_000
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_client_ca: str | None = None
-    log_level: str = "INFO"
+    host: str = flag("127.0.0.1", help="address to listen on")
+    # Each service's flag defaults to its own port (add_server_args).
+    port: int = flag(0, help="gRPC port (0 = any free)")
+    metrics_port: int | None = flag(None, type=int, help="Prometheus HTTP port (0 = any free; unset = off)")
+    grace_seconds: float = flag(30.0, help="how long in-flight RPCs may run on shutdown")
+    drain_seconds: float = flag(
+        0.0, help="how long to report NOT_SERVING before refusing new RPCs on shutdown"
+    )
+    max_message_bytes: int = flag(4 * 1024 * 1024, help="largest gRPC message accepted")
+    handshake_timeout_ms: int = flag(10_000, help="drop connections that do not finish the handshake")
+    tls_cert: str | None = flag(None, help="PEM server certificate (enables TLS)")
+    tls_key: str | None = flag(None, help="PEM private key of --tls-cert")
+    tls_client_ca: str | None = flag(None, help="PEM CA for client certificates (enables mTLS)")
+    log_level: str = flag("INFO", help="logging level")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -67,47 +144,8 @@ class ServerOptions:
 
 def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     """Flags every service takes."""
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=default_port, help="gRPC port (0 = any free)")
-    parser.add_argument(
-        "--metrics-port", type=int, default=None, help="Prometheus HTTP port (0 = any free; unset = off)"
-    )
-    parser.add_argument(
-        "--grace-seconds", type=float, default=30.0, help="how long in-flight RPCs may run on shutdown"
-    )
-    parser.add_argument(
-        "--drain-seconds",
-        type=float,
-        default=0.0,
-        help="how long to report NOT_SERVING before refusing new RPCs on shutdown",
-    )
-    parser.add_argument(
-        "--max-message-bytes", type=int, default=4 * 1024 * 1024, help="largest gRPC message accepted"
-    )
-    parser.add_argument(
-        "--handshake-timeout-ms",
-        type=int,
-        default=10_000,
-        help="drop connections that do not finish the handshake",
-    )
-    parser.add_argument("--tls-cert", default=None, help="PEM server certificate (enables TLS)")
-    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    parser.add_argument("--tls-client-ca", default=None, help="PEM CA for client certificates (enables mTLS)")
-    parser.add_argument("--log-level", default="INFO", help="logging level")
+    add_flags(parser, ServerOptions, port=default_port)
 
 
 def server_options(service: str, args: argparse.Namespace) -> ServerOptions:
-    return ServerOptions(
-        service=service,
-        host=args.host,
-        port=args.port,
-        metrics_port=args.metrics_port,
-        grace_seconds=args.grace_seconds,
-        drain_seconds=args.drain_seconds,
-        max_message_bytes=args.max_message_bytes,
-        handshake_timeout_ms=args.handshake_timeout_ms,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        tls_client_ca=args.tls_client_ca,
-        log_level=args.log_level,
-    )
+    return from_flags(ServerOptions, args, service=service)

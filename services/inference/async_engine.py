@@ -51,6 +51,8 @@ class _Pending:
     aborted: bool = False
     # Parked in the engine: its reader left PARK_AFTER_OUTPUTS outputs untaken (loop thread only).
     parked: bool = False
+    # Refused by ``LLMEngine.add_request`` (set by the engine thread before the refusal is posted).
+    refused: bool = False
 
 
 def merge_outputs(outputs: Seq[RequestOutput]) -> RequestOutput:
@@ -109,8 +111,8 @@ class AsyncEngine:
             raise errors.DependencyUnavailable(
                 f"the inference engine failed ({self.failure}); send work elsewhere"
             )
-        # Validation needs no engine slot and reads only immutable engine state.
-        self.engine.validate(prompt_token_ids, params, resume_token_ids)
+        # Validation and the waiting-queue bound are the engine's, in ``LLMEngine.add_request`` on the
+        # engine thread: a refusal reaches this stream through its sink, with the engine's status.
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         pending = _Pending(
             request_id, prompt_token_ids, params, resume_token_ids, sink, asyncio.get_running_loop()
@@ -118,11 +120,6 @@ class AsyncEngine:
         with self._cond:
             if request_id in self._sinks:
                 raise errors.AlreadyExists(f"request {request_id!r} is already running")
-            if len(self._pending) + self._load.waiting >= self.engine.config.max_queued_requests:
-                raise errors.Overloaded(
-                    f"waiting queue is full ({self.engine.config.max_queued_requests} requests); retry later",
-                    retry_after_s=1.0,
-                )
             self._pending.append(pending)
             self._sinks[request_id] = pending
             self._cond.notify()
@@ -159,7 +156,9 @@ class AsyncEngine:
                 if failure is not None:
                     raise failure
         finally:
-            if not finished:
+            # A request the engine refused was never added: an abort for it would wait in the
+            # engine's queue and cancel the next request that reuses the id (a retry).
+            if not finished and not pending.refused:
                 self.abort(request_id)
 
     def _arrive(self, pending: _Pending, out: RequestOutput) -> None:
@@ -207,8 +206,9 @@ class AsyncEngine:
                     engine.add_request(p.request_id, p.prompt_token_ids, p.params, p.resume_token_ids)
                     if p.aborted:
                         engine.abort_request(p.request_id)
-                except Exception as exc:  # admission raced the bound; tell that caller only
+                except Exception as exc:  # refused (invalid, queue full): tell that caller only
                     self._forget(p.request_id)
+                    p.refused = True  # before the caller can see the refusal, so it aborts nothing
                     p.loop.call_soon_threadsafe(p.sink.put_nowait, exc)
             try:
                 outputs = engine.step()

@@ -1,8 +1,10 @@
-"""Engine configuration: one frozen dataclass, checked when built."""
+"""Engine configuration: one frozen dataclass, checked when built; its fields are the replica's flags."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from services.common.settings import flag
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -15,28 +17,42 @@ MODEL_IMPLS = ("auto", "native", "transformers")
 class EngineConfig:
     """Everything the engine needs to load a model and size its batch and KV cache."""
 
-    model: str
-    model_id: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
+    model: str = flag(help="model directory or .gguf file")
+    model_id: str | None = flag(None, help="name reported to clients (default: from the path)")
+    device: str = flag("auto", help=f"one of {', '.join(DEVICES)} or cuda:N")
+    dtype: str = flag("auto", choices=DTYPES, help="weights and KV-cache dtype")
+    max_num_seqs: int = flag(64, help="most sequences in the running batch")
+    max_num_batched_tokens: int = flag(2048, help="token budget per step")
+    block_size: int = flag(16, help="tokens per KV-cache block")
     # None: enough blocks for max_num_seqs full contexts, under a memory cap.
-    num_kv_blocks: int | None = None
-    max_queued_requests: int = 256
+    num_kv_blocks: int | None = flag(
+        None, name="--kv-blocks", type=int, help="KV-cache blocks (default: auto)"
+    )
+    max_queued_requests: int = flag(256, help="waiting-queue bound")
     # None: the model's own context length, capped (see model_runner.MAX_MODEL_LEN_CAP).
-    max_model_len: int | None = None
+    max_model_len: int | None = flag(None, type=int, help="context cap (default: the model's)")
     # torch.compile the forward with bucketed batch sizes (slow warm-up, faster steps).
-    compile: bool = False
-    model_impl: str = "auto"
+    compile: bool = flag(False, help="torch.compile the transformers forward (slow start)")
+    model_impl: str = flag(
+        "auto",
+        choices=MODEL_IMPLS,
+        help="native: flat-batch Llama forward; transformers: any causal LM; auto: native when possible",
+    )
     # Native forward: MiB for contiguous decode K/V rows (decode_slab.py); 0 disables.
     # 1 GiB holds 64 fp32 SmolLM2 rows of up to 256 tokens, or 8 of up to 2,048; a batch
     # needing more gathers from the paged cache instead.
-    decode_slab_mib: int = 1024
+    decode_slab_mib: int = flag(
+        1024,
+        help="native forward: memory for contiguous decode K/V rows (0 = always gather from the paged cache)",
+    )
     # CPU: the memory the replica may use (None: the container's cgroup limit, else the
     # machine's RAM); the auto-sized KV cache and the slab shrink to fit it (memory_budget.py).
-    memory_limit_mib: int | None = None
+    memory_limit_mib: int | None = flag(
+        None,
+        type=int,
+        help="CPU: memory this replica may use; the auto-sized KV cache and decode slab fit in it "
+        "(default: the container's cgroup limit, else the machine's RAM)",
+    )
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):

@@ -176,7 +176,8 @@ class LLMEngine:
         self.validate(prompt_token_ids, params, resume_token_ids)
         if len(self.scheduler.waiting) >= self.config.max_queued_requests:
             raise errors.Overloaded(
-                f"waiting queue is full ({self.config.max_queued_requests} requests)", retry_after_s=1.0
+                f"waiting queue is full ({self.config.max_queued_requests} requests); retry later",
+                retry_after_s=1.0,
             )
         seq = Sequence(
             request_id=request_id,

@@ -5,20 +5,17 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import re
 import signal
 import socket
 import subprocess
-import threading
 import time
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-LISTEN_RE = re.compile(r"llm-mesh (\S+) listening on (\S+):(\d+)")
-HTTP_RE = re.compile(r"llm-mesh (\S+) http on (\S+):(\d+)")
-METRICS_RE = re.compile(r"llm-mesh (\S+) metrics on (\S+):(\d+)")
+from services.launcher.process_output import ProcessHandle, ProcessOutput
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -35,7 +32,7 @@ class ChildFailed(RuntimeError):
     """A child exited or did not become ready in time."""
 
 
-class ChildProcess:
+class ChildProcess(ProcessHandle):
     """A service (or Redis, or the gateway) started in a new session so that Ctrl-C reaches only the launcher.
 
     The launcher decides the shutdown order, and a signal to the group also
@@ -47,14 +44,8 @@ class ChildProcess:
         self.command = command
         self.log_path = log_path
         self.env = env
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.port: int | None = None
-        self.metrics_port: int | None = None
-        #: The router's OpenAI HTTP port, once it said so.
-        self.http_port: int | None = None
-        self.host = "127.0.0.1"
-        self._listening = threading.Event()
-        self._tail: list[str] = []
+        # What it printed (the last 40 lines) and the ports it announced; also copied to its log.
+        super().__init__(ProcessOutput(keep=40, log_path=log_path))
         # How start-up decided it was ready, so a restart is judged the same way.
         self._ready_by_port = False
 
@@ -75,33 +66,15 @@ class ChildProcess:
 
     def start(self) -> ChildProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
+        self.launch(
             self.command,
+            self.name,
             env=self.env,
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=_die_with_parent,  # only prctl: safe between fork and exec
         )
-        threading.Thread(target=self._pump, name=f"log-{self.name}", daemon=True).start()
         return self
-
-    def _pump(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        with open(self.log_path, "ab") as log:
-            for raw in self.proc.stdout:
-                log.write(raw)
-                log.flush()
-                line = raw.decode(errors="replace").rstrip("\n")
-                self._tail = [*self._tail[-39:], line]
-                if m := LISTEN_RE.search(line):
-                    self.host, self.port = m.group(2), int(m.group(3))
-                    self._listening.set()
-                if m := METRICS_RE.search(line):
-                    self.metrics_port = int(m.group(3))
-                if m := HTTP_RE.search(line):
-                    self.http_port = int(m.group(3))
 
     def restart(self) -> None:
         """Start the same command again on the port it had, so every client's address stays right.
@@ -114,11 +87,10 @@ class ChildProcess:
         if self.http_port is not None and "--http-port" in self.command:
             at = self.command.index("--http-port") + 1  # the same for the router's HTTP clients
             self.command = [*self.command[:at], str(self.http_port), *self.command[at + 1 :]]
-        self._listening.clear()
-        self.metrics_port = None
+        self.out.restarting()
         # In the tail too: a give-up message shows where each run's last words begin.
         marker = f"--- llm-mesh up: restarting {self.name} ---"
-        self._tail = [*self._tail[-39:], marker]
+        self.out.note(marker)
         with open(self.log_path, "ab") as log:
             log.write(f"{marker}\n".encode())
         self.start()
@@ -131,7 +103,7 @@ class ChildProcess:
             with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), timeout=0.5):
                 return True
             return False
-        if not self._listening.is_set():
+        if not self.out.listening.is_set():
             return False
         with grpc.insecure_channel(self.address) as channel:
             try:
@@ -148,7 +120,7 @@ class ChildProcess:
 
     def tail(self) -> str:
         """The last lines it printed, for an error message."""
-        return "\n".join(self._tail[-20:])
+        return self.out.tail(20)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -160,10 +132,9 @@ class ChildProcess:
 
     def wait_listening(self, deadline: float) -> None:
         """Until the bootstrap printed its `listening on` line (which names an ephemeral port)."""
-        while not self._listening.wait(0.1):
+        if not self.wait_listening_line(deadline):
             self._check_alive()
-            if time.monotonic() > deadline:
-                raise ChildFailed(f"{self.name} did not start listening; see {self.log_path}")
+            raise ChildFailed(f"{self.name} did not start listening; see {self.log_path}")
 
     def wait_serving(self, deadline: float) -> None:
         """Until the gRPC health check answers SERVING (models loaded, stores connected)."""
@@ -187,7 +158,7 @@ class ChildProcess:
         while True:
             self._check_alive()
             with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
-                self.host, self.port = host, port
+                self.out.host, self.out.port = host, port
                 self._ready_by_port = True
                 return
             if time.monotonic() > deadline:

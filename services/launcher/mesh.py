@@ -10,6 +10,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.settings import (
+    INFERENCE_PORT,
+    RETRIEVER_PORT,
+    ROUTER_HTTP_PORT,
+    ROUTER_PORT,
+    SESSION_PORT,
+)
 from services.inference import memory_budget
 from services.launcher.children import ChildFailed, ChildProcess
 from services.launcher.redis_local import redis_command
@@ -18,13 +25,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 GATEWAY_BINARY = ROOT / "deploy" / "gateway" / "bin" / "llm-mesh-gateway"
 
-# The documented ports (DESIGN.md): replicas step by 10 so each can add neighbours later.
-ROUTER_PORT = 50051
-# The router's OpenAI-compatible HTTP front: where OpenAI SDKs and tools expect a local server.
-ROUTER_HTTP_PORT = 8000
-INFERENCE_BASE_PORT = 50052
-RETRIEVER_PORT = 50053
-SESSION_PORT = 50054
+# The services' own default ports (services/common/settings.py); replicas step by 10 from
+# the inference port so each can add neighbours later.
+INFERENCE_BASE_PORT = INFERENCE_PORT
 REDIS_PORT = 6379
 GATEWAY_LISTEN = "127.0.0.1:8080"
 # Where everything behind the router listens, whatever --host says: Redis, session, retriever

@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from services.common.settings import ROUTER_HTTP_PORT, ROUTER_PORT
 from services.launcher.children import ChildFailed
 from services.launcher.lock import AlreadyRunning, MeshLock, port_in_use
-from services.launcher.mesh import DEFAULT_MODEL, ROOT, ROUTER_HTTP_PORT, ROUTER_PORT, LocalMesh, MeshConfig
+from services.launcher.mesh import DEFAULT_MODEL, ROOT, LocalMesh, MeshConfig
 from services.launcher.supervision import RestartPolicy
 from services.launcher.supervisor import ChildGaveUp, Supervisor
 
@@ -28,10 +29,16 @@ class StopRequested(Exception):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--replicas", type=int, default=1, help="inference replicas (ports 50052, 50062, …); default 1"
+        "--replicas",
+        type=int,
+        default=MeshConfig.replicas,
+        help="inference replicas (ports 50052, 50062, …); default 1",
     )
     parser.add_argument(
-        "--port", type=int, default=ROUTER_PORT, help="router port (0 = every service on a free port)"
+        "--port",
+        type=int,
+        default=MeshConfig.router_port,
+        help="router port (0 = every service on a free port)",
     )
     parser.add_argument(
         "--http-port",
@@ -41,13 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--host",
-        default="127.0.0.1",
+        default=MeshConfig.host,
         help="address the router listens on; Redis, session, retriever and the replicas "
         "always listen on 127.0.0.1, reachable only through the router",
     )
     parser.add_argument("--data-dir", type=Path, default=ROOT / "data", help="Redis, Milvus Lite and logs")
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="model directory for inference")
-    parser.add_argument("--device", default="auto", help="inference device: auto, cpu or cuda")
+    parser.add_argument("--model", type=Path, default=MeshConfig.model, help="model directory for inference")
+    parser.add_argument("--device", default=MeshConfig.device, help="inference device: auto, cpu or cuda")
     parser.add_argument(
         "--memory-limit-mib",
         type=int,
@@ -59,10 +66,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gateway", action="store_true", help="also start the REST gateway on 127.0.0.1:8080 (if built)"
     )
     parser.add_argument(
-        "--startup-timeout", type=float, default=600.0, help="seconds for every service to be SERVING"
+        "--startup-timeout",
+        type=float,
+        default=MeshConfig.startup_timeout_s,
+        help="seconds for every service to be SERVING",
     )
     parser.add_argument(
-        "--stop-timeout", type=float, default=45.0, help="seconds a service may drain before SIGKILL"
+        "--stop-timeout",
+        type=float,
+        default=MeshConfig.stop_timeout_s,
+        help="seconds a service may drain before SIGKILL",
     )
 
 

@@ -1,9 +1,10 @@
-"""The retriever's settings, validated once at startup."""
+"""The retriever's settings, validated once at startup; its fields are the retriever's flags."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.settings import flag
 from services.retriever.document_locks import DEFAULT_LEASE_SECONDS, DEFAULT_WAIT_SECONDS
 from services.retriever.embedder import DEFAULT_EMBEDDING_MODEL
 from services.retriever.semantic_cache import DEFAULT_THRESHOLD, DEFAULT_TTL_SECONDS, MAX_TTL_SECONDS
@@ -12,25 +13,31 @@ from services.retriever.store import check_milvus_uri
 
 @dataclass(frozen=True)
 class RetrieverConfig:
-    milvus_uri: str = "data/milvus.db"
-    embedding_model: str = DEFAULT_EMBEDDING_MODEL
+    milvus_uri: str = flag("data/milvus.db", help="a *.db path (Milvus Lite) or http://host:port")
+    embedding_model: str = flag(DEFAULT_EMBEDDING_MODEL, help="sentence-transformers name or path")
     # None keeps the model's own dimension; smaller truncates the vectors.
-    embedding_dimension: int | None = None
-    device: str = "cpu"
-    collection_prefix: str = "llmmesh"
-    max_document_bytes: int = 20 * 1024 * 1024
-    chunk_tokens: int = 200
-    chunk_overlap_tokens: int = 40
-    cache_threshold: float = DEFAULT_THRESHOLD
-    cache_ttl_seconds: int = DEFAULT_TTL_SECONDS
-    milvus_timeout_seconds: float = 10.0
-    search_ef: int = 64
+    embedding_dimension: int | None = flag(None, type=int, help="truncate vectors to this size")
+    device: str = flag("cpu", help="embedding device: auto, cpu or cuda")
+    collection_prefix: str = flag("llmmesh", help="prefix of the Milvus collection names")
+    max_document_bytes: int = flag(20 * 1024 * 1024, help="largest upload accepted")
+    chunk_tokens: int = flag(200, help="chunk size in embedding-model tokens")
+    chunk_overlap_tokens: int = flag(40, help="tokens shared by neighbouring chunks")
+    cache_threshold: float = flag(DEFAULT_THRESHOLD, help="semantic-cache cosine similarity")
+    cache_ttl_seconds: int = flag(DEFAULT_TTL_SECONDS, help="default semantic-cache entry lifetime")
+    milvus_timeout_seconds: float = flag(10.0, help="bound on each Milvus call")
+    search_ef: int = flag(64, help="HNSW search breadth (recall vs speed)")
     # Per-document write leases shared by every replica of one corpus (document_locks.py);
     # None: one writer per document per process, enough for a single replica.
-    redis_url: str | None = None
-    redis_cluster: bool = False
-    document_lease_seconds: float = DEFAULT_LEASE_SECONDS
-    document_lock_wait_seconds: float = DEFAULT_WAIT_SECONDS
+    redis_url: str | None = flag(
+        None, help="Redis for per-document write leases: set it when several replicas share one Milvus"
+    )
+    redis_cluster: bool = flag(False, help="--redis-url names a node of a Redis Cluster")
+    document_lease_seconds: float = flag(
+        DEFAULT_LEASE_SECONDS, help="a writer's lease on a document, renewed while it writes"
+    )
+    document_lock_wait_seconds: float = flag(
+        DEFAULT_WAIT_SECONDS, help="how long a write waits for another replica's; beyond it ABORTED"
+    )
 
     def __post_init__(self) -> None:
         check_milvus_uri(self.milvus_uri)

@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 
 from services.common.server import HealthReporter
+from services.common.settings import flag
 from services.gen.llmmesh.v1 import retriever_pb2_grpc, router_pb2_grpc, session_pb2_grpc
 from services.router.admission.auth import Authenticator
 from services.router.admission.ratelimit import InflightLimiter, RateLimiter
@@ -24,9 +25,10 @@ from services.router.placement.health import ActiveHealthChecker
 from services.router.placement.models import ModelCatalog
 from services.router.placement.outliers import EjectionConfig
 from services.router.placement.pins import AffinityPins
-from services.router.placement.policies import make_policy
+from services.router.placement.policies import POLICY_NAMES, make_policy
 from services.router.placement.pool import ReplicaPool
 from services.router.placement.prewarm import SessionMover
+from services.router.placement.ring import DEFAULT_EPSILON
 from services.router.streams.multiplex import ReplicaMultiplexer
 from services.router.streams.relay import Relay, RelayConfig
 from services.router.streams.replay import ReplayBuffer
@@ -43,29 +45,30 @@ SERVICE_NAME = "llmmesh.v1.Router"
 
 @dataclass(frozen=True)
 class RouterSettings:
-    """Everything the router is configured with (from flags)."""
+    """Everything the router is configured with; its ``flag()`` fields are the router's flags (cli.py)."""
 
+    # From --replicas, a comma-separated list (the CLI parses it).
     replicas: Sequence[str] = ()
-    replicas_dns: str | None = None
-    replicas_file: str | None = None
-    session_addr: str | None = None
-    retriever_addr: str | None = None
-    redis_url: str | None = None
+    replicas_dns: str | None = flag(None, help="NAME:PORT resolved periodically (headless Service)")
+    replicas_file: str | None = flag(None, help="file of host:port lines, re-read when it changes")
+    session_addr: str | None = flag(None, help="session service host:port")
+    retriever_addr: str | None = flag(None, help="retriever service host:port")
+    redis_url: str | None = flag(None, help="Redis for pins, rate limits, caches, tasks and Resume")
     # --redis-url names a node of a Redis Cluster: the task keys share one hash tag.
-    redis_cluster: bool = False
-    api_keys_file: str | None = None
-    policy: str = "auto"
-    epsilon: float = 0.25
-    max_in_flight: int = 2048
+    redis_cluster: bool = flag(False, help="--redis-url names a node of a Redis Cluster")
+    api_keys_file: str | None = flag(None, help="API keys (hashed); unset = open, one tenant")
+    policy: str = flag("auto", choices=POLICY_NAMES, help="balancing policy")
+    epsilon: float = flag(DEFAULT_EPSILON, help="bounded-load slack for affinity")
+    max_in_flight: int = flag(2048, help="turns in flight before shedding load")
     relay: RelayConfig = field(default_factory=RelayConfig)
     ejection: EjectionConfig = field(default_factory=EjectionConfig)
-    model_aliases: str = ""
-    model_fallbacks: str = ""
-    canary: str = ""
-    default_model: str | None = None
-    health_interval_s: float = 1.0
-    probe_interval_s: float = 30.0
-    cache_ttl_seconds: int = 3600
+    model_aliases: str = flag("", help="alias=model pairs, e.g. fast=M1,quality=M2")
+    model_fallbacks: str = flag("", help="model:fallback pairs, tried in order, e.g. M1:M2")
+    canary: str = flag("", help="MODEL=NEW:SHARE, e.g. m=m-v2:0.1")
+    default_model: str | None = flag(None, help="model for requests that name none")
+    health_interval_s: float = flag(1.0, help="active health and load polling period")
+    probe_interval_s: float = flag(30.0, help="one-token generation probe period (0 = off)")
+    cache_ttl_seconds: int = flag(3600, help="exact-cache entry lifetime")
     tasks: TaskSettings | None = None
     #: How replicas, the session service and the retriever are dialled: None = plaintext.
     replica_tls: DialTls | None = None

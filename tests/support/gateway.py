@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
+
+from services.launcher.process_output import ProcessHandle
 
 ROOT = Path(__file__).resolve().parents[2]
 GATEWAY_DIR = ROOT / "deploy" / "gateway"
 GATEWAY_BINARY = GATEWAY_DIR / "bin" / "llm-mesh-gateway"
-LISTEN_RE = re.compile(r"llm-mesh gateway listening on (\S+):(\d+)")
 
 
 def gateway_build_inputs() -> list[Path]:
@@ -49,16 +48,13 @@ def ensure_gateway_built(timeout: float = 900.0) -> Path:
     return GATEWAY_BINARY
 
 
-class GatewayProcess:
+class GatewayProcess(ProcessHandle):
     """``llm-mesh-gateway --listen 127.0.0.1:0 --upstream ROUTER``; the port is read from its first line."""
 
     def __init__(self, upstream: str, extra_args: list[str] | None = None) -> None:
         self.upstream = upstream
         self.extra_args = extra_args or []
-        self.proc: subprocess.Popen[str] | None = None
-        self.port: int | None = None
-        self.lines: list[str] = []
-        self._listening = threading.Event()
+        super().__init__()  # the port comes from its ``llm-mesh gateway listening on`` line
 
     @property
     def url(self) -> str:
@@ -67,25 +63,14 @@ class GatewayProcess:
 
     def start(self, timeout: float = 30.0) -> GatewayProcess:
         cmd = [str(GATEWAY_BINARY), "--listen", "127.0.0.1:0", "--upstream", self.upstream, *self.extra_args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        threading.Thread(target=self._pump, daemon=True).start()
-        deadline = time.monotonic() + timeout
-        while not self._listening.wait(0.05):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError("gateway did not start:\n" + self.output())
+        self.launch(cmd, "gateway")
+        if not self.wait_listening_line(time.monotonic() + timeout, poll_s=0.05):
+            self.kill()
+            raise RuntimeError("gateway did not start:\n" + self.output())
         return self
 
-    def _pump(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if m := LISTEN_RE.search(line):
-                self.port = int(m.group(2))
-                self._listening.set()
-
     def output(self) -> str:
-        return "\n".join(self.lines[-100:])
+        return self.out.tail(100)
 
     def terminate(self) -> None:
         """SIGTERM: the gateway stops accepting and lets in-flight requests finish."""

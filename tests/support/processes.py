@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import ClassVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.launcher.process_output import ProcessHandle
 
 ROOT = Path(__file__).resolve().parents[2]
 # A test run killed by a timeout never reaches its fixtures' teardown; children
@@ -23,11 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # gRPC's fork handlers do not survive.)
 SETPRIV = shutil.which("setpriv")
 DIE_WITH_PARENT = [SETPRIV, "--pdeathsig", "TERM"] if SETPRIV else []
-LISTEN_RE = re.compile(r"llm-mesh (\S+) listening on (\S+):(\d+)")
-METRICS_RE = re.compile(r"llm-mesh (\S+) metrics on (\S+):(\d+)")
 
 
-class ServiceProcess:
+class ServiceProcess(ProcessHandle):
     """One service started as ``python -m <module> --port 0 …``.
 
     The bootstrap prints ``llm-mesh <service> listening on HOST:PORT``; we read
@@ -42,11 +40,7 @@ class ServiceProcess:
         self.module = module
         self.args = args
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
-        self.proc: subprocess.Popen[str] | None = None
-        self.port: int | None = None
-        self.metrics_port: int | None = None
-        self.lines: list[str] = []
-        self._port_seen = threading.Event()
+        super().__init__()  # keeps everything it prints
 
     @property
     def address(self) -> str:
@@ -57,36 +51,17 @@ class ServiceProcess:
         cmd = [*DIE_WITH_PARENT, sys.executable, "-m", self.module, *self.args]
         if "--port" not in self.args:
             cmd += ["--port", "0"]
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env=self.env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        threading.Thread(target=self._pump, daemon=True).start()
+        self.launch(cmd, self.module, cwd=ROOT, env=self.env)
         ServiceProcess.running.append(self)
         deadline = time.monotonic() + timeout
-        while not self._port_seen.wait(0.1):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{self.module} did not start:\n" + self.output())
+        if not self.wait_listening_line(deadline):
+            raise RuntimeError(f"{self.module} did not start:\n" + self.output())
         if wait_serving:
             self.wait_serving(max(1.0, deadline - time.monotonic()))
         return self
 
-    def _pump(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if m := LISTEN_RE.search(line):
-                self.port = int(m.group(3))
-                self._port_seen.set()
-            if m := METRICS_RE.search(line):
-                self.metrics_port = int(m.group(3))
-
     def output(self, last: int = 200) -> str:
-        return "\n".join(self.lines[-last:])
+        return self.out.tail(last)
 
     @classmethod
     def log_tails(cls, last: int = 40) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from services.router.placement.ring import ConsistentHashRing, bounded_capacity
+from services.router.placement.ring import DEFAULT_EPSILON, ConsistentHashRing, bounded_capacity
 
 POLICY_NAMES = ("auto", "affinity", "wrt", "least", "p2c", "round_robin")
 
@@ -204,7 +204,9 @@ class AffinityPolicy:
 
     name = "affinity"
 
-    def __init__(self, fallback: BalancingPolicy, epsilon: float = 0.25, vnodes: int = 160) -> None:
+    def __init__(
+        self, fallback: BalancingPolicy, epsilon: float = DEFAULT_EPSILON, vnodes: int = 160
+    ) -> None:
         if epsilon < 0 or not math.isfinite(epsilon):
             raise ValueError("epsilon must be a finite number >= 0")
         self.fallback = fallback
@@ -231,7 +233,9 @@ class AffinityPolicy:
         return self.within_bound(pinned, candidates)
 
 
-def make_policy(name: str, rng: random.Random | None = None, epsilon: float = 0.25) -> BalancingPolicy:
+def make_policy(
+    name: str, rng: random.Random | None = None, epsilon: float = DEFAULT_EPSILON
+) -> BalancingPolicy:
     """The policy for ``--policy``: ``auto`` is affinity over weighted response time."""
     rng = rng or random.Random()
     if name in ("auto", "affinity"):

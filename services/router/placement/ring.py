@@ -7,6 +7,9 @@ import hashlib
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
+#: Bounded-load slack: a node may hold up to (1 + epsilon) times the average load (``--epsilon``).
+DEFAULT_EPSILON = 0.25
+
 
 def ring_hash(key: str) -> int:
     """A stable 64-bit hash: the same on every router, unlike Python's salted ``hash``."""
@@ -94,7 +97,7 @@ class ConsistentHashRing:
         self,
         key: str,
         load: Mapping[str, int] | Callable[[str], int],
-        epsilon: float = 0.25,
+        epsilon: float = DEFAULT_EPSILON,
         eligible: Callable[[str], bool] | None = None,
     ) -> str | None:
         """The first node from ``key``'s position with room under the bounded-load cap.

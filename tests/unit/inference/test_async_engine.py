@@ -114,6 +114,35 @@ async def test_an_engine_failure_reaches_the_reader_after_the_tokens_before_it()
     assert [t for o in got for t in o.new_token_ids] == [100 + i for i in range(5)]
 
 
+class RefusingEngine(FakeTokenEngine):
+    """The engine's own admission refuses every request (as a full waiting queue does)."""
+
+    def __init__(self) -> None:
+        super().__init__(tokens=1)
+        self.aborted: list[str] = []
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, resume: object) -> None:
+        raise errors.Overloaded("waiting queue is full (8 requests); retry later", retry_after_s=1.0)
+
+    def abort_request(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+async def test_a_refusal_of_the_engine_reaches_the_caller_and_aborts_nothing() -> None:
+    # The queue bound and validation live in LLMEngine.add_request alone; a stray abort for the
+    # refused id would cancel a retry that reuses it.
+    fake = RefusingEngine()
+    engine = AsyncEngine(fake)  # type: ignore[arg-type]
+    try:
+        with pytest.raises(errors.Overloaded, match="queue is full") as refused:
+            async for _ in engine.generate("r1", [1, 2, 3], SamplingParams(max_tokens=1)):
+                pass
+    finally:
+        engine.close()
+    assert refused.value.retry_after_s == 1.0
+    assert fake.aborted == []
+
+
 def test_merge_keeps_the_first_index_and_the_last_outputs_end() -> None:
     outs = [
         RequestOutput("r", [7], "a", 4),

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import uvicorn
 
+from services.common.settings import ROUTER_HTTP_PORT
 from services.router.api.openai.app import FrontLimits, OpenAiFront
 
 log = logging.getLogger("llmmesh.router.openai")
@@ -25,7 +26,7 @@ class HttpSettings:
 
     host: str = "127.0.0.1"
     #: 0 = any free port (printed on the ``http on`` line).
-    port: int = 8000
+    port: int = ROUTER_HTTP_PORT
     limits: FrontLimits = field(default_factory=FrontLimits)
     #: Seconds a shutdown waits for open responses (streams included) before cutting them.
     grace_s: float = 30.0
