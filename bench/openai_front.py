@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import socket
 import statistics
 import time
@@ -24,24 +23,13 @@ import grpc
 import httpx
 
 from bench.router import Service
+from bench.serving_peers import router_http_port
 from services.gen.llmmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-
-HTTP_RE = re.compile(r"llm-mesh router http on (\S+):(\d+)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds; each path runs once per round")
     parser.add_argument("--turns", type=int, default=300, help="turns per path per round")
-
-
-def _http_port(router: Service, timeout_s: float = 30.0) -> int:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for line in router.lines:
-            if m := HTTP_RE.search(line):
-                return int(m.group(2))
-        time.sleep(0.05)
-    raise RuntimeError("the router printed no 'http on' line")
 
 
 def _paths(grpc_address: str, http_port: int) -> dict[str, Callable[[], None]]:
@@ -94,7 +82,7 @@ def run(args: argparse.Namespace) -> None:
     replica = Service("services.synthetic", ["--model-id", "synthetic"]).start()
     router = Service("services.router", ["--replicas", replica.address, "--http-port", "0"]).start()
     try:
-        paths = _paths(router.address, _http_port(router))
+        paths = _paths(router.address, router_http_port(router))
         for call in paths.values():
             for _ in range(50):  # warm-up: connections, caches, the pool's first health check
                 call()

@@ -29,7 +29,7 @@ import grpc
 import httpx
 
 from bench.router import Service
-from bench.serving_peers import _router_http_port
+from bench.serving_peers import router_http_port
 from bench.timings import percentile
 from services.gen.llmmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -162,8 +162,8 @@ def measure_front() -> dict[str, Any]:
         routers.append(unpaced_router)
         for r in routers:
             asyncio.run(r.wait_serving())
-        unpaced_http = f"http://127.0.0.1:{_router_http_port(unpaced_router)}"
-        paced_http = f"http://127.0.0.1:{_router_http_port(paced_router)}"
+        unpaced_http = f"http://127.0.0.1:{router_http_port(unpaced_router)}"
+        paced_http = f"http://127.0.0.1:{router_http_port(paced_router)}"
         latency = asyncio.run(_latency(unpaced_router.address, unpaced_http))
         cpu = {path: asyncio.run(_cpu_per_token(paced_router, paced_http, path)) for path in ("grpc", "http")}
     finally:

@@ -117,7 +117,7 @@ def start_llm_mesh(extra_replica_args: list[str] | None = None) -> RunningServer
             "4096",
         ],
     ).start()
-    port = _router_http_port(router)
+    port = router_http_port(router)
     server = RunningServer(
         "llm_mesh", f"http://127.0.0.1:{port}", CHECKPOINT.name, services=[router, replica]
     )
@@ -129,14 +129,12 @@ def start_llm_mesh(extra_replica_args: list[str] | None = None) -> RunningServer
     return server
 
 
-def _router_http_port(router: Service, timeout_s: float = 30.0) -> int:
-    from bench.openai_front import HTTP_RE
-
+def router_http_port(router: Service, timeout_s: float = 30.0) -> int:
+    """The port of the router's OpenAI front, from its ``http on`` line (printed beside ``listening on``)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for line in list(router.lines):
-            if m := HTTP_RE.search(line):
-                return int(m.group(2))
+        if router.http_port is not None:
+            return router.http_port
         time.sleep(0.05)
     raise RuntimeError("the router printed no 'http on' line")
 
