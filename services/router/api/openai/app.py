@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -17,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from services.common import errors
-from services.gen.llmmesh.v1 import retriever_pb2
+from services.gen.llmmesh.v1 import retriever_pb2, router_pb2
 from services.router.admission.auth import Authenticator, Principal, downstream_metadata
 from services.router.api.openai.choices import ChoiceEvent, ChoiceStreams
 from services.router.api.openai.embeddings import check_model, embedding_body, embedding_request
@@ -34,7 +35,10 @@ from services.router.api.openai.streaming import (
     sse_body,
     until_disconnected,
 )
+from services.router.streams.replay import ReplayBuffer
 from services.router.turns.pipeline import TurnPipeline
+
+log = logging.getLogger("llmmesh.router.openai")
 
 # Deadline headers, in seconds: ours, and the one the official OpenAI SDKs send with their timeout.
 TIMEOUT_HEADERS = ("x-request-timeout", "x-stainless-timeout")
@@ -199,7 +203,7 @@ class OpenAiFront:
                 replay, principal.tenant, [t.request_id for t in generation.turns]
             )
         else:
-            if given_id is not None and replay is not None and await replay.owner(given_id) is not None:
+            if given_id is not None and replay is not None and await _buffered(replay, generation.turns[0]):
                 # Its turn's messages would not be buffered (those seqs are taken): a resume would
                 # replay the earlier answer. Refused rather than mixed.
                 raise ApiError(
@@ -309,6 +313,16 @@ class OpenAiFront:
     @staticmethod
     def _model(name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": 0, "owned_by": OWNER}
+
+
+async def _buffered(replay: ReplayBuffer, turn: router_pb2.ChatRequest) -> bool:
+    """Whether the replay buffer already holds a turn by this id; False when Redis cannot say, since
+    the buffer is best effort (a Redis outage never fails an answer, as in the replay writer)."""
+    try:
+        return await replay.owner(turn.request_id) is not None
+    except Exception as exc:
+        log.warning("could not check request id %s against the replay buffer: %s", turn.request_id, exc)
+        return False
 
 
 async def _close(streams: ChoiceStreams) -> None:
