@@ -226,8 +226,9 @@ class OpenAiFront:
             if with_extras and answers and answers[0].end is not None:
                 whole["llm_mesh"] = response_extras(answers[0].end)
             return JSONResponse(whole, headers=headers)
-        # A resumable stream's turns outlive its connection; any other's end with it.
-        on_gone = self._detach if generation.extras.resumable else _close
+        # A resumable stream's turns outlive its connection; any other's end with it, and so does a
+        # resumed one's reading of the replay buffer (the turns it reads run on their own).
+        on_gone = self._detach if generation.extras.resumable and seen is None else _close
         first: ChoiceEvent | NoEventYet | None
         try:
             # Admission, rate limits, an unknown model, no replica: all decided before the first
