@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -15,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.gen.llmmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.e2e.launched_mesh import ROOT, LaunchedMesh, cli
+from tests.support.openai_front import README_BASE, readme_block
 
 GRPCURL = shutil.which("grpcurl", path=str(ROOT / ".venv" / "bin")) or shutil.which("grpcurl")
 SERVICES = ("redis", "session", "retriever", "inference-0", "router")
@@ -56,6 +58,21 @@ def test_the_ready_block_gives_an_openai_base_url_that_answers(mesh: LaunchedMes
         model=models[0], messages=[{"role": "user", "content": "Name a colour."}], max_tokens=8, temperature=0
     )
     assert answer.choices[0].message.content and answer.usage is not None
+
+
+def test_the_readmes_curl_and_openai_snippets_answer_through_llm_mesh_up(mesh: LaunchedMesh) -> None:
+    # Exactly the README's walkthrough snippets, pointed at this mesh's HTTP port (the README says 8000,
+    # what `llm-mesh up` takes by default; the tests run it on a free one).
+    found = re.search(r"^  openai\s+(http://\S+)/v1\s", mesh.output(), re.MULTILINE)
+    assert found is not None, mesh.output()
+    curl = readme_block("bash", "/v1/chat/completions").replace(README_BASE, found.group(1))
+    answered = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120)
+    assert answered.returncode == 0, answered.stderr
+    assert json.loads(answered.stdout)["choices"][0]["message"]["content"]
+    sdk = readme_block("python", "from openai import OpenAI").replace(README_BASE, found.group(1))
+    printed = subprocess.run([sys.executable, "-c", sdk], capture_output=True, text=True, timeout=120)
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout.strip()
 
 
 def test_the_replica_plans_its_memory_within_the_launchers_share(mesh: LaunchedMesh) -> None:

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.gen.llmmesh.v1 import router_pb2
-from tests.support.openai_front import http_base, keys_file
+from tests.support.openai_front import README_BASE, http_base, keys_file, readme_block
 from tests.support.processes import ServiceProcess
 from tests.support.router_mesh import router_stub, running_sequences, user_turn
 
@@ -596,29 +596,17 @@ def test_the_router_stays_healthy_after_the_fuzzing(front: Front) -> None:
 
 # -- the README's own snippets
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-README_BASE = "http://127.0.0.1:8000"
-
-
-def _readme_block(language: str, containing: str) -> str:
-    text = README.read_text()
-    for block in text.split(f"```{language}\n")[1:]:
-        code = block.split("```", 1)[0]
-        if containing in code:
-            return code
-    raise AssertionError(f"README has no {language} block with {containing!r}")
-
 
 def test_the_readme_snippets_run_against_an_open_router(front: Front) -> None:
     # The README's snippets send no key (curl) or any key (the SDK): an open router, on the same replica.
     router = ServiceProcess("services.router", ["--replicas", front.replica.address, "--http-port", "0"])
     with router.start():
         base = http_base(router)
-        curl = _readme_block("bash", "/v1/chat/completions").replace(README_BASE, base)
+        curl = readme_block("bash", "/v1/chat/completions").replace(README_BASE, base)
         answered = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120)
         assert answered.returncode == 0, answered.stderr
         assert json.loads(answered.stdout)["choices"][0]["message"]["content"]
-        sdk = _readme_block("python", "from openai import OpenAI").replace(README_BASE, base)
+        sdk = readme_block("python", "from openai import OpenAI").replace(README_BASE, base)
         printed = subprocess.run([sys.executable, "-c", sdk], capture_output=True, text=True, timeout=120)
         assert printed.returncode == 0, printed.stderr
         assert printed.stdout.strip()

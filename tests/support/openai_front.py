@@ -32,3 +32,18 @@ def keys_file(path: Path, keys: dict[str, dict[str, object]]) -> Path:
     ]
     path.write_text(yaml.safe_dump({"keys": records}))
     return path
+
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+#: The base URL the README's snippets use: `llm-mesh up`'s default HTTP port.
+README_BASE = "http://127.0.0.1:8000"
+
+
+def readme_block(language: str, containing: str) -> str:
+    """The README's first fenced ``language`` block that contains ``containing``, as written there."""
+    text = README.read_text()
+    for block in text.split(f"```{language}\n")[1:]:
+        code = block.split("```", 1)[0]
+        if containing in code:
+            return code
+    raise AssertionError(f"README has no {language} block with {containing!r}")

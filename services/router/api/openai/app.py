@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -17,11 +18,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from services.common import errors
-from services.gen.llmmesh.v1 import retriever_pb2
+from services.gen.llmmesh.v1 import retriever_pb2, router_pb2
 from services.router.admission.auth import Authenticator, Principal, downstream_metadata
 from services.router.api.openai.choices import ChoiceEvent, ChoiceStreams
 from services.router.api.openai.embeddings import check_model, embedding_body, embedding_request
 from services.router.api.openai.errors import ApiError, api_error, bad_request
+from services.router.api.openai.extras import REQUEST_ID_RE, request_id_header, response_extras
 from services.router.api.openai.framing import Framer, Kind
 from services.router.api.openai.metrics import HttpMetrics
 from services.router.api.openai.params import Generation, chat_generation, completion_generation
@@ -29,10 +31,14 @@ from services.router.api.openai.streaming import (
     NO_EVENT_YET,
     NoEventYet,
     SseResponse,
+    parse_event_id,
     sse_body,
     until_disconnected,
 )
+from services.router.streams.replay import ReplayBuffer
 from services.router.turns.pipeline import TurnPipeline
+
+log = logging.getLogger("llmmesh.router.openai")
 
 # Deadline headers, in seconds: ours, and the one the official OpenAI SDKs send with their timeout.
 TIMEOUT_HEADERS = ("x-request-timeout", "x-stainless-timeout")
@@ -73,6 +79,8 @@ class OpenAiFront:
         self._retriever = retriever
         self.limits = limits
         self._clock = clock
+        # Resumable streams whose client has gone, still generating into the replay buffer.
+        self._detached: set[ChoiceStreams] = set()
 
     def app(self) -> Any:
         routes = [
@@ -91,11 +99,16 @@ class OpenAiFront:
 
         async def run(request: Request) -> Any:
             try:
-                return await handler(request)
+                response = await handler(request)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                return error_response(api_error(exc, request.url.path))
+                response = error_response(api_error(exc, request.url.path))
+            # A caller's own id comes back on every answer, errors included, for its logs to match ours.
+            echo = request.headers.get("x-request-id")
+            if echo is not None and REQUEST_ID_RE.fullmatch(echo) and isinstance(response, Response):
+                response.headers.setdefault("x-request-id", echo)
+            return response
 
         return run
 
@@ -158,12 +171,50 @@ class OpenAiFront:
         principal = self._principal(request)
         deadline = self._deadline(request)
         body = await self._json(request)
-        completion_id = prefix + uuid.uuid4().hex
-        generation = parse(body, completion_id)
+        given_id = request_id_header(request.headers.get("x-request-id"))
+        resume_from = request.headers.get("last-event-id")
+        request_id = given_id or uuid.uuid4().hex
+        seen: list[int] | None = None
+        if resume_from is not None:
+            # The ids of the stream being resumed come from its event id, not from this request.
+            choices = parse(body, request_id).turns
+            request_id, seen = parse_event_id(resume_from, prefix, len(choices))
+        generation = parse(body, request_id)
+        completion_id = prefix + request_id
+        headers = {"x-request-id": request_id}
         framer = Framer(
             kind, completion_id, int(time.time()), self._model_name(generation.model), generation.per_prompt
         )
-        streams = ChoiceStreams(self.pipeline, principal, generation.turns, deadline)
+        replay = self.pipeline.s.replay
+        if (seen is not None or generation.extras.resumable) and replay is None:
+            param = "Last-Event-ID" if seen is not None else "resumable"
+            raise bad_request(
+                param,
+                f"{param}: resuming a stream needs the replay buffer (--redis-url)",
+                "failed_precondition",
+            )
+        if seen is not None:
+            assert replay is not None
+            if not generation.stream:
+                raise bad_request(
+                    "Last-Event-ID", "header Last-Event-ID: only a stream (stream: true) resumes"
+                )
+            streams = ChoiceStreams.of_replay(
+                replay, principal.tenant, [t.request_id for t in generation.turns]
+            )
+        else:
+            if given_id is not None and replay is not None and await _buffered(replay, generation.turns[0]):
+                # Its turn's messages would not be buffered (those seqs are taken): a resume would
+                # replay the earlier answer. Refused rather than mixed.
+                raise ApiError(
+                    409,
+                    f"x-request-id {given_id!r} was used by a recent request; send a new one",
+                    "conflict_error",
+                    "request_id_reused",
+                    "x-request-id",
+                )
+            streams = ChoiceStreams.of_turns(self.pipeline, principal, generation.turns, deadline)
+        with_extras = generation.extras.any
         if not generation.stream:
             try:
                 answers = await _unless_gone(streams.answers(), request)
@@ -171,7 +222,13 @@ class OpenAiFront:
                 await streams.close()
             if answers is CLIENT_GONE:
                 return Response(status_code=499)
-            return JSONResponse(framer.whole(answers))
+            whole = framer.whole(answers)
+            if with_extras and answers and answers[0].end is not None:
+                whole["llm_mesh"] = response_extras(answers[0].end)
+            return JSONResponse(whole, headers=headers)
+        # A resumable stream's turns outlive its connection; any other's end with it, and so does a
+        # resumed one's reading of the replay buffer (the turns it reads run on their own).
+        on_gone = self._detach if generation.extras.resumable and seen is None else _close
         first: ChoiceEvent | NoEventYet | None
         try:
             # Admission, rate limits, an unknown model, no replica: all decided before the first
@@ -184,12 +241,27 @@ class OpenAiFront:
             raise
         if first is CLIENT_GONE or first is None:
             # None cannot happen (every turn yields its TurnEnd) but must not hang.
-            await streams.close()
             if first is CLIENT_GONE:
+                await on_gone(streams)
                 return Response(status_code=499)
+            await streams.close()
             raise ApiError(500, "the turn ended without an answer", "server_error", "internal_error")
-        body_iter = sse_body(streams, framer, first, generation.include_usage, self.limits.keepalive_s)
-        return SseResponse(body_iter, streams.close)
+        body_iter = sse_body(
+            streams, framer, first, generation.include_usage, self.limits.keepalive_s, seen, with_extras
+        )
+        return SseResponse(body_iter, lambda: on_gone(streams), headers)
+
+    async def _detach(self, streams: ChoiceStreams) -> None:
+        """The client left a resumable stream: its turns run to their end, held here until then."""
+        finished = streams.detach()
+        self._detached.add(streams)
+        finished.add_done_callback(lambda _: self._detached.discard(streams))
+
+    async def close(self) -> None:
+        """Router shutdown: the resumable turns nobody is reading are cancelled (their replay
+        buffers end CANCELLED, so a client resuming later is told)."""
+        detached, self._detached = self._detached, set()
+        await asyncio.gather(*(s.close() for s in detached), return_exceptions=True)
 
     # -- helpers
 
@@ -242,6 +314,20 @@ class OpenAiFront:
     @staticmethod
     def _model(name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": 0, "owned_by": OWNER}
+
+
+async def _buffered(replay: ReplayBuffer, turn: router_pb2.ChatRequest) -> bool:
+    """Whether the replay buffer already holds a turn by this id; False when Redis cannot say, since
+    the buffer is best effort (a Redis outage never fails an answer, as in the replay writer)."""
+    try:
+        return await replay.owner(turn.request_id) is not None
+    except Exception as exc:
+        log.warning("could not check request id %s against the replay buffer: %s", turn.request_id, exc)
+        return False
+
+
+async def _close(streams: ChoiceStreams) -> None:
+    await streams.close()
 
 
 async def _unless_gone(work: Awaitable[Any], request: Request) -> Any:

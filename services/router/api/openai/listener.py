@@ -49,6 +49,7 @@ class HttpListener:
 
     def __init__(self, front: OpenAiFront, settings: HttpSettings) -> None:
         self.settings = settings
+        self.front = front
         config = uvicorn.Config(
             front.app(),
             # httptools when installed (a dependency): half h11's cost per request (bench/http_stack.py).
@@ -89,3 +90,4 @@ class HttpListener:
         if self._task is not None:
             await self._task
             self._task = None
+        await self.front.close()  # resumable turns left running by clients that went away

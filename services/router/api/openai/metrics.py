@@ -1,12 +1,15 @@
-"""Prometheus metrics of the HTTP front, by route (a fixed set, never the raw path) and status."""
+"""Prometheus metrics and trace spans of the HTTP front, by route (a fixed set, never the raw path) and status."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import Counter, Histogram
 
+from services.common import tracing
 from services.common.metrics import LATENCY_BUCKETS
 
 HTTP_REQUESTS = Counter(
@@ -33,7 +36,13 @@ def route_label(path: str) -> str:
 
 
 class HttpMetrics:
-    """ASGI middleware counting every response by route and status, and timing it to its last byte."""
+    """ASGI middleware counting every response by route and status, and timing it to its last byte.
+
+    With tracing on, each request is also one SERVER span, as a gRPC call is one (the gRPC side's
+    interceptor cannot see HTTP): it continues the caller's W3C ``traceparent`` header, and the
+    turn's own spans and downstream calls (session, retriever, the replica's generation) are its
+    children, since the turn runs in tasks made inside it.
+    """
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -50,9 +59,33 @@ class HttpMetrics:
                 status[0] = message["status"]
             await send(message)
 
+        route = route_label(scope.get("path", ""))
+        span = _open_span(scope, route) if tracing.enabled() else None
         try:
-            await self.app(scope, receive, send_counted)
+            if span is None:
+                await self.app(scope, receive, send_counted)
+            else:
+                with trace.use_span(
+                    span, end_on_exit=False, record_exception=False, set_status_on_exception=False
+                ):
+                    await self.app(scope, receive, send_counted)
         finally:
-            route = route_label(scope.get("path", ""))
-            HTTP_REQUESTS.labels(route, str(status[0] or 499)).inc()
+            code = status[0] or 499
+            HTTP_REQUESTS.labels(route, str(code)).inc()
             HTTP_SECONDS.labels(route).observe(time.perf_counter() - started)
+            if span is not None:
+                span.set_attribute("http.response.status_code", code)
+                if code >= 500:
+                    span.set_status(Status(StatusCode.ERROR, f"HTTP {code}"))
+                span.end()
+
+
+def _open_span(scope: dict[str, Any], route: str) -> Any:
+    headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope.get("headers", [])]
+    method = scope.get("method", "GET")
+    return tracing.tracer().start_span(
+        f"{method} {route}",
+        context=tracing.extract_context([h for h in headers if h[0] in ("traceparent", "tracestate")]),
+        kind=SpanKind.SERVER,
+        attributes={"http.request.method": method, "http.route": route, "llmmesh.service": "router"},
+    )

@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from services.router.api.openai.errors import bad_request, unsupported
+from services.router.api.openai.extras import FIELDS as EXTRA_FIELDS
+from services.router.api.openai.extras import Extras, extras
 
 log = logging.getLogger("llmmesh.router.openai")
 
@@ -81,6 +83,7 @@ _CHAT_KNOWN = frozenset(
         "best_of",
         "use_beam_search",
     }
+    | EXTRA_FIELDS
 )
 _COMPLETIONS_KNOWN = _CHAT_KNOWN - {"messages", "max_completion_tokens"} | {"prompt", "echo", "suffix"}
 # Unknown fields are ignored (clients send new ones all the time) but said once each, not per request;
@@ -99,6 +102,8 @@ class Generation:
     include_usage: bool
     #: n: the choices of each prompt, consecutive in ``turns``.
     per_prompt: int = 1
+    #: llm-mesh's own fields (session, RAG, cache policy, resumable), already applied to ``turns``.
+    extras: Extras = field(default_factory=Extras)
 
 
 def chat_generation(body: Any, request_id: str) -> Generation:
@@ -159,6 +164,7 @@ def _generation(
     if options is not None and not isinstance(options, dict):
         raise bad_request("stream_options", "stream_options: must be an object")
     include_usage = bool(options and options.get("include_usage"))
+    wanted = extras(body, len(conversations) * n)
     turns: list[router_pb2.ChatRequest] = []
     for conversation in conversations:
         for _ in range(n):
@@ -168,15 +174,20 @@ def _generation(
             if sampling.HasField("seed") and index:
                 # Choices of one seeded request differ from each other, and each is reproducible.
                 params.seed = (sampling.seed + index) % SEED_LIMIT
-            turns.append(
-                router_pb2.ChatRequest(
-                    messages=conversation,
-                    model=model or "",
-                    sampling=params,
-                    request_id=f"{request_id}-{index}" if len(conversations) * n > 1 else request_id,
-                )
+            turn = router_pb2.ChatRequest(
+                messages=conversation,
+                model=model or "",
+                sampling=params,
+                request_id=turn_request_id(request_id, index, len(conversations) * n),
             )
-    return Generation(model or "", tuple(turns), stream, include_usage, n)
+            wanted.apply(turn)
+            turns.append(turn)
+    return Generation(model or "", tuple(turns), stream, include_usage, n, wanted)
+
+
+def turn_request_id(request_id: str, index: int, choices: int) -> str:
+    """Choice ``index``'s turn id: the request's own when it is the only one (what gRPC Resume takes)."""
+    return f"{request_id}-{index}" if choices > 1 else request_id
 
 
 def _sampling(body: Mapping[str, Any], max_tokens: int | None) -> common_pb2.SamplingParams:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 from services.gen.llmmesh.v1 import common_pb2
 from services.router.api.openai.choices import ChoiceEvent, ChoiceStreams, check_end
-from services.router.api.openai.errors import api_error
+from services.router.api.openai.errors import api_error, bad_request
+from services.router.api.openai.extras import response_extras
 from services.router.api.openai.framing import DONE, KEEPALIVE, Framer, sse
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -34,20 +35,74 @@ async def until_disconnected(receive: Receive) -> None:
         pass
 
 
+def event_id(completion_id: str, counts: Sequence[int]) -> str:
+    """``<completion id>-<k>``: k events of the (only) choice so far; with n choices ``-<k0>.<k1>…``.
+
+    A count per choice, because the choices' events interleave as their tokens happen to
+    arrive, which a replay cannot repeat; each choice's own events it can, exactly.
+    """
+    return f"{completion_id}-{'.'.join(str(c) for c in counts)}"
+
+
+def parse_event_id(raw: str, prefix: str, choices: int) -> tuple[str, list[int]]:
+    """``Last-Event-ID`` → (the request id, events seen per choice); a 400 naming the header otherwise."""
+    head, _, tail = raw.strip().rpartition("-")
+    try:
+        counts = [int(c) for c in tail.split(".")]
+    except ValueError:
+        counts = []
+    if not head.startswith(prefix) or len(head) == len(prefix) or not counts or min(counts) < 0:
+        raise bad_request("Last-Event-ID", f"header Last-Event-ID: not an event id of this endpoint: {raw!r}")
+    if len(counts) != choices:
+        raise bad_request(
+            "Last-Event-ID",
+            f"header Last-Event-ID: {raw!r} counts {len(counts)} choices, the request has {choices}"
+            " (resume with the same body)",
+        )
+    return head[len(prefix) :], counts
+
+
 async def sse_body(
     streams: ChoiceStreams,
     framer: Framer,
     first: ChoiceEvent | NoEventYet,
     include_usage: bool,
     keepalive_s: float,
+    seen: Sequence[int] | None = None,
+    with_extras: bool = False,
 ) -> AsyncIterator[bytes]:
-    """The whole event stream of one request: every choice's chunks, usage if asked, then [DONE]."""
-    seq = 0
+    """``_events`` without the events a resuming client already has."""
+    async for chunk in _events(streams, framer, first, include_usage, keepalive_s, seen, with_extras):
+        if chunk:
+            yield chunk
 
-    def event(payload: Any) -> bytes:
-        nonlocal seq
-        seq += 1
-        return sse(f"{framer.completion_id}-{seq}", payload)
+
+async def _events(
+    streams: ChoiceStreams,
+    framer: Framer,
+    first: ChoiceEvent | NoEventYet,
+    include_usage: bool,
+    keepalive_s: float,
+    seen: Sequence[int] | None,
+    with_extras: bool,
+) -> AsyncIterator[bytes]:
+    """The whole event stream of one request: every choice's chunks, usage if asked, then [DONE].
+
+    ``seen``: events per choice the client already has (from its ``Last-Event-ID``): the
+    messages are replayed from the start, and each choice's events are made again exactly
+    as they were, but sent only after that count. The usage chunk counts as choice 0's.
+    """
+    choices = streams.count
+    counts = [0] * choices
+    had = list(seen) if seen is not None else [0] * choices
+
+    def event(index: int, payload: Any) -> bytes:
+        counts[index] += 1
+        if counts[index] <= had[index]:
+            return b""  # the client had this one before it reconnected
+        return sse(
+            event_id(framer.completion_id, [max(c, h) for c, h in zip(counts, had, strict=True)]), payload
+        )
 
     opened: set[int] = set()
     usages: dict[int, common_pb2.Usage] = {}
@@ -70,7 +125,7 @@ async def sse_body(
                 continue
             except Exception as exc:
                 # The status line is long gone: the error goes in-band, as OpenAI's own streams send it.
-                yield event(api_error(exc, "stream").body())
+                yield event(streams.last_index, api_error(exc, "stream").body())
                 yield DONE
                 return
         if item is None:
@@ -79,22 +134,25 @@ async def sse_body(
         if index not in opened:
             opened.add(index)
             if (opening := framer.opening(index, include_usage)) is not None:
-                yield event(opening)
+                yield event(index, opening)
         if response.HasField("delta"):
             if response.delta.text:
-                yield event(framer.delta(index, response.delta.text, include_usage))
+                yield event(index, framer.delta(index, response.delta.text, include_usage))
             continue
         end = response.end
         try:
             check_end(end)
         except Exception as exc:
-            yield event(api_error(exc, "stream").body())
+            yield event(index, api_error(exc, "stream").body())
             yield DONE
             return
         usages[index] = end.usage
-        yield event(framer.finish(index, end.finish_reason, include_usage))
+        finish = framer.finish(index, end.finish_reason, include_usage)
+        if with_extras:
+            finish["llm_mesh"] = response_extras(end)
+        yield event(index, finish)
     if include_usage:
-        yield event(framer.usage(usages))
+        yield event(0, framer.usage(usages))
     yield DONE
 
 
@@ -106,10 +164,16 @@ class SseResponse:
     listens for ``http.disconnect`` the whole time.
     """
 
-    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        body: AsyncIterator[bytes],
+        on_close: Callable[[], Awaitable[None]],
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         self.body = body
         self.on_close = on_close
         self.status_code = 200
+        self.headers = SSE_HEADERS + [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         pump = asyncio.create_task(self._pump(send))
@@ -120,10 +184,12 @@ class SseResponse:
             pump.cancel()
             gone.cancel()
             await asyncio.gather(pump, gone, return_exceptions=True)
-            await self.on_close()  # the turns still running are cancelled: the replicas free their rows
+            # The turns still running are cancelled (the replicas free their rows), or, for a
+            # resumable stream, left to finish into the replay buffer.
+            await self.on_close()
 
     async def _pump(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
         try:
             async for chunk in self.body:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
