@@ -15,7 +15,7 @@ from redis import Redis
 from services.gen.llmmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.router.admission.auth import KeyLimits
 from services.router.admission.keys import add_key
-from services.router.tasks.store import STANDALONE_KEYS
+from services.router.tasks.keys import STANDALONE_KEYS
 from tests.support.processes import ServiceProcess
 from tests.support.redis import RedisServer
 

@@ -17,15 +17,10 @@ from services.common import errors
 from services.gen.llmmesh.v1 import router_pb2
 from services.router.admission.auth import Principal
 from services.router.tasks.counters import TASKS_FINISHED, TASKS_REFUSED
+from services.router.tasks.keys import KIND_TASK, TaskKeys
+from services.router.tasks.record import TERMINAL_STATES, TaskRecord
 from services.router.tasks.settings import TaskSettings
-from services.router.tasks.store import (
-    KIND_TASK,
-    TERMINAL_STATES,
-    TaskKeys,
-    TaskRecord,
-    TaskRefused,
-    TaskStore,
-)
+from services.router.tasks.store import TaskRefused, TaskStore
 from services.router.tasks.worker import RunTurn, TaskWorker
 from services.router.turns.validation import validate
 

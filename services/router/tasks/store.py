@@ -1,33 +1,7 @@
-"""Durable async tasks in Redis: the task records, their event streams, and the shared work queue.
+"""Durable async tasks in Redis: create, read, move and follow tasks, and the shared work queue.
 
-Layout (``<id>`` in braces is a Redis Cluster hash tag, so one task's keys share a slot):
-
-- ``llm:tasks:stream`` — the work queue (a Stream; consumer group ``routers``).
-  An entry stays pending until the router that ran it acknowledges it, so a
-  router killed mid-task leaves it pending, and another router takes it over
-  with XAUTOCLAIM once it has been idle past the visibility timeout.
-- ``llm:task:{<id>}`` — hash: state, tenant, key id, request bytes, end bytes,
-  error, timestamps, attempts, cancel flag.
-- ``llm:task:{<id>}:text`` — the answer so far (APPEND per delta).
-- ``llm:task:{<id>}:tokens`` — its token ids so far (little-endian int32, APPEND per delta, in
-  the same transaction as the text): with the hash's ``checkpoint`` (the turn's prompt as
-  built, its model and session version, saved before the first token) a router that takes
-  the task over continues the answer after them instead of starting it again.
-- ``llm:task:{<id>}:events`` — Stream of state snapshots and token deltas that
-  WatchTask follows.
-
-All four expire ``result_ttl_s`` after the task ends.
-
-- ``llm:tasks:open:<tenant>`` — sorted set of the tenant's unfinished task ids
-  (score: created ms). A task joins it when it is created and leaves it in the
-  same script that moves it to a final state; its size is the tenant's count
-  against ``max_open_per_tenant``.
-
-The create and transition scripts also touch the work queue and the tenant's
-open set, so on a Redis Cluster (``--redis-cluster``) every task key carries one
-hash tag, ``llm:{tasks}:…`` (``CLUSTER_KEYS``): all task data lives in one slot, as
-BullMQ lays out its queues. One Redis primary keeps the names above
-(``STANDALONE_KEYS``), so upgrading a standalone deployment moves no keys.
+Where each piece lives is in ``keys.py``, the scripts that change a task
+atomically in ``scripts.py``, the record and its serialisation in ``record.py``.
 
 Admission happens in the script that creates the task: a tenant at its cap of
 unfinished tasks, or a work queue holding ``max_queued`` entries, is refused
@@ -45,11 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import struct
-import time
 import uuid
-from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import redis.exceptions
@@ -57,75 +27,25 @@ from redis.asyncio.cluster import RedisCluster
 
 from services.common import errors
 from services.gen.llmmesh.v1 import router_pb2
-from services.router.admission.auth import KeyLimits, Principal
-
-GROUP = "routers"
-TERMINAL_STATES = frozenset(
-    {router_pb2.TASK_STATE_SUCCEEDED, router_pb2.TASK_STATE_FAILED, router_pb2.TASK_STATE_CANCELLED}
+from services.router.admission.auth import Principal
+from services.router.tasks.keys import (
+    CLUSTER_KEYS,
+    EVENT_KIND,
+    EVENT_PAYLOAD,
+    GROUP,
+    KIND_DELTA,
+    STANDALONE_KEYS,
+    TaskKeys,
 )
-EVENT_KIND = b"k"
-EVENT_PAYLOAD = b"p"
-KIND_TASK = b"task"
-KIND_DELTA = b"delta"
-
-# Admission and creation of a task in one step: refused (nothing stored) when the tenant has
-# ARGV[4] unfinished tasks already or the work queue holds ARGV[5] entries (0 = no cap).
-# KEYS: hash, events, work queue, the tenant's open set. ARGV: now_ms, unfinished ttl seconds,
-# events maxlen, per-tenant cap, queue cap, task id, event payload, then the hash's field/value pairs.
-# Returns {1, 0, 0} when created, else {0, reason (1 tenant cap, 2 queue cap), count that hit the cap}.
-CREATE_LUA = """
-local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
--- An id older than the unfinished ttl names a task that expired without finishing (all routers
--- gone that long): it no longer counts.
-redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - ttl * 1000)
-local per_tenant, queue_cap = tonumber(ARGV[4]), tonumber(ARGV[5])
-if per_tenant > 0 then
-  local open = redis.call('ZCARD', KEYS[4])
-  if open >= per_tenant then return {0, 1, open} end
-end
-if queue_cap > 0 then
-  local queued = redis.call('XLEN', KEYS[3])
-  if queued >= queue_cap then return {0, 2, queued} end
-end
-local fields = {}
-for i = 8, #ARGV do fields[#fields + 1] = ARGV[i] end
-redis.call('HSET', KEYS[1], unpack(fields))
-redis.call('EXPIRE', KEYS[1], ttl)
-redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[3], '*', 'k', 'task', 'p', ARGV[7])
-redis.call('EXPIRE', KEYS[2], ttl)
-redis.call('XADD', KEYS[3], '*', 'task_id', ARGV[6])
-redis.call('ZADD', KEYS[4], now, ARGV[6])
-redis.call('EXPIRE', KEYS[4], ttl)
-return {1, 0, 0}
-"""
-
-# Compare-and-set of a task's state, with its event, in one step; a task reaching a final state
-# leaves its tenant's open set in the same step.
-# KEYS: hash, events, text, the tenant's open set, token ids. ARGV: allowed from-states (space separated),
-# new state, now_ms, event payload ('' = none), expire seconds (0 = leave; set = a final state),
-# events maxlen, reset text (0/1), task id, then extra field/value pairs for the hash.
-# Returns the state the task is in afterwards (-1 when it does not exist) and 1/0 for "changed".
-TRANSITION_LUA = """
-local state = redis.call('HGET', KEYS[1], 'state')
-if not state then return {-1, 0} end
-if not string.find(' ' .. ARGV[1] .. ' ', ' ' .. state .. ' ', 1, true) then
-  return {tonumber(state), 0}
-end
-redis.call('HSET', KEYS[1], 'state', ARGV[2], 'updated_ms', ARGV[3])
-for i = 9, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-if ARGV[7] == '1' then
-  redis.call('DEL', KEYS[3], KEYS[5])
-  redis.call('HDEL', KEYS[1], 'checkpoint')
-end
-if ARGV[4] ~= '' then
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'k', 'task', 'p', ARGV[4])
-end
-if ARGV[5] ~= '0' then
-  for _, i in ipairs({1, 2, 3, 5}) do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
-  redis.call('ZREM', KEYS[4], ARGV[8])
-end
-return {tonumber(ARGV[2]), 1}
-"""
+from services.router.tasks.record import (
+    STATUS_FIELDS,
+    TERMINAL_STATES,
+    TaskRecord,
+    now_ms,
+    pack_token_ids,
+    status_hash,
+)
+from services.router.tasks.scripts import CREATE_LUA, TRANSITION_LUA
 
 
 class TaskRefused(errors.Overloaded):
@@ -134,160 +54,6 @@ class TaskRefused(errors.Overloaded):
     def __init__(self, message: str, reason: str) -> None:
         super().__init__(message)
         self.reason = reason
-
-
-@dataclass(frozen=True)
-class TaskKeys:
-    """Where tasks live in Redis; every router sharing one Redis must use the same layout."""
-
-    # "llm": the names in the module docstring. A prefix holding a hash tag ("llm:{tasks}")
-    # puts every key below in one Redis Cluster slot: the scripts touch several at once.
-    prefix: str = "llm"
-
-    @property
-    def stream(self) -> str:
-        """The work queue."""
-        return f"{self.prefix}:tasks:stream"
-
-    def task(self, task_id: str) -> str:
-        return f"{self.prefix}:task:{{{task_id}}}"
-
-    def text(self, task_id: str) -> str:
-        return f"{self.prefix}:task:{{{task_id}}}:text"
-
-    def tokens(self, task_id: str) -> str:
-        return f"{self.prefix}:task:{{{task_id}}}:tokens"
-
-    def events(self, task_id: str) -> str:
-        return f"{self.prefix}:task:{{{task_id}}}:events"
-
-    def open_tasks(self, tenant: str) -> str:
-        return f"{self.prefix}:tasks:open:{tenant}"
-
-    def idempotency(self, tenant: str, key: str) -> str:
-        return f"{self.prefix}:task:idem:{tenant}:{key}"
-
-
-STANDALONE_KEYS = TaskKeys("llm")
-# Redis uses the first {…} of a key as its hash tag, so the per-task tags after it no longer count.
-CLUSTER_KEYS = TaskKeys("llm:{tasks}")
-
-
-def pack_token_ids(token_ids: Iterable[int]) -> bytes:
-    ids = list(token_ids)
-    return struct.pack(f"<{len(ids)}i", *ids)
-
-
-def unpack_token_ids(raw: bytes) -> tuple[int, ...]:
-    return struct.unpack(f"<{len(raw) // 4}i", raw[: len(raw) - len(raw) % 4])
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-@dataclass
-class TaskRecord:
-    """A task as stored in its hash (plus its text)."""
-
-    task_id: str
-    state: int
-    tenant: str
-    key_id: str
-    limits: KeyLimits
-    request: bytes
-    text: str = ""
-    end: bytes = b""
-    error: str = ""
-    created_ms: int = 0
-    updated_ms: int = 0
-    attempts: int = 0
-    cancel_requested: bool = False
-    result_ttl_s: int = 600
-    #: ``TurnCheckpoint.to_json()`` of the running attempt, once its first token was out (read,
-    #: with ``request`` and ``token_ids``, only when asked: ``TaskStore.get(with_resume_state=True)``).
-    checkpoint: str = ""
-    #: The answer's token ids so far (read only when asked: ``TaskStore.get(with_resume_state=True)``).
-    token_ids: tuple[int, ...] = ()
-
-    @property
-    def principal(self) -> Principal:
-        return Principal(self.tenant, self.key_id, self.limits)
-
-    @property
-    def finished(self) -> bool:
-        return self.state in TERMINAL_STATES
-
-    def to_proto(self) -> router_pb2.Task:
-        task = router_pb2.Task(
-            task_id=self.task_id,
-            state=self.state,  # type: ignore[arg-type]
-            text=self.text,
-            error_message=self.error,
-            created_at_ms=self.created_ms,
-            updated_at_ms=self.updated_ms,
-            result_ttl_seconds=self.result_ttl_s,
-        )
-        if self.end:
-            task.end.ParseFromString(self.end)
-        return task
-
-    @classmethod
-    def from_hash(
-        cls,
-        task_id: str,
-        raw: dict[bytes, bytes],
-        text: bytes | None,
-        result_ttl_s: int,
-        tokens: bytes | None = None,
-    ) -> TaskRecord:
-        def s(name: str) -> str:
-            return raw.get(name.encode(), b"").decode()
-
-        limits = json.loads(s("limits") or "{}")
-        return cls(
-            task_id=task_id,
-            state=int(s("state") or 0),
-            tenant=s("tenant"),
-            key_id=s("key_id"),
-            limits=KeyLimits(**limits),
-            request=raw.get(b"request", b""),
-            text=(text or b"").decode(errors="replace"),
-            end=raw.get(b"end", b""),
-            error=s("error"),
-            created_ms=int(s("created_ms") or 0),
-            updated_ms=int(s("updated_ms") or 0),
-            attempts=int(s("attempts") or 0),
-            cancel_requested=s("cancel") == "1",
-            result_ttl_s=result_ttl_s,
-            checkpoint=s("checkpoint"),
-            token_ids=unpack_token_ids(tokens or b""),
-        )
-
-
-#: The hash fields a client's view of a task needs: all but the ``request`` (the messages as
-#: submitted) and the running attempt's ``checkpoint`` (its whole prompt, history and RAG
-#: context included), which only the worker running or taking over the task reads.
-STATUS_FIELDS = (
-    "state",
-    "tenant",
-    "key_id",
-    "limits",
-    "end",
-    "error",
-    "created_ms",
-    "updated_ms",
-    "attempts",
-    "cancel",
-)
-
-
-_STATUS_KEYS = tuple(name.encode() for name in STATUS_FIELDS)
-
-
-def status_hash(values: list[bytes | None]) -> dict[bytes, bytes]:
-    """HMGET of ``STATUS_FIELDS`` as the hash it reads; empty when the task does not exist."""
-    return {key: v for key, v in zip(_STATUS_KEYS, values, strict=True) if v is not None}
 
 
 class TaskStore:

@@ -22,8 +22,9 @@ from services.common import errors
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from services.router.admission.auth import Principal
 from services.router.tasks.counters import TASKS_FINISHED, TASKS_RECLAIMED, TASKS_RESUMED, TASKS_RUNNING
+from services.router.tasks.record import TaskRecord
 from services.router.tasks.settings import TaskSettings
-from services.router.tasks.store import TaskRecord, TaskStore
+from services.router.tasks.store import TaskStore
 from services.router.turns.checkpoints import OnCheckpoint, OnStopped, ResumePoint, TurnCheckpoint
 
 log = logging.getLogger("llmmesh.router.tasks")

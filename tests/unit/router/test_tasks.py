@@ -14,8 +14,8 @@ from services.common import errors
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from services.router.admission.auth import Principal
 from services.router.api.task_api import TaskApi
+from services.router.tasks.record import STATUS_FIELDS
 from services.router.tasks.settings import TaskSettings
-from services.router.tasks.store import STATUS_FIELDS
 from services.router.turns.checkpoints import OnCheckpoint, OnStopped, ResumePoint, TurnCheckpoint
 from tests.support.redis import RedisServer
 from tests.support.redis_cluster import RedisClusterServers

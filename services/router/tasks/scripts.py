@@ -1,0 +1,62 @@
+"""The Lua scripts that change a task atomically: create it (with admission), move its state."""
+
+from __future__ import annotations
+
+# Admission and creation of a task in one step: refused (nothing stored) when the tenant has
+# ARGV[4] unfinished tasks already or the work queue holds ARGV[5] entries (0 = no cap).
+# KEYS: hash, events, work queue, the tenant's open set. ARGV: now_ms, unfinished ttl seconds,
+# events maxlen, per-tenant cap, queue cap, task id, event payload, then the hash's field/value pairs.
+# Returns {1, 0, 0} when created, else {0, reason (1 tenant cap, 2 queue cap), count that hit the cap}.
+CREATE_LUA = """
+local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+-- An id older than the unfinished ttl names a task that expired without finishing (all routers
+-- gone that long): it no longer counts.
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - ttl * 1000)
+local per_tenant, queue_cap = tonumber(ARGV[4]), tonumber(ARGV[5])
+if per_tenant > 0 then
+  local open = redis.call('ZCARD', KEYS[4])
+  if open >= per_tenant then return {0, 1, open} end
+end
+if queue_cap > 0 then
+  local queued = redis.call('XLEN', KEYS[3])
+  if queued >= queue_cap then return {0, 2, queued} end
+end
+local fields = {}
+for i = 8, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('HSET', KEYS[1], unpack(fields))
+redis.call('EXPIRE', KEYS[1], ttl)
+redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[3], '*', 'k', 'task', 'p', ARGV[7])
+redis.call('EXPIRE', KEYS[2], ttl)
+redis.call('XADD', KEYS[3], '*', 'task_id', ARGV[6])
+redis.call('ZADD', KEYS[4], now, ARGV[6])
+redis.call('EXPIRE', KEYS[4], ttl)
+return {1, 0, 0}
+"""
+
+# Compare-and-set of a task's state, with its event, in one step; a task reaching a final state
+# leaves its tenant's open set in the same step.
+# KEYS: hash, events, text, the tenant's open set, token ids. ARGV: allowed from-states (space separated),
+# new state, now_ms, event payload ('' = none), expire seconds (0 = leave; set = a final state),
+# events maxlen, reset text (0/1), task id, then extra field/value pairs for the hash.
+# Returns the state the task is in afterwards (-1 when it does not exist) and 1/0 for "changed".
+TRANSITION_LUA = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return {-1, 0} end
+if not string.find(' ' .. ARGV[1] .. ' ', ' ' .. state .. ' ', 1, true) then
+  return {tonumber(state), 0}
+end
+redis.call('HSET', KEYS[1], 'state', ARGV[2], 'updated_ms', ARGV[3])
+for i = 9, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+if ARGV[7] == '1' then
+  redis.call('DEL', KEYS[3], KEYS[5])
+  redis.call('HDEL', KEYS[1], 'checkpoint')
+end
+if ARGV[4] ~= '' then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'k', 'task', 'p', ARGV[4])
+end
+if ARGV[5] ~= '0' then
+  for _, i in ipairs({1, 2, 3, 5}) do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
+  redis.call('ZREM', KEYS[4], ARGV[8])
+end
+return {tonumber(ARGV[2]), 1}
+"""
