@@ -36,7 +36,9 @@ from bench.timings import percentile
 from services.retriever.chunking import ChunkingPolicy, TokenChunker
 from services.retriever.corpus import Corpus, DocumentUpload, SearchQuery
 from services.retriever.embedder import DEFAULT_EMBEDDING_MODEL, Embedder, Vectors, normalize_rows
-from services.retriever.store import ChunkRow, DocumentRecord, MilvusStore, digest
+from services.retriever.filters import digest
+from services.retriever.records import ChunkRow, DocumentRecord
+from services.retriever.store import MilvusStore
 
 TENANT = "bench"
 _TOPIC_WORDS = {

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.settings import flag
+from services.retriever.connection import check_milvus_uri
 from services.retriever.document_locks import DEFAULT_LEASE_SECONDS, DEFAULT_WAIT_SECONDS
 from services.retriever.embedder import DEFAULT_EMBEDDING_MODEL
 from services.retriever.semantic_cache import DEFAULT_THRESHOLD, DEFAULT_TTL_SECONDS, MAX_TTL_SECONDS
-from services.retriever.store import check_milvus_uri
 
 
 @dataclass(frozen=True)

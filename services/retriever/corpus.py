@@ -26,16 +26,11 @@ from services.common.errors import InvalidArgument, NotFound
 from services.retriever.chunking import Chunk, TokenChunker
 from services.retriever.document_locks import DocumentLocks, LocalLocks
 from services.retriever.embedder import Vectors
+from services.retriever.filters import METADATA_KEY_RE
 from services.retriever.parsing import normalize_mime_type, parse_document
+from services.retriever.records import ChunkHit, ChunkRow, DocumentRecord
 from services.retriever.rerank import maximal_marginal_relevance
-from services.retriever.store import (
-    MAX_QUERY_WINDOW,
-    METADATA_KEY_RE,
-    ChunkHit,
-    ChunkRow,
-    DocumentRecord,
-    MilvusStore,
-)
+from services.retriever.store import MAX_QUERY_WINDOW, MilvusStore
 
 DEFAULT_TOP_K = 5
 MAX_TOP_K = 100

@@ -25,7 +25,7 @@ import redis
 from redis.exceptions import LockError, LockNotOwnedError
 
 from services.common.errors import Conflict, DependencyUnavailable
-from services.retriever.store import digest
+from services.retriever.filters import digest
 
 log = logging.getLogger("llmmesh.retriever.locks")
 

@@ -18,9 +18,10 @@ from services.retriever.config import RetrieverConfig
 from services.retriever.corpus import Corpus
 from services.retriever.document_locks import DocumentLocks, LocalLocks, RedisLocks
 from services.retriever.embedder import Embedder
+from services.retriever.schema import CollectionNames
 from services.retriever.semantic_cache import SemanticCache
 from services.retriever.servicer import Backends, RetrieverServicer
-from services.retriever.store import CollectionNames, MilvusStore
+from services.retriever.store import MilvusStore
 
 log = logging.getLogger("llmmesh.retriever")
 # Between attempts to reach Milvus while starting; health stays NOT_SERVING meanwhile.

@@ -17,7 +17,10 @@ from dataclasses import dataclass, field
 
 from services.common.errors import InvalidArgument, NotFound
 from services.retriever.corpus import TextEmbedder, check_document_id
-from services.retriever.store import MAX_TEXT_BYTES, AnswerUsage, MilvusStore, digest
+from services.retriever.filters import digest
+from services.retriever.records import AnswerUsage
+from services.retriever.schema import MAX_TEXT_BYTES
+from services.retriever.store import MilvusStore
 
 DEFAULT_THRESHOLD = 0.92
 DEFAULT_TTL_SECONDS = 7200

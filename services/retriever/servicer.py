@@ -16,8 +16,8 @@ from services.gen.llmmesh.v1 import common_pb2, retriever_pb2, retriever_pb2_grp
 from services.retriever import metrics
 from services.retriever.corpus import Corpus, DocumentUpload, SearchQuery
 from services.retriever.embedder import Embedder, Vectors
+from services.retriever.records import AnswerUsage, DocumentRecord
 from services.retriever.semantic_cache import CacheScope, SemanticCache
-from services.retriever.store import AnswerUsage, DocumentRecord
 
 Context = grpc.aio.ServicerContext[Any, Any]
 MAX_TENANT_CHARS = 256

@@ -21,17 +21,11 @@ from services.common.grpc_status import status_for
 from services.retriever.chunking import ChunkingPolicy, TokenChunker
 from services.retriever.corpus import Corpus, DocumentUpload, SearchQuery
 from services.retriever.embedder import Vectors, normalize_rows
+from services.retriever.filters import digest
+from services.retriever.records import AnswerUsage, ChunkHit, ChunkRow, DocumentRecord
+from services.retriever.schema import DIMENSION_PROPERTY, MODEL_PROPERTY
 from services.retriever.semantic_cache import CacheScope, SemanticCache
-from services.retriever.store import (
-    DIMENSION_PROPERTY,
-    MODEL_PROPERTY,
-    AnswerUsage,
-    ChunkHit,
-    ChunkRow,
-    DocumentRecord,
-    MilvusStore,
-    digest,
-)
+from services.retriever.store import MilvusStore
 
 DIM = 64
 
@@ -371,7 +365,7 @@ def test_entries_of_the_cache_collection_without_usage_still_hit_with_usage_zero
         "old-3": ("who composed the four seasons", "Vivaldi"),
     }
     create_first_cache_collection(path, scope, old)
-    monkeypatch.setattr("services.retriever.store._MIGRATION_BATCH", 2)  # more than one round
+    monkeypatch.setattr("services.retriever.connection._MIGRATION_BATCH", 2)  # more than one round
     store = MilvusStore(path, BagOfWordsFakeEmbedder.model_name, DIM)
     try:
         assert store.names.legacy_cache not in store._client.list_collections()  # moved, then dropped
