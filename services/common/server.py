@@ -32,6 +32,7 @@ from services.common.grpc_status import status_for
 from services.common.handlers import HandlerWrappingServer, MethodWrapper, wrap_handler
 from services.common.metrics import REQUEST_SECONDS, REQUESTS
 from services.common.settings import ServerOptions
+from services.common.tracing_server import ServerTracingInterceptor
 
 log = logging.getLogger("llmmesh.server")
 
@@ -212,7 +213,7 @@ async def serve(options: ServerOptions, runtime: ServiceRuntime) -> None:
     tracing.setup(options.service)
     # Tracing, when it has somewhere to send spans, is the one interceptor: outermost, so a span
     # covers the error mapping too. Without it no interceptor runs per call at all.
-    interceptors = [tracing.ServerTracingInterceptor(options.service)] if tracing.enabled() else []
+    interceptors = [ServerTracingInterceptor(options.service)] if tracing.enabled() else []
     server = HandlerWrappingServer(
         grpc.aio.server(interceptors=interceptors, options=server_channel_options(options)),
         error_mapping(options.service),

@@ -1,22 +1,20 @@
-"""OpenTelemetry tracing for every service: exporter choice, W3C traceparent over gRPC metadata, stage spans.
+"""OpenTelemetry tracing for every service: setup, W3C traceparent over gRPC metadata, stage spans.
 
-One trace per client request: the server interceptor continues the caller's
-trace from the ``traceparent`` metadata, and the client interceptors (installed
-on every ``grpc.aio`` channel made after :func:`setup`) pass the current span on
-to the next service. Where the time of a generation went (queue wait, prefill,
-decode) is already reported in the ``Timings`` of the final stream message, so
-those spans are rebuilt from it instead of threading a tracer through the engine.
+One trace per client request: the server interceptor (``tracing_server.py``)
+continues the caller's trace from the ``traceparent`` metadata, and the client
+interceptors here (installed on every ``grpc.aio`` channel made after
+:func:`setup`) pass the current span on to the next service. Where spans go is
+``tracing_export.py``'s choice. Where the time of a generation went (queue wait,
+prefill, decode) is already reported in the ``Timings`` of the final stream
+message, so those spans are rebuilt from it instead of threading a tracer
+through the engine.
 """
 
 from __future__ import annotations
 
-import inspect
-import json
 import logging
-import os
 import threading
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,24 +23,14 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.propagators.textmap import Getter, Setter
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import (
-    BatchSpanProcessor,
-    ConsoleSpanExporter,
-    SimpleSpanProcessor,
-    SpanExporter,
-    SpanExportResult,
-)
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from services.common.handlers import wrap_handler
+from services.common.tracing_export import exporter_from_env
 
 log = logging.getLogger("llmmesh.tracing")
-
-TRACE_FILE_ENV = "LLMMESH_TRACE_FILE"
-TRACE_CONSOLE_ENV = "LLMMESH_TRACE_CONSOLE"
-OTLP_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
 
 # W3C trace context only: it is what every OpenTelemetry SDK and mesh proxy speaks.
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -64,61 +52,6 @@ CLIENT_STAGE_NAMES: dict[str, str] = {
 _provider: TracerProvider | None = None
 _channel_patch_lock = threading.Lock()
 _channels_patched = False
-
-
-class JsonLinesSpanExporter(SpanExporter):
-    """Appends one JSON object per finished span to a file (debugging, and tests across processes)."""
-
-    def __init__(self, path: str) -> None:
-        self._path = path
-        self._lock = threading.Lock()
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        lines = [json.dumps(span_record(span)) + "\n" for span in spans]
-        with self._lock, open(self._path, "a", encoding="utf-8") as f:
-            f.writelines(lines)
-        return SpanExportResult.SUCCESS
-
-    def shutdown(self) -> None:
-        return None
-
-
-def span_record(span: ReadableSpan) -> dict[str, Any]:
-    """A span as plain JSON: ids in the W3C hex form, so records from different processes join."""
-    ctx = span.get_span_context()
-    parent = span.parent
-    return {
-        "name": span.name,
-        "service": span.resource.attributes.get("service.name"),
-        "trace_id": format(ctx.trace_id, "032x") if ctx else None,
-        "span_id": format(ctx.span_id, "016x") if ctx else None,
-        "parent_span_id": format(parent.span_id, "016x") if parent else None,
-        "kind": span.kind.name,
-        "start_ns": span.start_time,
-        "end_ns": span.end_time,
-        "status": span.status.status_code.name,
-        "attributes": {k: _jsonable(v) for k, v in (span.attributes or {}).items()},
-    }
-
-
-def _jsonable(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
-
-
-def exporter_from_env() -> tuple[SpanExporter, bool] | None:
-    """The exporter the environment asks for, and whether to batch; None means export nothing."""
-    if os.environ.get(OTLP_ENDPOINT_ENV):
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        # The exporter reads the endpoint, headers and TLS settings from the OTEL_* variables itself.
-        return OTLPSpanExporter(), True
-    trace_file = os.environ.get(TRACE_FILE_ENV)
-    if trace_file:
-        # Unbatched: a debugging file should hold a span as soon as it ends, even if the process is killed.
-        return JsonLinesSpanExporter(trace_file), False
-    if os.environ.get(TRACE_CONSOLE_ENV, "").lower() in ("1", "true", "yes", "on"):
-        return ConsoleSpanExporter(), False
-    return None
 
 
 def setup(service_name: str, exporter: SpanExporter | None = None) -> TracerProvider | None:
@@ -237,7 +170,7 @@ def generation_span(traceparent: str, **attributes: str | int | float | bool) ->
         with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
             yield span
     except BaseException as exc:
-        _mark_failed(span, exc)
+        mark_failed(span, exc)
         raise
     finally:
         span.end()
@@ -286,73 +219,8 @@ def _final_event(message: Any) -> Any | None:
     return None
 
 
-class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
-    """Continues the caller's trace: one SERVER span per RPC, with stage spans from final timings."""
-
-    def __init__(self, service: str) -> None:
-        self._service = service
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        full_method = handler_call_details.method
-        # Health checks and reflection would drown every real trace; a GenerateMany stream outlives
-        # the requests on it, so each generation gets its own span instead (``generation_span``).
-        if (
-            handler is None
-            or not enabled()
-            or full_method.startswith(("/grpc.health", "/grpc.reflection"))
-            or full_method == SHARED_STREAM_METHOD
-        ):
-            return handler
-        metadata = tuple(handler_call_details.invocation_metadata or ())
-        name = full_method.lstrip("/")
-        attributes = {"rpc.system": "grpc", "rpc.method": name, "llmmesh.service": self._service}
-
-        def open_span() -> Span:
-            return tracer().start_span(
-                name, context=extract_context(metadata), kind=SpanKind.SERVER, attributes=attributes
-            )
-
-        async def run_unary(behavior: Any, request: Any, context: Any) -> Any:
-            span = open_span()
-            try:
-                with trace.use_span(
-                    span, end_on_exit=False, record_exception=False, set_status_on_exception=False
-                ):
-                    return await behavior(request, context)
-            except BaseException as exc:
-                _mark_failed(span, exc)
-                raise
-            finally:
-                span.end()
-
-        async def run_stream(behavior: Any, request: Any, context: Any) -> AsyncIterator[Any]:
-            span = open_span()
-            try:
-                with trace.use_span(
-                    span, end_on_exit=False, record_exception=False, set_status_on_exception=False
-                ):
-                    result = behavior(request, context)
-                    if inspect.isasyncgen(result):
-                        async for item in result:
-                            record_stage_spans(span, item, time.time_ns())
-                            yield item
-                    else:
-                        await result
-            except BaseException as exc:
-                _mark_failed(span, exc)
-                raise
-            finally:
-                span.end()
-
-        return wrap_handler(handler, run_unary, run_stream)
-
-
-def _mark_failed(span: Span, exc: BaseException) -> None:
+def mark_failed(span: Span, exc: BaseException) -> None:
+    """Mark ``span`` failed by ``exc``."""
     if isinstance(exc, grpc.aio.AbortError | GeneratorExit):
         # An abort already carries its status to the client; the span just says it failed.
         span.set_status(Status(StatusCode.ERROR, type(exc).__name__))

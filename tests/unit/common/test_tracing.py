@@ -11,7 +11,8 @@ import grpc
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.common import tracing
+from services.common import tracing, tracing_export
+from services.common.tracing_server import ServerTracingInterceptor
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2
 
 
@@ -37,7 +38,7 @@ def _generate_handler(behavior: Any) -> grpc.GenericRpcHandler:
 
 
 async def _start(handler: grpc.GenericRpcHandler, name: str) -> tuple[grpc.aio.Server, str]:
-    server = grpc.aio.server(interceptors=[tracing.ServerTracingInterceptor(name)])
+    server = grpc.aio.server(interceptors=[ServerTracingInterceptor(name)])
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -116,7 +117,11 @@ def test_traceparent_round_trips_through_metadata(spans: InMemorySpanExporter) -
 
 
 def _clear_trace_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in (tracing.OTLP_ENDPOINT_ENV, tracing.TRACE_FILE_ENV, tracing.TRACE_CONSOLE_ENV):
+    for var in (
+        tracing_export.OTLP_ENDPOINT_ENV,
+        tracing_export.TRACE_FILE_ENV,
+        tracing_export.TRACE_CONSOLE_ENV,
+    ):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -133,7 +138,7 @@ def test_without_an_exporter_tracing_stays_off(monkeypatch: pytest.MonkeyPatch) 
 def test_trace_file_gets_one_json_span_per_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     _clear_trace_env(monkeypatch)
     path = tmp_path / "spans.jsonl"
-    monkeypatch.setenv(tracing.TRACE_FILE_ENV, str(path))
+    monkeypatch.setenv(tracing_export.TRACE_FILE_ENV, str(path))
     tracing.setup("router")
     try:
         with tracing.stage("cache lookup", layer="exact") as outer, tracing.stage("retrieval"):
