@@ -11,6 +11,9 @@ and attends over the sequence's blocks; decodes run as one [B, 1] forward and
 prefill chunks as one padded forward. Either way the LM head runs on sampled
 positions only, and every layer writes the K/V of all prefill chunks of a step
 before any chunk attends, which in-step prefix sharing (scheduler) relies on.
+
+The native forward's flat batch is built in ``flat_batch.py``; how many KV blocks
+the cache gets is ``kv_sizing.py``'s answer.
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
 import torch
 
-from services.inference import decode_slab, llama, memory_budget
+from services.inference import decode_slab, llama
 from services.inference.config import EngineConfig
-from services.inference.host_memory import keep_large_allocations_mapped, release_freed_heap, zeroed
+from services.inference.flat_batch import FlatBatchBuilder
+from services.inference.host_memory import keep_large_allocations_mapped, zeroed
+from services.inference.kv_sizing import KVGeometry, auto_cuda_blocks, fit_host_memory
 from services.inference.model_loading import load_model, resolve_device, resolve_dtype
 from services.inference.paged_attention import ForwardContext
 from services.inference.sampler import RowFault, Sampler
@@ -36,12 +40,6 @@ from services.inference.scheduler import ScheduledSequence
 log = logging.getLogger("llmmesh.inference.runner")
 
 MAX_MODEL_LEN_CAP = 8192
-# Auto-sized KV caches stay under this many bytes on CPU (as vLLM's CPU default): the
-# host runs other services too. Pages are touched only as blocks fill, so an idle
-# replica costs little. 64 sequences of ~1,000 fp32 tokens of SmolLM2 fit without preemption.
-CPU_KV_MEMORY_CAP = 4 << 30
-# On CUDA, auto-sized KV caches take at most this share of the free memory after loading.
-CUDA_KV_MEMORY_SHARE = 0.5
 # Decode batches are padded up to one of these sizes when compiling, so few graphs cover all.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -91,11 +89,22 @@ class ModelRunner:
             self.model = _ModelFacts(mc, getattr(self.model, "generation_config", None))
 
         # Sized once the weights are in their final form, so what is resident now stays.
+        self.kv = KVGeometry(
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.block_size,
+            self.dtype,
+            self.max_model_len,
+            config.max_num_seqs,
+        )
         slab_budget = config.decode_slab_mib << 20
         if self.device.type == "cpu":
-            self.num_blocks, slab_budget = self._fit_host_memory(slab_budget)
+            self.num_blocks, slab_budget = fit_host_memory(
+                self.kv, config.num_kv_blocks, config.memory_limit_mib, slab_budget
+            )
         else:
-            self.num_blocks = config.num_kv_blocks or self._auto_cuda_blocks()
+            self.num_blocks = config.num_kv_blocks or auto_cuda_blocks(self.kv, self.device)
         self.num_slots = self.num_blocks * self.block_size
 
         # One spare slot at the end takes the K/V of padding tokens. The native forward
@@ -120,6 +129,9 @@ class ModelRunner:
                 self.device,
                 budget_bytes=slab_budget,
             )
+        self.flat_batch = FlatBatchBuilder(
+            self.block_size, self.device, self.dtype, self.k_caches, self.v_caches, self.slab
+        )
         self.model_impl = "native" if self.native is not None else "transformers"
         log.info(
             "model implementation: %s; decode slab: %s",
@@ -134,72 +146,6 @@ class ModelRunner:
         compiled = config.compile and self.native is None
         self._decode_forward = self._compiled_forward() if compiled else self._decoder_forward
         self._forward = self._run_forward
-
-    def _bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
-
-    def _context_blocks(self) -> int:
-        """Blocks for one sequence of ``max_model_len`` tokens."""
-        return -(-self.max_model_len // self.block_size)
-
-    def _full_context_blocks(self) -> int:
-        """Blocks for ``max_num_seqs`` sequences of ``max_model_len`` tokens: more is never used."""
-        return self.config.max_num_seqs * self._context_blocks()
-
-    def _auto_cuda_blocks(self) -> int:
-        free, _ = torch.cuda.mem_get_info(self.device)
-        cap = int(free * CUDA_KV_MEMORY_SHARE)
-        return max(2, min(self._full_context_blocks(), cap // self._bytes_per_block()))
-
-    def _fit_host_memory(self, slab_wanted: int) -> tuple[int, int]:
-        """KV blocks and slab bytes that fit in the memory this replica may use (memory_budget.py)."""
-        release_freed_heap()
-        per_block = self._bytes_per_block()
-        explicit = self.config.num_kv_blocks
-        wanted = explicit or min(self._full_context_blocks(), CPU_KV_MEMORY_CAP // per_block)
-        limit = memory_budget.memory_limit(self.config.memory_limit_mib)
-        resident = psutil.Process().memory_info().rss
-        plan = memory_budget.plan_cpu_memory(limit.bytes, resident, wanted * per_block, slab_wanted)
-        blocks = explicit or plan.kv_cache_bytes // per_block
-        one_context = self._context_blocks()
-        if not explicit and blocks < one_context:
-            raise ValueError(
-                f"{limit.bytes >> 20} MiB of memory ({limit.source}) leaves {blocks * per_block >> 20} MiB "
-                f"for the KV cache after {resident >> 20} MiB resident and "
-                f"{memory_budget.ACTIVATION_RESERVE_BYTES >> 20} MiB kept for activations: less than one "
-                f"{self.max_model_len}-token context ({one_context * per_block >> 20} MiB). "
-                "Raise the memory limit, or lower --max-model-len"
-            )
-        log.info(
-            "memory: %d MiB may be used (%s), %d MiB resident with the weights ready; KV cache %d MiB "
-            "(%d blocks, %d tokens), decode slab up to %d MiB",
-            limit.bytes >> 20,
-            limit.source,
-            resident >> 20,
-            blocks * per_block >> 20,
-            blocks,
-            blocks * self.block_size,
-            plan.slab_bytes >> 20,
-        )
-        if explicit and explicit * per_block > plan.kv_cache_bytes:
-            log.warning(
-                "--kv-blocks %d takes %d MiB, more than the %d MiB the memory limit leaves it: "
-                "under load the replica may be killed for memory",
-                explicit,
-                explicit * per_block >> 20,
-                plan.kv_cache_bytes >> 20,
-            )
-        elif blocks < wanted:
-            log.warning(
-                "KV cache cut from %d to %d MiB to fit %d MiB (%s): raise the limit or "
-                "--memory-limit-mib for more concurrent context",
-                wanted * per_block >> 20,
-                blocks * per_block >> 20,
-                limit.bytes >> 20,
-                limit.source,
-            )
-        return blocks, plan.slab_bytes
 
     def _compiled_forward(self) -> Any:
         import torch._dynamo.config as dynamo_config
@@ -266,142 +212,13 @@ class ModelRunner:
 
     def _native_logits(self, scheduled: Seq[ScheduledSequence]) -> torch.Tensor | None:
         assert self.native is not None
-        step, slab_rows = self._step_inputs(scheduled)
+        step, slab_rows = self.flat_batch.build(scheduled)
         hidden = self.native.hidden_states(step, self.k_caches, self.v_caches)
         if self.slab is not None and slab_rows:
             self.slab.advance(slab_rows)
         if step.sample_index.numel() == 0:
             return None  # only mid-prompt chunks: the layers ran for their K/V
         return self.native.logits(hidden)
-
-    def _slab_order(self, decodes: list[ScheduledSequence]) -> list[decode_slab.SlabRow] | None:
-        """Put the decode rows in slab-row order; None (gather instead) when the slab cannot hold them."""
-        if self.slab is None:
-            return None
-        if any(s.admitted for s in decodes):
-            # Its prefix may sit in blocks this step's prefill is writing: not yet copyable.
-            self.slab.release_all()
-            return None
-        rows = [decode_slab.SlabRow(s.seq.request_id, s.start, s.seq.block_table) for s in decodes]
-        index = self.slab.prepare(rows, self.k_caches, self.v_caches)
-        if index is None:
-            return None
-        order = sorted(range(len(decodes)), key=index.__getitem__)
-        decodes[:] = [decodes[i] for i in order]
-        return [rows[i] for i in order]
-
-    def _step_inputs(
-        self, scheduled: Seq[ScheduledSequence]
-    ) -> tuple[llama.StepInputs, list[decode_slab.SlabRow] | None]:
-        """The flat batch of a step: decode rows first (in slab order), then prefill chunks."""
-        bs = self.block_size
-        dev = self.device
-        decodes = [s for s in scheduled if s.num_tokens == 1]
-        prefills = [s for s in scheduled if s.num_tokens > 1]
-        slab_rows = self._slab_order(decodes)
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        flat_index: dict[int, int] = {}  # id(chunk) -> flat index of its last token
-        for s in (*decodes, *prefills):
-            start, n, table, tokens = s.start, s.num_tokens, s.seq.block_table, s.seq.token_ids
-            ids.extend(tokens[start : start + n])
-            positions.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            flat_index[id(s)] = len(ids) - 1
-        position_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        decode_rows = None
-        if decodes:
-            decode_positions = position_t[: len(decodes)]
-            if slab_rows is not None:
-                decode_rows = self._slab_decode_rows(decodes, decode_positions)
-            else:
-                decode_rows = self._decode_rows(decodes, decode_positions)
-        prefill_rows = self._prefill_rows(prefills) if prefills else None
-        sample_index = [flat_index[id(s)] for s in scheduled if s.samples]
-        step = llama.StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=position_t,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            decode=decode_rows,
-            prefill=prefill_rows,
-            sample_index=torch.tensor(sample_index, dtype=torch.long, device=dev),
-        )
-        return step, slab_rows
-
-    def _visible_bias(self, span: int, positions: torch.Tensor) -> torch.Tensor:
-        """[rows, span]: 0 where key position <= the row's position, -inf after it."""
-        key_pos = torch.arange(span, device=self.device)
-        visible = key_pos[None, :] <= positions[:, None]
-        return torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(
-            ~visible, float("-inf")
-        )
-
-    def _slab_decode_rows(
-        self, decodes: list[ScheduledSequence], positions: torch.Tensor
-    ) -> llama.DecodeRows:
-        span = max(s.start for s in decodes) + 1
-        return llama.DecodeRows(
-            count=len(decodes),
-            span=span,
-            mask_bias=self._visible_bias(span, positions)[:, None, None, :],
-            slab=self.slab,
-            positions=positions,
-        )
-
-    def _block_tables(self, group: Seq[ScheduledSequence], max_blocks: int) -> torch.Tensor:
-        # Short tables are padded with block 0; those keys are masked out.
-        return torch.tensor(
-            [
-                s.seq.block_table[:max_blocks] + [0] * (max_blocks - len(s.seq.block_table[:max_blocks]))
-                for s in group
-            ],
-            dtype=torch.long,
-            device=self.device,
-        )
-
-    def _decode_rows(self, decodes: list[ScheduledSequence], positions: torch.Tensor) -> llama.DecodeRows:
-        bs = self.block_size
-        max_blocks = max(s.start // bs + 1 for s in decodes)
-        tables = self._block_tables(decodes, max_blocks)
-        span = max_blocks * bs
-        return llama.DecodeRows(
-            count=len(decodes),
-            span=span,
-            mask_bias=self._visible_bias(span, positions)[None, :, None, :],
-            gather_slots=(tables[:, :, None] * bs + self._block_offsets).reshape(-1),
-        )
-
-    def _prefill_rows(self, prefills: list[ScheduledSequence]) -> llama.PrefillRows:
-        bs = self.block_size
-        dev = self.device
-        steps = max(s.num_tokens for s in prefills)
-        max_blocks = max(-(-(s.start + s.num_tokens) // bs) for s in prefills)
-        tables = self._block_tables(prefills, max_blocks)
-        span = max_blocks * bs
-        # Pad queries sit at position 0: they see only key 0 and never produce NaN.
-        padded_positions = torch.tensor(
-            [list(range(s.start, s.start + s.num_tokens)) + [0] * (steps - s.num_tokens) for s in prefills],
-            dtype=torch.long,
-            device=dev,
-        )
-        key_pos = torch.arange(span, device=dev)
-        mask = (key_pos[None, None, :] <= padded_positions[:, :, None]).unsqueeze(1)
-        pad_index = None
-        if any(s.num_tokens != steps for s in prefills):
-            pad_index = torch.tensor(
-                [r * steps + j for r, s in enumerate(prefills) for j in range(s.num_tokens)],
-                dtype=torch.long,
-                device=dev,
-            )
-        return llama.PrefillRows(
-            rows=len(prefills),
-            steps=steps,
-            pad_index=pad_index,
-            gather_slots=(tables[:, :, None] * bs + self._block_offsets).reshape(-1),
-            span=span,
-            mask=mask,
-        )
 
     def _run_group(self, group: list[ScheduledSequence]) -> list[torch.Tensor]:
         """One forward over rows padded to the longest chunk; returns each row's last hidden state."""
@@ -452,4 +269,4 @@ class ModelRunner:
         return list(hidden[torch.arange(rows, device=dev), last])
 
     def kv_cache_bytes(self) -> int:
-        return self.num_blocks * self._bytes_per_block()
+        return self.num_blocks * self.kv.bytes_per_block()

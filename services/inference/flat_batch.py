@@ -1,0 +1,164 @@
+"""The native forward's flat batch: one step's scheduled chunks as ``llama.StepInputs``.
+
+Decode rows come first (in decode-slab row order when the slab holds them, else
+with the block slots to gather), then prefill chunks padded to the longest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from services.inference import decode_slab, llama
+from services.inference.scheduler import ScheduledSequence
+
+
+class FlatBatchBuilder:
+    """Builds each step's inputs over one replica's paged KV cache (and decode slab, if any)."""
+
+    def __init__(
+        self,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        slab: decode_slab.DecodeSlab | None,
+    ) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+        self.k_caches = k_caches
+        self.v_caches = v_caches
+        self.slab = slab
+        self._block_offsets = torch.arange(block_size, device=device)
+
+    def _slab_order(self, decodes: list[ScheduledSequence]) -> list[decode_slab.SlabRow] | None:
+        """Put the decode rows in slab-row order; None (gather instead) when the slab cannot hold them."""
+        if self.slab is None:
+            return None
+        if any(s.admitted for s in decodes):
+            # Its prefix may sit in blocks this step's prefill is writing: not yet copyable.
+            self.slab.release_all()
+            return None
+        rows = [decode_slab.SlabRow(s.seq.request_id, s.start, s.seq.block_table) for s in decodes]
+        index = self.slab.prepare(rows, self.k_caches, self.v_caches)
+        if index is None:
+            return None
+        order = sorted(range(len(decodes)), key=index.__getitem__)
+        decodes[:] = [decodes[i] for i in order]
+        return [rows[i] for i in order]
+
+    def build(
+        self, scheduled: Seq[ScheduledSequence]
+    ) -> tuple[llama.StepInputs, list[decode_slab.SlabRow] | None]:
+        """The flat batch of a step: decode rows first (in slab order), then prefill chunks."""
+        bs = self.block_size
+        dev = self.device
+        decodes = [s for s in scheduled if s.num_tokens == 1]
+        prefills = [s for s in scheduled if s.num_tokens > 1]
+        slab_rows = self._slab_order(decodes)
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        flat_index: dict[int, int] = {}  # id(chunk) -> flat index of its last token
+        for s in (*decodes, *prefills):
+            start, n, table, tokens = s.start, s.num_tokens, s.seq.block_table, s.seq.token_ids
+            ids.extend(tokens[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            flat_index[id(s)] = len(ids) - 1
+        position_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        decode_rows = None
+        if decodes:
+            decode_positions = position_t[: len(decodes)]
+            if slab_rows is not None:
+                decode_rows = self._slab_decode_rows(decodes, decode_positions)
+            else:
+                decode_rows = self._decode_rows(decodes, decode_positions)
+        prefill_rows = self._prefill_rows(prefills) if prefills else None
+        sample_index = [flat_index[id(s)] for s in scheduled if s.samples]
+        step = llama.StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=position_t,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            decode=decode_rows,
+            prefill=prefill_rows,
+            sample_index=torch.tensor(sample_index, dtype=torch.long, device=dev),
+        )
+        return step, slab_rows
+
+    def _visible_bias(self, span: int, positions: torch.Tensor) -> torch.Tensor:
+        """[rows, span]: 0 where key position <= the row's position, -inf after it."""
+        key_pos = torch.arange(span, device=self.device)
+        visible = key_pos[None, :] <= positions[:, None]
+        return torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(
+            ~visible, float("-inf")
+        )
+
+    def _slab_decode_rows(
+        self, decodes: list[ScheduledSequence], positions: torch.Tensor
+    ) -> llama.DecodeRows:
+        span = max(s.start for s in decodes) + 1
+        return llama.DecodeRows(
+            count=len(decodes),
+            span=span,
+            mask_bias=self._visible_bias(span, positions)[:, None, None, :],
+            slab=self.slab,
+            positions=positions,
+        )
+
+    def _block_tables(self, group: Seq[ScheduledSequence], max_blocks: int) -> torch.Tensor:
+        # Short tables are padded with block 0; those keys are masked out.
+        return torch.tensor(
+            [
+                s.seq.block_table[:max_blocks] + [0] * (max_blocks - len(s.seq.block_table[:max_blocks]))
+                for s in group
+            ],
+            dtype=torch.long,
+            device=self.device,
+        )
+
+    def _decode_rows(self, decodes: list[ScheduledSequence], positions: torch.Tensor) -> llama.DecodeRows:
+        bs = self.block_size
+        max_blocks = max(s.start // bs + 1 for s in decodes)
+        tables = self._block_tables(decodes, max_blocks)
+        span = max_blocks * bs
+        return llama.DecodeRows(
+            count=len(decodes),
+            span=span,
+            mask_bias=self._visible_bias(span, positions)[None, :, None, :],
+            gather_slots=(tables[:, :, None] * bs + self._block_offsets).reshape(-1),
+        )
+
+    def _prefill_rows(self, prefills: list[ScheduledSequence]) -> llama.PrefillRows:
+        bs = self.block_size
+        dev = self.device
+        steps = max(s.num_tokens for s in prefills)
+        max_blocks = max(-(-(s.start + s.num_tokens) // bs) for s in prefills)
+        tables = self._block_tables(prefills, max_blocks)
+        span = max_blocks * bs
+        # Pad queries sit at position 0: they see only key 0 and never produce NaN.
+        padded_positions = torch.tensor(
+            [list(range(s.start, s.start + s.num_tokens)) + [0] * (steps - s.num_tokens) for s in prefills],
+            dtype=torch.long,
+            device=dev,
+        )
+        key_pos = torch.arange(span, device=dev)
+        mask = (key_pos[None, None, :] <= padded_positions[:, :, None]).unsqueeze(1)
+        pad_index = None
+        if any(s.num_tokens != steps for s in prefills):
+            pad_index = torch.tensor(
+                [r * steps + j for r, s in enumerate(prefills) for j in range(s.num_tokens)],
+                dtype=torch.long,
+                device=dev,
+            )
+        return llama.PrefillRows(
+            rows=len(prefills),
+            steps=steps,
+            pad_index=pad_index,
+            gather_slots=(tables[:, :, None] * bs + self._block_offsets).reshape(-1),
+            span=span,
+            mask=mask,
+        )
