@@ -6,7 +6,7 @@ Each step reads as schedule -> execute -> update; aborts requested meanwhile
 A fault is confined to the request that caused it. The sampler draws each row on
 its own (a row it cannot draw is a ``RowFault``); a forward that raises is run
 again on the step's chunks in halves, in order, until the chunks that fail alone
-are found. Those requests end with ``FINISH_REASON_ERROR`` (``fault`` set), the
+are found (``fault_isolation.py``). Those requests end with ``FINISH_REASON_ERROR`` (``fault`` set), the
 others keep the tokens they would have had. Only an engine-wide failure (out of
 memory, the device lost, or every chunk failing alone) leaves ``step()`` as
 ``EngineFailure``.
@@ -23,87 +23,28 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-import torch
-
 from services.common import errors
 from services.inference.block_manager import BlockManager
 from services.inference.config import EngineConfig
 from services.inference.detokenizer import IncrementalDetokenizer
+from services.inference.fault_isolation import ChunkResult, EngineFailure, run_isolating_faults
 from services.inference.gguf_loading import gguf_read_once
 from services.inference.model_loading import load_tokenizer
 from services.inference.model_runner import ModelRunner
+from services.inference.outputs import EngineLoad, RequestOutput, final_output
 from services.inference.sampler import RowFault
 from services.inference.sampling import SamplingParams
 from services.inference.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
-from services.inference.sequence import FinishReason, Sequence, SequenceStatus
+from services.inference.sequence import Sequence, SequenceStatus
+
+# The engine's interface, as its callers import it: step() raises EngineFailure and returns
+# RequestOutputs; load() answers an EngineLoad (the types live in fault_isolation.py and outputs.py).
+__all__ = ["EngineFailure", "EngineLoad", "LLMEngine", "RequestOutput"]
 
 log = logging.getLogger("llmmesh.inference.engine")
 
 # Tokens/s is averaged over this many recent seconds.
 THROUGHPUT_WINDOW_S = 5.0
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int
-
-
-@dataclass(frozen=True)
-class Timings:
-    """Milliseconds, as in the proto's Timings."""
-
-    queue_ms: float = 0.0
-    prefill_ms: float = 0.0
-    decode_ms: float = 0.0
-    ttft_ms: float = 0.0
-    total_ms: float = 0.0
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    text: str
-    # Position in the completion of new_token_ids[0] (resumed tokens count).
-    index: int
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    usage: Usage | None = None
-    timings: Timings | None = None
-    error: str = ""
-    matched_stop: str = ""
-    #: The engine failed on this request alone (``error`` says how); the others go on.
-    fault: bool = False
-
-
-class EngineFailure(Exception):
-    """The engine itself failed (out of memory, device lost): no request of the step can go on."""
-
-
-def is_engine_wide(exc: BaseException) -> bool:
-    """Failures that are the device's or the process's, not one request's: never bisected."""
-    return isinstance(exc, (MemoryError, torch.OutOfMemoryError, torch.AcceleratorError))
-
-
-#: What a step computed for one scheduled chunk: its drawn token, None (a mid-prompt chunk,
-#: nothing drawn), or why the engine failed on it.
-ChunkResult = int | RowFault | None
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    waiting: int
-    running: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    kv_blocks_cached: int
-    tokens_per_second: float
-    #: Sequences held out of scheduling because their readers stopped taking tokens.
-    parked: int = 0
 
 
 @dataclass
@@ -219,54 +160,14 @@ class LLMEngine:
         self._apply_parks()
         plan = self.scheduler.schedule()
         self.num_preemptions += len(plan.preempted)
-        results = self._execute(plan.scheduled) if plan.scheduled else []
+        results = run_isolating_faults(self._run, plan.scheduled) if plan.scheduled else []
         outputs += self._drain_aborts()  # those aborted while the step ran
         outputs += self._update(plan, results)
         return outputs
 
-    def _execute(self, chunks: list[ScheduledSequence]) -> list[ChunkResult]:
-        """One result per chunk, in order; a forward that raises is narrowed to the chunks that
-        fail alone (``EngineFailure`` when the failure is the engine's, not a chunk's)."""
-        try:
-            return self._run(chunks)
-        except Exception as exc:
-            if is_engine_wide(exc):
-                raise EngineFailure(f"{type(exc).__name__}: {exc}") from exc
-            log.warning(
-                "a step of %d chunks failed (%s); finding the chunks that fail alone", len(chunks), exc
-            )
-        results = self._bisect(chunks)
-        faults = [r for r in results if isinstance(r, RowFault)]
-        if len(chunks) > 1 and len(faults) == len(chunks):
-            raise EngineFailure(f"every chunk of the step fails alone: {faults[0].reason}")
-        return results
-
     def _run(self, chunks: Seq[ScheduledSequence]) -> list[ChunkResult]:
         drawn = iter(self.runner.execute(chunks))
         return [next(drawn) if c.samples else None for c in chunks]
-
-    def _bisect(self, chunks: list[ScheduledSequence]) -> list[ChunkResult]:
-        """Run ``chunks`` again in halves, first half first: a prefill chunk that fills blocks a
-        later chunk of the step reads stays ahead of it. K/V writes and slab marks are
-        positional, so running a chunk again writes what it wrote before."""
-        if len(chunks) == 1:
-            try:
-                return self._run(chunks)
-            except Exception as exc:
-                if is_engine_wide(exc):
-                    raise EngineFailure(f"{type(exc).__name__}: {exc}") from exc
-                log.exception("the engine fails on request %s alone; only it fails", chunks[0].seq.request_id)
-                return [RowFault(f"the engine failed on this request: {type(exc).__name__}: {exc}", True)]
-        middle = len(chunks) // 2
-        results: list[ChunkResult] = []
-        for half in (chunks[:middle], chunks[middle:]):
-            try:
-                results += self._run(half)
-            except Exception as exc:
-                if is_engine_wide(exc):
-                    raise EngineFailure(f"{type(exc).__name__}: {exc}") from exc
-                results += self._bisect(half)
-        return results
 
     def _apply_parks(self) -> None:
         with self._control_lock:
@@ -291,7 +192,7 @@ class LLMEngine:
             if req is None:
                 continue
             self.scheduler.finish(req.seq, SequenceStatus.FINISHED_ABORTED)
-            outputs.append(self._final(req, [], ""))
+            outputs.append(final_output(req.seq, [], ""))
         return outputs
 
     def _update(self, plan: SchedulerOutput, results: list[ChunkResult]) -> list[RequestOutput]:
@@ -300,7 +201,7 @@ class LLMEngine:
         for seq in plan.errored:
             req = self._requests.pop(seq.request_id, None)
             if req is not None:
-                outputs.append(self._final(req, [], ""))
+                outputs.append(final_output(req.seq, [], ""))
         generated = 0
         outputs += self._fail_faulted(plan.scheduled, results)
         for chunk, token in zip(plan.scheduled, results, strict=True):
@@ -328,7 +229,7 @@ class LLMEngine:
             self.scheduler.finish(seq, status)
             del self._requests[seq.request_id]
             text = update.text + ("" if update.matched_stop else req.detokenizer.flush())
-            outputs.append(self._final(req, [token], text, index, update.matched_stop or ""))
+            outputs.append(final_output(req.seq, [token], text, index, update.matched_stop or ""))
         if generated:
             self._recent.append((now, generated))
         return outputs
@@ -352,7 +253,7 @@ class LLMEngine:
                     )
             seq.error = result.reason
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
-            outputs.append(dataclasses.replace(self._final(req, [], ""), fault=True))
+            outputs.append(dataclasses.replace(final_output(req.seq, [], ""), fault=True))
         return outputs
 
     def _check_stop(self, req: _Request, token: int) -> SequenceStatus | None:
@@ -362,38 +263,6 @@ class LLMEngine:
         if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
-
-    def _final(
-        self, req: _Request, tokens: list[int], text: str, index: int | None = None, matched_stop: str = ""
-    ) -> RequestOutput:
-        seq = req.seq
-        end = seq.finished_time or time.monotonic()
-        first = seq.first_scheduled_time
-        prefill_done = seq.prefill_done_time
-        timings = Timings(
-            queue_ms=_ms(seq.arrival_time, first or end),
-            prefill_ms=_ms(first, prefill_done) if first is not None and prefill_done is not None else 0.0,
-            decode_ms=_ms(prefill_done, end) if prefill_done is not None else 0.0,
-            ttft_ms=_ms(seq.arrival_time, seq.first_token_time) if seq.first_token_time is not None else 0.0,
-            total_ms=_ms(seq.arrival_time, end),
-        )
-        usage = Usage(
-            prompt_tokens=seq.num_prompt_tokens,
-            completion_tokens=seq.num_generated_tokens,
-            cached_prompt_tokens=seq.num_cached_prompt_tokens,
-        )
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=tokens,
-            text=text,
-            index=seq.num_output_tokens if index is None else index,
-            finished=True,
-            finish_reason=seq.finish_reason,
-            usage=usage,
-            timings=timings,
-            error=seq.error,
-            matched_stop=matched_stop,
-        )
 
     # -- reporting -----------------------------------------------------------
     def load(self) -> EngineLoad:
@@ -427,10 +296,6 @@ class LLMEngine:
                 if out.request_id in results:
                     results[out.request_id].extend(out.new_token_ids)
         return [results[rid] for rid in ids]
-
-
-def _ms(start: float, end: float) -> float:
-    return max(0.0, (end - start) * 1000.0)
 
 
 def _model_name(path: str) -> str:

@@ -10,7 +10,7 @@ import pytest
 
 from services.common import errors
 from services.inference.async_engine import AsyncEngine, merge_outputs
-from services.inference.engine import EngineLoad, RequestOutput, Timings, Usage
+from services.inference.outputs import EngineLoad, RequestOutput, Timings, Usage
 from services.inference.sampling import SamplingParams
 from services.inference.sequence import FinishReason
 
