@@ -155,7 +155,7 @@ def router(replica: StatusReplica, session: tuple[FakeSession, str]) -> Iterator
 ANSWER = "".join(f" t{i}" for i in range(TOKENS))
 RPCS = ("ChatStream", "Chat", "Complete")
 # The outages are spread out: five in a row would open the router's session breaker
-# (tests/unit/router/test_breaker.py), and the cases after it would not reach the fake at all.
+# (tests/unit/router/admission/test_breaker.py), and the cases after it would not reach the fake at all.
 CASES = [
     (code, step, rpc) for step in ("load", "save") for rpc in RPCS for code in (*CLIENT_FAULTS, *OUTAGES)
 ]

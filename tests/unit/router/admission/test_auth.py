@@ -24,7 +24,7 @@ from services.router.admission.auth import (
 from services.router.admission.keys import add_key, revoke_key
 from tests.support.redis import RedisServer
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def bearer(key: str) -> list[tuple[str, str]]:
