@@ -10,6 +10,7 @@ from pathlib import Path
 
 import redis
 
+from services.launcher.readiness import redis_pong, wait_port
 from services.launcher.redis_local import redis_server_binary
 
 SLOTS = 16384
@@ -95,17 +96,13 @@ class RedisClusterServers:
             raise
         return self
 
-    @staticmethod
-    def _wait_ping(port: int, deadline: float) -> redis.Redis:
-        client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=1, decode_responses=True)
-        while True:
-            try:
-                client.ping()
-                return client
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+    def _wait_ping(self, port: int, deadline: float) -> redis.Redis:
+        proc = self.procs[self.ports.index(port)]
+        if not wait_port(
+            "127.0.0.1", port, deadline, alive=lambda: proc.poll() is None, probe=redis_pong, poll_s=0.05
+        ):
+            raise TimeoutError(f"redis cluster node on {port} did not answer PING")
+        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=1, decode_responses=True)
 
     def _wait_converged(self, clients: list[redis.Redis], deadline: float) -> None:
         """Every node sees every other and the whole slot range as ok."""
