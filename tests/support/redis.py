@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from services.launcher.readiness import free_port, redis_pong, wait_port
-from services.launcher.redis_local import redis_server_binary
+from services.launcher.redis_local import redis_command
 
 
 class RedisServer:
@@ -25,22 +25,7 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [
-            redis_server_binary(),
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(self.data_dir),
-            "--appendonly",
-            "yes",
-            "--appendfsync",
-            "always",
-            "--save",
-            "",
-            *self.extra,
-        ]
+        cmd = redis_command(self.data_dir, "127.0.0.1", self.port, fsync="always", extra=self.extra)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         proc = self.proc
         deadline = time.monotonic() + timeout
