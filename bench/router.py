@@ -38,7 +38,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -60,6 +59,7 @@ from services.gen.llmmesh.v1 import (
     router_pb2_grpc,
 )
 from services.launcher.process_output import ProcessHandle
+from services.launcher.readiness import free_port, redis_pong, wait_port, wait_serving_async
 from services.router import grpc_io
 
 if TYPE_CHECKING:
@@ -99,20 +99,8 @@ class Service(ProcessHandle):
         return self
 
     async def wait_serving(self, timeout_s: float = 300.0) -> None:
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        deadline = time.monotonic() + timeout_s
-        async with grpc.aio.insecure_channel(self.address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                try:
-                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.aio.AioRpcError:
-                    pass
-                await asyncio.sleep(0.2)
-        raise TimeoutError(f"{self.module} not serving after {timeout_s}s")
+        if not await wait_serving_async(self.address, time.monotonic() + timeout_s):
+            raise TimeoutError(f"{self.module} not serving after {timeout_s}s")
 
     def cpu_seconds(self) -> float:
         assert self.proc is not None
@@ -134,25 +122,19 @@ class LocalRedis:
     def __init__(self) -> None:
         from services.launcher.redis_local import redis_command
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
+        self.port = free_port()
         self._dir = tempfile.TemporaryDirectory(prefix="bench-router-redis-")
         self.proc = subprocess.Popen(
             redis_command(Path(self._dir.name), "127.0.0.1", self.port),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
+        proc = self.proc
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as conn:
-                    conn.sendall(b"PING\r\n")
-                    if conn.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.05)
-        raise TimeoutError("redis-server did not start")
+        if not wait_port(
+            "127.0.0.1", self.port, deadline, lambda: proc.poll() is None, redis_pong, poll_s=0.05
+        ):
+            raise TimeoutError("redis-server did not start")
 
     @property
     def url(self) -> str:

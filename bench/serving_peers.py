@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from bench.router import Service
+from services.launcher.readiness import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKPOINT = ROOT / "models" / "SmolLM2-135M-Instruct"
@@ -40,12 +41,6 @@ GGUF_F32 = PEERS_DIR / "SmolLM2-135M-Instruct.f32.gguf"
 #: llama.cpp slots: concurrent sequences, as llm-mesh's batch; context is per slot.
 LLAMA_SLOTS = 16
 LLAMA_CTX_PER_SLOT = 1024
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -73,6 +68,16 @@ class RunningServer:
 
 class NotAvailable(RuntimeError):
     """The peer cannot run on this machine (the reason goes into the report)."""
+
+
+def _ready_or_stopped(server: RunningServer, wait: Callable[[], None]) -> RunningServer:
+    """``server`` once ``wait`` returns; stopped if it raises (or is interrupted), so no peer is left running."""
+    try:
+        wait()
+    except BaseException:
+        server.stop()
+        raise
+    return server
 
 
 def _wait_healthy(base: str, proc: subprocess.Popen[str] | None, log: Path | None, timeout_s: float) -> None:
@@ -121,12 +126,7 @@ def start_llm_mesh(extra_replica_args: list[str] | None = None) -> RunningServer
     server = RunningServer(
         "llm_mesh", f"http://127.0.0.1:{port}", CHECKPOINT.name, services=[router, replica]
     )
-    try:
-        _wait_until_model_listed(server, timeout_s=300)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    return _ready_or_stopped(server, lambda: _wait_until_model_listed(server, timeout_s=300))
 
 
 def router_http_port(router: Service, timeout_s: float = 30.0) -> int:
@@ -170,12 +170,7 @@ def start_transformers() -> RunningServer:
     ]  # fmt: skip
     proc, log = _spawn("transformers", cmd)
     server = RunningServer("transformers", f"http://127.0.0.1:{port}", str(CHECKPOINT), procs=[proc], log=log)
-    try:
-        _wait_healthy(server.base_url, proc, log, timeout_s=300)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    return _ready_or_stopped(server, lambda: _wait_healthy(server.base_url, proc, log, timeout_s=300))
 
 
 def start_llama_cpp(gguf: Path, name: str) -> RunningServer:
@@ -193,12 +188,7 @@ def start_llama_cpp(gguf: Path, name: str) -> RunningServer:
     ]  # fmt: skip
     proc, log = _spawn(name, cmd)
     server = RunningServer(name, f"http://127.0.0.1:{port}", "smollm2", procs=[proc], log=log)
-    try:
-        _wait_healthy(server.base_url, proc, log, timeout_s=120)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    return _ready_or_stopped(server, lambda: _wait_healthy(server.base_url, proc, log, timeout_s=120))
 
 
 STARTERS = {

@@ -10,6 +10,7 @@ plugs in through a small ``ServiceRuntime``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import inspect
 import logging
@@ -125,11 +126,13 @@ def error_mapping(service: str) -> MethodWrapper:
             (succeeded if code == "OK" else REQUESTS.labels(service, method, code)).inc()
             seconds.observe(time.perf_counter() - started)
 
-        async def run_unary(behavior: Any, request: Any, context: Any) -> Any:
+        @contextlib.asynccontextmanager
+        async def counted(context: Any) -> AsyncIterator[None]:
+            """One call, unary or streaming: its exception mapped to a status, its outcome counted."""
             started = time.perf_counter()
             code = "OK"
             try:
-                return await behavior(request, context)
+                yield
             except asyncio.CancelledError:
                 code = "CANCELLED"
                 raise
@@ -142,27 +145,18 @@ def error_mapping(service: str) -> MethodWrapper:
             finally:
                 count(code, started)
 
+        async def run_unary(behavior: Any, request: Any, context: Any) -> Any:
+            async with counted(context):
+                return await behavior(request, context)
+
         async def run_stream(behavior: Any, request: Any, context: Any) -> AsyncIterator[Any]:
-            started = time.perf_counter()
-            code = "OK"
-            try:
+            async with counted(context):
                 result = behavior(request, context)
                 if inspect.isasyncgen(result):
                     async for item in result:
                         yield item
                 else:
                     await result
-            except asyncio.CancelledError:
-                code = "CANCELLED"
-                raise
-            except grpc.aio.AbortError:
-                code = _code_name(context, "UNKNOWN")
-                raise
-            except Exception as exc:
-                code = status_for(exc).name
-                await abort_for(exc, context, method)
-            finally:
-                count(code, started)
 
         return wrap_handler(handler, run_unary, run_stream)
 

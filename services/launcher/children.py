@@ -6,15 +6,11 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import subprocess
-import time
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from services.launcher.process_output import ProcessHandle, ProcessOutput
+from services.launcher.readiness import is_serving, port_accepts, wait_port, wait_serving
 
 _PR_SET_PDEATHSIG = 1
 
@@ -100,19 +96,8 @@ class ChildProcess(ProcessHandle):
         if self.port is None or not self.alive():
             return False
         if self._ready_by_port:
-            with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), timeout=0.5):
-                return True
-            return False
-        if not self.out.listening.is_set():
-            return False
-        with grpc.insecure_channel(self.address) as channel:
-            try:
-                reply = health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(), timeout=1.0
-                )
-            except grpc.RpcError:
-                return False
-        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+            return port_accepts(self.host, self.port)
+        return self.out.listening.is_set() and is_serving(self.address, timeout=1.0)
 
     def kill_leftovers(self) -> None:
         """SIGKILL whatever is left in an exited child's process group (workers it forked)."""
@@ -139,31 +124,17 @@ class ChildProcess(ProcessHandle):
     def wait_serving(self, deadline: float) -> None:
         """Until the gRPC health check answers SERVING (models loaded, stores connected)."""
         self.wait_listening(deadline)
-        with grpc.insecure_channel(self.address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                self._check_alive()
-                try:
-                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise ChildFailed(f"{self.name} not SERVING in time; see {self.log_path}:\n{self.tail()}")
-                time.sleep(0.25)
+        if not wait_serving(self.address, deadline, alive=self.alive, poll_s=0.25):
+            self._check_alive()
+            raise ChildFailed(f"{self.name} not SERVING in time; see {self.log_path}:\n{self.tail()}")
 
     def wait_port(self, host: str, port: int, deadline: float) -> None:
         """Until something accepts TCP connections on host:port (Redis, the gateway)."""
-        while True:
+        if not wait_port(host, port, deadline, alive=self.alive):
             self._check_alive()
-            with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
-                self.out.host, self.out.port = host, port
-                self._ready_by_port = True
-                return
-            if time.monotonic() > deadline:
-                raise ChildFailed(f"{self.name} not accepting connections on {host}:{port}")
-            time.sleep(0.1)
+            raise ChildFailed(f"{self.name} not accepting connections on {host}:{port}")
+        self.out.host, self.out.port = host, port
+        self._ready_by_port = True
 
     def terminate(self) -> None:
         """SIGTERM to the whole group: the service drains (NOT_SERVING, finish in-flight, exit)."""

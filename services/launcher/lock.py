@@ -6,9 +6,10 @@ import contextlib
 import fcntl
 import json
 import os
-import socket
 from pathlib import Path
 from typing import IO, Any
+
+from services.launcher.readiness import port_accepts
 
 
 class AlreadyRunning(RuntimeError):
@@ -76,8 +77,4 @@ def port_in_use(host: str, port: int) -> bool:
     """True when something accepts connections on host:port (a mesh started from another data dir)."""
     if port == 0:
         return False
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
+    return port_accepts(host, port)

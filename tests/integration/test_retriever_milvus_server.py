@@ -7,7 +7,6 @@ answers UNAVAILABLE quickly instead of hanging.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -21,15 +20,10 @@ from grpc_health.v1 import health_pb2
 from services.common.metadata import TENANT_KEY
 from services.gen.llmmesh.v1 import retriever_pb2 as pb
 from services.gen.llmmesh.v1 import retriever_pb2_grpc
+from services.launcher.readiness import free_port, wait_port
 from tests.support.processes import ServiceProcess
 
 META = ((TENANT_KEY, "acme"),)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class MilvusServerProcess:
@@ -55,15 +49,13 @@ class MilvusServerProcess:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("milvus_lite server exited")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
-                return
-            except OSError:
-                time.sleep(0.2)
+        proc = self.proc
+        if wait_port(
+            "127.0.0.1", self.port, time.monotonic() + timeout, lambda: proc.poll() is None, poll_s=0.2
+        ):
+            return
+        if proc.poll() is not None:
+            raise RuntimeError("milvus_lite server exited")
         raise TimeoutError("milvus_lite server did not listen")
 
     def kill(self) -> None:

@@ -7,7 +7,6 @@ outage to notice) and then bring it back.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import grpc
 import pytest
 
 from services.gen.llmmesh.v1 import retriever_pb2, retriever_pb2_grpc
+from services.launcher.readiness import free_port, wait_port
 from tests.reliability.mesh_support import running, sized
 from tests.support.proxy import FaultProxy
 
@@ -27,12 +27,6 @@ CLIENT_TIMEOUT_S = 20
 TOPICS = ["volcanoes", "glaciers", "lighthouses", "beekeeping", "typography", "saxophones", "orchids"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def milvus_behind_proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultProxy]:
     port = free_port()
@@ -40,16 +34,10 @@ def milvus_behind_proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fa
     cmd = [sys.executable, "-m", "milvus_lite", "server", "--data-dir", str(data), "--port", str(port)]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, (
-                    "milvus_lite server did not start"
-                )
-                time.sleep(0.2)
+        started = wait_port(
+            "127.0.0.1", port, time.monotonic() + 60, lambda: server.poll() is None, poll_s=0.2
+        )
+        assert started, "milvus_lite server did not start"
         with FaultProxy(f"127.0.0.1:{port}") as proxy:
             yield proxy
     finally:

@@ -11,7 +11,6 @@ sources (fake, no model).
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from pathlib import Path
 import grpc
 
 from services.gen.llmmesh.v1 import router_pb2, router_pb2_grpc, session_pb2, session_pb2_grpc
+from services.launcher.readiness import free_port
 from tests.reliability.mesh_support import chat, mesh, sized
 from tests.support.processes import ServiceProcess
 
@@ -28,12 +28,6 @@ TASK_ENV = {"LLMMESH_TASK_VISIBILITY_SECONDS": "1.5"}
 FINAL = {router_pb2.TASK_STATE_SUCCEEDED, router_pb2.TASK_STATE_FAILED, router_pb2.TASK_STATE_CANCELLED}
 # The router's open mode: every caller is this tenant and key id (services/router/admission/auth.py).
 SESSION_METADATA = (("x-llmmesh-tenant", "default"), ("x-llmmesh-user", "anonymous"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_tasks(

@@ -11,10 +11,8 @@ import time
 from pathlib import Path
 from typing import ClassVar
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from services.launcher.process_output import ProcessHandle
+from services.launcher.readiness import health_status, wait_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 # A test run killed by a timeout never reaches its fixtures' teardown; children
@@ -73,22 +71,17 @@ class ServiceProcess(ProcessHandle):
         return "\n".join(parts)
 
     def health(self, service: str = "", timeout: float = 2.0) -> int:
-        with grpc.insecure_channel(self.address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
+        return health_status(self.address, service, timeout)
 
     def wait_serving(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
+        if not wait_serving(self.address, time.monotonic() + timeout, alive=self._alive):
+            if not self._alive():
                 raise RuntimeError(f"{self.module} exited:\n" + self.output())
-            try:
-                if self.health() == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.module} not SERVING after {timeout}s:\n" + self.output())
+            raise TimeoutError(f"{self.module} not SERVING after {timeout}s:\n" + self.output())
+
+    def _alive(self) -> bool:
+        # Not started yet counts as alive: the wait then times out, as before, rather than saying "exited".
+        return self.proc is None or self.proc.poll() is None
 
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import threading
+
+from services.launcher.readiness import free_port
 
 
 class FaultProxy:
@@ -30,9 +31,7 @@ class FaultProxy:
         self._server: asyncio.AbstractServer | None = None
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
+        self.port = free_port()
 
     @property
     def address(self) -> str:

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 from pathlib import Path
 
-from services.launcher.redis_local import redis_server_binary
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from services.launcher.readiness import free_port, redis_pong, wait_port
+from services.launcher.redis_local import redis_command
 
 
 class RedisServer:
@@ -31,32 +25,14 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [
-            redis_server_binary(),
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(self.data_dir),
-            "--appendonly",
-            "yes",
-            "--appendfsync",
-            "always",
-            "--save",
-            "",
-            *self.extra,
-        ]
+        cmd = redis_command(self.data_dir, "127.0.0.1", self.port, fsync="always", extra=self.extra)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = self.proc
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return self
-            except OSError:
-                time.sleep(0.05)
+        if wait_port(
+            "127.0.0.1", self.port, deadline, alive=lambda: proc.poll() is None, probe=redis_pong, poll_s=0.05
+        ):
+            return self
         raise TimeoutError(f"redis-server did not start on {self.port}")
 
     def kill(self) -> None:

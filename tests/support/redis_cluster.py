@@ -10,11 +10,21 @@ from pathlib import Path
 
 import redis
 
-from services.launcher.redis_local import redis_server_binary
+from services.launcher.readiness import redis_pong, wait_port
+from services.launcher.redis_local import redis_command
 
 SLOTS = 16384
 # Each node also listens on port + 10000 for the cluster bus, so ports must leave room for it.
 BUS_OFFSET = 10000
+# On top of the launcher's redis-server flags (AOF, fsync always as in tests/support/redis.py).
+CLUSTER_FLAGS = (
+    "--cluster-enabled",
+    "yes",
+    "--cluster-config-file",
+    "nodes.conf",
+    "--cluster-node-timeout",
+    "2000",
+)
 
 
 def _bindable(port: int) -> bool:
@@ -57,27 +67,7 @@ class RedisClusterServers:
             for port in self.ports:
                 node_dir = self.data_dir / str(port)
                 node_dir.mkdir(parents=True, exist_ok=True)
-                cmd = [
-                    redis_server_binary(),
-                    "--port",
-                    str(port),
-                    "--bind",
-                    "127.0.0.1",
-                    "--dir",
-                    str(node_dir),
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--cluster-node-timeout",
-                    "2000",
-                    "--appendonly",
-                    "yes",
-                    "--appendfsync",
-                    "always",
-                    "--save",
-                    "",
-                ]
+                cmd = redis_command(node_dir, "127.0.0.1", port, fsync="always", extra=CLUSTER_FLAGS)
                 self.procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             deadline = time.monotonic() + timeout
             clients = [self._wait_ping(port, deadline) for port in self.ports]
@@ -95,17 +85,13 @@ class RedisClusterServers:
             raise
         return self
 
-    @staticmethod
-    def _wait_ping(port: int, deadline: float) -> redis.Redis:
-        client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=1, decode_responses=True)
-        while True:
-            try:
-                client.ping()
-                return client
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+    def _wait_ping(self, port: int, deadline: float) -> redis.Redis:
+        proc = self.procs[self.ports.index(port)]
+        if not wait_port(
+            "127.0.0.1", port, deadline, alive=lambda: proc.poll() is None, probe=redis_pong, poll_s=0.05
+        ):
+            raise TimeoutError(f"redis cluster node on {port} did not answer PING")
+        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=1, decode_responses=True)
 
     def _wait_converged(self, clients: list[redis.Redis], deadline: float) -> None:
         """Every node sees every other and the whole slot range as ok."""

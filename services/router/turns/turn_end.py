@@ -97,23 +97,16 @@ def turn_end(
     if outcome.first_token_at is not None:
         timings.ttft_ms = (outcome.first_token_at - state.started) * 1000
     metrics.E2E.observe(now - state.started)
-    return next_message(
+    return _end_message(
         state,
-        end=router_pb2.TurnEnd(
-            finish_reason=reason,
-            usage=turn_usage(finished, len(outcome.token_ids)),
-            timings=timings,
-            replica=replica,
-            model=outcome.model,
-            retries=outcome.retries,
-            failovers=outcome.failovers,
-            degraded=bool(state.degraded),
-            degraded_reasons=state.degraded,
-            citations=state.citations,
-            session_id=request.session_id,
-            session_version=version,
-            error_message=error,
-        ),
+        request,
+        outcome,
+        reason=reason,
+        usage=turn_usage(finished, len(outcome.token_ids)),
+        timings=timings,
+        replica=replica,
+        version=version,
+        error=error,
     )
 
 
@@ -129,13 +122,42 @@ def stopped_end(
     timings = common_pb2.Timings(total_ms=(now - state.started) * 1000)
     if outcome.first_token_at is not None:
         timings.ttft_ms = (outcome.first_token_at - state.started) * 1000
+    return _end_message(
+        state,
+        request,
+        outcome,
+        reason=reason,
+        usage=turn_usage(None, state.streamed),
+        timings=timings,
+        replica=state.streamed_by,
+        error=error,
+    )
+
+
+def _end_message(
+    state: TurnState,
+    request: router_pb2.ChatRequest,
+    outcome: RelayOutcome,
+    *,
+    reason: int,
+    usage: common_pb2.Usage,
+    timings: common_pb2.Timings,
+    replica: str,
+    version: int = 0,
+    error: str = "",
+) -> router_pb2.ChatResponse:
+    """The TurnEnd message, the one place its fields are filled.
+
+    What differs between a finished and a stopped turn is passed in; the rest (model,
+    retries, degradation, citations, session) is read from the turn the same way for both.
+    """
     return next_message(
         state,
         end=router_pb2.TurnEnd(
             finish_reason=reason,  # type: ignore[arg-type]
-            usage=turn_usage(None, state.streamed),
+            usage=usage,
             timings=timings,
-            replica=state.streamed_by,
+            replica=replica,
             model=outcome.model,
             retries=outcome.retries,
             failovers=outcome.failovers,
@@ -143,6 +165,7 @@ def stopped_end(
             degraded_reasons=state.degraded,
             citations=state.citations,
             session_id=request.session_id,
+            session_version=version,
             error_message=error,
         ),
     )
