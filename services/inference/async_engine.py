@@ -8,7 +8,7 @@ gets the outputs that piled up merged into one, as vLLM's output collector does:
 the cost of a gRPC message, here and in the router, is per message, not per token.
 A reader that stops taking outputs altogether (a client that does not read, a
 generation the router paused) gets its sequence parked once ``PARK_AFTER_OUTPUTS``
-wait for it: the engine stops computing it and gives its seat and KV blocks to
+(one of GenerateMany's flow limits, ``services/common/generate_many/limits.py``) wait for it: the engine stops computing it and gives its seat and KV blocks to
 others until the reader takes what waits, instead of running it to max_tokens
 into a queue nobody reads.
 """
@@ -25,16 +25,14 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from services.common import errors
+from services.common.generate_many.limits import PARK_AFTER_OUTPUTS
+from services.common.generate_many.merge import Piece, merge
 from services.inference import metrics
 from services.inference.engine import EngineFailure, EngineLoad, LLMEngine, RequestOutput
 from services.inference.sampling import SamplingParams
 from services.inference.sequence import FinishReason
 
 log = logging.getLogger("llmmesh.inference.engine")
-
-#: Outputs (about one token each) waiting for a reader before its sequence is parked. A reader
-#: merely busy with its last write lags a few steps; this many steps behind, it is not reading.
-PARK_AFTER_OUTPUTS = 64
 
 
 @dataclass
@@ -56,21 +54,14 @@ class _Pending:
 
 
 def merge_outputs(outputs: Seq[RequestOutput]) -> RequestOutput:
-    """One output for consecutive outputs of one request: all their tokens and text, in order.
-
-    It starts at the first tokens' ``index`` and ends as the last output does
-    (finished, reason, usage, timings), so a reader sees the same answer in fewer messages.
-    """
+    """One output for consecutive outputs of one request, by GenerateMany's one merge rule
+    (``merge.merge``: all their tokens and text in order, at the first token's ``index``), that
+    ends as the last output does (finished, reason, usage, timings)."""
     last = outputs[-1]
     if len(outputs) == 1:
         return last
-    first_with_tokens = next((o for o in outputs if o.new_token_ids), last)
-    return dataclasses.replace(
-        last,
-        new_token_ids=[t for o in outputs for t in o.new_token_ids],
-        text="".join(o.text for o in outputs),
-        index=first_with_tokens.index,
-    )
+    piece = merge([Piece(o.index, o.new_token_ids, o.text) for o in outputs])
+    return dataclasses.replace(last, new_token_ids=list(piece.token_ids), text=piece.text, index=piece.index)
 
 
 class AsyncEngine:

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 
-from services.common.errors import InvalidArgument
+from services.common.errors import DependencyUnavailable
+from services.common.generate_many.server import serve_many, serve_one
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.inference.async_engine import AsyncEngine
 from services.inference.engine import RequestOutput
-from services.inference.multiplex import serve_many
 from services.inference.prompts import Message, prompt_token_ids
 from services.inference.sampling import SamplingParams
 from services.inference.sequence import FinishReason
@@ -80,29 +79,21 @@ def chunk_and_finished(
     return chunk, finished
 
 
-def response_from_output(out: RequestOutput) -> list[inference_pb2.GenerateResponse]:
-    """A chunk for new tokens or text, then the final message when the request ended."""
-    chunk, finished = chunk_and_finished(out)
-    responses = []
-    if chunk is not None:
-        responses.append(inference_pb2.GenerateResponse(chunk=chunk))
-    if finished is not None:
-        responses.append(inference_pb2.GenerateResponse(finished=finished))
-    return responses
-
-
 def start_generation(
     engine: AsyncEngine, start: inference_pb2.GenerateStart
-) -> tuple[str, AsyncGenerator[RequestOutput, None]]:
-    """The engine request for ``start``: its id and its outputs (validated when first iterated)."""
-    request_id = start.request_id or uuid.uuid4().hex
+) -> AsyncGenerator[RequestOutput, None]:
+    """The engine request for ``start``: its outputs (validated when first iterated).
+
+    Its id is the one ``start`` carries (the router's, or minted by the server half for a
+    direct client that sent none): never minted again on the way to the engine.
+    """
     prompt_ids = prompt_token_ids(
         engine.engine.tokenizer,
         [Message(m.role, m.content) for m in start.messages],
         start.prompt,
     )
     params = sampling_from_pb(start.sampling, len(prompt_ids), engine.engine.max_model_len)
-    return request_id, engine.generate(request_id, prompt_ids, params, list(start.resume_token_ids))
+    return engine.generate(start.request_id, prompt_ids, params, list(start.resume_token_ids))
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -121,8 +112,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     def _engine(self) -> AsyncEngine:
         if self.engine is None:
-            from services.common.errors import DependencyUnavailable
-
             raise DependencyUnavailable("model is still loading")
         return self.engine
 
@@ -131,22 +120,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         request_iterator: AsyncIterator[inference_pb2.GenerateRequest],
         context: grpc.aio.ServicerContext[inference_pb2.GenerateRequest, inference_pb2.GenerateResponse],
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        engine = self._engine()
-        try:
-            first = await anext(aiter(request_iterator))
-        except StopAsyncIteration:
-            raise InvalidArgument("start", "the stream ended before a start message") from None
-        if first.WhichOneof("action") != "start":
-            raise InvalidArgument("start", "the first message must be `start`")
-        request_id, stream = start_generation(engine, first.start)
-        watcher = asyncio.create_task(_watch_for_cancel(request_iterator, engine, request_id))
-        try:
-            async for out in stream:
-                for response in response_from_output(out):
-                    yield response
-        finally:
-            watcher.cancel()
-            await stream.aclose()
+        self._engine()  # UNAVAILABLE while the model loads, before the first message is read
+        # The same backend call as a GenerateMany generation: one conversion path for both RPCs.
+        async for response in serve_one(self, request_iterator, context):
+            yield response
 
     async def GenerateMany(
         self,
@@ -162,8 +139,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def generate(
         self, start: inference_pb2.GenerateStart, timeout_s: float
     ) -> AsyncGenerator[inference_pb2.GenerationEvent, None]:
-        """One generation on a GenerateMany stream (``GenerationBackend``)."""
-        _, stream = start_generation(self._engine(), start)
+        """One generation, on a GenerateMany stream or a Generate call (``GenerationBackend``)."""
+        stream = start_generation(self._engine(), start)
         try:
             async for out in stream:
                 chunk, finished = chunk_and_finished(out)
@@ -175,7 +152,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             await stream.aclose()
 
     def cancel(self, request_id: str) -> None:
-        """``GenerationBackend``: a GenerateMany `cancel`."""
+        """``GenerationBackend``: a `cancel` on either RPC."""
         if self.engine is not None:
             self.engine.abort(request_id)
 
@@ -213,20 +190,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             kv_blocks_total=runner.num_blocks,
             vocab_size=runner.vocab_size,
         )
-
-
-async def _watch_for_cancel(
-    request_iterator: AsyncIterator[inference_pb2.GenerateRequest], engine: AsyncEngine, request_id: str
-) -> None:
-    """A later `cancel` message ends the generation (the stream then reports CANCELLED)."""
-    try:
-        async for message in request_iterator:
-            if message.WhichOneof("action") == "cancel":
-                engine.abort(request_id)
-                return
-    except grpc.RpcError:
-        # The client went away; the handler's own cancellation aborts the request.
-        return
 
 
 def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:

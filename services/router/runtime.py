@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 
+from services.common.generate_many.client import ReplicaMultiplexer
 from services.common.server import HealthReporter
 from services.common.settings import flag
 from services.gen.llmmesh.v1 import retriever_pb2_grpc, router_pb2_grpc, session_pb2_grpc
@@ -29,7 +30,6 @@ from services.router.placement.policies import POLICY_NAMES, make_policy
 from services.router.placement.pool import ReplicaPool
 from services.router.placement.prewarm import SessionMover
 from services.router.placement.ring import DEFAULT_EPSILON
-from services.router.streams.multiplex import ReplicaMultiplexer
 from services.router.streams.relay import Relay, RelayConfig
 from services.router.streams.replay import ReplayBuffer
 from services.router.tasks.settings import TaskSettings

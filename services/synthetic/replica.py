@@ -11,140 +11,31 @@ requests) exercises retries. Never a substitute for the real engine in serving.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import hashlib
 import logging
 import os
 import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass
-from typing import TypeVar
 
 import grpc
 
 from services.common import errors
+from services.common.generate_many.server import serve_many, serve_one
 from services.common.server import HealthReporter, run
-from services.common.settings import EnvArgumentParser, add_server_args, server_options
+from services.common.settings import server_options
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from services.inference.multiplex import serve_many
+from services.synthetic.config import DEFAULT_MAX_TOKENS, SyntheticConfig, config_from_args, parse_args
+from services.synthetic.tokens import (
+    VOCAB_SIZE,
+    StepClock,
+    prompt_key,
+    prompt_tokens,
+    synthetic_text,
+    synthetic_token,
+)
 
 log = logging.getLogger("llmmesh.synthetic")
-
-VOCAB_SIZE = 49152
-Message = TypeVar("Message", inference_pb2.GenerateResponse, inference_pb2.GenerationEvent)
-DEFAULT_MAX_TOKENS = 16
-#: The context it claims in ModelInfo by default (the engine's cap), and holds generations to.
-MAX_CONTEXT_TOKENS = 8192
-
-
-@dataclass(frozen=True)
-class SyntheticConfig:
-    """How the synthetic token source behaves."""
-
-    model_id: str = "synthetic"
-    #: Tokens per second per stream; 0 = as fast as possible.
-    tokens_per_second: float = 0.0
-    #: Engine-like pacing: every running stream gets its next chunk at the same step boundary, every
-    #: ``step_s`` seconds, as a continuous-batching engine emits one token per sequence per step.
-    #: 0 = off (streams paced on their own by ``tokens_per_second``).
-    step_s: float = 0.0
-    #: Delay before the first token, seconds.
-    ttft_s: float = 0.0
-    #: Tokens sent per chunk message.
-    tokens_per_chunk: int = 1
-    #: Paced tokens that fell due while the previous message was still being written go out
-    #: as one chunk, as the inference servicer sends them (needs ``tokens_per_second``).
-    coalesce: bool = False
-    #: Kill the whole process (os._exit) once this many tokens were sent in all; 0 = never.
-    exit_after_tokens: int = 0
-    #: Share of Generate calls refused with UNAVAILABLE before any token.
-    fail_rate: float = 0.0
-    #: Waiting-queue bound reported in GetLoad.
-    max_queued_requests: int = 256
-    #: Log each generation's request id and the deadline it arrived with (tests check propagation).
-    log_requests: bool = False
-    #: The context it advertises: prompt + max_tokens beyond it is INVALID_ARGUMENT, as on the engine.
-    max_context_tokens: int = MAX_CONTEXT_TOKENS
-    #: Prompt tokens it reports as read from a prefix cache (at most the prompt), so tests can
-    #: follow the third usage field; 0 = none, as an engine with a cold prefix cache.
-    cached_prompt_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        if self.tokens_per_second < 0 or self.ttft_s < 0 or self.step_s < 0:
-            raise ValueError("--tokens-per-second, --ttft-ms and --step-ms must be >= 0")
-        if self.step_s and self.tokens_per_second:
-            raise ValueError("--step-ms and --tokens-per-second are two pacings: choose one")
-        if self.tokens_per_chunk < 1:
-            raise ValueError("--tokens-per-chunk must be >= 1")
-        if self.max_context_tokens < 2:
-            raise ValueError("--max-context-tokens must be >= 2 (a prompt token and an answer token)")
-        if not 0.0 <= self.fail_rate <= 1.0:
-            raise ValueError("--fail-rate must be in [0, 1]")
-        if self.cached_prompt_tokens < 0:
-            raise ValueError("--cached-prompt-tokens must be >= 0")
-        if self.coalesce and not (self.tokens_per_second or self.step_s):
-            raise ValueError(
-                "--coalesce needs --tokens-per-second or --step-ms: unpaced tokens are always due"
-            )
-
-
-def prompt_key(start: inference_pb2.GenerateStart) -> bytes:
-    """What the token stream depends on: the prompt and the sampling seed."""
-    text = start.prompt or "\n".join(f"{m.role}:{m.content}" for m in start.messages)
-    seed = start.sampling.seed if start.sampling.HasField("seed") else 0
-    return hashlib.blake2b(f"{seed}|{text}".encode(), digest_size=16).digest()
-
-
-def synthetic_token(key: bytes, index: int) -> int:
-    """Token ``index`` of the answer to ``key``: the same on every replica, for any resume point."""
-    digest = hashlib.blake2b(index.to_bytes(4, "big"), key=key, digest_size=4).digest()
-    return int.from_bytes(digest, "big") % VOCAB_SIZE
-
-
-def synthetic_text(token_id: int) -> str:
-    return f" t{token_id}"
-
-
-def prompt_tokens(start: inference_pb2.GenerateStart) -> int:
-    # A rough count (4 characters a token) so usage looks plausible.
-    chars = len(start.prompt) + sum(len(m.content) + 4 for m in start.messages)
-    return max(1, chars // 4)
-
-
-class StepClock:
-    """One step boundary shared by every stream of a replica, like an engine's decode step.
-
-    A continuous-batching engine produces one token for each running sequence
-    per step, so its streams get their tokens at the same moment; this clock
-    wakes all waiting streams at once on a grid of ``step_s``. The timer runs
-    only while some stream waits.
-    """
-
-    def __init__(self, step_s: float) -> None:
-        if step_s <= 0:
-            raise ValueError("step_s must be > 0")
-        self.step_s = step_s
-        #: The number of the step that fired last (steps are numbered from the loop clock's zero).
-        self.step = 0
-        self._tick = asyncio.Event()
-        self._armed = False
-
-    async def next_step(self) -> None:
-        """Return at the next step boundary."""
-        if not self._armed:
-            loop = asyncio.get_running_loop()
-            upcoming = int(loop.time() / self.step_s) + 1
-            loop.call_at(upcoming * self.step_s, self._fire, upcoming)
-            self._armed = True
-        await self._tick.wait()
-
-    def _fire(self, step: int) -> None:
-        self._armed = False
-        self.step = step
-        self._tick.set()  # wakes every stream waiting now ...
-        self._tick.clear()  # ... and none that starts waiting after
 
 
 class SyntheticInference(inference_pb2_grpc.InferenceServicer):
@@ -167,28 +58,9 @@ class SyntheticInference(inference_pb2_grpc.InferenceServicer):
         request_iterator: AsyncIterator[inference_pb2.GenerateRequest],
         context: grpc.aio.ServicerContext[inference_pb2.GenerateRequest, inference_pb2.GenerateResponse],
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        first = await anext(aiter(request_iterator), None)
-        if first is None or first.WhichOneof("action") != "start":
-            raise errors.InvalidArgument("start", "the first GenerateRequest must be `start`")
-        start = first.start
-        remaining = context.time_remaining()
-        max_tokens = self._admit(start, None if remaining is None or remaining > 1e6 else remaining)
-        cancelled = asyncio.Event()
-
-        async def watch_cancel() -> None:
-            async for message in request_iterator:
-                if message.WhichOneof("action") == "cancel":
-                    cancelled.set()
-                    return
-
-        watcher = asyncio.create_task(watch_cancel())
-        self.running += 1
-        try:
-            async for response in self._tokens(start, max_tokens, cancelled, inference_pb2.GenerateResponse):
-                yield response
-        finally:
-            self.running -= 1
-            watcher.cancel()
+        # The same generation as on a GenerateMany stream, through the shared server half.
+        async for response in serve_one(self, request_iterator, context):
+            yield response
 
     async def GenerateMany(
         self,
@@ -203,19 +75,20 @@ class SyntheticInference(inference_pb2_grpc.InferenceServicer):
     async def generate(
         self, start: inference_pb2.GenerateStart, timeout_s: float
     ) -> AsyncGenerator[inference_pb2.GenerationEvent, None]:
-        """One generation on a GenerateMany stream (``GenerationBackend``)."""
+        """One generation, on a GenerateMany stream or a Generate call (``GenerationBackend``)."""
         max_tokens = self._admit(start, timeout_s or None)
         cancelled = self._cancels[start.request_id] = asyncio.Event()
         self.running += 1
         try:
-            async for event in self._tokens(start, max_tokens, cancelled, inference_pb2.GenerationEvent):
+            async for event in self._tokens(start, max_tokens, cancelled):
                 yield event
         finally:
             self.running -= 1
-            self._cancels.pop(start.request_id, None)
+            if self._cancels.get(start.request_id) is cancelled:  # a direct client may reuse an id
+                del self._cancels[start.request_id]
 
     def cancel(self, request_id: str) -> None:
-        """``GenerationBackend``: a GenerateMany `cancel`."""
+        """``GenerationBackend``: a `cancel` on either RPC."""
         if (cancelled := self._cancels.get(request_id)) is not None:
             cancelled.set()
 
@@ -246,9 +119,8 @@ class SyntheticInference(inference_pb2_grpc.InferenceServicer):
         start: inference_pb2.GenerateStart,
         max_tokens: int,
         cancelled: asyncio.Event,
-        message: type[Message],
-    ) -> AsyncIterator[Message]:
-        """The answer as ``message``s (GenerateResponse or GenerationEvent: both have `chunk` and `finished`)."""
+    ) -> AsyncIterator[inference_pb2.GenerationEvent]:
+        """The answer's events: its chunks, paced as configured, then ``finished``."""
         cfg = self.config
         arrived = time.perf_counter()
         key = prompt_key(start)
@@ -277,7 +149,7 @@ class SyntheticInference(inference_pb2_grpc.InferenceServicer):
                     due = int((time.perf_counter() - first_at) * cfg.tokens_per_second) + 1
                 n = max(n, min(due - generated, max_tokens - index))
             ids = [synthetic_token(key, index + i) for i in range(n)]
-            yield message(
+            yield inference_pb2.GenerationEvent(
                 chunk=inference_pb2.TokenChunk(
                     text="".join(synthetic_text(t) for t in ids), token_ids=ids, index=index
                 )
@@ -299,7 +171,7 @@ class SyntheticInference(inference_pb2_grpc.InferenceServicer):
             else:
                 await asyncio.sleep(0)  # let other streams and the cancel watcher run
         done = time.perf_counter()
-        yield message(
+        yield inference_pb2.GenerationEvent(
             finished=inference_pb2.GenerationFinished(
                 finish_reason=reason,
                 usage=common_pb2.Usage(
@@ -362,65 +234,9 @@ class SyntheticRuntime:
         return None
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = EnvArgumentParser(
-        prog="python -m services.synthetic",
-        description="Synthetic token source (load testing only): a fake inference replica.",
-    )
-    add_server_args(parser, default_port=50062)
-    parser.add_argument("--model-id", default="synthetic", help="model name it reports")
-    parser.add_argument("--tokens-per-second", type=float, default=0.0, help="per stream; 0 = unpaced")
-    parser.add_argument(
-        "--step-ms",
-        type=float,
-        default=0.0,
-        help="engine-like pacing: all streams get their next chunk at the same step, this often (0 = off)",
-    )
-    parser.add_argument("--ttft-ms", type=float, default=0.0, help="delay before the first token")
-    parser.add_argument("--tokens-per-chunk", type=int, default=1, help="tokens per chunk message")
-    parser.add_argument(
-        "--coalesce",
-        action="store_true",
-        help="send the paced tokens that fell due during the previous write as one chunk (as the engine does)",
-    )
-    parser.add_argument(
-        "--exit-after-tokens", type=int, default=0, help="die after this many tokens (0 = never)"
-    )
-    parser.add_argument(
-        "--fail-rate", type=float, default=0.0, help="share of calls refused with UNAVAILABLE"
-    )
-    parser.add_argument("--log-requests", action="store_true", help="log each request id and its deadline")
-    parser.add_argument(
-        "--max-context-tokens",
-        type=int,
-        default=MAX_CONTEXT_TOKENS,
-        help="context it advertises; longer generations are refused with INVALID_ARGUMENT",
-    )
-    parser.add_argument(
-        "--cached-prompt-tokens",
-        type=int,
-        default=0,
-        help="prompt tokens reported as prefix-cache hits (at most the prompt)",
-    )
-    return parser.parse_args(argv)
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    config = SyntheticConfig(
-        model_id=args.model_id,
-        tokens_per_second=args.tokens_per_second,
-        step_s=args.step_ms / 1000.0,
-        ttft_s=args.ttft_ms / 1000.0,
-        tokens_per_chunk=args.tokens_per_chunk,
-        coalesce=args.coalesce,
-        exit_after_tokens=args.exit_after_tokens,
-        fail_rate=args.fail_rate,
-        log_requests=args.log_requests,
-        max_context_tokens=args.max_context_tokens,
-        cached_prompt_tokens=args.cached_prompt_tokens,
-    )
-    run(server_options("synthetic-replica", args), SyntheticRuntime(config))
+    run(server_options("synthetic-replica", args), SyntheticRuntime(config_from_args(args)))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, router_pb2, router_pb2_grpc
-from services.synthetic.replica import prompt_key, synthetic_token
+from services.synthetic.tokens import prompt_key, synthetic_token
 from tests.support.processes import ServiceProcess
 
 

@@ -20,8 +20,8 @@ from contextlib import contextmanager
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.common.generate_many.server import error_event
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from services.inference.multiplex import error_event
 
 MODEL_ID = "status-model"
 

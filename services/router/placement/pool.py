@@ -2,8 +2,9 @@
 
 Each replica reports its model through GetModelInfo, which groups the pool by
 model; where the addresses come from is discovery.py's. The stream that carries
-a replica's generations belongs to the streams layer, which the pool is handed
-as a factory (``ReplicaStreams``): placement never imports it.
+a replica's generations is GenerateMany's client half
+(``services/common/generate_many/client.py``), which the pool is handed as a
+factory (``ReplicaStreams``), so a test can hand it another.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
+from services.common.generate_many.limits import STREAM_WINDOW_CHANNEL_OPTIONS
 from services.gen.llmmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2
 from services.router import metrics
 from services.router.admission.tls import DialTls, dial
@@ -35,15 +37,8 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.enable_retries", 0),  # the relay retries itself, on another replica
-    # One GenerateMany stream carries every generation on the replica. A small fixed window (no
-    # BDP probing to grow it) is backpressure that batches: when the router falls behind, the
-    # replica's writer waits and its next message carries everything that piled up. Measured A/B
-    # (bench/router.py loads, same run each): tokens per router CPU-second with unpaced sources
-    # 151k at 8 KiB vs 34k at 4 MiB, 131k vs 106k at 64 KiB; with engine-like steps 8 KiB was
-    # as good or better. A slow client costs merged tokens in the router (multiplex.py), never a
-    # stalled replica stream.
-    ("grpc.http2.bdp_probe", 0),
-    ("grpc.http2.lookahead_bytes", 8192),
+    # The GenerateMany stream's window is one of the protocol's flow limits, sized with the others.
+    *STREAM_WINDOW_CHANNEL_OPTIONS,
 ]
 
 
@@ -58,7 +53,7 @@ class GenerationStream(Protocol):
 
 
 class ReplicaStreams(Protocol):
-    """What carries a replica's generations (streams/multiplex.py's ``ReplicaMultiplexer``)."""
+    """What carries a replica's generations (GenerateMany's client half, ``ReplicaMultiplexer``)."""
 
     def open(self, start: inference_pb2.GenerateStart, timeout_s: float | None) -> GenerationStream: ...
 
@@ -72,6 +67,28 @@ StreamsFactory = Callable[["InferenceAsyncStub", str], ReplicaStreams]
 def open_channel(address: str, tls: DialTls | None) -> grpc.aio.Channel:
     """A channel to one replica: plaintext, or TLS when the router has replica TLS settings."""
     return dial(address, tls, CHANNEL_OPTIONS)
+
+
+async def generate_to_end(
+    replica: Replica, start: inference_pb2.GenerateStart, timeout_s: float
+) -> inference_pb2.GenerationEvent:
+    """Run ``start`` on the replica's shared GenerateMany stream for its end alone: the
+    ``finished`` or ``error`` event, its chunks dropped.
+
+    The router's own short generations (health probes, pre-warm) take the same stream and the
+    same conversion path as its turns, so what they prove is what a turn would meet. Raises
+    ``StreamBroken`` if the stream breaks and ``TimeoutError`` past ``timeout_s`` (the replica
+    is told the same limit; this one holds for a replica that never answers).
+    """
+    generation = replica.mux.open(start, timeout_s)
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                for event in await generation.events():
+                    if event.WhichOneof("event") != "chunk":
+                        return event
+    finally:
+        generation.close()
 
 
 class Replica:

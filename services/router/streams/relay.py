@@ -4,7 +4,8 @@ Before the first token a failed attempt is retried on another replica with
 exponential backoff and jitter; after tokens have flowed the stream resumes on
 another replica with ``resume_token_ids``, so the client sees one unbroken
 stream. The client's deadline bounds every attempt; cancelling the consumer
-cancels the replica's call at once.
+cancels the replica's call at once. What a failed attempt means is
+``attempts.py``'s; stall detection is ``watchdog.py``'s.
 """
 
 from __future__ import annotations
@@ -16,44 +17,18 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-import grpc
-
 from services.common import errors
-from services.common.grpc_status import domain_code
+from services.common.generate_many.client import StreamBroken
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2
 from services.router import metrics
 from services.router.placement.outliers import FailureKind
 from services.router.placement.picker import ReplicaPicker
 from services.router.placement.policies import BalancingPolicy
-from services.router.placement.pool import GenerationStream, Replica, ReplicaPool
-from services.router.streams.multiplex import StreamBroken
+from services.router.placement.pool import Replica, ReplicaPool
+from services.router.streams.attempts import BUSY_RETRY_AFTER_S, AttemptFailed, ReplicaBusy, replica_failure
+from services.router.streams.watchdog import Watchdog
 
 log = logging.getLogger("llmmesh.router.relay")
-
-# Replica answers the client must see as they are: retrying elsewhere would fail the same way.
-CLIENT_ERROR_CODES = frozenset(
-    {
-        grpc.StatusCode.INVALID_ARGUMENT,
-        grpc.StatusCode.OUT_OF_RANGE,
-        grpc.StatusCode.FAILED_PRECONDITION,
-        grpc.StatusCode.PERMISSION_DENIED,
-        grpc.StatusCode.UNAUTHENTICATED,
-        grpc.StatusCode.NOT_FOUND,
-    }
-)
-
-
-class ReplicaRejected(errors.MeshError):
-    """A replica refused the request for a reason that is the client's to fix."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = domain_code(code)
-
-
-class RequestFaulted(errors.RequestFault):
-    """The replica's engine failed on this request alone (``GenerationError.request_fault``):
-    the replica is healthy, so it is neither ejected nor tried again elsewhere."""
 
 
 @dataclass(frozen=True)
@@ -88,68 +63,6 @@ class RelayOutcome:
     text_parts: list[str] = field(default_factory=list)
     first_token_at: float | None = None
     replicas_used: list[str] = field(default_factory=list)
-
-
-class AttemptFailed(Exception):
-    """One attempt on one replica failed in a way another replica may not."""
-
-    def __init__(self, reason: str, kind: FailureKind | None) -> None:
-        super().__init__(reason)
-        self.kind = kind
-
-
-class ReplicaBusy(AttemptFailed):
-    """A replica refused the attempt as busy (RESOURCE_EXHAUSTED): not broken, so not ejected."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason, None)
-
-
-#: What a client refused because every replica was busy is told to wait before trying again:
-#: the engine's own RetryInfo for a full queue (a replica's error event carries no delay).
-BUSY_RETRY_AFTER_S = 1.0
-
-
-class _Watchdog:
-    """Fails a generation that sends nothing for too long, with one timer per check, not per token."""
-
-    __slots__ = (
-        "_handle",
-        "_loop",
-        "clock",
-        "generation",
-        "last_progress",
-        "stall_s",
-        "started",
-        "ttft_s",
-        "with_client",
-    )
-
-    def __init__(
-        self, generation: GenerationStream, ttft_s: float, stall_s: float, clock: Callable[[], float]
-    ) -> None:
-        self.generation = generation
-        self.ttft_s = ttft_s
-        self.stall_s = stall_s
-        self.clock = clock
-        self.last_progress = clock()
-        self.started = False
-        #: The relay is handing a batch to its client: the replica's silence meanwhile is not a stall.
-        self.with_client = False
-        self._loop = asyncio.get_running_loop()
-        self._handle = self._loop.call_later(ttft_s, self._check)
-
-    def _check(self) -> None:
-        limit = self.stall_s if self.started else self.ttft_s
-        idle = 0.0 if self.with_client else self.clock() - self.last_progress
-        if idle >= limit:
-            kind = FailureKind.STALL if self.started else FailureKind.TTFT_TIMEOUT
-            self.generation.fail(AttemptFailed(f"{kind.value} after {idle:.1f} s", kind))
-            return
-        self._handle = self._loop.call_later(limit - idle, self._check)
-
-    def stop(self) -> None:
-        self._handle.cancel()
 
 
 class Relay:
@@ -272,7 +185,7 @@ class Relay:
             request.resume_token_ids.extend(outcome.token_ids)
         timeout = None if deadline is None else max(0.001, deadline - self._clock())
         generation = replica.mux.open(request, timeout)
-        watchdog = _Watchdog(generation, self.config.ttft_timeout_s, self.config.stall_timeout_s, self._clock)
+        watchdog = Watchdog(generation, self.config.ttft_timeout_s, self.config.stall_timeout_s, self._clock)
         replica.in_flight += 1
         clock = self._clock
         sent_at = clock()
@@ -292,7 +205,7 @@ class Relay:
                         batch.append(event.chunk)
                         continue
                     if kind == "error":
-                        failure = self._failure(replica, event.error, deadline)
+                        failure = replica_failure(replica.address, event.error, deadline, self._clock)
                         break
                     done = event.finished
                     if done.finish_reason == common_pb2.FINISH_REASON_ERROR:
@@ -336,29 +249,3 @@ class Relay:
             watchdog.stop()
             replica.in_flight -= 1
             generation.close()
-
-    def _failure(
-        self, replica: Replica, error: inference_pb2.GenerationError, deadline: float | None
-    ) -> Exception:
-        """What a replica's ``GenerationError`` means for this turn."""
-        if error.request_fault:
-            return RequestFaulted(f"{replica.address}: {error.message}")
-        code = _STATUS_BY_NUMBER.get(error.code, grpc.StatusCode.UNKNOWN)
-        return self._classify(code, error.message, deadline)
-
-    def _classify(self, code: grpc.StatusCode, details: str, deadline: float | None) -> Exception:
-        if code in CLIENT_ERROR_CODES:
-            return ReplicaRejected(code, details or code.name)
-        if (
-            code == grpc.StatusCode.DEADLINE_EXCEEDED
-            and deadline is not None
-            and self._clock() >= deadline - 0.01
-        ):
-            return errors.DeadlineExceeded("deadline exceeded while the replica was generating")
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return ReplicaBusy(f"busy: {details}")
-        return AttemptFailed(f"{code.name}: {details}", FailureKind.ERROR)
-
-
-#: google.rpc.Code number → grpc.StatusCode, for the error events of a shared stream.
-_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}

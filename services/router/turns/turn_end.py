@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.generate_many.merge import Piece, merge
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, router_pb2
 from services.router import metrics
 from services.router.streams.relay import RelayOutcome
@@ -34,18 +35,20 @@ class TurnState:
 def token_message(
     request_id: str, seq: int, batch: list[inference_pb2.TokenChunk]
 ) -> router_pb2.ChatResponse:
-    """One ChatResponse whose TokenDelta carries consecutive chunks, filled in place (no copy of a delta)."""
+    """One ChatResponse whose TokenDelta carries consecutive chunks merged by GenerateMany's one
+    rule (``merge.merge``), filled in place (no copy of a delta)."""
     response = router_pb2.ChatResponse(request_id=request_id, seq=seq)
     delta = response.delta
-    first = batch[0]
-    delta.index = first.index
-    if len(batch) == 1:
+    if len(batch) == 1:  # the common case, a reader keeping up: nothing to merge
+        first = batch[0]
+        delta.index = first.index
         delta.text = first.text
         delta.token_ids.extend(first.token_ids)
-    else:
-        delta.text = "".join(c.text for c in batch)
-        for c in batch:
-            delta.token_ids.extend(c.token_ids)
+        return response
+    piece = merge([Piece(c.index, c.token_ids, c.text) for c in batch])
+    delta.index = piece.index
+    delta.text = piece.text
+    delta.token_ids.extend(piece.token_ids)
     return response
 
 

@@ -98,6 +98,18 @@ VIOLATIONS = [
         id="engine-imports-protobuf",
     ),
     pytest.param(
+        "services/common/generate_many/server.py",
+        "from services.inference import servicer",
+        "generate-many-shared",
+        id="protocol-imports-the-replica",
+    ),
+    pytest.param(
+        "services/common/generate_many/merge.py",
+        "from services.gen.llmmesh.v1 import inference_pb2",
+        "generate-many-pure",
+        id="merge-rule-imports-protobuf",
+    ),
+    pytest.param(
         "services/inference/scheduler.py",
         "import asyncio",
         "scheduler-pure",

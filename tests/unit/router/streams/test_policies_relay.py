@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from services.common.generate_many.client import ReplicaMultiplexer
 from services.gen.llmmesh.v1 import inference_pb2
 from services.router.placement.discovery import parse_address, parse_address_list
 from services.router.placement.pool import ReplicaPool
-from services.router.streams.multiplex import ReplicaMultiplexer
 from services.router.streams.relay import RelayConfig
 from services.router.turns.turn_end import token_message
 

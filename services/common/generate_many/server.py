@@ -1,4 +1,4 @@
-"""The server side of ``Inference.GenerateMany``: many generations over one stream.
+"""The server half of ``Inference.GenerateMany`` (a replica's), and ``Generate`` on the same path.
 
 A router relays every token twice (replica → router → client), and in grpc-python
 each gRPC message costs tens of microseconds of CPU however small it is. On a
@@ -8,7 +8,10 @@ events to a shared outbox and one writer sends whatever the outbox holds as a
 single ``GenerateManyResponse``. Whatever piled up while the previous message was
 being written goes out together, so a busy stream batches more, never waits.
 
-Kept free of torch: the synthetic token source serves the same stream.
+It knows no engine: a replica hands it a ``GenerationBackend`` (the inference
+engine's servicer, or the synthetic token source), so both serve the very same
+stream. ``Generate``, the public single-generation RPC, runs through the same
+backend call and the same request-id rule (``serve_one``).
 """
 
 from __future__ import annotations
@@ -26,11 +29,15 @@ from opentelemetry.trace import Status as SpanStatus
 from opentelemetry.trace import StatusCode as SpanStatusCode
 
 from services.common import tracing
-from services.common.errors import RequestFault
+from services.common.errors import InvalidArgument, RequestFault
+from services.common.generate_many.limits import MESSAGE_BUDGET_BYTES
 from services.common.grpc_status import status_for
 from services.gen.llmmesh.v1 import inference_pb2
 
-log = logging.getLogger("llmmesh.inference.multiplex")
+log = logging.getLogger("llmmesh.generate_many.server")
+
+#: No deadline reads as a huge remaining time in some gRPC versions.
+NO_DEADLINE_S = 1e6
 
 
 class GenerationBackend(Protocol):
@@ -51,9 +58,15 @@ class GenerationBackend(Protocol):
         ...
 
 
-#: A message's share of the 4 MiB gRPC limit: a step's events beyond it go in the next message.
-#: (A single event is bounded by its generation's max_tokens, far below the limit.)
-MESSAGE_BUDGET_BYTES = 1 << 20
+def with_request_id(start: inference_pb2.GenerateStart) -> str:
+    """The generation's request id: the caller's, else one minted here (in ``start``).
+
+    The router mints a turn's id once, at its edge, and every hop carries it to the
+    engine unchanged; a replica mints one only for a direct client that sent none.
+    """
+    if not start.request_id:
+        start.request_id = uuid.uuid4().hex
+    return start.request_id
 
 
 def take_batch(outbox: list[inference_pb2.GenerationEvent]) -> list[inference_pb2.GenerationEvent]:
@@ -156,11 +169,9 @@ async def serve_many(
                 if tag in running:
                     emit(error_event(tag, grpc.StatusCode.INVALID_ARGUMENT, f"tag {tag} is already running"))
                     continue
-                start = request.start
-                if not start.request_id:
-                    start.request_id = uuid.uuid4().hex
+                request_id = with_request_id(request.start)
                 task = asyncio.create_task(run_one(tag, request))
-                running[tag] = (task, start.request_id)
+                running[tag] = (task, request_id)
                 task.add_done_callback(functools.partial(forget, tag))
             elif action == "cancel":
                 entry = running.get(tag)
@@ -212,3 +223,51 @@ async def serve_many(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def serve_one(
+    backend: GenerationBackend,
+    requests: AsyncIterator[inference_pb2.GenerateRequest],
+    context: grpc.aio.ServicerContext[Any, Any],
+) -> AsyncIterator[inference_pb2.GenerateResponse]:
+    """One ``Generate`` call: the backend's generation of its `start`, as GenerateResponses.
+
+    The same backend call as a GenerateMany generation, with the call's deadline (which
+    gRPC enforces) passed for the logs; a later `cancel` ends it. A refusal is raised, so
+    the call ends with its status, as a unary-start RPC should.
+    """
+    first = await anext(aiter(requests), None)
+    if first is None:
+        raise InvalidArgument("start", "the stream ended before a start message")
+    if first.WhichOneof("action") != "start":
+        raise InvalidArgument("start", "the first message must be `start`")
+    start = first.start
+    request_id = with_request_id(start)
+    remaining = context.time_remaining()
+    timeout_s = 0.0 if remaining is None or remaining > NO_DEADLINE_S else remaining
+    watcher = asyncio.create_task(_watch_for_cancel(requests, backend, request_id))
+    events = backend.generate(start, timeout_s)
+    try:
+        async for event in events:
+            kind = event.WhichOneof("event")
+            if kind == "chunk":
+                yield inference_pb2.GenerateResponse(chunk=event.chunk)
+            elif kind == "finished":
+                yield inference_pb2.GenerateResponse(finished=event.finished)
+    finally:
+        watcher.cancel()
+        await events.aclose()  # stops the generation when it did not finish
+
+
+async def _watch_for_cancel(
+    requests: AsyncIterator[inference_pb2.GenerateRequest], backend: GenerationBackend, request_id: str
+) -> None:
+    """A later `cancel` message ends the generation (the stream then reports CANCELLED)."""
+    try:
+        async for message in requests:
+            if message.WhichOneof("action") == "cancel":
+                backend.cancel(request_id)
+                return
+    except grpc.RpcError:
+        # The client went away; the handler's own cancellation stops the generation.
+        return

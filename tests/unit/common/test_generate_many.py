@@ -1,26 +1,26 @@
 """GenerateMany over a real socket: many generations on one stream, batched per step, failing alone.
 
-The replica side is ``serve_many`` over the synthetic token source (a load-test
-tool, no model) stepping like an engine; the router side is ``ReplicaMultiplexer``.
+The server half is ``serve_many`` over the synthetic token source (a load-test
+tool, no model) stepping like an engine; the client half is ``ReplicaMultiplexer``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 
+from services.common.generate_many.client import ReplicaMultiplexer, StreamBroken
+from services.common.generate_many.limits import MERGE_PENDING_AFTER, MESSAGE_BUDGET_BYTES, PAUSE_AFTER_TOKENS
+from services.common.generate_many.server import serve_many
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from services.inference.multiplex import MESSAGE_BUDGET_BYTES, serve_many
-from services.router.streams.multiplex import (
-    MERGE_PENDING_AFTER,
-    PAUSE_AFTER_TOKENS,
-    ReplicaMultiplexer,
-    StreamBroken,
-)
-from services.synthetic.replica import SyntheticConfig, SyntheticInference, prompt_key, synthetic_token
+from services.synthetic.config import SyntheticConfig
+from services.synthetic.replica import SyntheticInference
+from services.synthetic.tokens import prompt_key, synthetic_token
 
 
 def start_of(text: str, max_tokens: int) -> inference_pb2.GenerateStart:
@@ -490,3 +490,22 @@ async def test_an_idle_streams_request_goes_out_before_open_returns_and_later_on
     assert stub.call.started[-1].start.request_id == "third"
     await mux.close()
     assert stub.call.cancelled
+
+
+async def test_generate_runs_the_same_generation_on_the_shared_path_and_names_an_unnamed_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="llmmesh.synthetic")
+    async with Replica(SyntheticConfig(log_requests=True)) as replica:
+        start = inference_pb2.GenerateStart(prompt="direct", sampling=common_pb2.SamplingParams(max_tokens=9))
+        call = replica.stub.Generate(iter([inference_pb2.GenerateRequest(start=start)]), timeout=10)
+        responses = [r async for r in call]
+        mux = ReplicaMultiplexer(replica.stub, "test")
+        ids, _, last = await collect(mux, start_of("direct", 9))
+        await mux.close()
+    assert [t for r in responses if r.HasField("chunk") for t in r.chunk.token_ids] == expected(start) == ids
+    assert responses[-1].finished.usage == last.finished.usage
+    assert replica.servicer.running == 0
+    logged = [r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("generate ")]
+    assert re.fullmatch(r"request_id=[0-9a-f]{32}", logged[0])  # minted by the replica: none was sent
+    assert logged[1] == "request_id=direct"  # the caller's, carried unchanged

@@ -1,4 +1,4 @@
-"""The router's side of ``Inference.GenerateMany``: all of a replica's generations over one stream.
+"""The client half of ``Inference.GenerateMany`` (the router's): all of a replica's generations over one stream.
 
 One long-lived stream per replica carries every generation the router runs
 there; the replica sends one message per engine step with every generation's
@@ -26,12 +26,14 @@ import grpc
 
 from services.common import tracing
 from services.common.eager import run_eagerly
+from services.common.generate_many.limits import MERGE_PENDING_AFTER, PAUSE_AFTER_TOKENS
+from services.common.generate_many.merge import Piece, merge
 from services.gen.llmmesh.v1 import inference_pb2
 
 if TYPE_CHECKING:
     from services.gen.llmmesh.v1.inference_pb2_grpc import InferenceAsyncStub
 
-log = logging.getLogger("llmmesh.router.multiplex")
+log = logging.getLogger("llmmesh.generate_many.client")
 
 
 class StreamBroken(Exception):
@@ -41,18 +43,6 @@ class StreamBroken(Exception):
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
-
-
-#: Events a generation holds for a consumer that is not taking them, before they are merged into
-#: one chunk: a client that falls behind costs the router token ids and text (about 9 bytes a
-#: token), not a protobuf message per token.
-MERGE_PENDING_AFTER = 32
-
-#: Tokens a generation holds for its consumer before the router asks the replica to ``pause`` it
-#: (``resume`` once the consumer takes them). A client that stops reading then costs the router
-#: about this many tokens, and the router's CPU nothing more, instead of its whole answer relayed
-#: into memory: the shared stream's HTTP/2 flow control cannot hold back one generation alone.
-PAUSE_AFTER_TOKENS = 1024
 
 
 class GenerationHandle:
@@ -117,13 +107,10 @@ class GenerationHandle:
         """The chunks waiting for the consumer as one chunk (numbered from the first), then the end if any."""
         events = self._events
         last = [events.pop()] if events[-1].WhichOneof("event") != "chunk" else []
-        chunks = [e.chunk for e in events]
-        merged = inference_pb2.TokenChunk(index=chunks[0].index, text="".join(c.text for c in chunks))
-        token_ids = merged.token_ids
-        for chunk in chunks:
-            token_ids.extend(chunk.token_ids)
+        piece = merge([Piece(e.chunk.index, e.chunk.token_ids, e.chunk.text) for e in events])
+        merged = inference_pb2.TokenChunk(index=piece.index, token_ids=piece.token_ids, text=piece.text)
         self._events = [inference_pb2.GenerationEvent(tag=self.tag, chunk=merged), *last]
-        if len(token_ids) >= PAUSE_AFTER_TOKENS and not self._paused and not last:
+        if len(piece.token_ids) >= PAUSE_AFTER_TOKENS and not self._paused and not last:
             self._paused = True
             self._connection.send(
                 inference_pb2.GenerateManyRequest(tag=self.tag, pause=inference_pb2.PauseGeneration())
