@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -22,6 +21,7 @@ from services.router.api.downstream import forward_stream, passed_on
 from services.router.placement.pool import ReplicaPool
 from services.router.streams.replay import ReplayBuffer
 from services.router.turns.pipeline import TurnPipeline
+from services.router.turns.validation import turn_request_id
 
 if TYPE_CHECKING:
     from services.gen.llmmesh.v1.retriever_pb2_grpc import RetrieverAsyncStub
@@ -147,8 +147,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         reader = asyncio.create_task(read_client())
         try:
             while (request := await turns.get()) is not None:
-                if not request.request_id:
-                    request.request_id = uuid.uuid4().hex
+                # Named now, not in the pipeline: a turn cancelled before it runs still ends under its id.
+                request.request_id = turn_request_id(request)
                 last: list[router_pb2.ChatResponse] = []  # the turn's latest message
                 stopped: list[router_pb2.ChatResponse] = []  # its TurnEnd, if it stopped without one
                 task = asyncio.create_task(produce(request, last, stopped))

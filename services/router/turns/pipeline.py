@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable
 from typing import Any
 
@@ -40,7 +39,7 @@ from services.router.turns.turn_end import (
     turn_end,
     turn_usage,
 )
-from services.router.turns.validation import validate
+from services.router.turns.validation import turn_request_id, validate
 
 log = logging.getLogger("llmmesh.router.turn")
 
@@ -76,7 +75,7 @@ class TurnPipeline:
         """
         validate(request)
         s = self.s
-        state = TurnState(request.request_id or uuid.uuid4().hex, s.clock())
+        state = TurnState(turn_request_id(request), s.clock())
         writer = ReplayWriter(s.replay, state.request_id, principal.tenant) if s.replay is not None else None
         # The message being written to the client: it goes to the replay buffer once that
         # write is done (the caller asks for the next one), so the buffer's Redis round trip

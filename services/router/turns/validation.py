@@ -1,6 +1,8 @@
-"""What a turn's request must be before any work is done: roles, ids, RAG bounds."""
+"""What a turn's request must be before any work is done: roles, ids, RAG bounds; and its request id."""
 
 from __future__ import annotations
+
+import uuid
 
 from services.common import errors
 from services.gen.llmmesh.v1 import router_pb2
@@ -22,3 +24,14 @@ def validate(request: router_pb2.ChatRequest, field_prefix: str = "") -> None:
         raise errors.InvalidArgument(f"{field_prefix}request_id", "must be at most 128 characters")
     if request.rag.enabled and request.rag.top_k > 20:
         raise errors.InvalidArgument(f"{field_prefix}rag.top_k", f"must be in 0..20, got {request.rag.top_k}")
+
+
+def turn_request_id(request: router_pb2.ChatRequest) -> str:
+    """The turn's request id: the client's, else one minted here.
+
+    The only place a turn's id is made (the front doors that name their own, the OpenAI
+    completion id and a task's, set it before): it numbers the turn's messages, keys its
+    Resume buffer, and goes to the replica in ``GenerateStart`` and on to the engine
+    unchanged, so one id follows the turn through every log on its way.
+    """
+    return request.request_id or uuid.uuid4().hex
