@@ -13,9 +13,10 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2
 
+from services.common.generate_many.client import StreamBroken
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2
 from services.router.placement.outliers import FailureKind
-from services.router.placement.pool import Replica, ReplicaPool
+from services.router.placement.pool import Replica, ReplicaPool, generate_to_end
 
 log = logging.getLogger("llmmesh.router.health")
 
@@ -96,23 +97,27 @@ class ActiveHealthChecker:
             task.add_done_callback(self._probes.discard)
 
     async def probe(self, replica: Replica) -> None:
-        """One-token generation: health SERVING does not prove the engine loop is alive."""
+        """One-token generation: health SERVING does not prove the engine loop is alive.
+
+        It runs on the replica's GenerateMany stream, as every turn does: a probe over another
+        RPC could pass while the stream turns are on is broken.
+        """
         replica.last_probe = time.monotonic()
         start = inference_pb2.GenerateStart(
             request_id=f"probe-{replica.address}",
             prompt="ping",
             sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0),
         )
-        call = replica.stub.Generate(timeout=self.timeout_s * 5)  # type: ignore[call-arg]
         try:
-            await call.write(inference_pb2.GenerateRequest(start=start))
-            async for response in call:
-                if response.WhichOneof("event") == "finished":
-                    if response.finished.finish_reason == common_pb2.FINISH_REASON_ERROR:
-                        self.pool.report_failure(replica, FailureKind.ERROR)
-                    return
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy is not broken
-                self.pool.report_failure(replica, FailureKind.ERROR)
-        finally:
-            call.cancel()
+            end = await generate_to_end(replica, start, self.timeout_s * 5)
+        except StreamBroken as exc:
+            failed = exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED  # busy is not broken
+        except TimeoutError:
+            failed = True
+        else:
+            if end.WhichOneof("event") == "error":
+                failed = end.error.code != grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+            else:
+                failed = end.finished.finish_reason == common_pb2.FINISH_REASON_ERROR
+        if failed:
+            self.pool.report_failure(replica, FailureKind.ERROR)

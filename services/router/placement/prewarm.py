@@ -17,9 +17,10 @@ from typing import Protocol
 import grpc
 
 from services.common import errors
+from services.common.generate_many.client import StreamBroken
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2
 from services.router.placement.pins import AffinityPins
-from services.router.placement.pool import Replica, ReplicaPool
+from services.router.placement.pool import Replica, ReplicaPool, generate_to_end
 
 
 class PickReplica(Protocol):
@@ -35,6 +36,9 @@ class PickReplica(Protocol):
 LoadMessages = Callable[[str, str], Awaitable[list[dict[str, str]]]]
 
 log = logging.getLogger("llmmesh.router.prewarm")
+
+#: A pre-warm reads a whole history as one prompt: it may queue behind a busy replica's work.
+PREWARM_TIMEOUT_S = 30.0
 
 
 class SessionMover:
@@ -108,17 +112,16 @@ class SessionMover:
             messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
             sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0),
         )
-        call = target.stub.Generate(timeout=30)  # type: ignore[call-arg]
+        # On the shared GenerateMany stream, as the session's next turn will be.
         try:
-            await call.write(inference_pb2.GenerateRequest(start=start))
-            async for response in call:
-                if response.HasField("finished"):
-                    return True
-        except grpc.aio.AioRpcError as exc:
-            log.debug("pre-warm of %s on %s failed: %s", session_id, target.address, exc.code().name)
-        finally:
-            call.cancel()
-        return False
+            end = await generate_to_end(target, start, PREWARM_TIMEOUT_S)
+        except (StreamBroken, TimeoutError) as exc:
+            log.debug("pre-warm of %s on %s failed: %r", session_id, target.address, exc)
+            return False
+        if end.WhichOneof("event") == "error":
+            log.debug("pre-warm of %s on %s failed: %s", session_id, target.address, end.error.message)
+            return False
+        return True
 
     async def stop(self) -> None:
         for task in list(self._tasks):
