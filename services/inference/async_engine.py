@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from services.common import errors
 from services.common.generate_many.limits import PARK_AFTER_OUTPUTS
-from services.common.generate_many.merge import Piece, merge
+from services.common.generate_many.merge import Span, merge
 from services.inference import metrics
 from services.inference.engine import EngineFailure, EngineLoad, LLMEngine, RequestOutput
 from services.inference.sampling import SamplingParams
@@ -60,8 +60,9 @@ def merge_outputs(outputs: Seq[RequestOutput]) -> RequestOutput:
     last = outputs[-1]
     if len(outputs) == 1:
         return last
-    piece = merge([Piece(o.index, o.new_token_ids, o.text) for o in outputs])
-    return dataclasses.replace(last, new_token_ids=list(piece.token_ids), text=piece.text, index=piece.index)
+    token_ids: list[int] = []
+    index, text = merge([Span(o.index, o.new_token_ids, o.text) for o in outputs], token_ids)
+    return dataclasses.replace(last, new_token_ids=token_ids, text=text, index=index)
 
 
 class AsyncEngine:

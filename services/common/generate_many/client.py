@@ -27,7 +27,7 @@ import grpc
 from services.common import tracing
 from services.common.eager import run_eagerly
 from services.common.generate_many.limits import MERGE_PENDING_AFTER, PAUSE_AFTER_TOKENS
-from services.common.generate_many.merge import Piece, merge
+from services.common.generate_many.merge import merge
 from services.gen.llmmesh.v1 import inference_pb2
 
 if TYPE_CHECKING:
@@ -107,10 +107,10 @@ class GenerationHandle:
         """The chunks waiting for the consumer as one chunk (numbered from the first), then the end if any."""
         events = self._events
         last = [events.pop()] if events[-1].WhichOneof("event") != "chunk" else []
-        piece = merge([Piece(e.chunk.index, e.chunk.token_ids, e.chunk.text) for e in events])
-        merged = inference_pb2.TokenChunk(index=piece.index, token_ids=piece.token_ids, text=piece.text)
+        merged = inference_pb2.TokenChunk()
+        merged.index, merged.text = merge([e.chunk for e in events], merged.token_ids)
         self._events = [inference_pb2.GenerationEvent(tag=self.tag, chunk=merged), *last]
-        if len(piece.token_ids) >= PAUSE_AFTER_TOKENS and not self._paused and not last:
+        if len(merged.token_ids) >= PAUSE_AFTER_TOKENS and not self._paused and not last:
             self._paused = True
             self._connection.send(
                 inference_pb2.GenerateManyRequest(tag=self.tag, pause=inference_pb2.PauseGeneration())

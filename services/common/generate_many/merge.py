@@ -10,24 +10,49 @@ Pure: the engine uses it, so it knows no protobuf and no grpc.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import MutableSequence, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """A stretch of one generation's answer: where it starts, its token ids, its text."""
+class Piece(Protocol):
+    """A stretch of one generation's answer (a protobuf ``TokenChunk`` is one as it is)."""
+
+    @property
+    def index(self) -> int:
+        """Where its first token sits in the answer (resumed tokens count)."""
+        ...
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def text(self) -> str: ...
+
+
+@dataclass(slots=True)
+class Span:
+    """A ``Piece`` for what names its fields otherwise (the engine's ``RequestOutput``)."""
 
     index: int
     token_ids: Sequence[int]
     text: str
 
 
-def merge(pieces: Sequence[Piece]) -> Piece:
-    """Consecutive ``pieces`` as one: every token id and all the text in order, at the first
-    token's ``index`` (a piece with text but no tokens yet, held back by the detokenizer or
-    flushed at the end, does not move it; with no tokens at all, the last piece's index)."""
-    if len(pieces) == 1:
-        return pieces[0]
-    first = next((p for p in pieces if p.token_ids), pieces[-1])
-    return Piece(first.index, [t for p in pieces for t in p.token_ids], "".join(p.text for p in pieces))
+def merge(pieces: Sequence[Piece], token_ids: MutableSequence[int]) -> tuple[int, str]:
+    """Consecutive ``pieces`` as one: every token id, in order, appended to ``token_ids``, and the
+    merged piece's ``(index, text)``.
+
+    The index is the first token's: a piece with text but no tokens (held back by the
+    detokenizer, or flushed at the end) does not move it; with no tokens at all, the last
+    piece's. ``token_ids`` is the merged message's own field (a list, a protobuf repeated
+    field), so each piece's ids are copied in one ``extend``, never token by token in Python.
+    """
+    first = None
+    for piece in pieces:
+        ids = piece.token_ids
+        if ids:
+            if first is None:
+                first = piece
+            token_ids.extend(ids)
+    return (first or pieces[-1]).index, "".join([p.text for p in pieces])

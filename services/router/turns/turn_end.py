@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.generate_many.merge import Piece, merge
+from services.common.generate_many.merge import merge
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, router_pb2
 from services.router import metrics
 from services.router.streams.relay import RelayOutcome
@@ -45,10 +45,7 @@ def token_message(
         delta.text = first.text
         delta.token_ids.extend(first.token_ids)
         return response
-    piece = merge([Piece(c.index, c.token_ids, c.text) for c in batch])
-    delta.index = piece.index
-    delta.text = piece.text
-    delta.token_ids.extend(piece.token_ids)
+    delta.index, delta.text = merge(batch, delta.token_ids)
     return response
 
 
