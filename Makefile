@@ -45,8 +45,11 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 
 ## test: set up if needed, lint, then the whole test suite (what CI runs)
+# Two workers, whole files each (module fixtures start once): most tests wait on child
+# processes, so one worker left the second core idle (suite CPU ~1.05 cores over its wall time).
+TEST_WORKERS ?= 2
 test: setup lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30
 
 ## up: run the whole mesh locally on embedded defaults (Redis, Milvus Lite, 1 replica, router :50051)
 up: setup
