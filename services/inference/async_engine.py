@@ -49,7 +49,7 @@ class _Pending:
     aborted: bool = False
     # Parked in the engine: its reader left PARK_AFTER_OUTPUTS outputs untaken (loop thread only).
     parked: bool = False
-    # Refused by ``LLMEngine.add_request`` (set by the engine thread before the refusal is posted).
+    # Refused by ``LLMEngine.enqueue`` (set by the engine thread before the refusal is posted).
     refused: bool = False
 
 
@@ -103,8 +103,6 @@ class AsyncEngine:
             raise errors.DependencyUnavailable(
                 f"the inference engine failed ({self.failure}); send work elsewhere"
             )
-        # Validation and the waiting-queue bound are the engine's, in ``LLMEngine.add_request`` on the
-        # engine thread: a refusal reaches this stream through its sink, with the engine's status.
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         pending = _Pending(
             request_id, prompt_token_ids, params, resume_token_ids, sink, asyncio.get_running_loop()
@@ -112,6 +110,12 @@ class AsyncEngine:
         with self._cond:
             if request_id in self._sinks:
                 raise errors.AlreadyExists(f"request {request_id!r} is already running")
+            # The engine's one admission check, here on arrival: a bad or surplus request is refused
+            # at once, not after the step the engine thread is in (which can take seconds). Queued
+            # = handed over but not yet taken + the engine's waiting queue as last published.
+            self.engine.admit(
+                prompt_token_ids, params, resume_token_ids, waiting=len(self._pending) + self._load.waiting
+            )
             self._pending.append(pending)
             self._sinks[request_id] = pending
             self._cond.notify()
@@ -195,10 +199,10 @@ class AsyncEngine:
                 pending, self._pending = self._pending, []
             for p in pending:
                 try:
-                    engine.add_request(p.request_id, p.prompt_token_ids, p.params, p.resume_token_ids)
+                    engine.enqueue(p.request_id, p.prompt_token_ids, p.params, p.resume_token_ids)
                     if p.aborted:
                         engine.abort_request(p.request_id)
-                except Exception as exc:  # refused (invalid, queue full): tell that caller only
+                except Exception as exc:  # refused as it was queued (AlreadyExists): that caller only
                     self._forget(p.request_id)
                     p.refused = True  # before the caller can see the refusal, so it aborts nothing
                     p.loop.call_soon_threadsafe(p.sink.put_nowait, exc)

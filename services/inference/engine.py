@@ -104,6 +104,25 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in (*prompt_token_ids, *resume_token_ids)):
             raise errors.InvalidArgument("resume_token_ids", f"token ids must be in [0, {vocab})")
 
+    def admit(
+        self,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        resume_token_ids: Seq[int] = (),
+        waiting: int | None = None,
+    ) -> None:
+        """Every refusal a request can meet before it takes a slot, in one place: ``InvalidArgument``
+        for one this engine can never serve, ``Overloaded`` when ``waiting`` requests (default: the
+        scheduler's queue) fill the waiting queue. Touches no state, so the async front runs it on
+        its own thread and a refusal is immediate, never one engine step late."""
+        self.validate(prompt_token_ids, params, resume_token_ids)
+        queued = len(self.scheduler.waiting) if waiting is None else waiting
+        if queued >= self.config.max_queued_requests:
+            raise errors.Overloaded(
+                f"waiting queue is full ({self.config.max_queued_requests} requests); retry later",
+                retry_after_s=1.0,
+            )
+
     def add_request(
         self,
         request_id: str,
@@ -111,15 +130,20 @@ class LLMEngine:
         params: SamplingParams,
         resume_token_ids: Seq[int] = (),
     ) -> None:
-        """Queue a request; ``Overloaded`` when the waiting queue is full."""
+        """Admit (``admit``) and queue a request, for a caller that drives the engine itself."""
+        self.admit(prompt_token_ids, params, resume_token_ids)
+        self.enqueue(request_id, prompt_token_ids, params, resume_token_ids)
+
+    def enqueue(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        resume_token_ids: Seq[int] = (),
+    ) -> None:
+        """Queue a request already admitted (the async front admits on arrival, see ``admit``)."""
         if request_id in self._requests:
             raise errors.AlreadyExists(f"request {request_id!r} is already running")
-        self.validate(prompt_token_ids, params, resume_token_ids)
-        if len(self.scheduler.waiting) >= self.config.max_queued_requests:
-            raise errors.Overloaded(
-                f"waiting queue is full ({self.config.max_queued_requests} requests); retry later",
-                retry_after_s=1.0,
-            )
         seq = Sequence(
             request_id=request_id,
             token_ids=[*prompt_token_ids, *resume_token_ids],

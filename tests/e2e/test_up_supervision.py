@@ -17,6 +17,9 @@ import pytest
 from services.gen.llmmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.e2e.launched_mesh import LaunchedMesh
 
+# A wall-clock promise (a killed replica back within 30 s): make test runs it alone.
+pytestmark = pytest.mark.serial
+
 BACK_WITHIN_S = 30.0
 # How long a restarted replica may take to boot before the test gives up waiting.
 BOOT_LIMIT_S = 180.0

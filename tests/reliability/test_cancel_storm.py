@@ -20,6 +20,9 @@ from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grp
 from tests.reliability.mesh_support import running, sized
 from tests.support.processes import ServiceProcess
 
+# A wall-clock promise (running count back to 0 within 1 s): make test runs it alone.
+pytestmark = pytest.mark.serial
+
 if TYPE_CHECKING:
     from services.gen.llmmesh.v1.inference_pb2_grpc import InferenceAsyncStub
 

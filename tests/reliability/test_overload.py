@@ -17,10 +17,14 @@ import asyncio
 import time
 
 import psutil
+import pytest
 
 from bench.load import ClientPool, StreamOutcome, stream_once
 from services.gen.llmmesh.v1 import router_pb2
 from tests.reliability.mesh_support import chat, mesh, sized
+
+# A wall-clock promise (refusals within 100 ms): make test runs it alone.
+pytestmark = pytest.mark.serial
 
 CAPACITY = 20  # --max-in-flight
 TOKENS = 10  # at 20 tokens/s: 0.5 s a turn

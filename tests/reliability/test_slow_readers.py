@@ -26,6 +26,9 @@ import pytest
 from services.gen.llmmesh.v1 import router_pb2, router_pb2_grpc
 from tests.reliability.mesh_support import Mesh, chat, mesh, sized
 
+# A wall-clock promise (healthy streams' p99 beside slow readers): make test runs it alone.
+pytestmark = pytest.mark.serial
+
 SLOW_READERS = sized(100, 500)
 #: Each slow reader's answer: were it relayed into the router, 100 of them would be ~120 MiB.
 ANSWER_TOKENS = 32_000

@@ -33,10 +33,10 @@ class FakeTokenEngine:
     def load(self) -> EngineLoad:
         return EngineLoad(0, 1 if self.request_id else 0, 0, 16, 0, 0.0)
 
-    def validate(self, prompt: list[int], params: SamplingParams, resume: object) -> None:
+    def admit(self, prompt: list[int], params: SamplingParams, resume: object, waiting: int) -> None:
         return None
 
-    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, resume: object) -> None:
+    def enqueue(self, request_id: str, prompt: list[int], params: SamplingParams, resume: object) -> None:
         self.request_id = request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -115,23 +115,30 @@ async def test_an_engine_failure_reaches_the_reader_after_the_tokens_before_it()
 
 
 class RefusingEngine(FakeTokenEngine):
-    """The engine's own admission refuses every request (as a full waiting queue does)."""
+    """Refuses every request: on arrival (``admit``: a full waiting queue) or as the engine thread
+    queues it (``enqueue``: the id raced another request's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, where: str) -> None:
         super().__init__(tokens=1)
+        self.where = where
         self.aborted: list[str] = []
 
-    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, resume: object) -> None:
+    def admit(self, prompt: list[int], params: SamplingParams, resume: object, waiting: int) -> None:
+        if self.where == "admit":
+            raise errors.Overloaded("waiting queue is full (8 requests); retry later", retry_after_s=1.0)
+
+    def enqueue(self, request_id: str, prompt: list[int], params: SamplingParams, resume: object) -> None:
         raise errors.Overloaded("waiting queue is full (8 requests); retry later", retry_after_s=1.0)
 
     def abort_request(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
 
-async def test_a_refusal_of_the_engine_reaches_the_caller_and_aborts_nothing() -> None:
-    # The queue bound and validation live in LLMEngine.add_request alone; a stray abort for the
+@pytest.mark.parametrize("where", ["admit", "enqueue"])
+async def test_a_refusal_of_the_engine_reaches_the_caller_and_aborts_nothing(where: str) -> None:
+    # The queue bound and validation live in LLMEngine.admit alone; a stray abort for the
     # refused id would cancel a retry that reuses it.
-    fake = RefusingEngine()
+    fake = RefusingEngine(where)
     engine = AsyncEngine(fake)  # type: ignore[arg-type]
     try:
         with pytest.raises(errors.Overloaded, match="queue is full") as refused:
