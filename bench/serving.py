@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -28,7 +29,7 @@ from typing import Any
 
 from bench.load import machine
 from bench.serving_client import run_load, summarize, workload
-from bench.serving_peers import CHECKPOINT, STARTERS, NotAvailable, RunningServer
+from bench.serving_peers import CHECKPOINT, STARTERS, NotAvailable, RunningServer, start_llm_mesh
 
 #: Peers run at llm-mesh's precision (fp32); the Q4_1 row is a reference, not a comparison.
 SAME_PRECISION_PEERS = ("transformers", "llama_cpp")
@@ -53,7 +54,10 @@ async def _warm_up(server: RunningServer, count_tokens: Any) -> None:
 
 def measure(name: str, args: argparse.Namespace, count_tokens: Any) -> dict[str, Any]:
     try:
-        server = STARTERS[name]()
+        if name == "llm_mesh" and args.mesh_replica_args:
+            server = start_llm_mesh(shlex.split(args.mesh_replica_args))
+        else:
+            server = STARTERS[name]()
     except NotAvailable as exc:
         print(f"  {name}: not run ({exc})", flush=True)
         return {"server": name, "not_run": str(exc)}
@@ -116,6 +120,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="workload seed (same requests for every server)")
     parser.add_argument(
         "--max-concurrency", type=int, default=None, help="client-side cap on requests in flight"
+    )
+    parser.add_argument(
+        "--mesh-replica-args",
+        default="",
+        help="extra flags for llm-mesh's replica, e.g. '--max-num-batched-tokens 512'",
     )
     parser.add_argument("--no-front", action="store_true", help="skip the HTTP-front overhead part")
     parser.add_argument("--front-only", action="store_true", help="only the HTTP-front overhead part")
