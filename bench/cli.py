@@ -25,6 +25,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "bench.serving",
         "the OpenAI HTTP front vs transformers serve and llama.cpp's server, same workload",
     ),
+    "matmul-ceiling": (
+        "bench.matmul_ceiling",
+        "fp32 GFLOP/s of the model's own matmul shapes: the ceiling any server meets",
+    ),
     "idle-box": (
         "bench.idle_box",
         "what a thread wake-up and a gRPC write cost on this machine after idle gaps",

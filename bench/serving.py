@@ -28,13 +28,29 @@ from pathlib import Path
 from typing import Any
 
 from bench.load import machine
+from bench.matmul_ceiling import gflops
 from bench.serving_client import run_load, summarize, workload
 from bench.serving_peers import CHECKPOINT, STARTERS, NotAvailable, RunningServer, start_llm_mesh
 
 #: Peers run at llm-mesh's precision (fp32); the Q4_1 row is a reference, not a comparison.
 SAME_PRECISION_PEERS = ("transformers", "llama_cpp")
+#: Rows of the matmul ceiling for outputs (a decode batch of this workload's size) and prompts (a chunk).
+DECODE_ROWS = 48
+PREFILL_ROWS = 1024
 #: The issue's goals: ≥ 2× the better peer's tokens/s at equal or better TTFT p50.
 TOKENS_RATIO_GOAL = 2.0
+
+
+def linear_gflop_per_token() -> float:
+    """2 FLOPs per weight per token (the matmuls), from the checkpoint's safetensors header."""
+    import math
+    import struct
+
+    with (CHECKPOINT / "model.safetensors").open("rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    params = sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
+    return 2 * params / 1e9
 
 
 def _token_counter() -> Any:
@@ -64,15 +80,32 @@ def measure(name: str, args: argparse.Namespace, count_tokens: Any) -> dict[str,
     try:
         asyncio.run(_warm_up(server, count_tokens))
         requests = workload(args.requests, args.rate, args.seed)
+        # This VM drifts up to 2x within minutes: the ceiling is measured just before each server.
+        ceiling = {rows: gflops(rows, seconds_per_shape=0.3) for rows in (DECODE_ROWS, PREFILL_ROWS)}
         outcomes, wall = asyncio.run(
             run_load(server.base_url, server.model, requests, count_tokens, args.max_concurrency)
         )
         row: dict[str, Any] = {"server": name, **summarize(outcomes, wall)}
+        # What the machine did for it: the weight matmuls over every prompt and output token.
+        per_token = linear_gflop_per_token()
+        row["linear_gflop_per_s"] = round(row["processed_tokens_per_s"] * per_token, 1)
+        # The least time any server needs for these tokens: prompts at the big-GEMM ceiling,
+        # outputs at the decode-batch one (attention and everything else only add to it).
+        floor_s = (
+            row["prompt_tokens"] * per_token / ceiling[PREFILL_ROWS]
+            + row["completion_tokens"] * per_token / ceiling[DECODE_ROWS]
+        )
+        span = row["completion_tokens"] / row["output_tokens_per_s"] if row["output_tokens_per_s"] else 0.0
+        row["ceiling_gflop_per_s"] = {str(k): round(v, 1) for k, v in ceiling.items()}
+        row["matmul_floor_s"] = round(floor_s, 1)
+        row["ceiling_output_tokens_per_s"] = round(row["completion_tokens"] / floor_s, 1) if floor_s else 0.0
+        row["share_of_ceiling"] = round(floor_s / span, 2) if span else 0.0
     finally:
         server.stop()
     print(
         f"  {name:14s} {row['output_tokens_per_s']:8.1f} tok/s  TTFT p50 {row['ttft_ms_p50']:8.0f} ms"
-        f"  ITL p50 {row['itl_ms_p50']:6.1f} ms  failed {row['failed']}",
+        f"  ITL p50 {row['itl_ms_p50']:6.1f} ms  {row['linear_gflop_per_s']:5.1f} GFLOP/s"
+        f"  (ceiling {row['ceiling_output_tokens_per_s']:.0f} tok/s)  failed {row['failed']}",
         flush=True,
     )
     return row

@@ -85,6 +85,8 @@ class Outcome:
     latency_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     completion_tokens: int = 0
+    # The prompt as the server counted it (0 when it sent no usage).
+    prompt_tokens: int = 0
     tokens_from_usage: bool = False
     finished_at_s: float = 0.0
     error: str = ""
@@ -103,6 +105,7 @@ async def stream_one(
     gaps: list[float] = []
     text: list[str] = []
     usage_tokens: int | None = None
+    prompt_tokens = 0
     try:
         stream = await client.chat.completions.create(
             model=model,
@@ -115,6 +118,7 @@ async def stream_one(
         async for chunk in stream:
             if chunk.usage is not None:
                 usage_tokens = chunk.usage.completion_tokens
+                prompt_tokens = chunk.usage.prompt_tokens
             for choice in chunk.choices:
                 if choice.delta.content:
                     now = time.perf_counter()
@@ -134,6 +138,7 @@ async def stream_one(
         latency_s=end - started,
         itl_s=gaps,
         completion_tokens=tokens,
+        prompt_tokens=prompt_tokens,
         tokens_from_usage=usage_tokens is not None,
         finished_at_s=end - t0,
     )
@@ -174,13 +179,18 @@ def summarize(outcomes: Sequence[Outcome], wall_s: float) -> dict[str, float | i
     latency = [o.latency_s * 1000 for o in done]
     itl = [g * 1000 for o in done for g in o.itl_s]
     tokens = sum(o.completion_tokens for o in done)
+    prompt = sum(o.prompt_tokens for o in done)
     span = max((o.finished_at_s for o in done), default=wall_s)
     row: dict[str, float | int | str] = {
         "requests": len(outcomes),
         "failed": len(outcomes) - len(done),
         "completion_tokens": tokens,
+        "prompt_tokens": prompt,
         "tokens_from_usage": sum(o.tokens_from_usage for o in done),
         "output_tokens_per_s": round(tokens / span, 2) if span > 0 else 0.0,
+        # Prompt and output tokens together: every one costs the model's weights once (a
+        # prefill-heavy workload is bound by these, whatever the server).
+        "processed_tokens_per_s": round((prompt + tokens) / span, 2) if span > 0 else 0.0,
         "requests_per_s": round(len(done) / span, 3) if span > 0 else 0.0,
     }
     for name, values in (("ttft_ms", ttft), ("itl_ms", itl), ("latency_ms", latency)):

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from bench.serving import ratios
+from bench.serving import linear_gflop_per_token, ratios
 from bench.serving_client import OUTPUT_TOKENS, Outcome, summarize, workload
 from services import cli
 
@@ -28,18 +28,38 @@ def test_every_server_gets_the_same_poisson_workload_of_distinct_prompts() -> No
 def test_summary_counts_tokens_over_the_span_to_the_last_token_and_reports_failures() -> None:
     outcomes = [
         Outcome(
-            ok=True, ttft_s=0.1, latency_s=1.0, itl_s=[0.01, 0.03], completion_tokens=30, finished_at_s=2.0
+            ok=True,
+            ttft_s=0.1,
+            latency_s=1.0,
+            itl_s=[0.01, 0.03],
+            completion_tokens=30,
+            finished_at_s=2.0,
+            prompt_tokens=100,
         ),
-        Outcome(ok=True, ttft_s=0.3, latency_s=2.0, itl_s=[0.02], completion_tokens=50, finished_at_s=4.0),
+        Outcome(
+            ok=True,
+            ttft_s=0.3,
+            latency_s=2.0,
+            itl_s=[0.02],
+            completion_tokens=50,
+            finished_at_s=4.0,
+            prompt_tokens=220,
+        ),
         Outcome(ok=False, error="APIConnectionError: refused"),
     ]
     row = summarize(outcomes, wall_s=9.0)
     assert row["completion_tokens"] == 80
     assert row["output_tokens_per_s"] == 20.0  # 80 tokens over 4 s, not the 9 s wall
+    assert row["processed_tokens_per_s"] == 100.0  # prompts count too: 400 tokens over 4 s
     assert row["failed"] == 1
     assert row["ttft_ms_p50"] == 200.0
     assert row["itl_ms_p50"] == 20.0
     assert "refused" in str(row["errors"])
+
+
+def test_the_model_costs_two_flops_per_weight_per_token() -> None:
+    # SmolLM2-135M: 134.5 M weights (tied embeddings counted once).
+    assert linear_gflop_per_token() == pytest.approx(0.269, abs=0.001)
 
 
 def _row(server: str, tok_s: float, ttft: float) -> dict[str, object]:
