@@ -77,6 +77,9 @@ def front(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterato
             replica.address,
             "--health-interval-s",
             "0.3",
+            # These tests count the replica's sequences: the router's own probe must not be one.
+            "--probe-interval-s",
+            "0",
             "--api-keys-file",
             str(keys),
             "--http-port",
@@ -330,8 +333,8 @@ def test_a_queued_stream_gets_keepalives_and_leaving_frees_the_replica(front: Fr
         assert running_sequences(front.replica) == 3
     finally:
         stop.set()
-    for thread, _, _ in runs:
-        thread.join(30)
+        for thread, _, _ in runs:  # even after a failed assert: the next test needs a quiet replica
+            thread.join(30)
     left_at = time.monotonic()
     while running_sequences(front.replica) and time.monotonic() - left_at < 5:
         time.sleep(0.02)

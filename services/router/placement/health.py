@@ -89,12 +89,24 @@ class ActiveHealthChecker:
         except grpc.aio.AioRpcError as exc:
             # A broken load report is not a dead replica: balance on what this router sees.
             log.warning("GetLoad of %s failed: %s %s", replica.address, exc.code().name, exc.details())
-        if serving and self.probe_every_s and time.monotonic() - replica.last_probe >= self.probe_every_s:
+        if serving and self.probe_due(replica, time.monotonic()):
             # In the background: a busy engine's probe must not hold up everyone's load polling.
             replica.last_probe = time.monotonic()
             task = asyncio.create_task(self.probe(replica))
             self._probes.add(task)
             task.add_done_callback(self._probes.discard)
+
+    def probe_due(self, replica: Replica, now: float) -> bool:
+        """A probe is due a period after the last one, unless tokens prove the engine alive.
+
+        Tokens this router received within the period are the evidence the probe would give:
+        and on a replica whose seats are all taken, a probe would only wait in its queue behind
+        the turns (and might time out there, marking a busy replica as failed).
+        """
+        if not self.probe_every_s or now - replica.last_probe < self.probe_every_s:
+            return False
+        last_token = replica.itl.last_sample_at
+        return last_token is None or now - last_token >= self.probe_every_s
 
     async def probe(self, replica: Replica) -> None:
         """One-token generation: health SERVING does not prove the engine loop is alive.

@@ -73,6 +73,11 @@ class LatencyEwma:
             return None
         return self._value
 
+    @property
+    def last_sample_at(self) -> float | None:
+        """When the last sample arrived (on this EWMA's clock); None before the first."""
+        return None if self._value is None else self._updated
+
 
 class BalancingPolicy(Protocol):
     """Picks a replica; ``session_key`` is only used by affinity."""

@@ -1,4 +1,5 @@
-"""Outlier ejection (backoff 30 s × n, never over half the pool) and model selection: pure logic, fake clock."""
+"""Outlier ejection (backoff 30 s × n, never over half the pool), when a generation probe is due, and
+model selection: pure logic, fake clock."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import random
 import pytest
 
 from services.common import errors
+from services.router.placement.health import ActiveHealthChecker
 from services.router.placement.models import ModelCatalog
 from services.router.placement.outliers import EjectionConfig, FailureKind, OutlierDetector, may_eject
+from services.router.placement.policies import LatencyEwma
 
 
 class FakeClock:
@@ -90,3 +93,27 @@ def test_bad_flags_are_rejected_by_name() -> None:
         ModelCatalog.from_flags(aliases="fast")
     with pytest.raises(ValueError, match="--canary"):
         ModelCatalog.from_flags(canary="m=m-v2:1.5")
+
+
+class _ProbedReplica:
+    """What ``probe_due`` reads of a replica: its last probe and its token-gap EWMA."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.last_probe = 0.0
+        self.itl = LatencyEwma(clock=clock)
+
+
+def test_a_probe_waits_its_period_and_is_skipped_while_tokens_flow() -> None:
+    clock = FakeClock()
+    checker = ActiveHealthChecker(pool=None, probe_every_s=30.0)  # type: ignore[arg-type]
+    replica = _ProbedReplica(clock)
+    assert checker.probe_due(replica, clock.now)  # type: ignore[arg-type]  # never probed, no tokens
+    replica.last_probe = clock.now
+    clock.now += 29.0
+    assert not checker.probe_due(replica, clock.now)  # type: ignore[arg-type]
+    clock.now += 2.0
+    replica.itl.observe(0.02)  # this router's turns are streaming tokens from it right now
+    assert not checker.probe_due(replica, clock.now)  # type: ignore[arg-type]
+    clock.now += 30.0  # then the tokens stop for a whole period: only a probe can tell
+    assert checker.probe_due(replica, clock.now)  # type: ignore[arg-type]
+    assert not ActiveHealthChecker(pool=None, probe_every_s=0).probe_due(replica, clock.now)  # type: ignore[arg-type]
