@@ -1,6 +1,8 @@
 """Paged KV-cache bookkeeping: block tables, prefix reuse by chained block hash, refcounts, LRU eviction.
 
-Pure Python: it hands out block ids; the model runner owns the tensors they index.
+Pure Python: it hands out block ids; the model runner owns the tensors they index. The block
+hash is the mesh-wide one (``services/common/kv_blocks.py``), so the router computes the same
+numbers; every hash registered or dropped is recorded in ``events`` (``kv_events.py``).
 """
 
 from __future__ import annotations
@@ -8,6 +10,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from services.common.kv_blocks import chain_hash
+from services.inference.kv_events import KvEventLog
 from services.inference.sequence import Sequence
 
 
@@ -32,11 +36,6 @@ class BlockUsage:
     total: int
 
 
-def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    """Hash of a full block given its predecessor's hash, so equal hashes mean equal prefixes."""
-    return hash((parent, tokens))
-
-
 class BlockManager:
     """Owns ``num_blocks`` blocks of ``block_size`` token slots each."""
 
@@ -53,6 +52,8 @@ class BlockManager:
         self._by_hash: dict[int, int] = {}
         # Per sequence: hashes of its full, registered blocks (the chain so far).
         self._seq_hashes: dict[str, list[int]] = {}
+        #: Every hash entering or leaving ``_by_hash``: the replica's KV events.
+        self.events = KvEventLog(block_size)
 
     # -- queries -------------------------------------------------------------
     @property
@@ -120,6 +121,7 @@ class BlockManager:
                 block.block_hash = h
                 block.tokens = tokens
                 self._by_hash[h] = block.block_id
+                self.events.stored(h)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix held by no sequence (benchmarks start each round cold)."""
@@ -129,16 +131,28 @@ class BlockManager:
             block.block_hash = None
             block.tokens = ()
             self._free.append(block_id)
-        self._by_hash = {h: b for h, b in self._by_hash.items() if self.blocks[b].ref_count > 0}
+        kept: dict[int, int] = {}
+        for h, b in self._by_hash.items():
+            if self.blocks[b].ref_count > 0:
+                kept[h] = b
+            else:
+                self.events.evicted(h)
+        self._by_hash = kept
 
     def forget(self, block_ids: set[int]) -> None:
         """Stop offering these blocks as cached prefixes (their contents cannot be trusted)."""
         for block_id in block_ids:
             block = self.blocks[block_id]
-            if block.block_hash is not None and self._by_hash.get(block.block_hash) == block_id:
-                del self._by_hash[block.block_hash]
-            block.block_hash = None
-            block.tokens = ()
+            self._unregister(block)
+
+    def _unregister(self, block: Block) -> None:
+        """The block no longer holds a reusable prefix."""
+        h = block.block_hash
+        if h is not None and self._by_hash.get(h) == block.block_id:
+            del self._by_hash[h]
+            self.events.evicted(h)
+        block.block_hash = None
+        block.tokens = ()
 
     # -- allocation ------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -160,11 +174,7 @@ class BlockManager:
         else:
             # Evict the least recently used cached prefix.
             block_id, _ = self._evictable.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.block_hash is not None and self._by_hash.get(block.block_hash) == block_id:
-                del self._by_hash[block.block_hash]
-            block.block_hash = None
-            block.tokens = ()
+            self._unregister(self.blocks[block_id])
         self.blocks[block_id].ref_count = 1
         return block_id
 

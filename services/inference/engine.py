@@ -187,6 +187,7 @@ class LLMEngine:
         results = run_isolating_faults(self._run, plan.scheduled) if plan.scheduled else []
         outputs += self._drain_aborts()  # those aborted while the step ran
         outputs += self._update(plan, results)
+        self.block_manager.events.publish()  # one KV-events delta per step, never one per block
         return outputs
 
     def _run(self, chunks: Seq[ScheduledSequence]) -> list[ChunkResult]:
@@ -308,6 +309,7 @@ class LLMEngine:
     def reset_prefix_cache(self) -> None:
         """Drop cached prefixes no request holds."""
         self.block_manager.reset_prefix_cache()
+        self.block_manager.events.publish()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Run ``prompts`` to completion together; returns each one's generated token ids."""

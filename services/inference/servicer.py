@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 
 from services.common.errors import DependencyUnavailable
 from services.common.generate_many.server import serve_many, serve_one
+from services.common.prompts import Message, prompt_token_ids
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.inference.async_engine import AsyncEngine
 from services.inference.engine import RequestOutput
-from services.inference.prompts import Message, prompt_token_ids
+from services.inference.kv_events import KvDelta, KvSnapshot
+from services.inference.kv_watch import watch_kv_events
 from services.inference.sampling import SamplingParams
 from services.inference.sequence import FinishReason
 
@@ -96,6 +99,25 @@ def start_generation(
     return engine.generate(start.request_id, prompt_ids, params, list(start.resume_token_ids))
 
 
+def kv_events_pb(snapshot: KvSnapshot | None, deltas: list[KvDelta]) -> inference_pb2.KvEvents:
+    message = inference_pb2.KvEvents(
+        deltas=[
+            inference_pb2.KvDelta(sequence=d.sequence, stored=d.stored, evicted=d.evicted) for d in deltas
+        ],
+        published_unix_ms=int((deltas[-1].published_at if deltas else time.time()) * 1000),
+    )
+    if snapshot is not None:
+        message.snapshot.CopyFrom(
+            inference_pb2.KvSnapshot(
+                incarnation=snapshot.incarnation,
+                sequence=snapshot.sequence,
+                block_size=snapshot.block_size,
+                block_hashes=snapshot.block_hashes,
+            )
+        )
+    return message
+
+
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     """Streams generations from the engine; the engine is set once the model is loaded."""
 
@@ -173,6 +195,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             max_queued_requests=engine.engine.config.max_queued_requests,
             draining=engine.draining,
         )
+
+    async def WatchKvEvents(
+        self,
+        request: inference_pb2.WatchKvEventsRequest,
+        context: grpc.aio.ServicerContext[inference_pb2.WatchKvEventsRequest, inference_pb2.KvEvents],
+    ) -> AsyncIterator[inference_pb2.KvEvents]:
+        # A stream of its own, not GenerateMany's: see docs/inference.md, *KV events*.
+        events = self._engine().engine.block_manager.events
+        async for snapshot, deltas in watch_kv_events(events, self.stopping):
+            yield kv_events_pb(snapshot, deltas)
 
     async def GetModelInfo(
         self,

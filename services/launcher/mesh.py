@@ -137,6 +137,9 @@ class MeshConfig:
             retriever,
             "--redis-url",
             redis_url,
+            # The replicas' model: the router hashes prompts with its tokenizer (prefix placement).
+            "--tokenizer",
+            str(self.model),
             *(["--no-http"] if self.http_port is None else ["--http-port", str(self.port(self.http_port))]),
             host=self.host,
         )

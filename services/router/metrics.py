@@ -40,3 +40,17 @@ TOKENS = Counter(
 PROMPT_TOKENS = TOKENS.labels(direction="prompt")
 COMPLETION_TOKENS = TOKENS.labels(direction="completion")
 IN_FLIGHT = Gauge("llmmesh_router_in_flight", "Turns this router is serving now.")
+# Prefix index, per replica address (placement/kv_events.py): removed when the replica leaves.
+KV_INDEX_BLOCKS = Gauge(
+    "llmmesh_router_kv_index_blocks", "Prefix blocks the router's index holds per replica.", ["replica"]
+)
+KV_EVENT_LAG = Gauge(
+    "llmmesh_router_kv_event_lag_seconds",
+    "Age of the newest KV event applied per replica when it arrived (replica clock to router clock).",
+    ["replica"],
+)
+KV_RESYNCS = Counter(
+    "llmmesh_router_kv_resyncs_total",
+    "KV event streams restarted from a snapshot: gap, stream broken or ended.",
+    ["reason"],
+)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from collections.abc import Sequence
@@ -23,12 +24,15 @@ from services.router.api.servicer import RouterServicer, TaskBackend
 from services.router.api.task_api import TaskApi
 from services.router.placement.discovery import ReplicaDiscovery, parse_address_list
 from services.router.placement.health import ActiveHealthChecker
+from services.router.placement.kv_events import KvEventsConsumer
 from services.router.placement.models import ModelCatalog
 from services.router.placement.outliers import EjectionConfig
 from services.router.placement.pins import AffinityPins
 from services.router.placement.policies import POLICY_NAMES, make_policy
 from services.router.placement.pool import ReplicaPool
+from services.router.placement.prefix_index import PrefixIndex
 from services.router.placement.prewarm import SessionMover
+from services.router.placement.prompt_hashes import PromptHasher, common_block_size
 from services.router.placement.ring import DEFAULT_EPSILON
 from services.router.streams.relay import Relay, RelayConfig
 from services.router.streams.replay import ReplayBuffer
@@ -69,6 +73,9 @@ class RouterSettings:
     health_interval_s: float = flag(1.0, help="active health and load polling period")
     probe_interval_s: float = flag(30.0, help="one-token generation probe period (0 = off)")
     cache_ttl_seconds: int = flag(3600, help="exact-cache entry lifetime")
+    # The replicas' model directory or .gguf file; `llm-mesh up` passes its --model. Unset:
+    # no prefix hashes (placement ignores prefixes), the router never imports transformers.
+    tokenizer: str | None = flag(None, help="model dir or .gguf whose tokenizer hashes prompt prefixes")
     tasks: TaskSettings | None = None
     #: How replicas, the session service and the retriever are dialled: None = plaintext.
     replica_tls: DialTls | None = None
@@ -104,6 +111,14 @@ class RouterRuntime:
             self.pool, settings.replicas, settings.replicas_dns, settings.replicas_file
         )
         self.health = ActiveHealthChecker(self.pool, settings.health_interval_s, settings.probe_interval_s)
+        # Which prompt blocks each replica caches: fed by every replica's KV events (the
+        # consumer) or, for replicas without them, by what this router sent (the picker).
+        self.prefix_index = PrefixIndex()
+        self.pool.indexed_blocks = self.prefix_index.block_count
+        self.kv_events = KvEventsConsumer(self.pool, self.prefix_index)
+        self.prompt_hasher = PromptHasher(
+            block_size=lambda: common_block_size(r.kv_block_size for r in self.pool.replicas.values())
+        )
         rng = random.Random()
         policy = make_policy(settings.policy, rng, settings.epsilon)
         self.replay = ReplayBuffer(self.redis) if self.redis is not None else None
@@ -131,6 +146,7 @@ class RouterRuntime:
             self.pipeline, self.authenticator, self.pool, settings.policy, self.replay, None, None
         )
         self._channels: list[grpc.aio.Channel] = []
+        self._tasks: set[asyncio.Task[None]] = set()  # held: the loop keeps only weak references
         self.mover: SessionMover | None = None
         self.http: HttpListener | None = None
         if settings.http is not None:
@@ -183,6 +199,9 @@ class RouterRuntime:
         if self.tasks is not None:
             self.servicer.tasks = self.tasks
         await self.discovery.start()
+        self.kv_events.start()
+        if s.tokenizer:
+            self._tasks.add(asyncio.get_running_loop().create_task(self.prompt_hasher.load(s.tokenizer)))
         await self.health.check_all()  # know the pool before admitting the first request
         self.pool.mark_started()  # turns that came in meanwhile waited for this (turns/pipeline.py)
         self.health.start()
@@ -214,6 +233,9 @@ class RouterRuntime:
         if self.mover is not None:
             await self.mover.stop()
         await self.health.stop()
+        await self.kv_events.stop()
+        for task in self._tasks:
+            task.cancel()
         await self.discovery.stop()
         await self.pool.close()
         for channel in self._channels:

@@ -211,6 +211,16 @@ class SyntheticInference(inference_pb2_grpc.InferenceServicer):
             vocab_size=VOCAB_SIZE,
         )
 
+    async def WatchKvEvents(
+        self,
+        request: inference_pb2.WatchKvEventsRequest,
+        context: grpc.aio.ServicerContext[inference_pb2.WatchKvEventsRequest, inference_pb2.KvEvents],
+    ) -> AsyncIterator[inference_pb2.KvEvents]:
+        # No KV cache to describe: it answers as a replica older than the RPC does, so a
+        # router keeps it in approximate prefix mode (and tests can exercise that path).
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the synthetic replica keeps no KV cache")
+        yield inference_pb2.KvEvents()  # pragma: no cover - abort raises; this makes it a stream
+
 
 class SyntheticRuntime:
     """ServiceRuntime for the synthetic token source."""

@@ -75,6 +75,7 @@ class ActiveHealthChecker:
                     inference_pb2.GetModelInfoRequest(), timeout=self.timeout_s
                 )
                 replica.model = info.model_id
+                replica.kv_block_size = info.kv_block_size
                 self.pool.models_changed()
         except grpc.aio.AioRpcError as exc:
             self.pool.set_serving(replica, False)

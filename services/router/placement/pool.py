@@ -120,6 +120,10 @@ class Replica:
         self.weight = 1.0
         #: Its first health check has answered, either way: until then its model is unknown.
         self.checked = False
+        #: Tokens per KV block (ModelInfo, then its KV events' snapshot); 0 = not known yet.
+        self.kv_block_size = 0
+        #: Its KV events feed the prefix index now (False: approximate mode, or the stream is down).
+        self.kv_events_live = False
 
     async def close(self) -> None:
         await self.mux.close()
@@ -146,7 +150,7 @@ class Replica:
         ttft = self.ttft.value or 0.0
         return ttft * self.last_load.waiting
 
-    def status(self, wall_now_ms: int, mono_now: float) -> router_pb2.ReplicaStatus:
+    def status(self, wall_now_ms: int, mono_now: float, indexed_blocks: int = 0) -> router_pb2.ReplicaStatus:
         if self.last_load.draining:
             health = router_pb2.REPLICA_HEALTH_DRAINING
         elif self.serving is None:
@@ -170,6 +174,8 @@ class Replica:
             in_flight=self.in_flight,
             last_load=self.last_load,
             weight=self.weight,
+            indexed_blocks=indexed_blocks,
+            kv_events=self.kv_events_live,
         )
 
 
@@ -196,6 +202,8 @@ class ReplicaPool:
         self._started = False
         #: Called when a replica stops taking work (ejected, or its health check fails).
         self.on_unavailable: list[Callable[[Replica], None]] = []
+        #: Blocks the router's prefix index holds for a replica address (set by the runtime).
+        self.indexed_blocks: Callable[[str], int] = lambda address: 0
 
     def set_addresses(self, addresses: Iterable[str]) -> None:
         """Make the pool exactly ``addresses``; a removed replica's channel closes after its streams."""
@@ -291,7 +299,10 @@ class ReplicaPool:
 
     def statuses(self) -> list[router_pb2.ReplicaStatus]:
         wall_ms, mono = int(time.time() * 1000), time.monotonic()
-        return [r.status(wall_ms, mono) for r in sorted(self.replicas.values(), key=lambda r: r.address)]
+        return [
+            r.status(wall_ms, mono, self.indexed_blocks(r.address))
+            for r in sorted(self.replicas.values(), key=lambda r: r.address)
+        ]
 
     async def close(self) -> None:
         for task in list(self._closing):

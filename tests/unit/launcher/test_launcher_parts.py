@@ -48,6 +48,8 @@ def test_only_the_router_listens_on_host_everything_behind_it_on_loopback(tmp_pa
     router = config.router_command(["127.0.0.1:50052"], "127.0.0.1:50054", "127.0.0.1:50053", "redis://x:1/0")
     assert listen_host(router) == "0.0.0.0"
     assert router[router.index("--retriever-addr") + 1] == "127.0.0.1:50053"
+    # The router hashes prompt prefixes with the replicas' own tokenizer.
+    assert router[router.index("--tokenizer") + 1] == str(config.model)
 
 
 def test_the_router_serves_openai_http_on_8000_a_free_port_or_not_at_all(tmp_path: Path) -> None:

@@ -1,11 +1,19 @@
-"""Turns a client's chat messages or raw prompt into prompt token ids, validating them."""
+"""Turns a client's chat messages or raw prompt into prompt token ids, validating them.
+
+The one rendering of a prompt: a replica prefills exactly these ids, and the router computes
+its prefix block hashes from the same ids (``services/router/placement/prompt_hashes.py``), so
+both live here rather than in either service. transformers is only a type here: the caller
+hands in the tokenizer it loaded.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 from services.common.errors import InvalidArgument
 

@@ -1,0 +1,189 @@
+"""Feeds the prefix index from every replica's ``WatchKvEvents`` stream, one task per replica.
+
+Each task subscribes, applies the snapshot and then each delta; a hole in the sequence numbers
+(or a delta the index refuses: another incarnation) makes it subscribe again for a fresh
+snapshot at once. A broken or ended stream forgets the replica's entry (a replica that comes
+back may have restarted with an empty cache) and reconnects after an exponential, jittered
+backoff. A replica that answers UNIMPLEMENTED (an older version) stays in the index's
+approximate mode: one log line, then a quiet look every ``UNSUPPORTED_RETRY_S`` in case it
+was upgraded. A replica that leaves the pool has its task cancelled and its entry forgotten.
+Every router instance runs its own consumer against every replica, so all of them hold the
+same index without sharing state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+
+from services.gen.llmmesh.v1 import inference_pb2
+from services.router import metrics
+from services.router.placement.pool import Replica, ReplicaPool
+
+log = logging.getLogger("llmmesh.router.kv_events")
+
+#: How long an older replica without the RPC is left alone before it is asked again.
+UNSUPPORTED_RETRY_S = 60.0
+
+
+class PrefixIndexFeed(Protocol):
+    """The part of the prefix index (``prefix_index.PrefixIndex``) that KV events write."""
+
+    def apply_snapshot(
+        self, replica: str, incarnation: str, sequence: int, block_size: int, block_hashes: Iterable[int]
+    ) -> None: ...
+
+    def apply_delta(
+        self, replica: str, incarnation: str, sequence: int, stored: Sequence[int], evicted: Sequence[int]
+    ) -> bool: ...
+
+    def forget(self, replica: str) -> None: ...
+
+    def block_count(self, replica: str) -> int: ...
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Reconnect delays: ``first_s`` doubling up to ``max_s``, each with ±``jitter`` (0..1)."""
+
+    first_s: float = 0.25
+    max_s: float = 5.0
+    jitter: float = 0.2
+
+    def delay(self, attempt: int, rng: random.Random) -> float:
+        base = min(self.max_s, self.first_s * 2 ** max(0, attempt))
+        return base * (1 + self.jitter * (2 * rng.random() - 1))
+
+
+class Resync(Exception):
+    """The stream's events no longer follow on from what was applied: subscribe again."""
+
+
+class KvEventsConsumer:
+    """One watcher task per replica in the pool, writing into ``index``."""
+
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        index: PrefixIndexFeed,
+        backoff: Backoff | None = None,
+        rng: random.Random | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.pool = pool
+        self.index = index
+        self.backoff = backoff or Backoff()
+        self._rng = rng or random.Random()
+        self._wall = wall_clock
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._started = False
+
+    def start(self) -> None:
+        """Follow the pool from now on: replicas added or removed start or stop their watcher."""
+        self._started = True
+        self.pool.on_models_changed.append(self.sync)
+        self.sync()
+
+    def sync(self) -> None:
+        if not self._started:
+            return
+        for address, replica in self.pool.replicas.items():
+            if address not in self._tasks:
+                task = asyncio.get_running_loop().create_task(
+                    self._follow(replica), name=f"kv-events {address}"
+                )
+                self._tasks[address] = task
+        for address in [a for a in self._tasks if a not in self.pool.replicas]:
+            self._tasks.pop(address).cancel()  # its finally forgets the entry
+
+    async def stop(self) -> None:
+        self._started = False
+        with contextlib.suppress(ValueError):
+            self.pool.on_models_changed.remove(self.sync)
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _follow(self, replica: Replica) -> None:
+        address = replica.address
+        attempt = 0
+        told_unsupported = False
+        try:
+            while True:
+                try:
+                    if await self._consume(replica):
+                        attempt = 0  # it got as far as a snapshot: the next failure starts afresh
+                    reason = "ended"  # the replica drained, or a restart closed the stream cleanly
+                except Resync:
+                    metrics.KV_RESYNCS.labels(reason="gap").inc()
+                    continue  # at once: the replica is up, only this watcher's view is off
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                        if not told_unsupported:
+                            log.info("%s has no WatchKvEvents: prefix placement stays approximate", address)
+                            told_unsupported = True
+                        self._lost(address, replica)
+                        await asyncio.sleep(UNSUPPORTED_RETRY_S)
+                        continue
+                    reason = "broken"
+                    log.debug("KV events from %s: %s", address, exc.code().name)
+                self._lost(address, replica)
+                metrics.KV_RESYNCS.labels(reason=reason).inc()
+                await asyncio.sleep(self.backoff.delay(attempt, self._rng))
+                attempt += 1
+        finally:
+            self._lost(address, replica)
+            for gauge in (metrics.KV_INDEX_BLOCKS, metrics.KV_EVENT_LAG):
+                with contextlib.suppress(KeyError):  # never set for this replica
+                    gauge.remove(address)
+
+    def _lost(self, address: str, replica: Replica) -> None:
+        """Nothing is known of the replica's cache any more (until its next snapshot)."""
+        replica.kv_events_live = False
+        self.index.forget(address)
+        metrics.KV_INDEX_BLOCKS.labels(replica=address).set(0)
+
+    async def _consume(self, replica: Replica) -> bool:
+        """One subscription until it ends; True if its snapshot was applied. Raises ``Resync``."""
+        address = replica.address
+        call = replica.stub.WatchKvEvents(inference_pb2.WatchKvEventsRequest())
+        incarnation: str | None = None
+        sequence = 0
+        try:
+            async for message in call:
+                if message.HasField("snapshot"):
+                    snap = message.snapshot
+                    self.index.apply_snapshot(
+                        address, snap.incarnation, snap.sequence, snap.block_size, snap.block_hashes
+                    )
+                    incarnation, sequence = snap.incarnation, snap.sequence
+                    replica.kv_block_size = snap.block_size
+                    replica.kv_events_live = True
+                for delta in message.deltas:
+                    if incarnation is None or delta.sequence != sequence + 1:
+                        raise Resync
+                    if not self.index.apply_delta(
+                        address, incarnation, delta.sequence, delta.stored, delta.evicted
+                    ):
+                        raise Resync
+                    sequence = delta.sequence
+                self._observe(address, message.published_unix_ms)
+        finally:
+            call.cancel()
+        return incarnation is not None
+
+    def _observe(self, address: str, published_unix_ms: int) -> None:
+        metrics.KV_INDEX_BLOCKS.labels(replica=address).set(self.index.block_count(address))
+        if published_unix_ms:
+            lag = max(0.0, self._wall() - published_unix_ms / 1000.0)
+            metrics.KV_EVENT_LAG.labels(replica=address).set(lag)

@@ -1,0 +1,94 @@
+"""The prefix block hashes of an incoming request, as the replica's block manager will compute them.
+
+The router loads the model's tokenizer and chat template (``--tokenizer``: a model directory or
+a ``.gguf`` file; never the weights), renders a ``GenerateStart`` to exactly the token ids the
+replica prefills (the shared rendering, ``services/common/prompts.py``, plus any resumed
+tokens) and hashes its full blocks with the mesh-wide chain hash
+(``services/common/kv_blocks.py``). Placement scores each replica's cached prefix from them.
+
+Loading takes a few seconds (importing transformers), so it runs off the event loop after the
+router starts; until it is done, and for a request the replica would refuse anyway, there are
+no hashes and placement treats the prompt as uncached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from services.common.errors import InvalidArgument
+from services.common.kv_blocks import block_hashes
+from services.common.prompts import Message, prompt_token_ids
+from services.gen.llmmesh.v1 import inference_pb2
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger("llmmesh.router.prompt_hashes")
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer and chat template of a model directory or ``.gguf`` file (no weights)."""
+    from transformers import AutoTokenizer
+
+    p = Path(path)
+    if p.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    return AutoTokenizer.from_pretrained(str(p))
+
+
+def common_block_size(sizes: Iterable[int]) -> int:
+    """The block size most replicas report (0 when none is known yet)."""
+    counts = Counter(s for s in sizes if s > 0)
+    return counts.most_common(1)[0][0] if counts else 0
+
+
+class PromptHasher:
+    """Token ids and prefix block hashes of a ``GenerateStart``."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        block_size: Callable[[], int] = lambda: 0,
+    ) -> None:
+        self.tokenizer = tokenizer
+        #: The block size to hash with when the caller names none (the pool's, see runtime.py).
+        self.block_size = block_size
+
+    async def load(self, path: str) -> None:
+        """Load the tokenizer off the event loop; a failure leaves prefix placement off, said once."""
+        try:
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, path)
+        except Exception as exc:  # a missing or unreadable model: the router serves on without hashes
+            log.warning("--tokenizer %s could not be loaded (%s): no prefix hashes", path, exc)
+            return
+        log.info("prefix hashes from the tokenizer of %s", path)
+
+    def token_ids(self, start: inference_pb2.GenerateStart) -> list[int] | None:
+        """The ids the replica will prefill for ``start``; None without a tokenizer or for a
+        request the replica will refuse (its error reaches the client from there)."""
+        if self.tokenizer is None:
+            return None
+        try:
+            ids = prompt_token_ids(
+                self.tokenizer, [Message(m.role, m.content) for m in start.messages], start.prompt
+            )
+        except InvalidArgument:
+            return None
+        return [*ids, *start.resume_token_ids]
+
+    def hashes(self, start: inference_pb2.GenerateStart, block_size: int = 0) -> tuple[int, list[int]]:
+        """(block size, the chain hash of every full block of the prompt): what placement's
+        ``prefix_hashes`` takes. No hashes when the block size or the ids are not known."""
+        size = block_size or self.block_size()
+        if size <= 0:
+            return 0, []
+        ids = self.token_ids(start)
+        try:
+            return size, block_hashes(ids, size) if ids else []
+        except ValueError:  # a resumed token id out of range: the replica refuses it
+            return size, []
