@@ -99,7 +99,7 @@ def replica_table(reply: router_pb2.ListReplicasResponse) -> Table:
     table = Table(title=title)
     table.add_column("replica", no_wrap=True)
     table.add_column("health", no_wrap=True)
-    for column in ("in flight", "queued", "running", "KV", "tok/s", "TTFT ms", "ITL ms"):
+    for column in ("in flight", "queued", "running", "KV", "prefix blocks", "tok/s", "TTFT ms", "ITL ms"):
         table.add_column(column, justify="right", no_wrap=True)
     for r in reply.replicas:
         load = r.last_load
@@ -113,6 +113,8 @@ def replica_table(reply: router_pb2.ListReplicasResponse) -> Table:
             str(load.waiting),
             str(load.running),
             ratio(load.kv_blocks_used, load.kv_blocks_total),
+            # Blocks the router's prefix index holds for it; "~": approximate (no KV events).
+            f"{r.indexed_blocks}" if r.kv_events else f"~{r.indexed_blocks}",
             f"{load.tokens_per_second:.1f}",
             f"{r.ewma_ttft_ms:.0f}",
             f"{r.ewma_itl_ms:.0f}",
