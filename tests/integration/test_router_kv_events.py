@@ -10,7 +10,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.common.kv_blocks import block_hashes
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, router_pb2
 from services.router.placement.prompt_hashes import PromptHasher, load_tokenizer
 from tests.support.processes import ServiceProcess
@@ -122,13 +121,3 @@ def test_a_replica_restart_empties_its_entry_then_events_refill_it(
         wait_for(lambda: status(router).indexed_blocks >= len(chain))
     finally:
         restarted.stop()
-
-
-def test_prompt_hashes_match_the_block_chain_of_the_replicas_token_ids(hasher: PromptHasher) -> None:
-    start = inference_pb2.GenerateStart(messages=messages("Hi"), resume_token_ids=[42] * 20)
-    ids = hasher.token_ids(start)
-    assert ids is not None and ids[-20:] == [42] * 20
-    assert hasher.hashes(start, 32) == (32, block_hashes(ids, 32))
-    # A request the replica would refuse has no hashes, and no error in the router.
-    bad = inference_pb2.GenerateStart(messages=[common_pb2.ChatMessage(role="wizard", content="x")])
-    assert hasher.hashes(bad, 16) == (16, [])

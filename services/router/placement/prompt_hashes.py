@@ -5,6 +5,8 @@ a ``.gguf`` file; never the weights), renders a ``GenerateStart`` to exactly the
 replica prefills (the shared rendering, ``services/common/prompts.py``, plus any resumed
 tokens) and hashes its full blocks with the mesh-wide chain hash
 (``services/common/kv_blocks.py``). Placement scores each replica's cached prefix from them.
+The rendered chat is tokenized segment by segment with a cache (``segment_encoder.py``): the
+same ids, but a system prompt or context shared by many requests is tokenized once.
 
 Loading takes a few seconds (importing transformers), so it runs off the event loop after the
 router starts; until it is done, and for a request the replica would refuse anyway, there are
@@ -24,6 +26,7 @@ from services.common.errors import InvalidArgument
 from services.common.kv_blocks import block_hashes
 from services.common.prompts import Message, prompt_token_ids
 from services.gen.llmmesh.v1 import inference_pb2
+from services.router.placement.segment_encoder import SegmentEncoder
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -56,26 +59,32 @@ class PromptHasher:
         block_size: Callable[[], int] = lambda: 0,
     ) -> None:
         self.tokenizer = tokenizer
+        self._encoder = SegmentEncoder(tokenizer) if tokenizer is not None else None
         #: The block size to hash with when the caller names none (the pool's, see runtime.py).
         self.block_size = block_size
 
     async def load(self, path: str) -> None:
         """Load the tokenizer off the event loop; a failure leaves prefix placement off, said once."""
         try:
-            self.tokenizer = await asyncio.to_thread(load_tokenizer, path)
+            tokenizer = await asyncio.to_thread(load_tokenizer, path)
         except Exception as exc:  # a missing or unreadable model: the router serves on without hashes
             log.warning("--tokenizer %s could not be loaded (%s): no prefix hashes", path, exc)
             return
+        self._encoder = SegmentEncoder(tokenizer)
+        self.tokenizer = tokenizer
         log.info("prefix hashes from the tokenizer of %s", path)
 
     def token_ids(self, start: inference_pb2.GenerateStart) -> list[int] | None:
         """The ids the replica will prefill for ``start``; None without a tokenizer or for a
         request the replica will refuse (its error reaches the client from there)."""
-        if self.tokenizer is None:
+        if self.tokenizer is None or self._encoder is None:
             return None
         try:
             ids = prompt_token_ids(
-                self.tokenizer, [Message(m.role, m.content) for m in start.messages], start.prompt
+                self.tokenizer,
+                [Message(m.role, m.content) for m in start.messages],
+                start.prompt,
+                self._encoder.encode,  # the same ids, a shared system prompt tokenized once
             )
         except InvalidArgument:
             return None

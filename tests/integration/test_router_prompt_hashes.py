@@ -1,0 +1,109 @@
+"""The router's prompt hashes with the real SmolLM2 tokenizer (no weights, no servers): the same ids
+the replica prefills, the same block chain its block manager registers."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from services.common.kv_blocks import block_hashes
+from services.common.prompts import Message, prompt_token_ids
+from services.gen.llmmesh.v1 import common_pb2, inference_pb2
+from services.inference.block_manager import BlockManager
+from services.inference.model_loading import load_tokenizer as replica_tokenizer
+from services.inference.sampling import SamplingParams
+from services.inference.sequence import Sequence
+from services.router.placement.prompt_hashes import PromptHasher, load_tokenizer
+from services.router.placement.segment_encoder import SegmentEncoder
+
+SYSTEM = "You answer questions about orders, refunds and shipping for an online bookshop. " * 10
+
+
+@pytest.fixture(scope="module")
+def hasher(model_path: Path) -> PromptHasher:
+    return PromptHasher(load_tokenizer(str(model_path)))
+
+
+def chat(*turns: tuple[str, str]) -> inference_pb2.GenerateStart:
+    return inference_pb2.GenerateStart(messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in turns])
+
+
+def registered_hashes(token_ids: list[int], block_size: int) -> set[int]:
+    """What a replica's block manager registers for a prompt it prefilled."""
+    bm = BlockManager(num_blocks=len(token_ids) // block_size + 2, block_size=block_size)
+    seq = Sequence(
+        request_id="r", token_ids=list(token_ids), num_prompt_tokens=len(token_ids), params=SamplingParams()
+    )
+    assert bm.allocate(seq, len(token_ids))
+    seq.num_computed_tokens = len(token_ids)
+    bm.commit(seq)
+    bm.events.publish()  # the end of the engine step
+    return set(bm.events.snapshot().block_hashes)
+
+
+def test_router_hashes_equal_the_replicas_own_block_hashes_for_the_same_chat(
+    hasher: PromptHasher, model_path: Path
+) -> None:
+    start = chat(
+        ("system", SYSTEM), ("user", "Where is order 1234?"), ("assistant", "Shipped."), ("user", "When?")
+    )
+    # The replica's side: its own tokenizer load and rendering, then its block manager.
+    replica_ids = prompt_token_ids(
+        replica_tokenizer(str(model_path)), [Message(m.role, m.content) for m in start.messages], ""
+    )
+    assert hasher.token_ids(start) == replica_ids
+    for block_size in (16, 32):
+        size, hashes = hasher.hashes(start, block_size)
+        assert size == block_size and len(hashes) == len(replica_ids) // block_size
+        assert set(hashes) == registered_hashes(replica_ids, block_size)
+
+
+def test_resumed_tokens_extend_the_chain_and_a_refused_request_has_none(hasher: PromptHasher) -> None:
+    start = chat(("user", "Hi"))
+    start.resume_token_ids.extend([42] * 20)
+    ids = hasher.token_ids(start)
+    assert ids is not None and ids[-20:] == [42] * 20
+    assert hasher.hashes(start, 8) == (8, block_hashes(ids, 8))
+    # The replica refuses these; the router computes nothing and raises nothing.
+    assert hasher.hashes(chat(("wizard", "x")), 16) == (16, [])
+    assert hasher.hashes(
+        inference_pb2.GenerateStart(messages=chat(("user", "x")).messages, resume_token_ids=[-1]), 1
+    ) == (1, [])
+    assert PromptHasher(None).hashes(start, 16) == (16, [])  # tokenizer still loading
+
+
+def test_segment_cached_encoding_gives_the_tokenizers_own_ids(hasher: PromptHasher) -> None:
+    tokenizer = hasher.tokenizer
+    assert tokenizer is not None
+    encoder = SegmentEncoder(tokenizer)
+    assert encoder.exact
+    rng = random.Random(7)
+    pieces = [
+        "<|im_start|>",
+        "<|im_end|>",
+        "\n",
+        "  ",
+        " ",
+        "\t",
+        "é",
+        "日本",
+        "42",
+        "don't",
+        "x",
+        "!!",
+        "<|im_",
+        "user",
+    ]
+    for _ in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 40)))
+        assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False), repr(text)
+    # Twice the same: the second comes from the cache, still the same ids.
+    rendered = tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}], tokenize=False)
+    assert isinstance(rendered, str)
+    assert (
+        encoder.encode(rendered)
+        == encoder.encode(rendered)
+        == tokenizer.encode(rendered, add_special_tokens=False)
+    )
