@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+import threading
+
+import pytest
 
 from services.common.kv_blocks import block_hashes
 from services.inference.block_manager import BlockManager
 from services.inference.kv_events import KvEventLog
+from services.inference.kv_watch import watch_kv_events
 from services.inference.sampling import SamplingParams
 from services.inference.sequence import Sequence
 
@@ -136,3 +141,29 @@ def test_listeners_are_woken_once_per_delta_and_can_leave() -> None:
 
 def test_each_process_start_has_its_own_incarnation() -> None:
     assert KvEventLog(BS).incarnation != KvEventLog(BS).incarnation
+
+
+async def test_a_watcher_gets_the_snapshot_then_deltas_and_a_fresh_snapshot_after_falling_behind() -> None:
+    log = KvEventLog(block_size=BS, capacity=2)
+    log.stored(1)
+    log.publish()
+    stopping = asyncio.Event()
+    watcher = watch_kv_events(log, stopping)
+    snapshot, deltas = await anext(watcher)
+    assert snapshot is not None and snapshot.sequence == 1 and snapshot.block_hashes == (1,) and deltas == []
+
+    # Published from another thread (the engine's): the waiting watcher wakes up.
+    threading.Timer(0.01, lambda: (log.stored(2), log.publish())).start()
+    snapshot, deltas = await asyncio.wait_for(anext(watcher), 2)
+    assert snapshot is None and [(d.sequence, d.stored) for d in deltas] == [(2, (2,))]
+
+    # Three deltas while it was not reading: more than the ring keeps, so a snapshot instead.
+    for h in (3, 4, 5):
+        log.stored(h)
+        log.publish()
+    snapshot, deltas = await asyncio.wait_for(anext(watcher), 2)
+    assert snapshot is not None and snapshot.sequence == 5 and set(snapshot.block_hashes) == {1, 2, 3, 4, 5}
+
+    stopping.set()  # the replica drains: the stream ends
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(anext(watcher), 2)
