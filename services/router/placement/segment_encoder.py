@@ -4,7 +4,7 @@ A fast (Rust) tokenizer first cuts its input at its added tokens (``<|im_start|>
 tokenizes the pieces between them independently; each chat message is such a piece. Doing the
 same cut here and caching each piece's ids gives the same ids as encoding the whole text,
 and a long system prompt or RAG context shared by many requests is tokenized once: the
-tokenizer itself costs ≈ 10 µs a token on a busy 2-vCPU VM (≈ 20 ms for 2,000 tokens), far over
+tokenizer itself costs ≈ 15 µs a token on a busy 2-vCPU VM (≈ 32 ms for 2,150 tokens), far over
 the router's 2 ms budget per placement (docs/benchmarks.md, *Prefix hashes*).
 
 The cut is only equivalent for added tokens matched verbatim (no ``lstrip``/``rstrip``/
