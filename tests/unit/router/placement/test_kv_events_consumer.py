@@ -235,3 +235,23 @@ async def test_a_replica_that_leaves_the_pool_is_forgotten_and_its_stream_closed
     finally:
         await consumer.stop()
         await pool.close()
+
+
+async def test_event_lag_is_the_routers_clock_minus_the_replicas_publish_time() -> None:
+    pool = ReplicaPool(NoStreams)
+    pool.set_addresses([ADDRESS])
+    message = delta(1, [5])
+    message.published_unix_ms = 1_000_000_000_000
+    stub = FakeStub([[snapshot("i1", 0, []), message]])
+    pool.replicas[ADDRESS].stub = stub  # type: ignore[assignment]
+    index = FakeIndex()
+    consumer = KvEventsConsumer(pool, index, wall_clock=lambda: 1_000_000_000.25)
+    consumer.start()
+    try:
+        await until(lambda: index.blocks(ADDRESS) == {5})
+        assert metrics.KV_EVENT_LAG.labels(replica=ADDRESS)._value.get() == pytest.approx(0.25)
+    finally:
+        await consumer.stop()
+        await pool.close()
+    # Gone with its replica: no stale series per address.
+    assert ADDRESS not in {s.labels.get("replica") for m in metrics.KV_EVENT_LAG.collect() for s in m.samples}
