@@ -93,6 +93,13 @@ def cache_summary(metrics_urls: dict[str, str]) -> list[tuple[str, str]]:
     return rows
 
 
+def prefix_blocks(r: router_pb2.ReplicaStatus) -> str:
+    """Blocks the router's prefix index holds for a replica and their share of its KV cache;
+    "~": approximate (what this router sent there; the replica sends no KV events)."""
+    share = ratio(r.indexed_blocks, r.last_load.kv_blocks_total)
+    return f"{'' if r.kv_events else '~'}{r.indexed_blocks} ({share})"
+
+
 def replica_table(reply: router_pb2.ListReplicasResponse) -> Table:
     models = sorted({r.model for r in reply.replicas if r.model})
     title = f"replicas · policy {reply.policy or '?'} · model {', '.join(models) or '?'}"
@@ -113,8 +120,7 @@ def replica_table(reply: router_pb2.ListReplicasResponse) -> Table:
             str(load.waiting),
             str(load.running),
             ratio(load.kv_blocks_used, load.kv_blocks_total),
-            # Blocks the router's prefix index holds for it; "~": approximate (no KV events).
-            f"{r.indexed_blocks}" if r.kv_events else f"~{r.indexed_blocks}",
+            prefix_blocks(r),
             f"{load.tokens_per_second:.1f}",
             f"{r.ewma_ttft_ms:.0f}",
             f"{r.ewma_itl_ms:.0f}",
