@@ -69,6 +69,10 @@ class RouterSettings:
     prefix_epsilon: float = flag(
         PrefixSettings.epsilon, help="--policy prefix: bounded-load slack on the reported load"
     )
+    prefix_bound_floor: int = flag(
+        PrefixSettings.bound_floor,
+        help="--policy prefix: below this reported load no replica is over the bound",
+    )
     prefix_approximate_ttl_s: float = flag(
         PrefixSettings.approximate_ttl_s, help="--policy prefix: how long a sent prompt counts as cached"
     )
@@ -95,12 +99,23 @@ class RouterSettings:
             raise ValueError("--replicas, --replicas-dns or --replicas-file: at least one is required")
         if self.health_interval_s <= 0:
             raise ValueError("--health-interval-s must be > 0")
+        self.prefix_settings()  # its flags are checked at start, whichever policy runs
         for peer, address, tls in (
             ("session", self.session_addr, self.session_tls),
             ("retriever", self.retriever_addr, self.retriever_tls),
         ):
             if tls is not None and not address:
                 raise ValueError(f"--{peer}-tls-* without --{peer}-addr: nothing to dial with them")
+
+    def prefix_settings(self) -> PrefixSettings:
+        """The ``--prefix-*`` flags as the prefix policy's settings."""
+        return PrefixSettings(
+            self.prefix_prefill_weight,
+            self.prefix_load_weight,
+            self.prefix_epsilon,
+            self.prefix_bound_floor,
+            self.prefix_approximate_ttl_s,
+        )
 
 
 class RouterRuntime:
@@ -118,12 +133,7 @@ class RouterRuntime:
         )
         self.health = ActiveHealthChecker(self.pool, settings.health_interval_s, settings.probe_interval_s)
         rng = random.Random()
-        prefix = PrefixSettings(
-            settings.prefix_prefill_weight,
-            settings.prefix_load_weight,
-            settings.prefix_epsilon,
-            settings.prefix_approximate_ttl_s,
-        )
+        prefix = settings.prefix_settings()
         #: Which prefix blocks each replica holds: what ``--policy prefix`` scores against.
         self.prefix_index = PrefixIndex(approximate_ttl_s=prefix.approximate_ttl_s)
         policy = make_policy(settings.policy, rng, settings.epsilon, prefix, self.prefix_index)

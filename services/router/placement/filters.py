@@ -67,13 +67,18 @@ class LoadBound:
 
     epsilon: float
     load: Callable[[Candidate], int] = in_flight
+    #: No replica is over the bound below this load: near idle, ⌈(1 + ε) · average⌉ is 1 or 2,
+    #: and a replica that just took one request (or still reports it) would lose the next of
+    #: its prefix or session for no gain.
+    floor: int = 0
 
     def __post_init__(self) -> None:
         if self.epsilon < 0 or not math.isfinite(self.epsilon):
             raise ValueError("epsilon must be a finite number >= 0")
 
     def capacity(self, candidates: Sequence[Candidate]) -> int:
-        return bounded_capacity(sum(self.load(c) for c in candidates), len(candidates), self.epsilon)
+        cap = bounded_capacity(sum(self.load(c) for c in candidates), len(candidates), self.epsilon)
+        return max(cap, self.floor)
 
     def admits(self, chosen: Candidate, candidates: Sequence[Candidate]) -> bool:
         """Whether ``chosen`` (one of ``candidates``) may take one more under the cap."""

@@ -146,6 +146,8 @@ class PrefixSettings:
     load_weight: float = 1.0
     #: Bounded-load slack on the replicas' reported load (``--prefix-epsilon``).
     epsilon: float = 0.5
+    #: Below this reported load a replica is never over the bound (``--prefix-bound-floor``).
+    bound_floor: int = 4
     #: How long a prompt this router sent counts as cached where it went (``--prefix-approximate-ttl-s``).
     approximate_ttl_s: float = 120.0
 
@@ -158,6 +160,8 @@ class PrefixSettings:
                 raise ValueError(f"{flag} must be a finite number >= 0, got {value}")
         if self.epsilon < 0 or not math.isfinite(self.epsilon):
             raise ValueError(f"--prefix-epsilon must be a finite number >= 0, got {self.epsilon}")
+        if self.bound_floor < 0:
+            raise ValueError(f"--prefix-bound-floor must be >= 0, got {self.bound_floor}")
         if self.approximate_ttl_s <= 0:
             raise ValueError(f"--prefix-approximate-ttl-s must be > 0, got {self.approximate_ttl_s}")
 
@@ -184,7 +188,7 @@ class PrefixPolicy(Pipeline):
                 Weighted(QueuedWork(defaults), s.load_weight),
             ],
             ArgMin(HashTieBreak()),
-            bound=LoadBound(s.epsilon, load=reported_load),
+            bound=LoadBound(s.epsilon, load=reported_load, floor=s.bound_floor),
         )
 
     def placed(self, chosen: Candidate, request: PlacementRequest) -> None:

@@ -87,10 +87,21 @@ def test_a_replica_over_its_bound_is_skipped_even_with_the_best_prefix() -> None
     pick = prefix_picker(replicas, index, PrefixSettings(load_weight=0.0, epsilon=0.5))
     assert place(pick, request(prompt)) in {"b", "c"}
     # Under the cap it would have won on its prefix.
-    replicas[0].reported_load = 3  # the cap is now ⌈1.5 · 6 / 3⌉ = 3 … and 3 is not under it
+    replicas[0].reported_load = 5  # the cap is now ⌈1.5 · 8 / 3⌉ = 4 … and 5 is not under it
     assert place(pick, request(prompt)) in {"b", "c"}
-    replicas[0].reported_load = 2
+    replicas[0].reported_load = 3
     assert place(pick, request(prompt)) == "holder"
+
+
+def test_near_idle_no_replica_is_over_the_bound_below_its_floor() -> None:
+    # Loads 1, 0, 0: ⌈1.5 · 2 / 3⌉ = 1 would already refuse the holder; the floor (4) does not.
+    replicas = [FakeReplica("holder", 1), FakeReplica("b"), FakeReplica("c")]
+    index = PrefixIndex()
+    prompt = chain(1)
+    index.apply_snapshot("holder", "i", 1, BLOCK, prompt)
+    assert place(prefix_picker(replicas, index), request(prompt)) == "holder"
+    no_floor = PrefixSettings(bound_floor=0)
+    assert place(prefix_picker(replicas, index, no_floor), request(prompt)) != "holder"
 
 
 @pytest.mark.parametrize("load_weight", [1.0, 0.0], ids=["cost", "bound-only"])
@@ -105,7 +116,7 @@ def test_a_hot_prefix_spreads_over_more_replicas_under_skewed_load(load_weight: 
     placed: Counter[str] = Counter()
     for i in range(30):
         loads = [r.reported_load for r in replicas]
-        cap = -(-(1.5 * (sum(loads) + 1)) // 3)  # ⌈(1 + ε) · (total + 1) / n⌉
+        cap = max(-(-(1.5 * (sum(loads) + 1)) // 3), 4)  # ⌈(1 + ε) · (total + 1) / n⌉, floor 4
         address = place(pick, request(prompt, f"r{i}"))
         placed[address] += 1
         chosen = by_address[address]
@@ -164,7 +175,7 @@ def test_a_pin_holds_within_the_reported_load_bound_only() -> None:
     pick = prefix_picker(replicas, PrefixIndex())
     pinned = PlacementRequest(["m"], "acme:s1", pinned="pinned")
     assert place(pick, pinned) != "pinned"
-    replicas[0].reported_load = 2
+    replicas[0].reported_load = 3
     assert place(pick, pinned) == "pinned"
 
 
@@ -184,5 +195,16 @@ def test_the_prefix_policy_is_a_flag_and_its_settings_are_checked_by_flag_name()
         PrefixSettings(epsilon=-1)
     with pytest.raises(ValueError, match="--prefix-load-weight"):
         PrefixSettings(load_weight=float("nan"))
+    with pytest.raises(ValueError, match="--prefix-bound-floor"):
+        PrefixSettings(bound_floor=-1)
     with pytest.raises(ValueError, match="--prefix-approximate-ttl-s"):
         PrefixSettings(approximate_ttl_s=0)
+
+
+def test_a_bad_prefix_flag_stops_the_router_with_the_flag_named(capsys: pytest.CaptureFixture[str]) -> None:
+    from services.router.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["--replicas", "127.0.0.1:1", "--policy", "prefix", "--prefix-epsilon", "-0.5"])
+    assert stopped.value.code == 2
+    assert "--prefix-epsilon must be a finite number >= 0" in capsys.readouterr().err
