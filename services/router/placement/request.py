@@ -20,6 +20,11 @@ class PromptPrefix:
     #: Tokens in the whole prompt, the partial last block included (0: only the blocks are known).
     prompt_tokens: int = 0
 
+    def __post_init__(self) -> None:
+        # Hashes without their block size cannot be matched against any replica's blocks.
+        if self.hashes and self.block_size <= 0:
+            raise ValueError(f"prefix hashes need a block size > 0, got {self.block_size}")
+
 
 #: The prefix of a prompt whose tokens the router does not know (yet).
 NO_PREFIX = PromptPrefix()

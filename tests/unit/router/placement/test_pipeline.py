@@ -131,3 +131,13 @@ def test_the_deadline_filter_keeps_those_that_start_in_time() -> None:
     assert within_deadline(rs, 1.0).fits == [rs[1]]
     late = within_deadline(rs, 0.1)
     assert late.fits == [] and late.least_wait_s == 0.2
+
+
+def test_a_prefix_without_its_block_size_is_refused_and_the_tie_key_prefers_the_session() -> None:
+    with pytest.raises(ValueError, match="block size"):
+        PromptPrefix([1, 2], 0)
+    prefix = PromptPrefix([5, 6], 16, prompt_tokens=40)
+    assert PlacementRequest(["m"], prefix=prefix).prompt_tokens == 40
+    assert PlacementRequest(["m"], "acme:s", request_id="r", prefix=prefix).tie_key == "acme:s"
+    assert PlacementRequest(["m"], request_id="r", prefix=prefix).tie_key == "prefix:6"
+    assert PlacementRequest(["m"], request_id="r").tie_key == "r"
