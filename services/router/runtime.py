@@ -28,7 +28,7 @@ from services.router.placement.kv_events import KvEventsConsumer
 from services.router.placement.models import ModelCatalog
 from services.router.placement.outliers import EjectionConfig
 from services.router.placement.pins import AffinityPins
-from services.router.placement.policies import POLICY_NAMES, make_policy
+from services.router.placement.policies import POLICY_NAMES, PrefixSettings, make_policy
 from services.router.placement.pool import ReplicaPool
 from services.router.placement.prefix_index import PrefixIndex
 from services.router.placement.prewarm import SessionMover
@@ -63,6 +63,22 @@ class RouterSettings:
     api_keys_file: str | None = flag(None, help="API keys (hashed); unset = open, one tenant")
     policy: str = flag("auto", choices=POLICY_NAMES, help="balancing policy")
     epsilon: float = flag(DEFAULT_EPSILON, help="bounded-load slack for affinity")
+    prefix_prefill_weight: float = flag(
+        PrefixSettings.prefill_weight, help="--policy prefix: weight of uncached-prefill seconds"
+    )
+    prefix_load_weight: float = flag(
+        PrefixSettings.load_weight, help="--policy prefix: weight of queued-and-running seconds"
+    )
+    prefix_epsilon: float = flag(
+        PrefixSettings.epsilon, help="--policy prefix: bounded-load slack on the reported load"
+    )
+    prefix_bound_floor: int = flag(
+        PrefixSettings.bound_floor,
+        help="--policy prefix: below this reported load no replica is over the bound",
+    )
+    prefix_approximate_ttl_s: float = flag(
+        PrefixSettings.approximate_ttl_s, help="--policy prefix: how long a sent prompt counts as cached"
+    )
     max_in_flight: int = flag(2048, help="turns in flight before shedding load")
     relay: RelayConfig = field(default_factory=RelayConfig)
     ejection: EjectionConfig = field(default_factory=EjectionConfig)
@@ -89,12 +105,23 @@ class RouterSettings:
             raise ValueError("--replicas, --replicas-dns or --replicas-file: at least one is required")
         if self.health_interval_s <= 0:
             raise ValueError("--health-interval-s must be > 0")
+        self.prefix_settings()  # its flags are checked at start, whichever policy runs
         for peer, address, tls in (
             ("session", self.session_addr, self.session_tls),
             ("retriever", self.retriever_addr, self.retriever_tls),
         ):
             if tls is not None and not address:
                 raise ValueError(f"--{peer}-tls-* without --{peer}-addr: nothing to dial with them")
+
+    def prefix_settings(self) -> PrefixSettings:
+        """The ``--prefix-*`` flags as the prefix policy's settings."""
+        return PrefixSettings(
+            self.prefix_prefill_weight,
+            self.prefix_load_weight,
+            self.prefix_epsilon,
+            self.prefix_bound_floor,
+            self.prefix_approximate_ttl_s,
+        )
 
 
 class RouterRuntime:
@@ -111,16 +138,22 @@ class RouterRuntime:
             self.pool, settings.replicas, settings.replicas_dns, settings.replicas_file
         )
         self.health = ActiveHealthChecker(self.pool, settings.health_interval_s, settings.probe_interval_s)
-        # Which prompt blocks each replica caches: fed by every replica's KV events (the
-        # consumer) or, for replicas without them, by what this router sent (the picker).
-        self.prefix_index = PrefixIndex()
+        rng = random.Random()
+        prefix = settings.prefix_settings()
+        #: Which prefix blocks each replica holds: what ``--policy prefix`` scores against. Fed by
+        #: every replica's KV events (the consumer) or, for a replica without them, by what this
+        #: router sent there (the policy); ListReplicas reports its size per replica.
+        self.prefix_index = PrefixIndex(approximate_ttl_s=prefix.approximate_ttl_s)
         self.pool.indexed_blocks = self.prefix_index.block_count
         self.kv_events = KvEventsConsumer(self.pool, self.prefix_index)
+        #: The prompt's block hashes with the replicas' tokenizer (--tokenizer), hashed with the
+        #: block size the model's replicas report.
         self.prompt_hasher = PromptHasher(
-            block_size=lambda: common_block_size(r.kv_block_size for r in self.pool.replicas.values())
+            block_size=lambda model: common_block_size(
+                r.kv_block_size for r in self.pool.replicas.values() if r.model == model or not model
+            )
         )
-        rng = random.Random()
-        policy = make_policy(settings.policy, rng, settings.epsilon)
+        policy = make_policy(settings.policy, rng, settings.epsilon, prefix, self.prefix_index)
         self.replay = ReplayBuffer(self.redis) if self.redis is not None else None
         self.services = TurnServices(
             pool=self.pool,
@@ -136,6 +169,9 @@ class RouterRuntime:
             else None,
             replay=self.replay,
         )
+        if self.uses_prompt_prefix:
+            # Only the prefix policy scores prefixes: other policies never tokenize a prompt.
+            self.services.prompt_prefix = self.prompt_hasher.prefix
         self.pipeline = TurnPipeline(self.services)
         if settings.api_keys_file:
             self.authenticator = Authenticator.from_file(settings.api_keys_file, redis=self.redis)
@@ -157,6 +193,10 @@ class RouterRuntime:
                 retriever=lambda: self.servicer.retriever,
             )
             self.http = HttpListener(front, settings.http)
+
+    @property
+    def uses_prompt_prefix(self) -> bool:
+        return self.settings.policy == "prefix"
 
     @staticmethod
     def _redis(url: str | None, cluster: bool) -> Any:
@@ -200,7 +240,7 @@ class RouterRuntime:
             self.servicer.tasks = self.tasks
         await self.discovery.start()
         self.kv_events.start()
-        if s.tokenizer:
+        if self.uses_prompt_prefix and s.tokenizer:
             self._tasks.add(asyncio.get_running_loop().create_task(self.prompt_hasher.load(s.tokenizer)))
         await self.health.check_all()  # know the pool before admitting the first request
         self.pool.mark_started()  # turns that came in meanwhile waited for this (turns/pipeline.py)

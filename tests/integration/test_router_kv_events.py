@@ -35,7 +35,7 @@ def hasher(model_path: Path) -> PromptHasher:
 @pytest.fixture(scope="module")
 def mesh(model_path: Path) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
     inference = replica(model_path).start(timeout=240)
-    router = router_process([inference], "--tokenizer", str(model_path)).start()
+    router = router_process([inference], "--policy", "prefix", "--tokenizer", str(model_path)).start()
     try:
         yield inference, router
     finally:

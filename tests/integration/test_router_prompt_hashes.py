@@ -107,3 +107,28 @@ def test_segment_cached_encoding_gives_the_tokenizers_own_ids(hasher: PromptHash
         == encoder.encode(rendered)
         == tokenizer.encode(rendered, add_special_tokens=False)
     )
+
+
+def test_the_turns_prefix_hook_gives_the_hashes_with_the_models_block_size(hasher: PromptHasher) -> None:
+    sizes = {"SmolLM2-135M-Instruct": 16}
+    hook = PromptHasher(hasher.tokenizer, block_size=lambda model: sizes.get(model, 0))
+    start = chat(("system", SYSTEM), ("user", "Hi"))
+    prefix = hook.prefix(start, "SmolLM2-135M-Instruct")
+    ids = hook.token_ids(start)
+    assert ids is not None
+    assert prefix.block_size == 16 and list(prefix.hashes) == block_hashes(ids, 16)
+    assert prefix.prompt_tokens == len(ids)
+    assert not hook.prefix(start, "another-model").hashes  # no replica of it reports a block size
+
+
+def test_only_the_prefix_policy_tokenizes_prompts(model_path: Path) -> None:
+    from services.router.runtime import RouterRuntime, RouterSettings
+    from services.router.turns.dependencies import no_prefix
+
+    prefix = RouterRuntime(
+        RouterSettings(replicas=["127.0.0.1:1"], policy="prefix", tokenizer=str(model_path))
+    )
+    assert prefix.services.prompt_prefix == prefix.prompt_hasher.prefix
+    assert prefix.pool.indexed_blocks == prefix.prefix_index.block_count  # ListReplicas reads the index
+    other = RouterRuntime(RouterSettings(replicas=["127.0.0.1:1"], tokenizer=str(model_path)))
+    assert other.services.prompt_prefix is no_prefix

@@ -17,7 +17,7 @@ scoring 8 replicas against a 125-block prompt well under the 0.2 ms budget
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -40,10 +40,15 @@ class PreciseEntry:
 
 @dataclass
 class ApproximateEntry:
-    """Blocks this router sent to one replica, each with its expiry, oldest first."""
+    """Blocks this router sent to one replica: each hash's expiry, and the sends oldest first.
+
+    A send is one ``dict.update`` plus one append (C speed, ~125 hashes a prompt); expiry walks
+    the sends from the oldest and drops a hash only if no later send refreshed it.
+    """
 
     block_size: int
-    expires: OrderedDict[int, float] = field(default_factory=OrderedDict)
+    expires: dict[int, float] = field(default_factory=dict)
+    sends: deque[tuple[float, Sequence[int]]] = field(default_factory=deque)
 
 
 def _walk(blocks: set[int], chain: Sequence[int]) -> int:
@@ -118,30 +123,30 @@ class PrefixIndex:
     def record_sent(self, replica: str, block_size: int, block_hashes: Sequence[int]) -> None:
         """Approximate mode: this router sent a prompt with these blocks there; expires after
         approximate_ttl_s. Used for a replica with no fresh precise entry (older replicas, stream down)."""
-        if not block_hashes or block_size <= 0:
+        if not block_hashes or block_size <= 0 or self.is_precise(replica):
+            # With fresh events the replica says itself what it holds; and when they break off
+            # the entry is forgotten (or resynced), so a record made meanwhile would be dropped.
             return
         entry = self._approximate.get(replica)
         if entry is None or entry.block_size != block_size:
             entry = self._approximate[replica] = ApproximateEntry(block_size)
         now = self._clock()
         expires = now + self.approximate_ttl_s
-        table = entry.expires
-        for h in block_hashes:
-            table[h] = expires
-            table.move_to_end(h)  # refreshed: it now expires last
+        hashes = tuple(block_hashes)  # the caller's list may change; the expiry walk needs this one
+        entry.expires.update(dict.fromkeys(hashes, expires))
+        entry.sends.append((expires, hashes))
         self._expire(entry, now)
-        while len(table) > MAX_APPROXIMATE_BLOCKS:
-            table.popitem(last=False)
 
     @staticmethod
     def _expire(entry: ApproximateEntry, now: float) -> None:
-        table = entry.expires
-        # Oldest first, so the scan stops at the first block still alive.
-        while table:
-            h, expires = next(iter(table.items()))
-            if expires > now:
-                return
-            del table[h]
+        """Drop the sends that expired (oldest first), and the oldest beyond the size limit."""
+        table, sends = entry.expires, entry.sends
+        while sends and (sends[0][0] <= now or len(table) > MAX_APPROXIMATE_BLOCKS):
+            sent_until, hashes = sends.popleft()
+            for h in hashes:
+                # A later send of the same block set a later expiry: it stays.
+                if table.get(h) == sent_until:
+                    del table[h]
 
     # Lookups.
 

@@ -26,6 +26,7 @@ from services.common.errors import InvalidArgument
 from services.common.kv_blocks import block_hashes
 from services.common.prompts import Message, prompt_token_ids
 from services.gen.llmmesh.v1 import inference_pb2
+from services.router.placement.request import NO_PREFIX, PromptPrefix
 from services.router.placement.segment_encoder import SegmentEncoder
 
 if TYPE_CHECKING:
@@ -56,11 +57,12 @@ class PromptHasher:
     def __init__(
         self,
         tokenizer: PreTrainedTokenizerBase | None = None,
-        block_size: Callable[[], int] = lambda: 0,
+        block_size: Callable[[str], int] = lambda model: 0,
     ) -> None:
         self.tokenizer = tokenizer
         self._encoder = SegmentEncoder(tokenizer) if tokenizer is not None else None
-        #: The block size to hash with when the caller names none (the pool's, see runtime.py).
+        #: The block size a model's replicas use ("" = any model), when the caller names none
+        #: (the pool's, see runtime.py).
         self.block_size = block_size
 
     async def load(self, path: str) -> None:
@@ -90,14 +92,29 @@ class PromptHasher:
             return None
         return [*ids, *start.resume_token_ids]
 
-    def hashes(self, start: inference_pb2.GenerateStart, block_size: int = 0) -> tuple[int, list[int]]:
-        """(block size, the chain hash of every full block of the prompt): what placement's
-        ``prefix_hashes`` takes. No hashes when the block size or the ids are not known."""
-        size = block_size or self.block_size()
+    def hashes(
+        self, start: inference_pb2.GenerateStart, block_size: int = 0, model: str = ""
+    ) -> tuple[int, list[int]]:
+        """(block size, the chain hash of every full block of the prompt). No hashes when the
+        block size or the ids are not known."""
+        size, hashes, _ = self._chain(start, block_size, model)
+        return size, hashes
+
+    def prefix(self, start: inference_pb2.GenerateStart, model: str) -> PromptPrefix:
+        """The turn's hook (``TurnServices.prompt_prefix``): the placement request's prefix."""
+        size, hashes, prompt_tokens = self._chain(start, 0, model)
+        return PromptPrefix(hashes, size, prompt_tokens) if hashes else NO_PREFIX
+
+    def _chain(
+        self, start: inference_pb2.GenerateStart, block_size: int, model: str
+    ) -> tuple[int, list[int], int]:
+        size = block_size or self.block_size(model)
         if size <= 0:
-            return 0, []
+            return 0, [], 0
         ids = self.token_ids(start)
+        if not ids:
+            return size, [], 0
         try:
-            return size, block_hashes(ids, size) if ids else []
+            return size, block_hashes(ids, size), len(ids)
         except ValueError:  # a resumed token id out of range: the replica refuses it
-            return size, []
+            return size, [], 0
