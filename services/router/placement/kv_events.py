@@ -132,7 +132,8 @@ class KvEventsConsumer:
                         if not told_unsupported:
                             log.info("%s has no WatchKvEvents: prefix placement stays approximate", address)
                             told_unsupported = True
-                        self._lost(address, replica)
+                        # Not forgotten: its entry is the approximate one, what this router sent.
+                        replica.kv_events_live = False
                         await asyncio.sleep(UNSUPPORTED_RETRY_S)
                         continue
                     reason = "broken"

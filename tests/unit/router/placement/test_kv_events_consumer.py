@@ -16,7 +16,9 @@ from services.router.placement.kv_events import Backoff, KvEventsConsumer
 from services.router.placement.pool import ReplicaPool
 
 ADDRESS = "10.0.0.1:50052"
-Script = list[inference_pb2.KvEvents | grpc.aio.AioRpcError]
+#: In a script: the replica ends the stream (OK), as it does when it drains.
+END = "end"
+Script = list[inference_pb2.KvEvents | grpc.aio.AioRpcError | str]
 
 
 def snapshot(incarnation: str, sequence: int, hashes: Iterable[int]) -> inference_pb2.KvEvents:
@@ -88,6 +90,9 @@ class FakeCall:
             await asyncio.sleep(0)
             if isinstance(item, grpc.aio.AioRpcError):
                 raise item
+            if item == END:
+                return
+            assert isinstance(item, inference_pb2.KvEvents)
             yield item
         await asyncio.Event().wait()
 
@@ -212,10 +217,12 @@ async def test_an_older_replica_without_the_rpc_stays_approximate_with_one_log_l
     caplog.set_level(logging.INFO, logger="llmmesh.router.kv_events")
     pool, index, stub, consumer = await start([[rpc_error(grpc.StatusCode.UNIMPLEMENTED)]])
     try:
-        await until(lambda: ADDRESS in index.forgotten)
+        await until(lambda: len(stub.calls) == 1)
         await asyncio.sleep(0.02)  # several backoff periods: it must not be asked again
         assert len(stub.calls) == 1
         assert not pool.replicas[ADDRESS].kv_events_live
+        # What the router sent there (its approximate entry) is kept, not forgotten.
+        assert ADDRESS not in index.forgotten
         lines = [r for r in caplog.records if "WatchKvEvents" in r.getMessage()]
         assert len(lines) == 1 and lines[0].levelno == logging.INFO
     finally:
@@ -255,3 +262,18 @@ async def test_event_lag_is_the_routers_clock_minus_the_replicas_publish_time() 
         await pool.close()
     # Gone with its replica: no stale series per address.
     assert ADDRESS not in {s.labels.get("replica") for m in metrics.KV_EVENT_LAG.collect() for s in m.samples}
+
+
+async def test_a_stream_the_replica_ends_when_draining_forgets_it_until_a_new_snapshot() -> None:
+    ended = metrics.KV_RESYNCS.labels(reason="ended")
+    before = ended._value.get()
+    pool, index, stub, consumer = await start(
+        [[snapshot("i1", 0, [1, 2]), END], [rpc_error(grpc.StatusCode.UNAVAILABLE)]]
+    )
+    try:
+        await until(lambda: len(stub.calls) >= 3)  # ended, refused while it restarts, then again
+        assert ended._value.get() == before + 1
+        assert ADDRESS in index.forgotten and index.block_count(ADDRESS) == 0
+    finally:
+        await consumer.stop()
+        await pool.close()
