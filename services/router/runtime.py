@@ -89,8 +89,8 @@ class RouterSettings:
     health_interval_s: float = flag(1.0, help="active health and load polling period")
     probe_interval_s: float = flag(30.0, help="one-token generation probe period (0 = off)")
     cache_ttl_seconds: int = flag(3600, help="exact-cache entry lifetime")
-    # The replicas' model directory or .gguf file; `llm-mesh up` passes its --model. Unset:
-    # no prefix hashes (placement ignores prefixes), the router never imports transformers.
+    # The replicas' model directory or .gguf file; `llm-mesh up` passes its --model. Read only
+    # under --policy prefix; unset (or another policy): no prefix hashes, no transformers import.
     tokenizer: str | None = flag(None, help="model dir or .gguf whose tokenizer hashes prompt prefixes")
     tasks: TaskSettings | None = None
     #: How replicas, the session service and the retriever are dialled: None = plaintext.
