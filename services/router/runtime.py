@@ -37,6 +37,12 @@ from services.router.turns.context import ConversationContext
 from services.router.turns.dependencies import TurnServices
 from services.router.turns.pipeline import TurnPipeline
 from services.router.turns.response_cache import ExactCache, SemanticCache
+from services.router.turns.semantic_confidence import (
+    DEFAULT_ERROR_BUDGET,
+    DEFAULT_REFRESH_RATE,
+    EntryConfidence,
+)
+from services.router.turns.semantic_step import DEFAULT_CANDIDATE_THRESHOLD
 from services.router.turns.warm_history import warm_messages
 
 log = logging.getLogger("llmmesh.router")
@@ -69,6 +75,15 @@ class RouterSettings:
     health_interval_s: float = flag(1.0, help="active health and load polling period")
     probe_interval_s: float = flag(30.0, help="one-token generation probe period (0 = off)")
     cache_ttl_seconds: int = flag(3600, help="exact-cache entry lifetime")
+    semantic_cache_threshold: float = flag(
+        DEFAULT_CANDIDATE_THRESHOLD, help="cosine a semantic candidate must reach before it is verified"
+    )
+    semantic_cache_error_budget: float = flag(
+        DEFAULT_ERROR_BUDGET, help="expected false-hit rate each semantic entry's confidence must stay within"
+    )
+    semantic_cache_refresh_rate: float = flag(
+        DEFAULT_REFRESH_RATE, help="share of semantic hits answered fresh to check the cached answer"
+    )
     tasks: TaskSettings | None = None
     #: How replicas, the session service and the retriever are dialled: None = plaintext.
     replica_tls: DialTls | None = None
@@ -82,6 +97,10 @@ class RouterSettings:
             raise ValueError("--replicas, --replicas-dns or --replicas-file: at least one is required")
         if self.health_interval_s <= 0:
             raise ValueError("--health-interval-s must be > 0")
+        if not -1.0 <= self.semantic_cache_threshold <= 1.0:
+            raise ValueError(
+                f"--semantic-cache-threshold must be in [-1, 1], got {self.semantic_cache_threshold}"
+            )
         for peer, address, tls in (
             ("session", self.session_addr, self.session_tls),
             ("retriever", self.retriever_addr, self.retriever_tls),
@@ -120,6 +139,10 @@ class RouterRuntime:
             if self.redis is not None
             else None,
             replay=self.replay,
+            semantic_confidence=EntryConfidence(
+                settings.semantic_cache_error_budget, settings.semantic_cache_refresh_rate
+            ),
+            semantic_threshold=settings.semantic_cache_threshold,
         )
         self.pipeline = TurnPipeline(self.services)
         if settings.api_keys_file:

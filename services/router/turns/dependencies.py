@@ -14,6 +14,7 @@ from services.router.streams.relay import Relay
 from services.router.streams.replay import ReplayBuffer
 from services.router.turns.context import ConversationContext
 from services.router.turns.response_cache import ExactCache, SemanticCache
+from services.router.turns.semantic_confidence import EntryConfidence
 
 
 @dataclass
@@ -28,6 +29,10 @@ class TurnServices:
     inflight: InflightLimiter | None = None
     exact_cache: ExactCache | None = None
     semantic_cache: SemanticCache | None = None
+    #: Per-entry confidence of semantic hits; None serves every verified hit.
+    semantic_confidence: EntryConfidence | None = None
+    #: The cosine a semantic candidate must reach before it is verified (unless the request sets one).
+    semantic_threshold: float = 0.70  # semantic_step.DEFAULT_CANDIDATE_THRESHOLD
     context: ConversationContext | None = None
     replay: ReplayBuffer | None = None
     #: Told where each session's turn ran, to move and pre-warm sessions off a lost replica.

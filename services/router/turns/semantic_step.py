@@ -1,0 +1,83 @@
+"""A turn's semantic-cache layer: scope the lookup, verify the candidate, ask its confidence, learn.
+
+The retriever finds the nearest cached question within the whole question's scope
+(``semantic_scope``); the router serves its answer only if the verifier finds that
+it asks the same thing (``semantic_verify``) and the entry's confidence allows it
+(``semantic_confidence``). An entry its confidence refuses, or one picked for a
+refresh, is answered fresh and compared with the fresh answer: that is how it learns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.gen.llmmesh.v1 import router_pb2
+from services.router import metrics
+from services.router.turns.dependencies import TurnServices
+from services.router.turns.response_cache import CachedAnswer, sampling_fingerprint
+from services.router.turns.semantic_confidence import Decision, answers_agree
+from services.router.turns.semantic_scope import is_personal, last_user_index, scope_fingerprint
+from services.router.turns.semantic_verify import refusal
+from services.router.turns.turn_end import TurnState
+
+# The cosine a cached question must reach before it is verified: lower than seed 000's 0.92,
+# since the verifier, not the threshold, keeps wrong answers out (docs/benchmarks.md).
+DEFAULT_CANDIDATE_THRESHOLD = 0.70
+
+
+@dataclass(frozen=True)
+class SemanticPlan:
+    """What the turn's semantic lookup and fill use: the compared message and the question's scope."""
+
+    prompt: str
+    fingerprint: str
+    cited: tuple[tuple[str, int], ...] = ()
+
+
+def semantic_plan(
+    s: TurnServices,
+    request: router_pb2.ChatRequest,
+    messages: Sequence[tuple[str, str]],
+    cited: Sequence[tuple[str, int]],
+) -> SemanticPlan | None:
+    """None where the turn does not use the semantic cache (off, or a personal question with no user)."""
+    if not request.cache.semantic or s.semantic_cache is None or not messages:
+        return None
+    prompt = messages[last_user_index(messages)][1]
+    policy = request.cache
+    personal = policy.personal if policy.HasField("personal") else is_personal(prompt)
+    if personal and not policy.user:
+        metrics.SEMANTIC_SKIPPED.labels(reason="personal_without_user").inc()
+        return None  # another user's "my order" would look exactly the same
+    fingerprint = scope_fingerprint(
+        sampling_fingerprint(request.sampling), messages, cited, policy.user if personal else None
+    )
+    return SemanticPlan(prompt, fingerprint, tuple(cited))
+
+
+def serve_or_learn(s: TurnServices, plan: SemanticPlan, hit: CachedAnswer, state: TurnState) -> bool:
+    """Whether to serve a semantic candidate; a refused or refreshed one is remembered to learn from."""
+    reason = refusal(plan.prompt, hit.cached_prompt)
+    if reason is not None:
+        metrics.SEMANTIC_REJECTIONS.labels(reason=reason).inc()
+        return False
+    if s.semantic_confidence is None or not hit.entry_id:
+        return True
+    decision = s.semantic_confidence.decide(hit.entry_id, hit.similarity)
+    if decision is Decision.SERVE:
+        return True
+    if decision is Decision.REFUSE:
+        metrics.SEMANTIC_REJECTIONS.labels(reason="confidence").inc()
+    state.semantic_candidate = (hit.entry_id, hit.text, hit.similarity)
+    return False
+
+
+def learn(s: TurnServices, state: TurnState, fresh: str) -> None:
+    """A fresh answer to a question a cached entry was a candidate for teaches that entry."""
+    if state.semantic_candidate is None or s.semantic_confidence is None:
+        return
+    entry_id, cached, similarity = state.semantic_candidate
+    agreed = answers_agree(cached, fresh)
+    s.semantic_confidence.record(entry_id, similarity, agreed)
+    metrics.SEMANTIC_REFRESHES.labels(outcome="agreed" if agreed else "differed").inc()
