@@ -70,6 +70,7 @@ NEGATIONS |= {"non", "unable", "except", "excluding", "lacks", "lacking"}
 # Pairs of words with opposite meaning (either order): a swap flips the answer.
 ANTONYMS = (
     ("include", "exclude"), ("enable", "disable"), ("allow", "forbid"), ("allow", "deny"),
+    ("allowed", "forbidden"), ("allow", "prohibit"), ("permit", "forbid"), ("permitted", "forbidden"),
     ("accept", "reject"), ("pass", "fail"), ("before", "after"), ("above", "below"),
     ("more", "less"), ("most", "least"), ("increase", "decrease"), ("max", "min"),
     ("maximum", "minimum"), ("add", "remove"), ("buy", "sell"), ("import", "export"),
