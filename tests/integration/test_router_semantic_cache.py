@@ -50,7 +50,14 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         replica.start(wait_serving=False)
         retriever.start(timeout=300, wait_serving=False)
         for rate in ("0", "1"):
-            flags = ["--retriever-addr", retriever.address, "--api-keys-file", str(keys), "--metrics-port", "0"]
+            flags = [
+                "--retriever-addr",
+                retriever.address,
+                "--api-keys-file",
+                str(keys),
+                "--metrics-port",
+                "0",
+            ]
             router = router_process([replica], *flags, "--semantic-cache-refresh-rate", rate)
             routers.append(router.start(wait_serving=False))
         for process in [replica, retriever, *routers]:

@@ -79,10 +79,10 @@ async def cache_lookup(
             policy.semantic_threshold if policy.HasField("semantic_threshold") else s.semantic_threshold
         )
         try:
-            with tracing.stage("semantic cache lookup"):
-                hit = await s.semantic_cache.lookup(
-                    tenant, semantic.prompt, model, semantic.fingerprint, threshold
-                )
+            # Its span is the retriever client's own ("semantic cache lookup", tracing.py).
+            hit = await s.semantic_cache.lookup(
+                tenant, semantic.prompt, model, semantic.fingerprint, threshold
+            )
         except errors.DependencyUnavailable as exc:
             state.degraded.append(f"semantic cache: {exc}")
         else:

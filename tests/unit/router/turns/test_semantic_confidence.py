@@ -44,7 +44,11 @@ def test_a_looser_budget_tolerates_a_wrong_refresh_among_many_agreeing_ones() ->
 def test_refreshes_are_drawn_at_the_refresh_rate() -> None:
     draws = iter([0.5, 0.01, 0.9])
     confidence = EntryConfidence(refresh_rate=0.05, rng=lambda: next(draws))
-    assert [confidence.decide("e", 0.9) for _ in range(3)] == [Decision.SERVE, Decision.REFRESH, Decision.SERVE]
+    assert [confidence.decide("e", 0.9) for _ in range(3)] == [
+        Decision.SERVE,
+        Decision.REFRESH,
+        Decision.SERVE,
+    ]
 
 
 def test_the_least_recently_used_entries_are_forgotten_past_the_bound() -> None:

@@ -47,4 +47,6 @@ def test_the_cited_documents_scope_by_version_in_any_order() -> None:
 
 
 def test_the_last_user_message_itself_is_not_in_the_scope() -> None:
-    assert scope_fingerprint("fp", [("user", "Where is it?")]) == scope_fingerprint("fp", [("user", "Where's it")])
+    assert scope_fingerprint("fp", [("user", "Where is it?")]) == scope_fingerprint(
+        "fp", [("user", "Where's it")]
+    )
