@@ -135,11 +135,21 @@ def edit_distance(a: str, b: str, limit: int = 2) -> int:
     return previous[-1]
 
 
+# Prefixes that turn a word into its opposite: "suitable"/"unsuitable", "legal"/"illegal".
+NEGATING_PREFIXES = ("un", "in", "im", "il", "ir", "dis", "non", "non-")
+
+
+def negated_forms(a: str, b: str) -> bool:
+    """Whether one word is the other with a negating prefix (not a typo, though two letters apart)."""
+    short, long = sorted((a, b), key=len)
+    return len(short) >= 3 and any(long == prefix + short for prefix in NEGATING_PREFIXES)
+
+
 def same_word(a: str, b: str) -> bool:
     """Equal, equal stems, or one typo apart (two for long words); digits must match exactly."""
     if a == b or stem(a) == stem(b):
         return True
-    if any(c.isdigit() for c in a + b) or min(len(a), len(b)) < 4:
+    if any(c.isdigit() for c in a + b) or min(len(a), len(b)) < 4 or negated_forms(a, b):
         return False
     return edit_distance(a, b) <= (2 if min(len(a), len(b)) >= 7 else 1)
 

@@ -15,7 +15,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from services.router.turns.semantic_text import ANTONYMS, CONNECTORS, Question, same_word, stem
+from services.router.turns.semantic_text import (
+    ANTONYMS,
+    CONNECTORS,
+    Question,
+    negated_forms,
+    same_word,
+    stem,
+)
 
 # In order: the first refusing check is the reason reported.
 REASONS = ("numbers", "units", "time", "negation", "direction", "entity", "alignment")
@@ -34,11 +41,14 @@ def check_time(query: Question, cached: Question) -> bool:
 
 
 def check_negation(query: Question, cached: Question) -> bool:
-    """As many negations on both sides, and no word swapped for its opposite ("included"/"excluded")."""
+    """As many negations on both sides, and no word swapped for its opposite ("excluded", "unsafe")."""
     if query.negations != cached.negations:
         return False
     mine = {stem(t) for t in query.tokens}
     theirs = {stem(t) for t in cached.tokens}
+    only_mine, only_theirs = set(query.tokens) - set(cached.tokens), set(cached.tokens) - set(query.tokens)
+    if any(negated_forms(a, b) for a in only_mine for b in only_theirs):
+        return False
     for a, b in ANTONYMS:
         sa, sb = stem(a), stem(b)
         if (sa in mine and sb in theirs and sb not in mine) or (

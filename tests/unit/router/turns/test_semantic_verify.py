@@ -70,7 +70,9 @@ def test_time_words_must_agree(a: str, b: str, same: bool) -> None:
         ("Can you deliver on a holiday?", "You cannot deliver on a holiday?", False),
         ("Which accounts have a password set?", "Which accounts have no password set?", False),
         ("Is tax included in the price?", "Is tax excluded from the price?", False),
-        ("Is this mushroom edible?", "Is this mushroom inedible?", True),  # no rule: alignment's job
+        ("Is this mushroom edible?", "Is this mushroom inedible?", False),  # a negating prefix
+        ("Is the tool usable offline?", "Is the tool unusable offline?", False),
+        ("Is the discount applied?", "Is the discount displayed?", True),  # "dis" alone negates nothing
         ("Is the upload allowed?", "Is the upload forbidden?", False),
         ("Why won't the page load?", "Why will the page not load?", True),
     ],
