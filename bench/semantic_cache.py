@@ -157,7 +157,8 @@ def _score(pairs: list[Pair], decisions: list[str | None]) -> dict[str, object]:
 
 def _print(report: dict[str, object]) -> None:
     print(
-        f"semantic cache: {report['pairs']} labelled pairs, candidate threshold {report['candidate_threshold']}"
+        f"semantic cache, {report['set']}: {report['pairs']} labelled pairs, "
+        f"candidate threshold {report['candidate_threshold']}"
     )
     for name in ("old", "new-cheap", "new"):
         figures = report[name]
