@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from services.common import errors
+from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from services.router.turns.semantic_scope import is_personal, scope_fingerprint
+from services.router.turns.validation import validate
 
 QUESTION = ("user", "What does the premium plan include?")
 
@@ -50,3 +53,15 @@ def test_the_last_user_message_itself_is_not_in_the_scope() -> None:
     assert scope_fingerprint("fp", [("user", "Where is it?")]) == scope_fingerprint(
         "fp", [("user", "Where's it")]
     )
+
+
+def test_an_overlong_cache_user_is_refused_naming_the_field() -> None:
+    request = router_pb2.ChatRequest(
+        messages=[common_pb2.ChatMessage(role="user", content="Where is my parcel?")],
+        cache=router_pb2.CachePolicy(semantic=True, user="u" * 257),
+    )
+    with pytest.raises(errors.InvalidArgument) as caught:
+        validate(request)
+    assert caught.value.field == "cache.user"
+    request.cache.user = "u" * 256
+    validate(request)
