@@ -43,6 +43,7 @@ from services.router.turns.semantic_confidence import (
     EntryConfidence,
 )
 from services.router.turns.semantic_step import DEFAULT_CANDIDATE_THRESHOLD
+from services.router.turns.semantic_text import known_words
 from services.router.turns.warm_history import warm_messages
 
 log = logging.getLogger("llmmesh.router")
@@ -145,6 +146,7 @@ class RouterRuntime:
             semantic_threshold=settings.semantic_cache_threshold,
         )
         self.pipeline = TurnPipeline(self.services)
+        known_words()  # the semantic verifier's vocabulary, read now rather than on the first lookup
         if settings.api_keys_file:
             self.authenticator = Authenticator.from_file(settings.api_keys_file, redis=self.redis)
         else:

