@@ -36,8 +36,7 @@ import numpy as np
 from bench.timings import percentile
 from services.retriever.embedder import DEFAULT_EMBEDDING_MODEL, Embedder
 from services.router.turns.semantic_scope import is_personal
-from services.router.turns.semantic_step import DEFAULT_CANDIDATE_THRESHOLD
-from services.router.turns.semantic_verify import REASONS, refusal
+from services.router.turns.semantic_verify import DEFAULT_CANDIDATE_THRESHOLD, REASONS, refusal
 
 DATA = Path(__file__).parent / "data"
 # The set the checks were written against, and one written after them (see docs/benchmarks.md).

@@ -42,8 +42,8 @@ from services.router.turns.semantic_confidence import (
     DEFAULT_REFRESH_RATE,
     EntryConfidence,
 )
-from services.router.turns.semantic_step import DEFAULT_CANDIDATE_THRESHOLD
 from services.router.turns.semantic_text import known_words
+from services.router.turns.semantic_verify import DEFAULT_CANDIDATE_THRESHOLD
 from services.router.turns.warm_history import warm_messages
 
 log = logging.getLogger("llmmesh.router")

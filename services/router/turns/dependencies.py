@@ -15,6 +15,7 @@ from services.router.streams.replay import ReplayBuffer
 from services.router.turns.context import ConversationContext
 from services.router.turns.response_cache import ExactCache, SemanticCache
 from services.router.turns.semantic_confidence import EntryConfidence
+from services.router.turns.semantic_verify import DEFAULT_CANDIDATE_THRESHOLD
 
 
 @dataclass
@@ -32,7 +33,7 @@ class TurnServices:
     #: Per-entry confidence of semantic hits; None serves every verified hit.
     semantic_confidence: EntryConfidence | None = None
     #: The cosine a semantic candidate must reach before it is verified (unless the request sets one).
-    semantic_threshold: float = 0.70  # semantic_step.DEFAULT_CANDIDATE_THRESHOLD
+    semantic_threshold: float = DEFAULT_CANDIDATE_THRESHOLD
     context: ConversationContext | None = None
     replay: ReplayBuffer | None = None
     #: Told where each session's turn ran, to move and pre-warm sessions off a lost replica.

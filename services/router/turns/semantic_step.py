@@ -21,10 +21,6 @@ from services.router.turns.semantic_scope import is_personal, last_user_index, s
 from services.router.turns.semantic_verify import refusal
 from services.router.turns.turn_end import TurnState
 
-# The cosine a cached question must reach before it is verified: lower than seed 000's 0.92,
-# since the verifier, not the threshold, keeps wrong answers out (docs/benchmarks.md).
-DEFAULT_CANDIDATE_THRESHOLD = 0.70
-
 
 @dataclass(frozen=True)
 class SemanticPlan:

@@ -24,6 +24,9 @@ from services.router.turns.semantic_text import (
     stem,
 )
 
+# The cosine a cached question must reach before it is verified: lower than seed 000's 0.92,
+# since the verifier, not the threshold, keeps wrong answers out (docs/benchmarks.md).
+DEFAULT_CANDIDATE_THRESHOLD = 0.70
 # In order: the first refusing check is the reason reported.
 REASONS = ("numbers", "units", "time", "negation", "direction", "entity", "alignment")
 
