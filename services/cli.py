@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ask": ("services.client.ask", "ask one question through the router"),
     "status": ("services.client.status", "replicas, health, load and cache hit rate"),
     "ingest": ("services.client.ingest", "ingest files or folders through the router"),
+    "keys": ("services.router.admission.keys", "add, list or revoke API keys (data/keys.yaml by default)"),
     "bench": ("bench.cli", "run a benchmark (engine, router, retriever, load)"),
 }
 

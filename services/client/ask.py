@@ -1,12 +1,19 @@
-"""`llm-mesh ask "question"`: one turn through the router, streamed to the terminal, then its sources."""
+"""`llm-mesh ask "question"`: one turn through the router, streamed to the terminal, then its sources.
+
+An answer that did not end by itself says why on a last line (`[length: 256 tokens]`,
+`[cancelled]`, `[degraded: …]`), so a cut answer never passes for a whole one; `--json`
+prints one JSON object instead, for scripts.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import grpc
 
+from services.client.answers import footer, json_answer
 from services.client.connection import (
     add_connection_arguments,
     add_turn_arguments,
@@ -14,14 +21,18 @@ from services.client.connection import (
     describe_error,
     format_citations,
     open_router,
+    turn_arguments_problem,
     turn_request,
 )
-from services.gen.llmmesh.v1 import common_pb2
+from services.gen.llmmesh.v1 import common_pb2, router_pb2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_connection_arguments(parser)
     add_turn_arguments(parser)
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object (text, finish_reason, usage, …) at the end"
+    )
     parser.add_argument("question", help="what to ask")
 
 
@@ -29,27 +40,21 @@ def run(args: argparse.Namespace) -> int:
     if not args.question.strip():
         print("error: the question is empty", file=sys.stderr)
         return 2
+    if (problem := turn_arguments_problem(args)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     request = turn_request(args, [common_pb2.ChatMessage(role="user", content=args.question)])
     channel, stub = open_router(args.router)
+    parts: list[str] = []
     try:
         for reply in stub.ChatStream(request, metadata=call_metadata(args.api_key)):
             if reply.HasField("delta"):
-                sys.stdout.write(reply.delta.text)
-                sys.stdout.flush()
+                parts.append(reply.delta.text)
+                if not args.json:
+                    sys.stdout.write(reply.delta.text)
+                    sys.stdout.flush()
             elif reply.HasField("end"):
-                end = reply.end
-                print()
-                if end.finish_reason == common_pb2.FINISH_REASON_ERROR:
-                    print(f"error: {end.error_message}", file=sys.stderr)
-                    return 1
-                if end.citations:
-                    print("sources:")
-                    for line in format_citations(list(end.citations)):
-                        print(f"  {line}")
-                elif args.rag:
-                    print("sources: none found (ingest documents with `llm-mesh ingest PATH`)")
-                if end.degraded:
-                    print(f"note: degraded ({'; '.join(end.degraded_reasons)})", file=sys.stderr)
+                return finish(args, "".join(parts), reply.end)
         return 0
     except grpc.RpcError as error:
         print(describe_error(error, args.router), file=sys.stderr)
@@ -60,3 +65,23 @@ def run(args: argparse.Namespace) -> int:
         return 130
     finally:
         channel.close()
+
+
+def finish(args: argparse.Namespace, text: str, end: router_pb2.TurnEnd) -> int:
+    failed = end.finish_reason == common_pb2.FINISH_REASON_ERROR
+    if args.json:
+        print(json.dumps(json_answer(text, end), ensure_ascii=False))
+        return 1 if failed else 0
+    print()
+    if failed:
+        print(f"error: {end.error_message}", file=sys.stderr)
+        return 1
+    if (note := footer(end)) is not None:
+        print(note)
+    if end.citations:
+        print("sources:")
+        for line in format_citations(list(end.citations)):
+            print(f"  {line}")
+    elif args.rag:
+        print("sources: none found (ingest documents with `llm-mesh ingest PATH`)")
+    return 0

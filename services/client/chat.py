@@ -15,6 +15,7 @@ import threading
 
 import grpc
 
+from services.client.answers import footer
 from services.client.connection import (
     add_connection_arguments,
     add_turn_arguments,
@@ -22,6 +23,7 @@ from services.client.connection import (
     describe_error,
     format_citations,
     open_router,
+    turn_arguments_problem,
     turn_request,
 )
 from services.gen.llmmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -164,10 +166,10 @@ class ChatTerminal:
         print()
         if end.finish_reason == common_pb2.FINISH_REASON_ERROR:
             print(f"error: {end.error_message}")
+        elif (note := footer(end)) is not None:
+            print(note)
         for line in format_citations(list(end.citations)):
             print(f"  {line}")
-        if end.degraded:
-            print(f"  (degraded: {'; '.join(end.degraded_reasons)})")
 
     def reset_stream(self) -> None:
         if self.stream is not None:
@@ -182,6 +184,9 @@ def run(args: argparse.Namespace) -> int:
     # Ctrl-C is how an answer is interrupted, even when a parent started us with SIGINT
     # ignored (a shell's `cmd &`, nohup): Python would then inherit SIG_IGN.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if (problem := turn_arguments_problem(args)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     channel, stub = open_router(args.router)
     try:
         return ChatTerminal(args, stub).loop()

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import grpc
+from rich.console import Console
 
 from services.common.metadata import AUTHORIZATION_KEY
 from services.common.settings import ROUTER_PORT
 from services.gen.llmmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 DEFAULT_ROUTER = f"127.0.0.1:{ROUTER_PORT}"
+#: The terminal clients' temperature unless --temperature: greedy (see add_turn_arguments).
+CLI_TEMPERATURE = 0.0
 
 
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,10 +37,26 @@ def add_turn_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rag", action="store_true", help="answer from the ingested documents")
     parser.add_argument("--model", default="", help="model name or alias (default: the router's)")
     parser.add_argument("--max-tokens", type=int, default=None, help="most tokens per answer")
-    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    # Greedy by default: at the engine's 1.0 the small default model's answers read as broken;
+    # pass --temperature for sampled answers.
+    parser.add_argument(
+        "--temperature", type=float, default=CLI_TEMPERATURE, help="0 = greedy (the default here)"
+    )
+    parser.add_argument(
+        "--session-must-exist",
+        action="store_true",
+        help="with --session: NOT_FOUND for an unknown id instead of starting a new conversation",
+    )
     parser.add_argument(
         "--ignore-eos", action="store_true", help="generate exactly --max-tokens tokens (demos, benchmarks)"
     )
+
+
+def turn_arguments_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the turn options together (usage, exit 2), or None."""
+    if args.session_must_exist and not args.session:
+        return "--session-must-exist needs --session ID"
+    return None
 
 
 def sampling_from_args(args: argparse.Namespace) -> common_pb2.SamplingParams:
@@ -54,8 +74,21 @@ def turn_request(args: argparse.Namespace, messages: list[common_pb2.ChatMessage
         model=args.model,
         sampling=sampling_from_args(args),
         session_id=args.session,
+        session_must_exist=args.session_must_exist,
         rag=router_pb2.RagOptions(enabled=args.rag),
     )
+
+
+#: Width a console takes when its output is not a terminal: wide enough that no table is cut.
+PIPED_WIDTH = 10_000
+
+
+def output_console(stderr: bool = False) -> Console:
+    """A rich console for tables: the terminal's width on a terminal; piped, wide enough that a
+    table keeps every column at its natural width (rich would otherwise assume 80 columns and
+    cut cells to "…" for a script reading it)."""
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(file=stream, width=None if stream.isatty() else PIPED_WIDTH)
 
 
 def call_metadata(api_key: str | None) -> tuple[tuple[str, str | bytes], ...]:

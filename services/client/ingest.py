@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ FATAL = (
     grpc.StatusCode.PERMISSION_DENIED,
     grpc.StatusCode.FAILED_PRECONDITION,
 )
+#: How long `ingest` waits for a connection to the router before saying the mesh is not up.
+CONNECT_TIMEOUT_S = 3.0
 #: Flags of the days `ingest` dialled the retriever itself: refused with the way to do it now.
 RETIRED_FLAGS = {
     "--retriever-addr": "ingest goes through the router now: pass --router HOST:PORT (env LLMMESH_ROUTER)",
@@ -217,6 +220,14 @@ def run(args: argparse.Namespace) -> int:
     auth = call_metadata(args.api_key)
     channel, stub = open_router(args.router)
     with channel:
+        if planned and not router_reachable(channel):
+            # Not "retry later": nothing listens there. Retrying each document for ~15 s would
+            # only hide the one thing to do.
+            print(
+                f"error: no router at {args.router} (is the mesh up? start it with `llm-mesh up`)",
+                file=sys.stderr,
+            )
+            return 2
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
         with Progress(*columns, console=console, transient=True) as progress:
             task = progress.add_task("ingesting", total=len(planned))
@@ -230,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
                 except grpc.RpcError as exc:
                     if exc.code() in FATAL:
                         # Nothing after this document would fare better; say so once and stop.
-                        console.print(describe_error(exc, args.router), style="red", markup=False)
+                        # Plain print: a rich console wraps at 80 columns when stderr is not a terminal.
+                        print(describe_error(exc, args.router), file=sys.stderr)
                         return 2
                     report.rejected.append((str(document.path), f"{exc.code().name}: {exc.details()}"))
                 else:
@@ -242,7 +254,22 @@ def run(args: argparse.Namespace) -> int:
                     report.chunks += summary.chunks
                 progress.advance(task)
     print_summary(report)
-    return 1 if report.rejected else 0
+    return exit_status(report)
+
+
+def exit_status(report: IngestReport) -> int:
+    """0: every file given was ingested (or was already); 1: some file was skipped or refused, each
+    with its reason in the summary. (2 is usage, or a router that is not there or refuses the key.)"""
+    return 1 if report.rejected or report.skipped else 0
+
+
+def router_reachable(channel: grpc.Channel, timeout_s: float = CONNECT_TIMEOUT_S) -> bool:
+    """Whether a connection to the router opens within ``timeout_s``."""
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+    except grpc.FutureTimeoutError:
+        return False
+    return True
 
 
 def print_summary(report: IngestReport) -> None:

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
-from rich.console import Console
 from rich.table import Table
 
-from services.client.connection import add_connection_arguments, call_metadata, describe_error, open_router
+from services.client.connection import (
+    add_connection_arguments,
+    call_metadata,
+    describe_error,
+    open_router,
+    output_console,
+)
 from services.gen.llmmesh.v1 import router_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,14 +127,14 @@ def replica_table(reply: router_pb2.ListReplicasResponse) -> Table:
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    console = output_console()
     channel, stub = open_router(args.router)
     try:
         reply = stub.ListReplicas(
             router_pb2.ListReplicasRequest(), metadata=call_metadata(args.api_key), timeout=5
         )
     except grpc.RpcError as error:
-        console.print(describe_error(error, args.router), style="red", markup=False)
+        print(describe_error(error, args.router), file=sys.stderr)
         return 1
     finally:
         channel.close()

@@ -56,6 +56,8 @@ class MeshConfig:
     redis_url: str | None = None
     milvus_uri: str | None = None
     gateway: bool = False
+    #: The router's API keys (``llm-mesh keys add`` writes them); None = open, one tenant.
+    api_keys_file: Path | None = None
     device: str = "auto"
     # The whole mesh's memory (None: the cgroup's limit, else the machine's RAM).
     memory_limit_mib: int | None = None
@@ -71,6 +73,11 @@ class MeshConfig:
             raise ValueError(f"--port must be in 0..65535, got {self.router_port}")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(f"--http-port must be in 0..65535, got {self.http_port}")
+        if self.api_keys_file is not None and not self.api_keys_file.is_file():
+            raise ValueError(
+                f"--api-keys-file {self.api_keys_file}: no such file (create one with "
+                "`llm-mesh keys add --tenant NAME`)"
+            )
         if self.memory_limit_mib is not None and self.memory_limit_mib < 1:
             raise ValueError(f"--memory-limit-mib must be >= 1, got {self.memory_limit_mib}")
 
@@ -138,6 +145,7 @@ class MeshConfig:
             "--redis-url",
             redis_url,
             *(["--no-http"] if self.http_port is None else ["--http-port", str(self.port(self.http_port))]),
+            *(["--api-keys-file", str(self.api_keys_file)] if self.api_keys_file is not None else []),
             host=self.host,
         )
 

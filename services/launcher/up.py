@@ -63,6 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: the cgroup's limit, else the machine's RAM)",
     )
     parser.add_argument(
+        "--api-keys-file",
+        type=Path,
+        default=os.environ.get("LLMMESH_API_KEYS_FILE") or None,
+        help="API keys for the router (`llm-mesh keys add` writes data/keys.yaml); default: off, "
+        "every caller one tenant [env LLMMESH_API_KEYS_FILE]",
+    )
+    parser.add_argument(
         "--gateway", action="store_true", help="also start the REST gateway on 127.0.0.1:8080 (if built)"
     )
     parser.add_argument(
@@ -91,6 +98,7 @@ def config_from_args(args: argparse.Namespace) -> MeshConfig:
         redis_url=os.environ.get("REDIS_URL") or None,
         milvus_uri=os.environ.get("MILVUS_URI") or None,
         gateway=args.gateway,
+        api_keys_file=Path(args.api_keys_file).resolve() if args.api_keys_file else None,
         device=args.device,
         memory_limit_mib=args.memory_limit_mib,
         startup_timeout_s=args.startup_timeout,
@@ -137,13 +145,26 @@ def ready_block(mesh: LocalMesh, config: MeshConfig) -> str:
     # Name addresses only where they differ from the clients' defaults.
     to_router = "" if router == DEFAULT_ROUTER else f" --router {router}"
     data_dir = "" if config.data_dir == (ROOT / "data").resolve() else f" --data-dir {config.data_dir}"
+    # With keys on, every example carries one: a keyless example would only show UNAUTHENTICATED.
+    keyed = config.api_keys_file is not None
+    grpc_auth = ' -H "authorization: Bearer $LLMMESH_API_KEY"' if keyed else ""
+    http_auth = ' -H "authorization: Bearer $LLMMESH_API_KEY"' if keyed else ""
     lines += [
+        *(
+            [
+                f"api keys: on ({config.api_keys_file}); a key: export LLMMESH_API_KEY=$(llm-mesh keys add "
+                f"--file {config.api_keys_file} --tenant NAME)  (the clients read it)"
+            ]
+            if keyed
+            else []
+        ),
         "try it:",
-        f'  grpcurl -plaintext -d \'{{"messages":[{{"role":"user","content":"What is llm-mesh?"}}],'
+        f"  grpcurl -plaintext{grpc_auth} -d "
+        f'\'{{"messages":[{{"role":"user","content":"What is llm-mesh?"}}],'
         f'"sampling":{{"max_tokens":64}}}}\' {router} llmmesh.v1.Router/Complete',
         *(
             [
-                f"  curl {base}/chat/completions -H 'content-type: application/json' "
+                f"  curl {base}/chat/completions -H 'content-type: application/json'{http_auth} "
                 f'-d \'{{"model":"","messages":[{{"role":"user","content":"What is llm-mesh?"}}]}}\''
             ]
             if base is not None

@@ -26,8 +26,9 @@ from services.router.placement.health import ActiveHealthChecker
 from services.router.placement.models import ModelCatalog
 from services.router.placement.outliers import EjectionConfig
 from services.router.placement.pins import AffinityPins
-from services.router.placement.policies import POLICY_NAMES, make_policy
+from services.router.placement.policies import POLICY_NAMES, PrefixSettings, make_policy
 from services.router.placement.pool import ReplicaPool
+from services.router.placement.prefix_index import PrefixIndex
 from services.router.placement.prewarm import SessionMover
 from services.router.placement.ring import DEFAULT_EPSILON
 from services.router.streams.relay import Relay, RelayConfig
@@ -66,6 +67,22 @@ class RouterSettings:
     api_keys_file: str | None = flag(None, help="API keys (hashed); unset = open, one tenant")
     policy: str = flag("auto", choices=POLICY_NAMES, help="balancing policy")
     epsilon: float = flag(DEFAULT_EPSILON, help="bounded-load slack for affinity")
+    prefix_prefill_weight: float = flag(
+        PrefixSettings.prefill_weight, help="--policy prefix: weight of uncached-prefill seconds"
+    )
+    prefix_load_weight: float = flag(
+        PrefixSettings.load_weight, help="--policy prefix: weight of queued-and-running seconds"
+    )
+    prefix_epsilon: float = flag(
+        PrefixSettings.epsilon, help="--policy prefix: bounded-load slack on the reported load"
+    )
+    prefix_bound_floor: int = flag(
+        PrefixSettings.bound_floor,
+        help="--policy prefix: below this reported load no replica is over the bound",
+    )
+    prefix_approximate_ttl_s: float = flag(
+        PrefixSettings.approximate_ttl_s, help="--policy prefix: how long a sent prompt counts as cached"
+    )
     max_in_flight: int = flag(2048, help="turns in flight before shedding load")
     relay: RelayConfig = field(default_factory=RelayConfig)
     ejection: EjectionConfig = field(default_factory=EjectionConfig)
@@ -102,12 +119,23 @@ class RouterSettings:
             raise ValueError(
                 f"--semantic-cache-threshold must be in [-1, 1], got {self.semantic_cache_threshold}"
             )
+        self.prefix_settings()  # its flags are checked at start, whichever policy runs
         for peer, address, tls in (
             ("session", self.session_addr, self.session_tls),
             ("retriever", self.retriever_addr, self.retriever_tls),
         ):
             if tls is not None and not address:
                 raise ValueError(f"--{peer}-tls-* without --{peer}-addr: nothing to dial with them")
+
+    def prefix_settings(self) -> PrefixSettings:
+        """The ``--prefix-*`` flags as the prefix policy's settings."""
+        return PrefixSettings(
+            self.prefix_prefill_weight,
+            self.prefix_load_weight,
+            self.prefix_epsilon,
+            self.prefix_bound_floor,
+            self.prefix_approximate_ttl_s,
+        )
 
 
 class RouterRuntime:
@@ -125,7 +153,10 @@ class RouterRuntime:
         )
         self.health = ActiveHealthChecker(self.pool, settings.health_interval_s, settings.probe_interval_s)
         rng = random.Random()
-        policy = make_policy(settings.policy, rng, settings.epsilon)
+        prefix = settings.prefix_settings()
+        #: Which prefix blocks each replica holds: what ``--policy prefix`` scores against.
+        self.prefix_index = PrefixIndex(approximate_ttl_s=prefix.approximate_ttl_s)
+        policy = make_policy(settings.policy, rng, settings.epsilon, prefix, self.prefix_index)
         self.replay = ReplayBuffer(self.redis) if self.redis is not None else None
         self.services = TurnServices(
             pool=self.pool,

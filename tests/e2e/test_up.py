@@ -1,5 +1,6 @@
 """`llm-mesh up` end to end: own Redis, every service SERVING, answers via grpcurl and a stub,
-RAG over the sample docs with citations, a second `up` refused, SIGTERM leaves nothing behind."""
+the README's walkthrough pasted into a fresh shell (RAG over the sample docs with citations), a
+second `up` refused, SIGTERM leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -117,40 +118,47 @@ def test_generated_stub_streams_an_answer(mesh: LaunchedMesh) -> None:
     assert [r.seq for r in replies] == list(range(1, len(replies) + 1))
 
 
-def test_ingest_sample_docs_then_rag_answer_cites_them(mesh: LaunchedMesh) -> None:
-    ingest = subprocess.run(
-        cli("ingest", "--router", mesh.router, "examples/docs"),
+def test_the_readme_walkthrough_pasted_into_a_fresh_shell_runs_line_by_line(mesh: LaunchedMesh) -> None:
+    """The README's walkthrough block as a newcomer pastes it: a shell with nothing of ours on its
+    PATH, the block's own first line activating the venv, and nothing more on stdin (so `chat`
+    sees Ctrl-D at once). Each command must succeed and print what the README says it prints."""
+    block = readme_block("bash", "llm-mesh chat")
+    commands = [line.split("  #", 1)[0].strip() for line in block.splitlines() if line.strip()]
+    assert commands[0] == "source .venv/bin/activate", commands
+    script = "".join(f'{c}\necho "=== $? #{i}"\n' for i, c in enumerate(commands))
+    pasted = mesh.data_dir / "walkthrough.sh"
+    pasted.write_text(script)
+    shell = subprocess.run(
+        ["bash", "--noprofile", "--norc", str(pasted)],
+        stdin=subprocess.DEVNULL,  # one line at a time, as pasted: `chat` reads its Ctrl-D, not the next line
         cwd=ROOT,
-        env=mesh.env,
+        # Nothing of the project on the PATH (no venv activated): only what the README's lines do.
+        env={"HOME": str(mesh.data_dir), "PATH": "/usr/local/bin:/usr/bin:/bin", "LLMMESH_ROUTER": mesh.router,
+             "HF_HUB_OFFLINE": "1", "COLUMNS": "160"},
         capture_output=True,
         text=True,
-        timeout=300,
-    )
-    assert ingest.returncode == 0, ingest.stdout + ingest.stderr
-    assert "ingested 3 documents" in ingest.stdout
-    ask = subprocess.run(
-        cli(
-            "ask",
-            "--router",
-            mesh.router,
-            "--rag",
-            "--max-tokens",
-            "24",
-            "--temperature",
-            "0",
-            "How do I stop llm-mesh?",
-        ),
-        cwd=ROOT,
-        env=mesh.env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert ask.returncode == 0, ask.stdout + ask.stderr
-    answer, _, sources = ask.stdout.partition("sources:")
+        timeout=600,
+    )  # fmt: skip
+    outputs: dict[str, str] = {}
+    rest = shell.stdout
+    for i, command in enumerate(commands):
+        marker = re.search(rf"^=== (\d+) #{i}$", rest, re.MULTILINE)
+        assert marker is not None, f"{command!r} never finished:\n{shell.stdout}\n{shell.stderr}"
+        assert marker.group(1) == "0", (
+            f"{command!r} exited {marker.group(1)}:\n{shell.stdout}\n{shell.stderr}"
+        )
+        outputs[command] = rest[: marker.start()]
+        rest = rest[marker.end() :]
+    by_start = {
+        c.split(" ", 2)[1] + (" --rag" if "--rag" in c else ""): out for c, out in outputs.items() if " " in c
+    }
+    assert "llm-mesh chat via" in by_start["chat"]
+    assert "ingested 3 documents" in by_start["ingest"] or "(3 unchanged)" in by_start["ingest"]
+    answer, _, sources = by_start["ask --rag"].partition("sources:")
     assert answer.strip()
-    # The chunk that says how to stop llm-mesh lives in overview.md.
-    assert "[1] " in sources and "overview.md" in sources, ask.stdout
+    # The chunk that says how to stop llm-mesh lives in overview.md, and it comes first.
+    assert "[1] " in sources and "overview.md" in sources.split("[2]")[0], by_start["ask --rag"]
+    assert mesh.endpoints["inference-0"] in by_start["status"] and "serving" in by_start["status"]
 
 
 def test_status_shows_the_replica_and_cache_hit_rates(mesh: LaunchedMesh) -> None:

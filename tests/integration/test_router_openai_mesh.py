@@ -12,13 +12,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import openai
 import pytest
 
+from services.common.metadata import AUTHORIZATION_KEY
+from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from tests.support.openai_front import http_base, keys_file
 from tests.support.processes import ROOT, ServiceProcess
 from tests.support.redis import RedisServer
+from tests.support.router_mesh import router_stub
 
 KEY = "sk-mesh-tenant-a"
 OTHER = "sk-mesh-tenant-b"
@@ -229,6 +233,35 @@ def test_session_id_keeps_the_conversation_and_another_tenant_is_refused_403(mes
         )
     assert refused.value.status_code == 403
     assert refused.value.body["type"] == "permission_error"  # type: ignore[index]
+
+
+def test_session_must_exist_refuses_an_unknown_id_and_creates_nothing(mesh: Mesh) -> None:
+    assert mesh.post(chat(mesh, "Remember the number 7.", 2, session_id="kept-1")).status_code == 200
+    kept = mesh.post(chat(mesh, "Which number?", 2, session_id="kept-1", session_must_exist=True))
+    assert kept.status_code == 200, kept.text
+    assert kept.json()["llm_mesh"]["session_version"] == 2
+    for _ in range(2):  # the refusal created nothing: the same mistyped id is refused again
+        typo = mesh.post(chat(mesh, "Which number?", 2, session_id="kept-l", session_must_exist=True))
+        assert typo.status_code == 404, typo.text
+        assert "session_id" in typo.json()["error"]["message"]
+    assert mesh.post(chat(mesh, "Hi", 2, session_must_exist=True)).json()["error"]["param"] == (
+        "session_must_exist"
+    )
+    # The same over gRPC and from the CLI, whose --session-must-exist sets it.
+    request = router_pb2.ChatRequest(
+        messages=[common_pb2.ChatMessage(role="user", content="Which number?")],
+        session_id="kept-l",
+        session_must_exist=True,
+    )
+    with pytest.raises(grpc.RpcError) as refused:
+        router_stub(mesh.routers[1]).Complete(request, metadata=((AUTHORIZATION_KEY, f"Bearer {KEY}"),))
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    asked = subprocess.run(
+        [sys.executable, "-m", "services.cli", "ask", "--router", mesh.routers[0].address, "--api-key", KEY,
+         "--session", "kept-l", "--session-must-exist", "Which number?"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert asked.returncode == 1 and "NOT_FOUND" in asked.stderr and "kept-l" in asked.stderr, asked.stderr
 
 
 def test_rag_answers_carry_citations_whole_and_streamed(mesh: Mesh) -> None:

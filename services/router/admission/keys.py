@@ -1,4 +1,9 @@
-"""Manage API keys: ``python -m services.router.admission.keys add|revoke|list`` (stores only SHA-256 hashes)."""
+"""Manage API keys: ``llm-mesh keys add|revoke|list`` (or ``python -m services.router.admission.keys``).
+
+Only SHA-256 hashes are stored. Without ``--file`` or ``--redis-url`` the keys go to
+``data/keys.yaml`` in the checkout, beside the rest of what ``llm-mesh up`` keeps (git-ignored),
+which is what ``llm-mesh up --api-keys-file data/keys.yaml`` reads.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ from services.router.admission.auth import (
 )
 
 KEY_PREFIX = "llmk_"
+#: Where keys go when neither --file nor --redis-url is given: the checkout's data/ folder.
+DEFAULT_KEYS_FILE = Path(__file__).resolve().parents[3] / "data" / "keys.yaml"
 
 
 def new_key() -> str:
@@ -114,13 +121,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     revoke.add_argument("--id", dest="key_id", required=True, help="key id")
     sub.add_parser("list", help="list key ids, tenants and limits (never keys)")
     for p in sub.choices.values():
-        where = p.add_mutually_exclusive_group(required=True)
-        where.add_argument("--file", type=Path, help="keys file (YAML, or JSON by .json suffix)")
+        where = p.add_mutually_exclusive_group()
+        where.add_argument(
+            "--file",
+            type=Path,
+            help=f"keys file (YAML, or JSON by .json suffix); default {DEFAULT_KEYS_FILE} unless --redis-url",
+        )
         where.add_argument("--redis-url", help="store keys in Redis instead of a file")
         p.add_argument("--redis-cluster", action="store_true", help="--redis-url names a Redis Cluster node")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.file is None and args.redis_url is None:
+        args.file = DEFAULT_KEYS_FILE
     try:
         if args.action == "add":
             limits = KeyLimits(args.requests_per_second, args.tokens_per_minute, args.burst)

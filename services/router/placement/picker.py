@@ -1,33 +1,25 @@
-"""Replica choice for one attempt: eligible candidates, the deadline filter, the session pin, the policy.
+"""Replica choice for one attempt: the filters, the session pin, then the policy's pipeline.
 
-Pure: no grpc, asyncio or Redis. The clock is injected, so tests control how
-much time is left before a deadline.
+filters (the pool's model and health, the request's exclude and deadline) → the pin, if the
+policy accepts it → the policy (scorers → selector, pipeline.py). Pure: no grpc, asyncio or
+Redis. The clock is injected, so tests control how much time is left before a deadline.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
 from services.common import errors
-from services.router.placement.policies import BalancingPolicy, Candidate
-
-
-class Placeable(Candidate, Protocol):
-    """A candidate that can say how long a new request would wait on it."""
-
-    def predicted_wait_s(self) -> float: ...
-
+from services.router.placement import filters
+from services.router.placement.filters import CandidateSource, Placeable
+from services.router.placement.pipeline import BalancingPolicy
+from services.router.placement.request import PlacementRequest
 
 R = TypeVar("R", bound=Placeable)
-R_co = TypeVar("R_co", bound=Placeable, covariant=True)
 
-
-class CandidateSource(Protocol[R_co]):
-    """The eligible replicas of a model (``ReplicaPool.candidates``: serving, not ejected, not draining)."""
-
-    def candidates(self, model: str) -> Sequence[R_co]: ...
+__all__ = ["CandidateSource", "Placeable", "ReplicaPicker"]
 
 
 class ReplicaPicker(Generic[R]):
@@ -40,6 +32,46 @@ class ReplicaPicker(Generic[R]):
         self.policy = policy
         self._clock = clock
 
+    def place(self, request: PlacementRequest) -> tuple[R, str] | None:
+        """The replica for the next attempt and its model, or None when no model has one.
+
+        Models are tried in order (the plan's fallbacks). Of a model's candidates, those in
+        ``request.exclude`` (tried already) and those whose predicted wait misses its deadline
+        are left out; the pinned replica wins if the policy accepts the pin, otherwise the
+        policy chooses. Nothing picked while some model's every candidate would wait past the
+        deadline is DeadlineExceeded, not None. The policy is told where the request goes.
+        """
+        too_slow = 0.0
+        for model in request.models:
+            candidates = filters.of_model(self.pool, model, request.exclude)
+            if request.deadline is not None and candidates:
+                split = filters.within_deadline(candidates, request.deadline - self._clock())
+                if not split.fits:
+                    too_slow = split.least_wait_s
+                    continue
+                candidates = split.fits
+            if not candidates:
+                continue
+            chosen = self._pinned(candidates, request) or self.policy.select(candidates, request)
+            if chosen is not None:
+                self.policy.placed(chosen, request)
+                return chosen, model
+        if too_slow:
+            raise errors.DeadlineExceeded(
+                f"predicted queue wait {too_slow:.2f} s exceeds the time left before the deadline"
+            )
+        return None
+
+    def _pinned(self, candidates: Sequence[R], request: PlacementRequest) -> R | None:
+        if request.pinned is None:
+            return None
+        for r in candidates:
+            # A pinned replica keeps its session unless the policy refuses it (over a
+            # bounded-load cap).
+            if r.address == request.pinned and self.policy.accepts_pin(r, candidates):
+                return r
+        return None
+
     def pick(
         self,
         models: Sequence[str],
@@ -48,37 +80,5 @@ class ReplicaPicker(Generic[R]):
         deadline: float | None,
         preferred: str | None = None,
     ) -> tuple[R, str] | None:
-        """The replica for the next attempt and its model, or None when no model has one.
-
-        Models are tried in order (the plan's fallbacks). Of a model's candidates, those in
-        ``exclude`` (tried already) and those whose predicted wait misses ``deadline`` are
-        left out; the ``preferred`` (pinned) replica wins if the policy accepts the pin,
-        otherwise the policy chooses. Nothing picked while some model's every candidate would
-        wait past the deadline is DeadlineExceeded, not None.
-        """
-        too_slow = 0.0
-        for model in models:
-            candidates = [r for r in self.pool.candidates(model) if r.address not in exclude]
-            if deadline is not None and candidates:
-                remaining = deadline - self._clock()
-                fits = [r for r in candidates if r.predicted_wait_s() < remaining]
-                if not fits:
-                    too_slow = min(r.predicted_wait_s() for r in candidates)
-                    continue
-                candidates = fits
-            if not candidates:
-                continue
-            if preferred is not None:
-                for r in candidates:
-                    # A pinned replica keeps its session unless the policy refuses it (over the
-                    # affinity policy's bounded-load cap).
-                    if r.address == preferred and self.policy.accepts_pin(r, candidates):
-                        return r, model
-            chosen = self.policy.choose(candidates, session_key)
-            if chosen is not None:
-                return chosen, model
-        if too_slow:
-            raise errors.DeadlineExceeded(
-                f"predicted queue wait {too_slow:.2f} s exceeds the time left before the deadline"
-            )
-        return None
+        """``place`` for a request known only by its session and pin (pre-warm's moves)."""
+        return self.place(PlacementRequest(models, session_key, preferred, frozenset(exclude), deadline))

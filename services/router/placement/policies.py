@@ -1,166 +1,98 @@
-"""Balancing policies: small pure classes that pick one replica from the eligible ones.
+"""The balancing policies, each a configuration of the one placement pipeline (pipeline.py).
 
-Each policy takes an injected random source (and the latency stats an injected
-clock), so tests control chance and time. No grpc or asyncio in here.
+=============  ========================================  ==================  ========================
+policy         scorers (weight)                          bound (ε) on        selector
+=============  ========================================  ==================  ========================
+round_robin    rotation                                  –                   argmin
+least          outstanding                               –                   argmin, random tie-break
+p2c            outstanding                               –                   better of two random
+wrt            expected response time                    –                   random ∝ 1 / cost
+affinity/auto  session ring rank; wrt without a session  router in-flight    argmin
+prefix         prefill work (w), queued work (w)         reported load       argmin, hash tie-break
+=============  ========================================  ==================  ========================
+
+Randomness is injected; no grpc or asyncio in here.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
 
-from services.router.placement.ring import DEFAULT_EPSILON, ConsistentHashRing, bounded_capacity
+from services.router.placement.candidate import Candidate, outstanding
+from services.router.placement.ewma import LatencyEwma
+from services.router.placement.filters import LoadBound
+from services.router.placement.pipeline import BalancingPolicy, Pipeline, SessionFirst, Weighted
+from services.router.placement.prefix_index import PrefixIndex
+from services.router.placement.prefix_scorers import (
+    CostDefaults,
+    PrefillWork,
+    PrefixOverlap,
+    QueuedWork,
+    reported_load,
+)
+from services.router.placement.request import PlacementRequest
+from services.router.placement.ring import DEFAULT_EPSILON
+from services.router.placement.scorers import (
+    Outstanding,
+    ResponseTime,
+    ResponseTimeModel,
+    Rotation,
+    SessionRing,
+)
+from services.router.placement.selectors import (
+    ArgMin,
+    HashTieBreak,
+    RandomTieBreak,
+    TwoChoices,
+    WeightedRandom,
+)
 
-POLICY_NAMES = ("auto", "affinity", "wrt", "least", "p2c", "round_robin")
+POLICY_NAMES = ("auto", "affinity", "wrt", "least", "p2c", "round_robin", "prefix")
 
-
-class Candidate(Protocol):
-    """What a policy may know about a replica."""
-
-    @property
-    def address(self) -> str: ...
-
-    @property
-    def in_flight(self) -> int: ...
-
-    @property
-    def queue_depth(self) -> int: ...
-
-    @property
-    def ewma_ttft_s(self) -> float | None: ...
-
-    @property
-    def ewma_itl_s(self) -> float | None: ...
-
-
-C = TypeVar("C", bound=Candidate)
-
-
-class LatencyEwma:
-    """Exponentially weighted moving average that forgets when no sample arrives.
-
-    A replica that was slow once would otherwise never be picked again and never
-    get a chance to show it recovered; after ``stale_after_s`` without samples
-    its value reads as unknown, which the balancer treats as average.
-    """
-
-    def __init__(
-        self, alpha: float = 0.3, stale_after_s: float = 30.0, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError("alpha must be in (0, 1]")
-        self.alpha = alpha
-        self.stale_after_s = stale_after_s
-        self._clock = clock
-        self._value: float | None = None
-        self._updated = 0.0
-
-    def observe(self, sample: float) -> None:
-        if self._value is None or self._clock() - self._updated > self.stale_after_s:
-            self._value = sample
-        else:
-            self._value += self.alpha * (sample - self._value)
-        self._updated = self._clock()
-
-    @property
-    def value(self) -> float | None:
-        if self._value is None or self._clock() - self._updated > self.stale_after_s:
-            return None
-        return self._value
-
-    @property
-    def last_sample_at(self) -> float | None:
-        """When the last sample arrived (on this EWMA's clock); None before the first."""
-        return None if self._value is None else self._updated
+# Re-exported: callers and tests name them from here.
+__all__ = [
+    "POLICY_NAMES",
+    "AffinityPolicy",
+    "BalancingPolicy",
+    "Candidate",
+    "LatencyEwma",
+    "LeastOutstandingPolicy",
+    "PowerOfTwoChoicesPolicy",
+    "PrefixPolicy",
+    "PrefixSettings",
+    "ResponseTimeModel",
+    "RoundRobinPolicy",
+    "WeightedResponseTimePolicy",
+    "make_policy",
+    "outstanding",
+]
 
 
-class BalancingPolicy(Protocol):
-    """Picks a replica; ``session_key`` is only used by affinity."""
-
-    name: str
-
-    def choose(self, candidates: Sequence[C], session_key: str | None = None) -> C | None: ...
-
-    def accepts_pin(self, pinned: Candidate, candidates: Sequence[Candidate]) -> bool:
-        """Whether a session pinned to ``pinned`` (one of ``candidates``) may stay there."""
-        ...
-
-
-class HonoursPins:
-    """For a policy without a load bound: a session's pinned replica always keeps it."""
-
-    def accepts_pin(self, pinned: Candidate, candidates: Sequence[Candidate]) -> bool:
-        return True
-
-
-def outstanding(c: Candidate) -> int:
-    """Work ahead of a new request on this replica, as this router sees it plus what it reports."""
-    return c.in_flight + c.queue_depth
-
-
-class RoundRobinPolicy(HonoursPins):
+class RoundRobinPolicy(Pipeline):
     """Each replica in turn."""
 
-    name = "round_robin"
-
     def __init__(self) -> None:
-        self._counter = itertools.count()
-
-    def choose(self, candidates: Sequence[C], session_key: str | None = None) -> C | None:
-        if not candidates:
-            return None
-        return candidates[next(self._counter) % len(candidates)]
+        super().__init__("round_robin", [Weighted(Rotation())], ArgMin())
 
 
-class LeastOutstandingPolicy(HonoursPins):
+class LeastOutstandingPolicy(Pipeline):
     """The replica with the fewest outstanding requests; ties broken at random."""
 
-    name = "least"
-
     def __init__(self, rng: random.Random | None = None) -> None:
-        self._rng = rng or random.Random()
-
-    def choose(self, candidates: Sequence[C], session_key: str | None = None) -> C | None:
-        if not candidates:
-            return None
-        best = min(outstanding(c) for c in candidates)
-        tied = [c for c in candidates if outstanding(c) == best]
-        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        super().__init__("least", [Weighted(Outstanding())], ArgMin(RandomTieBreak(rng or random.Random())))
 
 
-class PowerOfTwoChoicesPolicy(HonoursPins):
+class PowerOfTwoChoicesPolicy(Pipeline):
     """Two replicas drawn at random; the less loaded one wins (Mitzenmacher)."""
 
-    name = "p2c"
-
     def __init__(self, rng: random.Random | None = None) -> None:
-        self._rng = rng or random.Random()
-
-    def choose(self, candidates: Sequence[C], session_key: str | None = None) -> C | None:
-        if len(candidates) <= 1:
-            return candidates[0] if candidates else None
-        a, b = self._rng.sample(range(len(candidates)), 2)
-        first, second = candidates[a], candidates[b]
-        return second if outstanding(second) < outstanding(first) else first
+        super().__init__("p2c", [Weighted(Outstanding())], TwoChoices(rng or random.Random()))
 
 
-@dataclass(frozen=True)
-class ResponseTimeModel:
-    """How WRT turns latency stats and load into an expected response time."""
-
-    #: Tokens of a typical answer: weighs per-token latency against TTFT.
-    expected_tokens: int = 32
-    #: Used when no replica has a sample yet.
-    default_ttft_s: float = 0.05
-    default_itl_s: float = 0.01
-
-
-class WeightedResponseTimePolicy(HonoursPins):
+class WeightedResponseTimePolicy(Pipeline):
     """Random pick weighted by 1 / expected response time.
 
     Expected time = (EWMA TTFT + EWMA inter-token latency × typical tokens) ×
@@ -169,77 +101,106 @@ class WeightedResponseTimePolicy(HonoursPins):
     but never nothing, which keeps their stats fresh.
     """
 
-    name = "wrt"
-
     def __init__(self, rng: random.Random | None = None, model: ResponseTimeModel | None = None) -> None:
-        self._rng = rng or random.Random()
-        self.model = model or ResponseTimeModel()
+        self.response_time = ResponseTime(model)
+        super().__init__("wrt", [Weighted(self.response_time)], WeightedRandom(rng or random.Random()))
 
-    def expected_seconds(self, candidates: Sequence[C]) -> list[float]:
-        m = self.model
-        known_ttft = [c.ewma_ttft_s for c in candidates if c.ewma_ttft_s is not None]
-        known_itl = [c.ewma_itl_s for c in candidates if c.ewma_itl_s is not None]
-        # A replica without samples counts as average, so newcomers get a fair share.
-        mean_ttft = sum(known_ttft) / len(known_ttft) if known_ttft else m.default_ttft_s
-        mean_itl = sum(known_itl) / len(known_itl) if known_itl else m.default_itl_s
-        out = []
-        for c in candidates:
-            ttft = c.ewma_ttft_s if c.ewma_ttft_s is not None else mean_ttft
-            itl = c.ewma_itl_s if c.ewma_itl_s is not None else mean_itl
-            out.append(max(1e-6, ttft + itl * m.expected_tokens) * (1 + outstanding(c)))
-        return out
+    @property
+    def model(self) -> ResponseTimeModel:
+        return self.response_time.model
 
-    def choose(self, candidates: Sequence[C], session_key: str | None = None) -> C | None:
-        if len(candidates) <= 1:
-            return candidates[0] if candidates else None
-        weights = [1.0 / s for s in self.expected_seconds(candidates)]
-        pick = self._rng.random() * sum(weights)
-        for c, w in zip(candidates, weights, strict=True):
-            pick -= w
-            if pick <= 0:
-                return c
-        return candidates[-1]
+    def expected_seconds(self, candidates: Sequence[Candidate]) -> list[float]:
+        return self.response_time.score(candidates, PlacementRequest(()))
 
 
-class AffinityPolicy:
+class AffinityPolicy(SessionFirst):
     """Consistent hashing on the session id with bounded loads; another policy without one.
 
     Composed, not copied: the load-based fallback is any other policy.
     """
-
-    name = "affinity"
 
     def __init__(
         self, fallback: BalancingPolicy, epsilon: float = DEFAULT_EPSILON, vnodes: int = 160
     ) -> None:
         if epsilon < 0 or not math.isfinite(epsilon):
             raise ValueError("epsilon must be a finite number >= 0")
-        self.fallback = fallback
         self.epsilon = epsilon
-        self.ring = ConsistentHashRing(vnodes=vnodes)
-
-    def choose(self, candidates: Sequence[C], session_key: str | None = None) -> C | None:
-        if not session_key:
-            return self.fallback.choose(candidates, None)
-        if not candidates:
-            return None
-        by_address = {c.address: c for c in candidates}
-        self.ring.sync(by_address)
-        address = self.ring.choose_bounded(session_key, lambda a: by_address[a].in_flight, self.epsilon)
-        return by_address[address] if address is not None else self.fallback.choose(candidates, None)
+        ring = SessionRing(vnodes)
+        self.ring = ring.ring
+        # Strict: when every ring replica is full the fallback decides, as it always did.
+        session = Pipeline("affinity", [Weighted(ring)], ArgMin(), bound=LoadBound(epsilon), strict=True)
+        super().__init__("affinity", session, fallback)
 
     def within_bound(self, chosen: Candidate, candidates: Sequence[Candidate]) -> bool:
         """Whether ``chosen`` (e.g. a pinned replica) may take one more under the load cap."""
-        total = sum(c.in_flight for c in candidates)
-        return chosen.in_flight < bounded_capacity(total, len(candidates), self.epsilon)
+        return self.accepts_pin(chosen, candidates)
 
-    def accepts_pin(self, pinned: Candidate, candidates: Sequence[Candidate]) -> bool:
-        """A pin holds while its replica is within the bounded load, as the ring's own choice does."""
-        return self.within_bound(pinned, candidates)
+
+@dataclass(frozen=True)
+class PrefixSettings:
+    """The prefix policy's flags: the cost's weights, its load bound, the approximate index's expiry."""
+
+    #: Weight of the uncached-prefill seconds in the cost (``--prefix-prefill-weight``).
+    prefill_weight: float = 1.0
+    #: Weight of the queued-and-running seconds (``--prefix-load-weight``).
+    load_weight: float = 1.0
+    #: Bounded-load slack on the replicas' reported load (``--prefix-epsilon``).
+    epsilon: float = 0.5
+    #: Below this reported load a replica is never over the bound (``--prefix-bound-floor``).
+    bound_floor: int = 4
+    #: How long a prompt this router sent counts as cached where it went (``--prefix-approximate-ttl-s``).
+    approximate_ttl_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        for flag, value in (
+            ("--prefix-prefill-weight", self.prefill_weight),
+            ("--prefix-load-weight", self.load_weight),
+        ):
+            if value < 0 or not math.isfinite(value):
+                raise ValueError(f"{flag} must be a finite number >= 0, got {value}")
+        if self.epsilon < 0 or not math.isfinite(self.epsilon):
+            raise ValueError(f"--prefix-epsilon must be a finite number >= 0, got {self.epsilon}")
+        if self.bound_floor < 0:
+            raise ValueError(f"--prefix-bound-floor must be >= 0, got {self.bound_floor}")
+        if self.approximate_ttl_s <= 0:
+            raise ValueError(f"--prefix-approximate-ttl-s must be > 0, got {self.approximate_ttl_s}")
+
+
+class PrefixPolicy(Pipeline):
+    """Least predicted work: uncached prefill seconds plus queued seconds, under a load bound.
+
+    Everything it reads is alike on every router that polls the same replicas and consumes
+    the same KV events (reported load, the index), and a tie goes by a hash of the request,
+    so active-active routers place a request identically. What it sends, it records in the
+    index's approximate mode, for replicas that publish no events.
+    """
+
+    def __init__(
+        self, index: PrefixIndex, settings: PrefixSettings | None = None, defaults: CostDefaults | None = None
+    ) -> None:
+        self.index = index
+        self.settings = s = settings or PrefixSettings()
+        overlap = PrefixOverlap(index)
+        super().__init__(
+            "prefix",
+            [
+                Weighted(PrefillWork(overlap, defaults), s.prefill_weight),
+                Weighted(QueuedWork(defaults), s.load_weight),
+            ],
+            ArgMin(HashTieBreak()),
+            bound=LoadBound(s.epsilon, load=reported_load, floor=s.bound_floor),
+        )
+
+    def placed(self, chosen: Candidate, request: PlacementRequest) -> None:
+        self.index.record_sent(chosen.address, request.block_size, request.prefix_hashes)
 
 
 def make_policy(
-    name: str, rng: random.Random | None = None, epsilon: float = DEFAULT_EPSILON
+    name: str,
+    rng: random.Random | None = None,
+    epsilon: float = DEFAULT_EPSILON,
+    prefix: PrefixSettings | None = None,
+    index: PrefixIndex | None = None,
 ) -> BalancingPolicy:
     """The policy for ``--policy``: ``auto`` is affinity over weighted response time."""
     rng = rng or random.Random()
@@ -253,4 +214,7 @@ def make_policy(
         return PowerOfTwoChoicesPolicy(rng)
     if name == "round_robin":
         return RoundRobinPolicy()
+    if name == "prefix":
+        settings = prefix or PrefixSettings()
+        return PrefixPolicy(index or PrefixIndex(approximate_ttl_s=settings.approximate_ttl_s), settings)
     raise ValueError(f"--policy: unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")

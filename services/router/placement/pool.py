@@ -23,8 +23,8 @@ from services.common.generate_many.limits import STREAM_WINDOW_CHANNEL_OPTIONS
 from services.gen.llmmesh.v1 import inference_pb2, inference_pb2_grpc, router_pb2
 from services.router import metrics
 from services.router.admission.tls import DialTls, dial
+from services.router.placement.ewma import LatencyEwma, ReplicaCosts
 from services.router.placement.outliers import EjectionConfig, FailureKind, OutlierDetector, may_eject
-from services.router.placement.policies import LatencyEwma
 
 if TYPE_CHECKING:
     from services.gen.llmmesh.v1.inference_pb2_grpc import InferenceAsyncStub
@@ -115,6 +115,8 @@ class Replica:
         self.in_flight = 0
         self.ttft = LatencyEwma(clock=clock)
         self.itl = LatencyEwma(clock=clock)
+        #: Prefill and decode costs from its answers' timings (the prefix policy's cost).
+        self.costs = ReplicaCosts(clock)
         self.outlier = OutlierDetector(ejection, clock)
         self.last_probe = 0.0
         self.weight = 1.0
@@ -136,6 +138,18 @@ class Replica:
     @property
     def ewma_itl_s(self) -> float | None:
         return self.itl.value
+
+    @property
+    def reported_load(self) -> int:
+        return self.last_load.running + self.last_load.waiting
+
+    @property
+    def prefill_s_per_token(self) -> float | None:
+        return self.costs.prefill_per_token.value
+
+    @property
+    def decode_s_per_request(self) -> float | None:
+        return self.costs.decode_per_request.value
 
     @property
     def eligible(self) -> bool:

@@ -14,8 +14,8 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
 
 from services.common import errors
 from services.common.generate_many.client import StreamBroken
@@ -23,8 +23,9 @@ from services.gen.llmmesh.v1 import common_pb2, inference_pb2
 from services.router import metrics
 from services.router.placement.outliers import FailureKind
 from services.router.placement.picker import ReplicaPicker
-from services.router.placement.policies import BalancingPolicy
+from services.router.placement.pipeline import BalancingPolicy
 from services.router.placement.pool import Replica, ReplicaPool
+from services.router.placement.request import PlacementRequest
 from services.router.streams.attempts import BUSY_RETRY_AFTER_S, AttemptFailed, ReplicaBusy, replica_failure
 from services.router.streams.watchdog import Watchdog
 
@@ -86,14 +87,14 @@ class Relay:
     async def generate(
         self,
         start: inference_pb2.GenerateStart,
-        models: Sequence[str],
+        placement: PlacementRequest,
         outcome: RelayOutcome,
-        deadline: float | None = None,
-        session_key: str | None = None,
-        preferred: str | None = None,
     ) -> AsyncIterator[list[inference_pb2.TokenChunk]]:
         """Yield the answer's chunks in batches (what arrived while the previous batch was out);
-        ``outcome`` says how it ended and where it ran."""
+        ``outcome`` says how it ended and where it ran. ``placement`` is what the turn knows
+        for choosing a replica (models, session, pin, deadline, the prompt's prefix blocks);
+        each attempt asks the picker again with the replicas tried so far excluded."""
+        deadline = placement.deadline
         tried: set[str] = set()
         attempts = 0
         last_error = "no attempt made"
@@ -104,11 +105,12 @@ class Relay:
             if deadline is not None and self._clock() >= deadline:
                 raise errors.DeadlineExceeded("deadline passed before the answer finished")
             # Once tokens flowed the answer must continue on the same model: token ids differ across models.
-            allowed = [outcome.model] if outcome.token_ids else models
-            picked = self.picker.pick(allowed, session_key, tried, deadline, preferred)
+            allowed = [outcome.model] if outcome.token_ids else placement.models
+            picked = self.picker.place(replace(placement, models=allowed, exclude=placement.exclude | tried))
             if picked is None and tried:
                 # Every replica tried once: allow the others again, never the one that just failed.
-                picked = self.picker.pick(allowed, session_key, {outcome.replica}, deadline, None)
+                again = replace(placement, models=allowed, exclude=frozenset({outcome.replica}), pinned=None)
+                picked = self.picker.place(again)
             if picked is None:
                 names = ", ".join(allowed)
                 if not attempts:
@@ -212,6 +214,14 @@ class Relay:
                         failure = AttemptFailed(f"replica error: {done.error_message}", FailureKind.ERROR)
                         break
                     outcome.finished = done
+                    # The replica's own timings: what a prompt costs there (the prefix policy's cost).
+                    usage, timings = done.usage, done.timings
+                    replica.costs.observe(
+                        usage.prompt_tokens,
+                        usage.cached_prompt_tokens,
+                        timings.prefill_ms / 1000,
+                        timings.decode_ms / 1000,
+                    )
                     break
                 if batch:
                     now = clock()

@@ -19,6 +19,7 @@ from services.common import errors
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, router_pb2
 from services.router import metrics
 from services.router.admission.auth import Principal
+from services.router.placement.request import PlacementRequest
 from services.router.streams.relay import RelayOutcome
 from services.router.streams.replay_writer import ReplayWriter
 from services.router.turns import cache_step, sources
@@ -206,7 +207,15 @@ class TurnPipeline:
         request_id = state.request_id
         previous_at: float | None = None
         try:
-            relayed = s.relay.generate(start, models, outcome, deadline, session_key, pinned)
+            placement = PlacementRequest(
+                models,
+                session_key,
+                pinned,
+                deadline=deadline,
+                request_id=request_id,
+                prefix=s.prompt_prefix(start, models[0]),
+            )
+            relayed = s.relay.generate(start, placement, outcome)
             # The per-message path: one clock read, one histogram sample, one proto built in place.
             async for batch in relayed:
                 now = clock()

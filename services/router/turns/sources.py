@@ -46,18 +46,21 @@ async def history(
     """The session's history within the budget, or None (degraded) where it cannot be had."""
     if not request.session_id:
         return None
+    required = request.session_required or request.session_must_exist
     if s.context is None or s.context.session is None:
-        if request.session_required:
+        if required:
             raise errors.FailedPrecondition("session_id: this router has no --session-addr")
         state.degraded.append("history: no session service configured")
         return None
     try:
         found = await s.context.load_history(tenant, request.session_id, HISTORY_TOKEN_BUDGET)
     except errors.DependencyUnavailable as exc:
-        if request.session_required:
+        if required:
             raise
         state.degraded.append(f"history: {exc}")
         return None
+    if request.session_must_exist and not found.exists:
+        raise errors.NotFound(f"session_id: no session {request.session_id!r} (session_must_exist is set)")
     state.session = found
     return found
 

@@ -86,6 +86,12 @@ VIOLATIONS = [
         id="ring-imports-grpc",
     ),
     pytest.param(
+        "services/router/placement/prefix_index.py",
+        "import asyncio",
+        "placement-pure",
+        id="prefix-index-imports-asyncio",
+    ),
+    pytest.param(
         "services/common/errors.py",
         "import grpc",
         "engine-no-grpc",

@@ -4,14 +4,23 @@ refusals it sends a document again after."""
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import grpc
 import pytest
 
 from services import cli
-from services.client.ingest import ingest_with_retries, parse_metadata, plan
+from services.client.ingest import (
+    CONNECT_TIMEOUT_S,
+    IngestReport,
+    exit_status,
+    ingest_with_retries,
+    parse_metadata,
+    plan,
+)
 from services.gen.llmmesh.v1 import retriever_pb2 as pb
+from services.launcher.readiness import free_port
 
 
 def test_folders_become_relative_ids_and_unsupported_files_are_skipped_with_a_reason(tmp_path: Path) -> None:
@@ -131,3 +140,23 @@ def test_the_old_direct_to_retriever_flags_say_what_to_pass_instead(
     # Refused before any connection: the router address here listens nowhere.
     with pytest.raises(SystemExit, match=rf"{flag} is gone: .*{instead}"):
         cli.main(["ingest", str(document), "--router", "127.0.0.1:1", flag, "somewhere"])
+
+
+def test_with_no_router_listening_ingest_says_the_mesh_is_not_up_and_exits_2_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    document = tmp_path / "notes.txt"
+    document.write_text("never sent")
+    started = time.monotonic()
+    status = cli.main(["ingest", str(document), "--router", f"127.0.0.1:{free_port()}"])
+    assert status == 2
+    assert "is the mesh up? start it with `llm-mesh up`" in capsys.readouterr().err
+    # No retry-with-backoff of a connection that cannot open (4 retries would be ~15 s).
+    assert time.monotonic() - started < CONNECT_TIMEOUT_S + 2
+
+
+def test_exit_status_is_0_only_when_every_file_given_went_in() -> None:
+    assert exit_status(IngestReport(ingested=2, unchanged=1)) == 0
+    assert exit_status(IngestReport(ingested=2, skipped=[("a.rst", "unsupported type .rst")])) == 1
+    assert exit_status(IngestReport(skipped=[("missing.txt", "no such file or folder")])) == 1
+    assert exit_status(IngestReport(ingested=1, rejected=[("b.pdf", "INVALID_ARGUMENT: broken")])) == 1

@@ -388,6 +388,7 @@ async def test_a_paused_generation_still_times_out() -> None:
 async def test_time_spent_on_a_slow_client_is_not_a_replica_stall() -> None:
     from services.router.placement.policies import AffinityPolicy, LeastOutstandingPolicy
     from services.router.placement.pool import ReplicaPool
+    from services.router.placement.request import PlacementRequest
     from services.router.streams.relay import Relay, RelayConfig, RelayOutcome
 
     async with Replica(SyntheticConfig(tokens_per_second=100)) as replica:
@@ -405,7 +406,7 @@ async def test_time_spent_on_a_slow_client_is_not_a_replica_stall() -> None:
             outcome = RelayOutcome()
             ids: list[int] = []
             batches = 0
-            async for batch in relay.generate(start, ["synthetic"], outcome):
+            async for batch in relay.generate(start, PlacementRequest(["synthetic"]), outcome):
                 ids.extend(t for chunk in batch for t in chunk.token_ids)
                 batches += 1
                 if batches <= 2:

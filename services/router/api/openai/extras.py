@@ -19,7 +19,7 @@ from services.gen.llmmesh.v1 import router_pb2
 from services.router.api.openai.errors import bad_request
 
 #: Body fields this module reads: ``params`` treats them as known.
-FIELDS = frozenset({"session_id", "session_required", "rag", "cache", "resumable"})
+FIELDS = frozenset({"session_id", "session_required", "session_must_exist", "rag", "cache", "resumable"})
 MAX_RAG_TOP_K = 20
 # A request id becomes part of Redis keys (``llm:replay:{id}``, a Cluster hash tag) and SSE ``id:``
 # lines: no braces, no whitespace, no newlines. 120 leaves room for the ``-<choice>`` suffix
@@ -43,6 +43,8 @@ class Extras:
 
     session_id: str = ""
     session_required: bool = False
+    #: 404 for a session id this tenant does not have, instead of starting a new conversation.
+    session_must_exist: bool = False
     rag: router_pb2.RagOptions | None = None
     cache: router_pb2.CachePolicy | None = None
     #: Keep generating when the client disconnects, so it can come back with ``Last-Event-ID``.
@@ -56,6 +58,7 @@ class Extras:
     def apply(self, turn: router_pb2.ChatRequest) -> None:
         turn.session_id = self.session_id
         turn.session_required = self.session_required
+        turn.session_must_exist = self.session_must_exist
         if self.rag is not None:
             turn.rag.CopyFrom(self.rag)
         if self.cache is not None:
@@ -73,12 +76,16 @@ def extras(body: Mapping[str, Any], choices: int) -> Extras:
         # Every choice would append its own answer to the one conversation.
         raise bad_request("n", "n: a request with session_id has one choice (and one prompt)")
     session_required = _flag(body, "session_required")
+    session_must_exist = _flag(body, "session_must_exist")
+    if session_must_exist and not session_id:
+        raise bad_request("session_must_exist", "session_must_exist: needs a session_id")
     resumable = _flag(body, "resumable")
     if resumable and not _flag(body, "stream"):
         raise bad_request("resumable", "resumable: only a stream (stream: true) can be resumed")
     return Extras(
         session_id or "",
         session_required,
+        session_must_exist,
         _rag(body.get("rag")),
         _cache(body.get("cache"), body.get("user")),
         resumable,

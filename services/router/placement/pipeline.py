@@ -1,0 +1,150 @@
+"""One placement pipeline: bounded-load filter → weighted scorers → selector.
+
+Every balancing policy is a configuration of ``Pipeline`` (policies.py): which scorers with
+which weights, which selector, whether a load bound (ε) applies. ``SessionFirst`` chains two:
+a session's key goes to the session pipeline (the affinity ring), anything else — or a
+session whose ring replicas are all over the bound — to the fallback. The pool's model and
+health filter and the request's own (exclude, deadline) run before, in picker.py.
+
+Pure: no grpc, no asyncio; randomness lives in the selectors, injected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from services.router.placement.candidate import C, Candidate
+from services.router.placement.filters import LoadBound
+from services.router.placement.request import PlacementRequest
+from services.router.placement.scorers import Scorer
+from services.router.placement.selectors import Selector
+
+
+class BalancingPolicy(Protocol):
+    """Picks a replica for a request from the eligible ones; the picker's only view of a policy."""
+
+    name: str
+
+    def select(self, candidates: Sequence[C], request: PlacementRequest) -> C | None: ...
+
+    def accepts_pin(self, pinned: Candidate, candidates: Sequence[Candidate]) -> bool:
+        """Whether a session pinned to ``pinned`` (one of ``candidates``) may stay there."""
+        ...
+
+    def placed(self, chosen: Candidate, request: PlacementRequest) -> None:
+        """``request`` is being sent to ``chosen``: a policy that learns from its own choices notes it."""
+        ...
+
+    def choose(self, candidates: Sequence[C], session_key: str | None = None) -> C | None:
+        """``select`` for a request known only by its session key."""
+        ...
+
+
+class Policy:
+    """What every configuration shares: ``choose`` by session key alone, no learning by default."""
+
+    name = ""
+
+    def select(self, candidates: Sequence[C], request: PlacementRequest) -> C | None:
+        raise NotImplementedError
+
+    def choose(self, candidates: Sequence[C], session_key: str | None = None) -> C | None:
+        return self.select(candidates, PlacementRequest((), session_key=session_key))
+
+    def accepts_pin(self, pinned: Candidate, candidates: Sequence[Candidate]) -> bool:
+        return True
+
+    def placed(self, chosen: Candidate, request: PlacementRequest) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class Weighted:
+    """A scorer and its weight in the summed cost."""
+
+    scorer: Scorer
+    weight: float = 1.0
+
+
+class Pipeline(Policy):
+    """Bounded loads, then the weighted sum of the scorers' costs, then the selector.
+
+    With a ``bound``, candidates at or over ⌈(1 + ε) · average load⌉ are left out before the
+    selector sees them (scorers still see every candidate: their relative costs, such as the
+    mean latency, are of the whole set). ``strict``: when all are over (possible only with a
+    bound on another load than the one chosen), choose nothing and let a fallback decide.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        scorers: Sequence[Weighted],
+        selector: Selector,
+        bound: LoadBound | None = None,
+        strict: bool = False,
+        on_placed: Callable[[Candidate, PlacementRequest], None] | None = None,
+    ) -> None:
+        if not scorers:
+            raise ValueError("a pipeline needs at least one scorer")
+        self.name = name
+        self.scorers = list(scorers)
+        self.selector = selector
+        self.bound = bound
+        self.strict = strict
+        self._on_placed = on_placed
+
+    def costs(self, candidates: Sequence[Candidate], request: PlacementRequest) -> list[float]:
+        """The weighted sum of every scorer's cost, per candidate."""
+        first, *rest = self.scorers
+        total = [first.weight * s for s in first.scorer.score(candidates, request)]
+        for weighted in rest:
+            for i, s in enumerate(weighted.scorer.score(candidates, request)):
+                total[i] += weighted.weight * s
+        return total
+
+    def select(self, candidates: Sequence[C], request: PlacementRequest) -> C | None:
+        if not candidates:
+            return None
+        costs = self.costs(candidates, request)
+        if self.bound is None:
+            return self.selector.select(candidates, costs, request)
+        cap = self.bound.capacity(candidates)
+        kept = [i for i, c in enumerate(candidates) if self.bound.load(c) < cap]
+        if not kept:
+            if self.strict:
+                return None
+            kept = list(range(len(candidates)))
+        return self.selector.select([candidates[i] for i in kept], [costs[i] for i in kept], request)
+
+    def accepts_pin(self, pinned: Candidate, candidates: Sequence[Candidate]) -> bool:
+        """A pin holds while its replica is within the bounded load, as the pipeline's own choice does."""
+        return self.bound is None or self.bound.admits(pinned, candidates)
+
+    def placed(self, chosen: Candidate, request: PlacementRequest) -> None:
+        if self._on_placed is not None:
+            self._on_placed(chosen, request)
+
+
+class SessionFirst(Policy):
+    """A session's turn goes where ``session`` puts it; other requests, and a session that
+    pipeline declines (every ring replica over the bound), go where ``fallback`` puts them."""
+
+    def __init__(self, name: str, session: Pipeline, fallback: BalancingPolicy) -> None:
+        self.name = name
+        self.session = session
+        self.fallback = fallback
+
+    def select(self, candidates: Sequence[C], request: PlacementRequest) -> C | None:
+        if request.session_key and candidates:
+            chosen = self.session.select(candidates, request)
+            if chosen is not None:
+                return chosen
+        return self.fallback.select(candidates, request)
+
+    def accepts_pin(self, pinned: Candidate, candidates: Sequence[Candidate]) -> bool:
+        return self.session.accepts_pin(pinned, candidates)
+
+    def placed(self, chosen: Candidate, request: PlacementRequest) -> None:
+        self.fallback.placed(chosen, request)

@@ -1,0 +1,91 @@
+"""Scorers for prefix-cache-aware placement: predicted work in seconds, Dynamo's form.
+
+predicted work on a replica = uncached prefill tokens × its prefill cost per token
+                            + (running + waiting) × its decode cost per request
+
+Both costs are learned from the replica's own reported timings (``ReplicaCosts``); a replica
+without samples counts as the mean of those with, and with none at all the defaults hold.
+The load is what the replica reported (GetLoad), so routers that poll the same replicas and
+hold the same index compute the same costs. Pure: no grpc, no asyncio.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from services.router.placement.candidate import Candidate
+from services.router.placement.prefix_index import PrefixIndex
+from services.router.placement.request import PlacementRequest
+
+
+@dataclass(frozen=True)
+class CostDefaults:
+    """Costs assumed before any replica has reported timings."""
+
+    #: About a small model's prefill rate on one GPU (~5k tokens/s).
+    prefill_s_per_token: float = 2e-4
+    #: A typical short answer's decode time.
+    decode_s_per_request: float = 0.2
+
+
+def learned_or_mean(values: Sequence[float | None], default: float) -> list[float]:
+    """Each value, or where unknown the mean of the known ones (the default when none is known)."""
+    known = [v for v in values if v is not None]
+    mean = sum(known) / len(known) if known else default
+    return [mean if v is None else v for v in values]
+
+
+class PrefixOverlap:
+    """Prompt tokens each replica would have to prefill: the prompt less its longest cached prefix
+    (from the index: the replica's KV events, else what this router sent it)."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index = index
+
+    def uncached_tokens(self, candidates: Sequence[Candidate], request: PlacementRequest) -> list[int]:
+        total = request.prompt_tokens
+        hashes, block_size = request.prefix_hashes, request.block_size
+        if not hashes:
+            return [total] * len(candidates)
+        cached = self.index.cached_prefix_blocks
+        return [total - cached(c.address, hashes, block_size) * block_size for c in candidates]
+
+    def score(self, candidates: Sequence[Candidate], request: PlacementRequest) -> list[float]:
+        return [float(n) for n in self.uncached_tokens(candidates, request)]
+
+
+class PrefillWork:
+    """Seconds of prefill a replica would spend: uncached tokens × its learned prefill cost per token."""
+
+    def __init__(self, overlap: PrefixOverlap, defaults: CostDefaults | None = None) -> None:
+        self.overlap = overlap
+        self.defaults = defaults or CostDefaults()
+
+    def score(self, candidates: Sequence[Candidate], request: PlacementRequest) -> list[float]:
+        uncached = self.overlap.uncached_tokens(candidates, request)
+        per_token = learned_or_mean(
+            [c.prefill_s_per_token for c in candidates], self.defaults.prefill_s_per_token
+        )
+        return [n * cost for n, cost in zip(uncached, per_token, strict=True)]
+
+
+def reported_load(c: Candidate) -> int:
+    """Running plus waiting as the replica reported them: the prefix policy's load, alike on every router."""
+    return c.reported_load
+
+
+class QueuedWork:
+    """Seconds of work already on a replica: its reported load × its learned decode cost per request."""
+
+    def __init__(
+        self, defaults: CostDefaults | None = None, load: Callable[[Candidate], int] = reported_load
+    ) -> None:
+        self.defaults = defaults or CostDefaults()
+        self.load = load
+
+    def score(self, candidates: Sequence[Candidate], request: PlacementRequest) -> list[float]:
+        per_request = learned_or_mean(
+            [c.decode_s_per_request for c in candidates], self.defaults.decode_s_per_request
+        )
+        return [self.load(c) * cost for c, cost in zip(candidates, per_request, strict=True)]

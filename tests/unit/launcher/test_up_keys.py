@@ -1,0 +1,85 @@
+"""API keys through `llm-mesh up` and `llm-mesh keys`: the key made is the key the router takes,
+and the ready block's examples carry one when keys are on."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from services import cli
+from services.launcher.mesh import MeshConfig
+from services.launcher.up import ready_block
+from services.router.admission import keys
+from services.router.admission.auth import Authenticator
+
+ROUTER_ARGS = (["127.0.0.1:50052"], "127.0.0.1:50054", "127.0.0.1:50053", "redis://x:1/0")
+
+
+@dataclass
+class FakeRouterChild:
+    host: str = "127.0.0.1"
+    http_port: int | None = 8000
+
+
+@dataclass
+class FakeMesh:
+    """What ``ready_block`` reads of a started mesh."""
+
+    router: FakeRouterChild = field(default_factory=FakeRouterChild)
+    redis: object = None
+    redis_url: str = "redis://127.0.0.1:6379/0"
+
+    def endpoints(self) -> dict[str, str]:
+        return {"session": "127.0.0.1:50054", "router": "127.0.0.1:50051"}
+
+    def metrics_endpoints(self) -> dict[str, str]:
+        return {"router": "127.0.0.1:9100"}
+
+
+def test_keys_add_writes_data_keys_yaml_by_default_and_the_router_accepts_the_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    default = tmp_path / "data" / "keys.yaml"
+    monkeypatch.setattr(keys, "DEFAULT_KEYS_FILE", default)
+    assert cli.main(["keys", "add", "--tenant", "acme", "--id", "acme-web"]) == 0
+    key = capsys.readouterr().out.strip()
+    assert default.is_file() and key not in default.read_text()  # only its hash is kept
+    auth = Authenticator.from_file(default)
+    assert auth.authenticate([("authorization", f"Bearer {key}")]).tenant == "acme"
+    assert cli.main(["keys", "list"]) == 0
+    assert '"acme-web"' in capsys.readouterr().out
+    assert cli.main(["keys", "revoke", "--id", "acme-web"]) == 0
+    with pytest.raises(Exception, match="revoked"):
+        Authenticator.from_file(default).authenticate([("authorization", f"Bearer {key}")])
+
+
+def test_up_passes_its_keys_file_to_the_router_and_refuses_a_missing_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    file = tmp_path / "keys.yaml"
+    file.write_text("keys: []\n")
+    command = MeshConfig(data_dir=tmp_path, api_keys_file=file).router_command(*ROUTER_ARGS)
+    assert command[command.index("--api-keys-file") + 1] == str(file)
+    assert "--api-keys-file" not in MeshConfig(data_dir=tmp_path).router_command(*ROUTER_ARGS)
+    missing = tmp_path / "nope.yaml"
+    assert cli.main(["up", "--port", "0", "--data-dir", str(tmp_path), "--api-keys-file", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert str(missing) in err and "llm-mesh keys add" in err
+
+
+def test_the_ready_block_shows_keyed_examples_only_when_keys_are_on(tmp_path: Path) -> None:
+    file = tmp_path / "keys.yaml"
+    file.write_text("keys: []\n")
+    open_block = ready_block(FakeMesh(), MeshConfig(data_dir=tmp_path))  # type: ignore[arg-type]
+    keyed_block = ready_block(FakeMesh(), MeshConfig(data_dir=tmp_path, api_keys_file=file))  # type: ignore[arg-type]
+    assert "authorization" not in open_block and "api keys" not in open_block
+    examples = [line for line in keyed_block.splitlines() if re.match(r"\s+(grpcurl|curl) ", line)]
+    assert len(examples) == 2
+    for line in examples:
+        # As the shell would split it: one header argument, the key taken from the environment.
+        assert "authorization: Bearer $LLMMESH_API_KEY" in shlex.split(line)
+    assert f"llm-mesh keys add --file {file} --tenant NAME" in keyed_block

@@ -1,0 +1,108 @@
+"""The prefix index without servers: snapshots and deltas by sequence, resync on a gap or restart,
+the approximate mode's expiry, longest-prefix lookups."""
+
+from __future__ import annotations
+
+from services.router.placement.prefix_index import PrefixIndex
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+CHAIN = [0xFFFF_FFFF_FFFF_FFF0 + i for i in range(8)]  # unsigned 64-bit, near the top of the range
+
+
+def test_a_snapshot_then_deltas_in_sequence_give_the_longest_cached_prefix() -> None:
+    index = PrefixIndex()
+    index.apply_snapshot("r1", "inc-a", 10, 16, CHAIN[:3])
+    assert index.cached_prefix_blocks("r1", CHAIN) == 3
+    assert index.apply_delta("r1", "inc-a", 11, stored=CHAIN[3:5], evicted=[])
+    assert index.cached_prefix_blocks("r1", CHAIN) == 5
+    # Evicting a middle block cuts the prefix there, even though later blocks are still held.
+    assert index.apply_delta("r1", "inc-a", 12, stored=[], evicted=[CHAIN[1]])
+    assert index.cached_prefix_blocks("r1", CHAIN) == 1
+    assert index.block_count("r1") == 4
+    assert index.cached_prefix_blocks("r1", [123, *CHAIN]) == 0  # another prompt's first block
+    assert index.cached_prefix_blocks("elsewhere", CHAIN) == 0
+
+
+def test_a_gap_in_sequence_numbers_marks_the_entry_stale_until_a_snapshot() -> None:
+    index = PrefixIndex()
+    index.apply_snapshot("r1", "inc-a", 10, 16, CHAIN[:4])
+    assert not index.apply_delta("r1", "inc-a", 12, stored=CHAIN[4:6], evicted=[])  # 11 went missing
+    assert not index.is_precise("r1")
+    assert index.cached_prefix_blocks("r1", CHAIN) == 0  # stale: not used for scoring
+    # Later deltas are refused too until the caller resyncs.
+    assert not index.apply_delta("r1", "inc-a", 13, stored=[], evicted=[])
+    index.apply_snapshot("r1", "inc-a", 13, 16, CHAIN[:6])
+    assert index.is_precise("r1")
+    assert index.cached_prefix_blocks("r1", CHAIN) == 6
+    assert index.apply_delta("r1", "inc-a", 14, stored=CHAIN[6:], evicted=[])
+    assert index.cached_prefix_blocks("r1", CHAIN) == 8
+
+
+def test_a_repeated_or_old_sequence_number_is_out_of_order() -> None:
+    index = PrefixIndex()
+    index.apply_snapshot("r1", "inc-a", 5, 16, CHAIN[:2])
+    assert index.apply_delta("r1", "inc-a", 6, stored=[CHAIN[2]], evicted=[])
+    assert not index.apply_delta("r1", "inc-a", 6, stored=[CHAIN[3]], evicted=[])
+    assert index.cached_prefix_blocks("r1", CHAIN) == 0
+
+
+def test_a_new_incarnation_is_a_restart_whose_old_blocks_count_for_nothing() -> None:
+    index = PrefixIndex()
+    index.apply_snapshot("r1", "inc-a", 10, 16, CHAIN)
+    # The replica restarted: its numbering starts over, and so does its cache.
+    assert not index.apply_delta("r1", "inc-b", 1, stored=[CHAIN[0]], evicted=[])
+    assert index.cached_prefix_blocks("r1", CHAIN) == 0
+    index.apply_snapshot("r1", "inc-b", 1, 16, [CHAIN[0]])
+    assert index.cached_prefix_blocks("r1", CHAIN) == 1
+
+
+def test_a_delta_before_any_snapshot_asks_for_one() -> None:
+    index = PrefixIndex()
+    assert not index.apply_delta("r1", "inc-a", 1, stored=CHAIN, evicted=[])
+    assert index.cached_prefix_blocks("r1", CHAIN) == 0
+
+
+def test_the_approximate_mode_remembers_what_was_sent_and_expires() -> None:
+    clock = FakeClock()
+    index = PrefixIndex(clock=clock, approximate_ttl_s=60.0)
+    index.record_sent("r1", 16, CHAIN[:5])
+    assert index.cached_prefix_blocks("r1", CHAIN) == 5
+    assert index.block_count("r1") == 5
+    clock.now += 30
+    index.record_sent("r1", 16, CHAIN[:2])  # the first two refreshed, the rest keep their expiry
+    clock.now += 31
+    assert index.cached_prefix_blocks("r1", CHAIN) == 2
+    assert index.block_count("r1") == 2
+    clock.now += 30
+    assert index.cached_prefix_blocks("r1", CHAIN) == 0
+    assert index.block_count("r1") == 0
+
+
+def test_a_fresh_precise_entry_wins_over_the_approximate_one_and_a_stale_one_falls_back() -> None:
+    index = PrefixIndex(clock=FakeClock())
+    index.record_sent("r1", 16, CHAIN[:6])
+    index.apply_snapshot("r1", "inc-a", 1, 16, CHAIN[:2])  # the replica evicted what the router sent
+    assert index.cached_prefix_blocks("r1", CHAIN) == 2
+    assert not index.apply_delta("r1", "inc-a", 9, stored=[], evicted=[])  # the stream lost events
+    assert index.cached_prefix_blocks("r1", CHAIN) == 6  # what this router sent, until a snapshot
+
+
+def test_forget_empties_both_modes_and_another_block_size_matches_nothing() -> None:
+    index = PrefixIndex(clock=FakeClock())
+    index.apply_snapshot("r1", "inc-a", 1, 16, CHAIN)
+    index.record_sent("r2", 16, CHAIN)
+    assert index.cached_prefix_blocks("r1", CHAIN, block_size=32) == 0
+    assert index.cached_prefix_blocks("r2", CHAIN, block_size=32) == 0
+    assert index.cached_prefix_blocks("r1", CHAIN, block_size=16) == 8
+    index.forget("r1")
+    index.forget("r2")
+    assert index.replicas() == []
+    assert index.cached_prefix_blocks("r1", CHAIN) == index.cached_prefix_blocks("r2", CHAIN) == 0
