@@ -17,10 +17,11 @@ from collections.abc import Sequence
 
 # Bumped when the recipe changes, so entries stored under the old one are never found again.
 SCOPE_VERSION = "s1"
-# The asker's own things: "my order", "our invoices", "for me", "am I", "do I have".
+# The asker's own things: "my order", "our invoices", "on file for me", "am I", "do I have".
+# A bare "me" is not enough: "show me how", "repeat after me" ask nothing about the asker.
 _PERSONAL = re.compile(
-    r"\b(my|mine|our|ours|myself|ourselves|me|us)\b|\bam i\b|\b(do|did|have|can|should|will) i have\b"
-    r"|\bi (have|had|ordered|bought|paid|owe|got)\b",
+    r"\b(my|mine|our|ours)\b|\b(for|to|about|of|with) (me|us)\b|\bam i\b"
+    r"|\b(do|did|have|can|should|will) i have\b|\bi (have|had|ordered|bought|paid|owe|got)\b",
     re.IGNORECASE,
 )
 
@@ -28,8 +29,8 @@ _PERSONAL = re.compile(
 def is_personal(text: str) -> bool:
     """Whether a question asks about the asker's own data, so its answer is theirs alone.
 
-    A first-person possessive or object pronoun is enough: "how do I reset my
-    password" is scoped to its user too, which costs a shared hit, never a wrong one.
+    A first-person possessive is enough: "how do I reset my password" is scoped to
+    its user too, which costs a shared hit, never a wrong one.
     """
     return _PERSONAL.search(text) is not None
 

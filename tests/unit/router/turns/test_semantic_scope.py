@@ -17,7 +17,9 @@ QUESTION = ("user", "What does the premium plan include?")
     [
         ("Where is my parcel?", True),
         ("Has our invoice been paid?", True),
-        ("Send me the receipt again", True),
+        ("Is there anything on file for me?", True),
+        ("Repeat after me: hello", False),
+        ("Show me how to sort a list in Go", False),
         ("Which plan am I on?", True),
         ("How many vouchers do I have left?", True),
         ("What does the premium plan include?", False),
