@@ -121,8 +121,8 @@ async def cache_fill(
         except errors.DependencyUnavailable as exc:
             state.degraded.append(f"exact cache: {exc}")
     semantic = plan.semantic
-    if semantic is not None and s.semantic_cache is not None:
-        learn(s, state, answer)
+    # A refresh that agreed stores nothing new: the entry it checked holds this answer already.
+    if semantic is not None and s.semantic_cache is not None and not learn(s, state, answer):
         try:
             await s.semantic_cache.store(
                 tenant, semantic.prompt, outcome.model, semantic.fingerprint, cached, semantic.cited

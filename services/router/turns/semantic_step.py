@@ -69,11 +69,15 @@ def serve_or_learn(s: TurnServices, plan: SemanticPlan, hit: CachedAnswer, state
     return False
 
 
-def learn(s: TurnServices, state: TurnState, fresh: str) -> None:
-    """A fresh answer to a question a cached entry was a candidate for teaches that entry."""
+def learn(s: TurnServices, state: TurnState, fresh: str) -> bool:
+    """A fresh answer to a question a cached entry was a candidate for teaches that entry.
+
+    True when it agreed with that entry's answer: the cache holds it already.
+    """
     if state.semantic_candidate is None or s.semantic_confidence is None:
-        return
+        return False
     entry_id, cached, similarity = state.semantic_candidate
     agreed = answers_agree(cached, fresh)
     s.semantic_confidence.record(entry_id, similarity, agreed)
     metrics.SEMANTIC_REFRESHES.labels(outcome="agreed" if agreed else "differed").inc()
+    return agreed
