@@ -172,7 +172,7 @@ class RouterRuntime:
             else None,
             replay=self.replay,
             semantic_confidence=EntryConfidence(
-                settings.semantic_cache_error_budget, settings.semantic_cache_refresh_rate
+                settings.semantic_cache_error_budget, settings.semantic_cache_refresh_rate, redis=self.redis
             ),
             semantic_threshold=settings.semantic_cache_threshold,
         )

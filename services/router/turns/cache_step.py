@@ -86,7 +86,7 @@ async def cache_lookup(
         except errors.DependencyUnavailable as exc:
             state.degraded.append(f"semantic cache: {exc}")
         else:
-            if hit is not None and serve_or_learn(s, semantic, hit, state):
+            if hit is not None and await serve_or_learn(s, tenant, semantic, hit, state):
                 return hit, router_pb2.CACHE_LAYER_SEMANTIC
     return None
 
@@ -122,7 +122,7 @@ async def cache_fill(
             state.degraded.append(f"exact cache: {exc}")
     semantic = plan.semantic
     # A refresh that agreed stores nothing new: the entry it checked holds this answer already.
-    if semantic is not None and s.semantic_cache is not None and not learn(s, state, answer):
+    if semantic is not None and s.semantic_cache is not None and not await learn(s, tenant, state, answer):
         try:
             await s.semantic_cache.store(
                 tenant, semantic.prompt, outcome.model, semantic.fingerprint, cached, semantic.cited

@@ -52,7 +52,9 @@ def semantic_plan(
     return SemanticPlan(prompt, fingerprint, tuple(cited))
 
 
-def serve_or_learn(s: TurnServices, plan: SemanticPlan, hit: CachedAnswer, state: TurnState) -> bool:
+async def serve_or_learn(
+    s: TurnServices, tenant: str, plan: SemanticPlan, hit: CachedAnswer, state: TurnState
+) -> bool:
     """Whether to serve a semantic candidate; a refused or refreshed one is remembered to learn from."""
     reason = refusal(plan.prompt, hit.cached_prompt)
     if reason is not None:
@@ -60,7 +62,7 @@ def serve_or_learn(s: TurnServices, plan: SemanticPlan, hit: CachedAnswer, state
         return False
     if s.semantic_confidence is None or not hit.entry_id:
         return True
-    decision = s.semantic_confidence.decide(hit.entry_id, hit.similarity)
+    decision = await s.semantic_confidence.decide(tenant, hit.entry_id, hit.similarity)
     if decision is Decision.SERVE:
         return True
     if decision is Decision.REFUSE:
@@ -69,7 +71,7 @@ def serve_or_learn(s: TurnServices, plan: SemanticPlan, hit: CachedAnswer, state
     return False
 
 
-def learn(s: TurnServices, state: TurnState, fresh: str) -> bool:
+async def learn(s: TurnServices, tenant: str, state: TurnState, fresh: str) -> bool:
     """A fresh answer to a question a cached entry was a candidate for teaches that entry.
 
     True when it agreed with that entry's answer: the cache holds it already.
@@ -78,6 +80,6 @@ def learn(s: TurnServices, state: TurnState, fresh: str) -> bool:
         return False
     entry_id, cached, similarity = state.semantic_candidate
     agreed = answers_agree(cached, fresh)
-    s.semantic_confidence.record(entry_id, similarity, agreed)
+    await s.semantic_confidence.record(tenant, entry_id, similarity, agreed)
     metrics.SEMANTIC_REFRESHES.labels(outcome="agreed" if agreed else "differed").inc()
     return agreed
