@@ -177,3 +177,12 @@ def test_an_entry_whose_refresh_shows_a_wrong_answer_is_no_longer_served(mesh: M
     # The same question again (the embedding is case-blind): its entry's confidence now refuses it.
     assert not semantic_hit(ask(mesh.checking, "CAN I PICK UP AN ONLINE ORDER IN THE LISBON STORE?"))
     assert metric(process, refused) == before_refused + 1
+
+
+def test_a_question_too_long_to_verify_skips_the_semantic_cache(mesh: Mesh) -> None:
+    skipped = "llmmesh_router_semantic_skipped_total" + '{reason="too_long"}'
+    before = metric(mesh.serving_process, skipped)
+    long_question = "Please review this order note: " + "the parcel arrived late and damaged. " * 30
+    ask(mesh.serving, long_question)
+    assert not semantic_hit(ask(mesh.serving, long_question))  # nothing was stored, nothing found
+    assert metric(mesh.serving_process, skipped) == before + 2

@@ -9,6 +9,7 @@ refresh, is answered fresh and compared with the fresh answer: that is how it le
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,8 +19,11 @@ from services.router.turns.dependencies import TurnServices
 from services.router.turns.response_cache import CachedAnswer, sampling_fingerprint
 from services.router.turns.semantic_confidence import Decision, answers_agree
 from services.router.turns.semantic_scope import is_personal, last_user_index, scope_fingerprint
-from services.router.turns.semantic_verify import refusal
+from services.router.turns.semantic_verify import MAX_VERIFIED_CHARS, refusal
 from services.router.turns.turn_end import TurnState
+
+# Questions this short (both together) are verified inline: well under a millisecond.
+INLINE_VERIFY_CHARS = 400
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,9 @@ def semantic_plan(
     if not request.cache.semantic or s.semantic_cache is None or not messages:
         return None
     prompt = messages[last_user_index(messages)][1]
+    if len(prompt) > MAX_VERIFIED_CHARS:
+        metrics.SEMANTIC_SKIPPED.labels(reason="too_long").inc()
+        return None
     policy = request.cache
     personal = policy.personal if policy.HasField("personal") else is_personal(prompt)
     if personal and not policy.user:
@@ -56,7 +63,10 @@ async def serve_or_learn(
     s: TurnServices, tenant: str, plan: SemanticPlan, hit: CachedAnswer, state: TurnState
 ) -> bool:
     """Whether to serve a semantic candidate; a refused or refreshed one is remembered to learn from."""
-    reason = refusal(plan.prompt, hit.cached_prompt)
+    if len(plan.prompt) + len(hit.cached_prompt) <= INLINE_VERIFY_CHARS:
+        reason = refusal(plan.prompt, hit.cached_prompt)
+    else:  # a few ms of pure Python: off the event loop, which other turns share
+        reason = await asyncio.to_thread(refusal, plan.prompt, hit.cached_prompt)
     if reason is not None:
         metrics.SEMANTIC_REJECTIONS.labels(reason=reason).inc()
         return False

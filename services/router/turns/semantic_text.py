@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass
-from functools import cache, cached_property
+from functools import cache, cached_property, lru_cache
 
 # Contractions spelled out, so "can't" carries its "not" and "employee's" is "employee".
 _CONTRACTIONS = (
@@ -106,6 +106,7 @@ def normalize(text: str) -> str:
     return _FILLER_PHRASES.sub(" ", lowered)
 
 
+@lru_cache(maxsize=65536)
 def stem(word: str) -> str:
     """A crude English stem (plural, tense, adverb endings): enough to match "orders" with "order"."""
     for suffix in ("ies", "ing", "es", "ed", "ly", "s"):

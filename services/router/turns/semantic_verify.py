@@ -13,13 +13,13 @@ paraphrase hit rate it gives up, against the false hits it prevents).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from services.router.turns.semantic_text import (
     ANTONYMS,
     CONNECTORS,
+    NEGATING_PREFIXES,
     Question,
-    negated_forms,
     same_word,
     stem,
 )
@@ -27,6 +27,13 @@ from services.router.turns.semantic_text import (
 # The cosine a cached question must reach before it is verified: lower than seed 000's 0.92,
 # since the verifier, not the threshold, keeps wrong answers out (docs/benchmarks.md).
 DEFAULT_CANDIDATE_THRESHOLD = 0.70
+# Longer last messages skip the semantic cache: the direction check's cost grows with the
+# square of the words (under 10 ms at 1,000 characters, docs/retriever.md), and a long
+# prompt is rarely asked twice in other words.
+MAX_VERIFIED_CHARS = 1000
+# Typo'd words a rephrasing may have per question (each is matched by edit distance).
+MAX_TYPOS = 3
+_ANTONYM_STEMS = tuple((stem(a), stem(b)) for a, b in ANTONYMS)
 # In order: the first refusing check is the reason reported.
 REASONS = ("numbers", "units", "time", "negation", "direction", "entity", "alignment")
 
@@ -50,15 +57,23 @@ def check_negation(query: Question, cached: Question) -> bool:
     mine = {stem(t) for t in query.tokens}
     theirs = {stem(t) for t in cached.tokens}
     only_mine, only_theirs = set(query.tokens) - set(cached.tokens), set(cached.tokens) - set(query.tokens)
-    if any(negated_forms(a, b) for a in only_mine for b in only_theirs):
+    if _negated_across(only_mine, only_theirs) or _negated_across(only_theirs, only_mine):
         return False
-    for a, b in ANTONYMS:
-        sa, sb = stem(a), stem(b)
+    for sa, sb in _ANTONYM_STEMS:
         if (sa in mine and sb in theirs and sb not in mine) or (
             sb in mine and sa in theirs and sa not in mine
         ):
             return False
     return True
+
+
+def _negated_across(words: set[str], others: set[str]) -> bool:
+    """Whether a word of ``words`` is one of ``others`` with a negating prefix ("unsafe" for "safe")."""
+    for word in words:
+        for prefix in NEGATING_PREFIXES:
+            if word.startswith(prefix) and len(word) - len(prefix) >= 3 and word[len(prefix) :] in others:
+                return True
+    return False
 
 
 def check_direction(query: Question, cached: Question) -> bool:
@@ -83,20 +98,30 @@ def check_direction(query: Question, cached: Question) -> bool:
 
 def check_entities(query: Question, cached: Question) -> bool:
     """Every name in either question is in the other (up to a typo): "Berlin" is not "Munich"."""
-    for names, other in ((query.entities, cached.tokens), (cached.entities, query.tokens)):
-        for name in names:
-            if not any(same_word(name, word) for word in other):
-                return False
-    return True
+    return _all_have_counterparts(query.entities, cached.tokens) and _all_have_counterparts(
+        cached.entities, query.tokens
+    )
 
 
 def check_alignment(query: Question, cached: Question) -> bool:
     """No content word of either question without a counterpart in the other."""
-    for words, other in ((query.content, cached.content), (cached.content, query.content)):
-        for word in words:
-            if not any(same_word(word, candidate) for candidate in other):
-                return False
-    return True
+    return _all_have_counterparts(query.content, cached.content) and _all_have_counterparts(
+        cached.content, query.content
+    )
+
+
+def _all_have_counterparts(words: Iterable[str], other: Sequence[str]) -> bool:
+    """Every word equal, same-stemmed or a typo of one of ``other``; the costly typo test comes last.
+
+    More than ``MAX_TYPOS`` words without an equal is another question, not a typo'd
+    one: refused at once, which also bounds the edit distances computed per lookup.
+    """
+    exact = set(other)
+    stems = {stem(w) for w in exact}
+    unmatched = [w for w in set(words) if w not in exact and stem(w) not in stems]
+    if len(unmatched) > MAX_TYPOS:
+        return False
+    return all(any(same_word(word, candidate) for candidate in exact) for word in unmatched)
 
 
 CHECKS: tuple[tuple[str, Callable[[Question, Question], bool]], ...] = (

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from services.router.turns.semantic_text import Question, edit_distance
@@ -137,3 +139,17 @@ def test_edit_distance_counts_a_transposition_as_one() -> None:
     assert edit_distance("recieve", "receive") == 1
     assert edit_distance("kitten", "sitting", limit=5) == 3
     assert edit_distance("kitten", "sitting", limit=1) == 2  # cut off: more than the limit
+
+
+def test_more_typos_than_a_rephrasing_has_is_another_question() -> None:
+    three = ("How do I configure the nginx reverse proxy?", "How do I configre the ngnix reverse prxy?")
+    four = ("How do I configure the nginx reverse proxy?", "How do I configre the ngnix revrese prxy?")
+    assert check_alignment(q(three[0]), q(three[1]))
+    assert not check_alignment(q(four[0]), q(four[1]))
+
+
+def test_a_long_question_is_verified_in_milliseconds() -> None:
+    words = " ".join(f"item{i} to store{i}" for i in range(60))
+    started = time.perf_counter()
+    assert refusal(words, " ".join(reversed(words.split()))) == "direction"
+    assert time.perf_counter() - started < 0.25  # generous: the machine is shared
