@@ -29,6 +29,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "bench.matmul_ceiling",
         "fp32 GFLOP/s of the model's own matmul shapes: the ceiling any server meets",
     ),
+    "semantic-cache": (
+        "bench.semantic_cache",
+        "semantic-cache false hits by kind and paraphrase hits: cosine 0.92 vs the verified cache",
+    ),
     "idle-box": (
         "bench.idle_box",
         "what a thread wake-up and a gRPC write cost on this machine after idle gaps",

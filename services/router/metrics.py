@@ -32,6 +32,21 @@ FAILOVERS = Counter(
 )
 EJECTIONS = Counter("llmmesh_router_replica_ejections_total", "Replicas ejected by outlier detection.")
 CACHE_HITS = Counter("llmmesh_router_cache_hits_total", "Turns answered from a response cache.", ["layer"])
+SEMANTIC_REJECTIONS = Counter(
+    "llmmesh_router_semantic_rejections_total",
+    "Semantic-cache candidates not served, by the check that refused (or confidence).",
+    ["reason"],
+)
+SEMANTIC_REFRESHES = Counter(
+    "llmmesh_router_semantic_refreshes_total",
+    "Semantic candidates answered fresh and compared: did the fresh answer agree with the cached one.",
+    ["outcome"],
+)
+SEMANTIC_SKIPPED = Counter(
+    "llmmesh_router_semantic_skipped_total",
+    "Turns that asked for the semantic cache and could not use it.",
+    ["reason"],
+)
 # llmmesh_router_rate_limited_total{reason} lives in admission/ratelimit.py, next to the limiter that counts it.
 TOKENS = Counter(
     "llmmesh_router_tokens_total", "Tokens through the router: prompt in, completion out.", ["direction"]

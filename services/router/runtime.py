@@ -41,6 +41,13 @@ from services.router.turns.context import ConversationContext
 from services.router.turns.dependencies import TurnServices
 from services.router.turns.pipeline import TurnPipeline
 from services.router.turns.response_cache import ExactCache, SemanticCache
+from services.router.turns.semantic_confidence import (
+    DEFAULT_ERROR_BUDGET,
+    DEFAULT_REFRESH_RATE,
+    EntryConfidence,
+)
+from services.router.turns.semantic_text import known_words
+from services.router.turns.semantic_verify import DEFAULT_CANDIDATE_THRESHOLD
 from services.router.turns.warm_history import warm_messages
 
 log = logging.getLogger("llmmesh.router")
@@ -92,6 +99,15 @@ class RouterSettings:
     # The replicas' model directory or .gguf file; `llm-mesh up` passes its --model. Read only
     # under --policy prefix; unset (or another policy): no prefix hashes, no transformers import.
     tokenizer: str | None = flag(None, help="model dir or .gguf whose tokenizer hashes prompt prefixes")
+    semantic_cache_threshold: float = flag(
+        DEFAULT_CANDIDATE_THRESHOLD, help="cosine a semantic candidate must reach before it is verified"
+    )
+    semantic_cache_error_budget: float = flag(
+        DEFAULT_ERROR_BUDGET, help="expected false-hit rate each semantic entry's confidence must stay within"
+    )
+    semantic_cache_refresh_rate: float = flag(
+        DEFAULT_REFRESH_RATE, help="share of semantic hits answered fresh to check the cached answer"
+    )
     tasks: TaskSettings | None = None
     #: How replicas, the session service and the retriever are dialled: None = plaintext.
     replica_tls: DialTls | None = None
@@ -105,6 +121,10 @@ class RouterSettings:
             raise ValueError("--replicas, --replicas-dns or --replicas-file: at least one is required")
         if self.health_interval_s <= 0:
             raise ValueError("--health-interval-s must be > 0")
+        if not -1.0 <= self.semantic_cache_threshold <= 1.0:
+            raise ValueError(
+                f"--semantic-cache-threshold must be in [-1, 1], got {self.semantic_cache_threshold}"
+            )
         self.prefix_settings()  # its flags are checked at start, whichever policy runs
         for peer, address, tls in (
             ("session", self.session_addr, self.session_tls),
@@ -168,11 +188,16 @@ class RouterRuntime:
             if self.redis is not None
             else None,
             replay=self.replay,
+            semantic_confidence=EntryConfidence(
+                settings.semantic_cache_error_budget, settings.semantic_cache_refresh_rate, redis=self.redis
+            ),
+            semantic_threshold=settings.semantic_cache_threshold,
         )
         if self.uses_prompt_prefix:
             # Only the prefix policy scores prefixes: other policies never tokenize a prompt.
             self.services.prompt_prefix = self.prompt_hasher.prefix
         self.pipeline = TurnPipeline(self.services)
+        known_words()  # the semantic verifier's vocabulary, read now rather than on the first lookup
         if settings.api_keys_file:
             self.authenticator = Authenticator.from_file(settings.api_keys_file, redis=self.redis)
         else:

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common import errors, tracing
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from services.router.streams.relay import RelayOutcome
 from services.router.turns.dependencies import TurnServices
-from services.router.turns.response_cache import CachedAnswer, exact_cache_key, sampling_fingerprint
+from services.router.turns.response_cache import CachedAnswer, exact_cache_key
+from services.router.turns.semantic_step import SemanticPlan, learn, semantic_plan, serve_or_learn
 from services.router.turns.turn_end import TurnState
 
 DEGRADED_ANSWER = "The service is busy and cannot answer right now; please try again shortly."
@@ -26,6 +28,8 @@ class CachePlan:
     key: str | None
     may_read: bool
     may_fill: bool
+    #: The semantic layer's scope; None where the turn does not use it.
+    semantic: SemanticPlan | None = None
 
 
 def cache_plan(
@@ -34,6 +38,7 @@ def cache_plan(
     model: str,
     messages: list[tuple[str, str]],
     resumed: bool,
+    cited: Sequence[tuple[str, int]] = (),
 ) -> CachePlan:
     """A resumed turn never reads: its answer has begun, and a hit would be another answer."""
     cache_mode = request.cache.mode
@@ -43,19 +48,21 @@ def cache_plan(
         router_pb2.CACHE_MODE_UNSPECIFIED,
         router_pb2.CACHE_MODE_DEFAULT,
     )
-    return CachePlan(key, may_read, cache_mode != router_pb2.CACHE_MODE_BYPASS)
+    # Only deterministic answers (those with an exact key) are cached semantically either.
+    semantic = semantic_plan(s, request, messages, cited) if key is not None else None
+    return CachePlan(key, may_read, cache_mode != router_pb2.CACHE_MODE_BYPASS, semantic)
 
 
 async def cache_lookup(
     s: TurnServices,
     tenant: str,
-    key: str | None,
+    plan: CachePlan,
     request: router_pb2.ChatRequest,
     model: str,
-    messages: list[tuple[str, str]],
     state: TurnState,
 ) -> tuple[CachedAnswer, int] | None:
-    """The exact cache, then the semantic one: the first hit and its layer, or None."""
+    """The exact cache, then the semantic one (verified): the first hit and its layer, or None."""
+    key = plan.key
     if key is not None and s.exact_cache is not None:
         try:
             with tracing.stage("exact cache lookup"):
@@ -65,16 +72,21 @@ async def cache_lookup(
         else:
             if hit is not None:
                 return hit, router_pb2.CACHE_LAYER_EXACT
-    if request.cache.semantic and key is not None and s.semantic_cache is not None:
-        threshold = request.cache.semantic_threshold if request.cache.HasField("semantic_threshold") else None
+    semantic = plan.semantic
+    if semantic is not None and s.semantic_cache is not None:
+        policy = request.cache
+        threshold = (
+            policy.semantic_threshold if policy.HasField("semantic_threshold") else s.semantic_threshold
+        )
         try:
+            # Its span is the retriever client's own ("semantic cache lookup", tracing.py).
             hit = await s.semantic_cache.lookup(
-                tenant, messages[-1][1], model, sampling_fingerprint(request.sampling), threshold
+                tenant, semantic.prompt, model, semantic.fingerprint, threshold
             )
         except errors.DependencyUnavailable as exc:
             state.degraded.append(f"semantic cache: {exc}")
         else:
-            if hit is not None:
+            if hit is not None and await serve_or_learn(s, tenant, semantic, hit, state):
                 return hit, router_pb2.CACHE_LAYER_SEMANTIC
     return None
 
@@ -82,15 +94,14 @@ async def cache_lookup(
 async def cache_fill(
     s: TurnServices,
     tenant: str,
-    key: str | None,
-    request: router_pb2.ChatRequest,
+    plan: CachePlan,
     outcome: RelayOutcome,
     usage: common_pb2.Usage,
     answer: str,
-    messages: list[tuple[str, str]],
     state: TurnState,
 ) -> None:
     """A finished answer stored in the exact cache and, where asked, the semantic one."""
+    key = plan.key
     if key is None or outcome.finished is None:
         return
     # The turn's usage, as its TurnEnd says: a hit replays it (not the last replica's part).
@@ -109,10 +120,12 @@ async def cache_fill(
             await s.exact_cache.put(tenant, key, cached)
         except errors.DependencyUnavailable as exc:
             state.degraded.append(f"exact cache: {exc}")
-    if request.cache.semantic and s.semantic_cache is not None:
+    semantic = plan.semantic
+    # A refresh that agreed stores nothing new: the entry it checked holds this answer already.
+    if semantic is not None and s.semantic_cache is not None and not await learn(s, tenant, state, answer):
         try:
             await s.semantic_cache.store(
-                tenant, messages[-1][1], outcome.model, sampling_fingerprint(request.sampling), cached
+                tenant, semantic.prompt, outcome.model, semantic.fingerprint, cached, semantic.cited
             )
         except errors.DependencyUnavailable as exc:
             state.degraded.append(f"semantic cache: {exc}")

@@ -16,6 +16,8 @@ from services.router.streams.relay import Relay
 from services.router.streams.replay import ReplayBuffer
 from services.router.turns.context import ConversationContext
 from services.router.turns.response_cache import ExactCache, SemanticCache
+from services.router.turns.semantic_confidence import EntryConfidence
+from services.router.turns.semantic_verify import DEFAULT_CANDIDATE_THRESHOLD
 
 #: The prompt's chained block hashes for prefix-aware placement, from the generation about to
 #: start and its first model. The router's tokenizer fills this in; until it is wired, none.
@@ -39,6 +41,10 @@ class TurnServices:
     inflight: InflightLimiter | None = None
     exact_cache: ExactCache | None = None
     semantic_cache: SemanticCache | None = None
+    #: Per-entry confidence of semantic hits; None serves every verified hit.
+    semantic_confidence: EntryConfidence | None = None
+    #: The cosine a semantic candidate must reach before it is verified (unless the request sets one).
+    semantic_threshold: float = DEFAULT_CANDIDATE_THRESHOLD
     context: ConversationContext | None = None
     replay: ReplayBuffer | None = None
     #: Told where each session's turn ran, to move and pre-warm sessions off a lost replica.

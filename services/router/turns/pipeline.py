@@ -181,11 +181,11 @@ class TurnPipeline:
             start = inference_pb2.GenerateStart(
                 request_id=state.request_id, messages=prompt, sampling=request.sampling
             )
-        plan = cache_step.cache_plan(s, request, models[0], messages, resumed=resume is not None)
+        plan = cache_step.cache_plan(s, request, models[0], messages, resume is not None, state.cited)
         key = plan.key
 
         if plan.may_read:
-            hit = await cache_step.cache_lookup(s, tenant, key, request, models[0], messages, state)
+            hit = await cache_step.cache_lookup(s, tenant, plan, request, models[0], state)
             if hit is not None:
                 cached, layer = hit
                 metrics.CACHE_HITS.labels(
@@ -258,7 +258,7 @@ class TurnPipeline:
             # The session version and cache-fill errors are in the TurnEnd: both before it, at once.
             version, _ = await asyncio.gather(
                 sources.save_turn(s, tenant, request, new_messages, answer, state),
-                cache_step.cache_fill(s, tenant, key, request, outcome, usage, answer, messages, state),
+                cache_step.cache_fill(s, tenant, plan, outcome, usage, answer, state),
             )
         else:
             # Nothing to wait for on a turn without session or cache: its TurnEnd goes out at once.
@@ -266,7 +266,7 @@ class TurnPipeline:
             if state.session is not None:
                 version = await sources.save_turn(s, tenant, request, new_messages, answer, state)
             if fill:
-                await cache_step.cache_fill(s, tenant, key, request, outcome, usage, answer, messages, state)
+                await cache_step.cache_fill(s, tenant, plan, outcome, usage, answer, state)
         if finished is not None:
             metrics.PROMPT_TOKENS.inc(finished.usage.prompt_tokens)
         metrics.COMPLETION_TOKENS.inc(len(outcome.token_ids))

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import grpc
+
 from services.common import errors
 from services.gen.llmmesh.v1 import common_pb2, retriever_pb2
 from services.router.admission.auth import Principal, downstream_metadata
@@ -45,6 +47,8 @@ class CachedAnswer:
     # For a semantic hit: how close the cached prompt was, and which it was.
     similarity: float = 0.0
     cached_prompt: str = ""
+    #: The semantic entry's id, which its per-entry confidence is kept under.
+    entry_id: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -163,6 +167,7 @@ class SemanticCache:
             cached_prompt_tokens=response.usage.cached_prompt_tokens,
             similarity=response.similarity,
             cached_prompt=response.cached_prompt,
+            entry_id=response.entry_id,
         )
 
     async def store(
@@ -192,9 +197,16 @@ class SemanticCache:
             ),
             finish_reason=answer.finish_reason,  # type: ignore[arg-type]
         )
-        response = await self.breaker.call(
-            lambda: self.retriever.CacheStore(request, metadata=_tenant_md(tenant), timeout=self.timeout_s)
-        )
+        try:
+            response = await self.breaker.call(
+                lambda: self.retriever.CacheStore(
+                    request, metadata=_tenant_md(tenant), timeout=self.timeout_s
+                )
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return None  # a cited document was deleted meanwhile: the answer rests on nothing now
+            raise
         return str(response.entry_id)
 
 

@@ -10,7 +10,7 @@ import asyncio
 
 from services.common import errors
 from services.gen.llmmesh.v1 import retriever_pb2, router_pb2
-from services.router.turns.context import ConversationContext, SessionHistory, citations_for
+from services.router.turns.context import ConversationContext, SessionHistory, citations_for, cited_documents
 from services.router.turns.dependencies import TurnServices
 from services.router.turns.turn_end import TurnState
 
@@ -89,6 +89,7 @@ async def retrieve(
         state.degraded.append(f"rag: {exc}")
         return []
     state.citations = citations_for(chunks)
+    state.cited = cited_documents(chunks)
     return list(chunks)
 
 

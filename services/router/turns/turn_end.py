@@ -30,6 +30,11 @@ class TurnState:
     #: the replica that made the last of them: a turn that stops early reports these.
     streamed: int = 0
     streamed_by: str = ""
+    #: (document id, version) of the RAG context's documents: a semantic entry cites them.
+    cited: list[tuple[str, int]] = field(default_factory=list)
+    #: A semantic-cache entry found but not served (its confidence refused it, or a refresh
+    #: was due): (entry id, its answer, similarity), compared with the fresh answer to learn.
+    semantic_candidate: tuple[str, str, float] | None = None
 
 
 def token_message(

@@ -8,6 +8,8 @@ from services.common import errors
 from services.gen.llmmesh.v1 import router_pb2
 
 ROLES = frozenset({"system", "user", "assistant"})
+# The end user a personal semantic-cache entry belongs to: an id, not a document.
+MAX_CACHE_USER_CHARS = 256
 
 
 def validate(request: router_pb2.ChatRequest, field_prefix: str = "") -> None:
@@ -22,6 +24,10 @@ def validate(request: router_pb2.ChatRequest, field_prefix: str = "") -> None:
             )
     if len(request.request_id) > 128:
         raise errors.InvalidArgument(f"{field_prefix}request_id", "must be at most 128 characters")
+    if len(request.cache.user) > MAX_CACHE_USER_CHARS:
+        raise errors.InvalidArgument(
+            f"{field_prefix}cache.user", f"must be at most {MAX_CACHE_USER_CHARS} characters"
+        )
     if request.rag.enabled and request.rag.top_k > 20:
         raise errors.InvalidArgument(f"{field_prefix}rag.top_k", f"must be in 0..20, got {request.rag.top_k}")
 

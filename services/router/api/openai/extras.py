@@ -31,7 +31,9 @@ _CACHE_MODES = {
     "refresh": router_pb2.CACHE_MODE_REFRESH,
 }
 _RAG_KEYS = frozenset({"top_k", "filter", "min_score", "required"})
-_CACHE_KEYS = frozenset({"mode", "semantic", "semantic_threshold"})
+_CACHE_KEYS = frozenset({"mode", "semantic", "semantic_threshold", "personal"})
+# OpenAI's `user`: who a personal question's cached answer belongs to (CachePolicy.user).
+MAX_USER_CHARS = 256
 _LAYERS = {router_pb2.CACHE_LAYER_EXACT: "exact", router_pb2.CACHE_LAYER_SEMANTIC: "semantic"}
 
 
@@ -85,7 +87,7 @@ def extras(body: Mapping[str, Any], choices: int) -> Extras:
         session_required,
         session_must_exist,
         _rag(body.get("rag")),
-        _cache(body.get("cache")),
+        _cache(body.get("cache"), body.get("user")),
         resumable,
     )
 
@@ -162,17 +164,22 @@ def _rag(raw: Any) -> router_pb2.RagOptions | None:
     return rag
 
 
-def _cache(raw: Any) -> router_pb2.CachePolicy | None:
+def _cache(raw: Any, user: Any = None) -> router_pb2.CachePolicy | None:
+    if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
+        raise bad_request("user", f"user: a string of at most {MAX_USER_CHARS} characters")
     if raw is None:
         return None
     if isinstance(raw, str):  # shorthand: "bypass"
         raw = {"mode": raw}
     if not isinstance(raw, dict):
-        raise bad_request("cache", "cache: a mode string or an object {mode, semantic, semantic_threshold}")
+        raise bad_request(
+            "cache", "cache: a mode string or an object {mode, semantic, semantic_threshold, personal}"
+        )
     for key in raw:
         if key not in _CACHE_KEYS:
             raise bad_request(
-                f"cache.{key}", f"cache.{key}: unknown; cache takes mode, semantic, semantic_threshold"
+                f"cache.{key}",
+                f"cache.{key}: unknown; cache takes mode, semantic, semantic_threshold, personal",
             )
     policy = router_pb2.CachePolicy()
     mode = raw.get("mode")
@@ -186,6 +193,9 @@ def _cache(raw: Any) -> router_pb2.CachePolicy | None:
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold <= 1:
             raise bad_request("cache.semantic_threshold", "cache.semantic_threshold: a number in (0, 1]")
         policy.semantic_threshold = float(threshold)
+    if raw.get("personal") is not None:
+        policy.personal = _flag(raw, "personal", "cache.")
+    policy.user = user or ""
     return policy
 
 

@@ -120,3 +120,23 @@ async def test_a_resumed_stream_sends_exactly_the_events_after_the_last_one_seen
     assert ids == [f"id: chatcmpl-r-{k}".encode() for k in range(1, len(whole))]  # opening … usage
     for k in range(len(whole)):
         assert await _stream([k]) == whole[k:], k
+
+
+def test_openai_user_and_cache_personal_scope_the_semantic_cache() -> None:
+    body = {"messages": USER, "user": "u-42", "cache": {"semantic": True, "personal": True}}
+    (turn,) = chat_generation(body, "r").turns
+    assert turn.cache.user == "u-42" and turn.cache.HasField("personal") and turn.cache.personal
+    (shared,) = chat_generation({"messages": USER, "cache": {"semantic": True}}, "r").turns
+    assert not shared.cache.HasField("personal") and shared.cache.user == ""  # detected from the text
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"cache": {"semantic": True, "personal": "yes"}}, "cache.personal"),
+        ({"user": 7, "cache": {"semantic": True}}, "user"),
+        ({"user": "x" * 257, "cache": {"semantic": True}}, "user"),
+    ],
+)
+def test_bad_personal_or_user_is_refused_naming_the_field(body: dict[str, Any], param: str) -> None:
+    assert param_of(body) == param

@@ -1,0 +1,163 @@
+"""The check after the vector match: does the cached question ask what the new one asks?
+
+A semantic-cache candidate is served only when every check below agrees; the
+first that refuses names the reason (the ``llmmesh_router_semantic_rejections_total``
+label). The cheap checks each compare one feature that changes the answer; the
+last, ``alignment``, is the stronger judgment: every content word of one question
+must have a counterpart in the other (equal, same stem, or one typo away), so a
+substituted word ("Django" for "Flask", "refund" for "exchange") refuses even
+where no rule names it. It costs synonyms (measured in docs/benchmarks.md: the
+paraphrase hit rate it gives up, against the false hits it prevents).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+
+from services.router.turns.semantic_text import (
+    ANTONYMS,
+    CONNECTORS,
+    NEGATING_PREFIXES,
+    Question,
+    same_word,
+    stem,
+)
+
+# The cosine a cached question must reach before it is verified: lower than seed 000's 0.92,
+# since the verifier, not the threshold, keeps wrong answers out (docs/benchmarks.md).
+DEFAULT_CANDIDATE_THRESHOLD = 0.70
+# Longer last messages skip the semantic cache: the direction check's cost grows with the
+# square of the words (under 10 ms at 1,000 characters, docs/retriever.md), and a long
+# prompt is rarely asked twice in other words.
+MAX_VERIFIED_CHARS = 1000
+# Typo'd words a rephrasing may have per question (each is matched by edit distance).
+MAX_TYPOS = 3
+_ANTONYM_STEMS = tuple((stem(a), stem(b)) for a, b in ANTONYMS)
+# In order: the first refusing check is the reason reported.
+REASONS = ("numbers", "units", "time", "negation", "direction", "entity", "alignment")
+
+
+def check_numbers(query: Question, cached: Question) -> bool:
+    return query.numbers == cached.numbers
+
+
+def check_units(query: Question, cached: Question) -> bool:
+    return query.units == cached.units
+
+
+def check_time(query: Question, cached: Question) -> bool:
+    return query.times == cached.times
+
+
+def check_negation(query: Question, cached: Question) -> bool:
+    """As many negations on both sides, and no word swapped for its opposite ("excluded", "unsafe")."""
+    if query.negations != cached.negations:
+        return False
+    mine = {stem(t) for t in query.tokens}
+    theirs = {stem(t) for t in cached.tokens}
+    only_mine, only_theirs = set(query.tokens) - set(cached.tokens), set(cached.tokens) - set(query.tokens)
+    if _negated_across(only_mine, only_theirs) or _negated_across(only_theirs, only_mine):
+        return False
+    for sa, sb in _ANTONYM_STEMS:
+        if (sa in mine and sb in theirs and sb not in mine) or (
+            sb in mine and sa in theirs and sa not in mine
+        ):
+            return False
+    return True
+
+
+def _negated_across(words: set[str], others: set[str]) -> bool:
+    """Whether a word of ``words`` is one of ``others`` with a negating prefix ("unsafe" for "safe")."""
+    for word in words:
+        for prefix in NEGATING_PREFIXES:
+            if word.startswith(prefix) and len(word) - len(prefix) >= 3 and word[len(prefix) :] in others:
+                return True
+    return False
+
+
+def check_direction(query: Question, cached: Question) -> bool:
+    """Two shared words in the opposite order, with the same word between them on both sides, refuse.
+
+    "USD to EUR" / "EUR to USD" share "to" between the swapped pair; "a guest invites
+    the host" / "the host invites a guest" share "invite". A clause moved to the front
+    ("In Python, how do I…") keeps nothing in common between its words. Words said
+    twice in a question have no one place, and are left out.
+    """
+    q, c = _positions(query), _positions(cached)
+    shared = [w for w in q if w in c]
+    pivots = set(shared) | CONNECTORS
+    for i, a in enumerate(shared):
+        for b in shared[i + 1 :]:
+            if (q[a] < q[b]) == (c[a] < c[b]):
+                continue
+            if _between(query, q[a], q[b], pivots) & _between(cached, c[a], c[b], pivots):
+                return False
+    return True
+
+
+def check_entities(query: Question, cached: Question) -> bool:
+    """Every name in either question is in the other (up to a typo): "Berlin" is not "Munich"."""
+    return _all_have_counterparts(query.entities, cached.tokens) and _all_have_counterparts(
+        cached.entities, query.tokens
+    )
+
+
+def check_alignment(query: Question, cached: Question) -> bool:
+    """No content word of either question without a counterpart in the other."""
+    return _all_have_counterparts(query.content, cached.content) and _all_have_counterparts(
+        cached.content, query.content
+    )
+
+
+def _all_have_counterparts(words: Iterable[str], other: Sequence[str]) -> bool:
+    """Every word equal, same-stemmed or a typo of one of ``other``; the costly typo test comes last.
+
+    More than ``MAX_TYPOS`` words without an equal is another question, not a typo'd
+    one: refused at once, which also bounds the edit distances computed per lookup.
+    """
+    exact = set(other)
+    stems = {stem(w) for w in exact}
+    unmatched = [w for w in set(words) if w not in exact and stem(w) not in stems]
+    if len(unmatched) > MAX_TYPOS:
+        return False
+    return all(any(same_word(word, candidate) for candidate in exact) for word in unmatched)
+
+
+CHECKS: tuple[tuple[str, Callable[[Question, Question], bool]], ...] = (
+    ("numbers", check_numbers),
+    ("units", check_units),
+    ("time", check_time),
+    ("negation", check_negation),
+    ("direction", check_direction),
+    ("entity", check_entities),
+    ("alignment", check_alignment),
+)
+
+
+def refusal(query: str, cached: str, checks: Sequence[str] = REASONS) -> str | None:
+    """The first check (of ``checks``) that finds the two questions ask different things, or None."""
+    q, c = Question(query), Question(cached)
+    for name, check in CHECKS:
+        if name in checks and not check(q, c):
+            return name
+    return None
+
+
+def _positions(question: Question) -> dict[str, int]:
+    """Stem -> position, for content words said once (a repeated word has no one place)."""
+    stems = [stem(t) for t in question.tokens]
+    counts = Counter(stems)
+    content = set(question.content)
+    return {
+        s: i
+        for i, (s, t) in enumerate(zip(stems, question.tokens, strict=True))
+        if t in content and counts[s] == 1
+    }
+
+
+def _between(question: Question, i: int, j: int, pivots: set[str]) -> set[str]:
+    """The pivots (connectors, shared words said once) strictly between two positions."""
+    lo, hi = sorted((i, j))
+    found = {stem(w) for w in question.tokens[lo + 1 : hi] if stem(w) in pivots}
+    return found | {w for w in question.tokens[lo + 1 : hi] if w in CONNECTORS}
