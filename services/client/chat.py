@@ -14,6 +14,7 @@ import sys
 import threading
 
 import grpc
+from llm_mesh_client.pb import common_pb2, router_pb2, router_pb2_grpc
 
 from services.client.answers import footer
 from services.client.connection import (
@@ -26,7 +27,6 @@ from services.client.connection import (
     turn_arguments_problem,
     turn_request,
 )
-from services.gen.llmmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 PROMPT = "you> "
 ANSWER_PREFIX = "llm-mesh> "
