@@ -60,6 +60,30 @@ def test_python_stubs_import_and_build_a_router_request(tmp_path: Path) -> None:
     assert ran.stdout.split() == sorted(rpcs) and "ChatStream" in rpcs
 
 
+GO_EXAMPLE = """package main
+
+import (
+	"context"
+	"fmt"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/metadata"
+	llmmeshv1 "llmmesh/v1"
+)
+
+func main() {
+	conn, _ := grpc.Dial("127.0.0.1:50051", grpc.WithInsecure())
+	router := llmmeshv1.NewRouterClient(conn)
+	ctx := metadata.AppendToOutgoingContext(context.Background(), "authorization", "Bearer key")
+	reply, err := router.Complete(ctx, &llmmeshv1.ChatRequest{
+		Messages: []*llmmeshv1.ChatMessage{{Role: "user", Content: "What is llm-mesh?"}},
+		Sampling: &llmmeshv1.SamplingParams{XMaxTokens: &llmmeshv1.SamplingParams_MaxTokens{MaxTokens: 64}},
+	})
+	fmt.Println(reply, err)
+}
+"""
+
+
 def go_env(tmp_path: Path) -> dict[str, str]:
     # The Go build cache stays where the gateway build warmed it ($HOME/.cache/go-build).
     return {
@@ -89,6 +113,19 @@ def test_go_stubs_build_and_vet_or_the_missing_tool_is_named(tmp_path: Path) -> 
         assert ran.returncode == 0, ran.stderr
     router = (tmp_path / "go" / "src" / "llmmesh" / "v1" / "router.pb.go").read_text()
     assert "func NewRouterClient(" in router and "ChatStream(ctx context.Context" in router
+    # docs/clients.md's Go call compiles against them.
+    example = tmp_path / "go" / "src" / "example" / "main.go"
+    example.parent.mkdir(parents=True)
+    example.write_text(GO_EXAMPLE)
+    ran = subprocess.run(
+        ["go", "vet", "example"],
+        cwd=tmp_path,
+        env=go_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert ran.returncode == 0, ran.stderr
 
 
 def test_java_sources_carry_the_messages_and_the_router_service(tmp_path: Path) -> None:
