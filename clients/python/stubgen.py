@@ -59,6 +59,10 @@ def generate(out_dir: Path = DEFAULT_OUT) -> list[Path]:
             f"--mypy_out={out_dir}",
             f"--mypy_grpc_out={out_dir}",
         ]
+    else:
+        # protoc's own typing stubs (messages only) when mypy-protobuf is not installed: a wheel built
+        # in pip's isolated environment still ships typed messages (py.typed).
+        args += [f"--pyi_out={out_dir}"]
     args += [str(p.relative_to(PROTO_DIR)) for p in protos]
     if protoc.main(args) != 0:
         raise SystemExit("stubgen: protoc failed")

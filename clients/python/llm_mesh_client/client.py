@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,7 +13,7 @@ import grpc
 import grpc.aio
 
 from llm_mesh_client._gen.llmmesh.v1 import retriever_pb2, router_pb2, router_pb2_grpc
-from llm_mesh_client.errors import StreamEnded, error_from_rpc
+from llm_mesh_client.errors import StreamEnded, Unavailable, error_from_rpc
 from llm_mesh_client.events import ChatEvent, Completion, Delta, End, event_from
 from llm_mesh_client.requests import Prompt, call_metadata, channel_credentials, chat_request, document_source
 
@@ -38,7 +39,8 @@ class ChatTurn:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self.close()
+        if self.end is None:
+            self.close()
 
     def __aiter__(self) -> AsyncIterator[ChatEvent]:
         return self._events()
@@ -57,12 +59,18 @@ class ChatTurn:
                     yield event
                 elif isinstance(event, End):
                     self.end = event
+                    if self._first is not None:
+                        # Half-close: the router ends the call by itself, nothing is cancelled.
+                        with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
+                            await self._call.done_writing()
                     yield event
                     return
         except grpc.aio.AioRpcError as error:
             raise error_from_rpc(error) from error
         finally:
-            self.close()
+            if self.end is None:
+                # Left before the end (break, an exception): the router cancels the generation.
+                self.close()
 
     async def cancel(self) -> None:
         """Ask the router to end the turn now (chat turns); the stream ends with a "cancelled" End."""
@@ -128,10 +136,6 @@ class MeshClient:
 
     async def wait_ready(self, timeout: float = 10.0) -> None:
         """Wait until a connection to the router is open; Unavailable if none within ``timeout``."""
-        import asyncio
-
-        from llm_mesh_client.errors import Unavailable
-
         try:
             await asyncio.wait_for(self._channel.channel_ready(), timeout)
         except TimeoutError:

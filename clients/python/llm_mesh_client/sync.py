@@ -65,18 +65,22 @@ class SyncMeshClient:
     def chat(self, prompt: Prompt, *, timeout: float | None = None, **options: Any) -> Iterator[ChatEvent]:
         """Delta… then one End; leaving the loop early cancels the call."""
         call = self.stub.ChatStream(chat_request(prompt, **options), **self._options(timeout))
+        ended = False
         try:
             for reply in call:
                 event = event_from(reply)
+                ended = isinstance(event, End)
                 if event is not None:
                     yield event
-                if isinstance(event, End):
+                if ended:
                     return
             raise StreamEnded("the router closed the stream before the turn's end")
         except grpc.RpcError as error:
             raise error_from_rpc(error) from error
         finally:
-            call.cancel()
+            if not ended:
+                # Left before the end (break, Ctrl-C): the router cancels the generation.
+                call.cancel()
 
     def complete(self, prompt: Prompt, *, timeout: float | None = None, **options: Any) -> Completion:
         reply = self._unary(self.stub.Complete, chat_request(prompt, **options), timeout)
