@@ -22,7 +22,9 @@ $(STAMPS)/deps: pyproject.toml clients/python/pyproject.toml
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
 	$(PY) -m pip install -q -e '.[dev]'
 	# The client package (clients/python), which the CLI uses: editable, so its stubs are generated
-	# beside its sources from protos/ (no build isolation: the build tools are already installed above).
+	# beside its sources from protos/. No build isolation: grpcio-tools and googleapis-common-protos
+	# are installed above; only setuptools may be the venv's older bundled one.
+	$(PY) -m pip install -q 'setuptools>=77'
 	$(PY) -m pip install -q --no-build-isolation -e clients/python
 	@touch $@
 
