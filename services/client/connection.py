@@ -8,10 +8,9 @@ import sys
 
 import grpc
 from llm_mesh_client import MeshError, SyncMeshClient
-from llm_mesh_client.pb import common_pb2, router_pb2, router_pb2_grpc
+from llm_mesh_client.pb import common_pb2, router_pb2
 from rich.console import Console
 
-from services.common.metadata import AUTHORIZATION_KEY
 from services.common.settings import ROUTER_PORT
 
 DEFAULT_ROUTER = f"127.0.0.1:{ROUTER_PORT}"
@@ -90,15 +89,6 @@ def output_console(stderr: bool = False) -> Console:
     cut cells to "…" for a script reading it)."""
     stream = sys.stderr if stderr else sys.stdout
     return Console(file=stream, width=None if stream.isatty() else PIPED_WIDTH)
-
-
-def call_metadata(api_key: str | None) -> tuple[tuple[str, str | bytes], ...]:
-    return ((AUTHORIZATION_KEY, f"Bearer {api_key}"),) if api_key else ()
-
-
-def open_router(address: str) -> tuple[grpc.Channel, router_pb2_grpc.RouterStub]:
-    channel = grpc.insecure_channel(address)
-    return channel, router_pb2_grpc.RouterStub(channel)
 
 
 def open_client(args: argparse.Namespace) -> SyncMeshClient:

@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 from llm_mesh_client import (
+    Conversation,
     Delta,
     End,
     InvalidArgument,
@@ -224,3 +225,28 @@ def test_pip_installs_the_package_away_from_the_repo_and_it_talks_to_the_router(
     where, outcome = done.stdout.splitlines()
     assert where.startswith(str(target))
     assert outcome.split()[0] in ("stop", "length") and 1 <= int(outcome.split()[1]) <= 3
+
+
+def read_turn(conversation: Conversation) -> tuple[str, End]:
+    parts = []
+    while isinstance(event := conversation.next_event(), Delta):
+        parts.append(event.text)
+    return "".join(parts), event
+
+
+def test_a_conversation_carries_several_turns_and_a_cancel_keeps_it_open(mesh: Mesh) -> None:
+    """What `llm-mesh chat` rests on: one Router.Chat call, Ctrl-C ends just the answer."""
+    with SyncMeshClient(mesh.router.address) as client:
+        conversation = client.conversation()
+        try:
+            conversation.send("Count to one thousand.", max_tokens=400, ignore_eos=True)
+            assert isinstance(conversation.next_event(), Delta)
+            conversation.cancel()
+            _, cut = read_turn(conversation)
+            conversation.send("Say hi.", max_tokens=3, temperature=0)
+            text, end = read_turn(conversation)
+        finally:
+            conversation.close()
+    assert cut.finish_reason == "cancelled" and cut.turn.usage.completion_tokens < 400
+    assert text and end.finish_reason in ("stop", "length")
+    assert end.request_id != cut.request_id

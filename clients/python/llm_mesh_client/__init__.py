@@ -8,6 +8,7 @@ The generated messages are importable as ``llm_mesh_client.pb.router_pb2`` etc.
 """
 
 from llm_mesh_client.client import ChatTurn, MeshClient
+from llm_mesh_client.conversation import Conversation
 from llm_mesh_client.errors import (
     Aborted,
     AlreadyExists,
@@ -34,6 +35,7 @@ __all__ = [
     "ChatEvent",
     "ChatTurn",
     "Completion",
+    "Conversation",
     "DeadlineExceeded",
     "Delta",
     "End",

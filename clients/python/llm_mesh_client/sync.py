@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 
 from llm_mesh_client._gen.llmmesh.v1 import retriever_pb2, router_pb2, router_pb2_grpc
+from llm_mesh_client.conversation import Conversation
 from llm_mesh_client.errors import StreamEnded, Unavailable, error_from_rpc
 from llm_mesh_client.events import ChatEvent, Completion, End, event_from
 from llm_mesh_client.requests import Prompt, call_metadata, channel_credentials, chat_request, document_source
@@ -61,6 +62,10 @@ class SyncMeshClient:
 
     def _options(self, timeout: float | None) -> dict[str, Any]:
         return {"metadata": self._metadata, "timeout": timeout if timeout is not None else self.timeout}
+
+    def conversation(self) -> Conversation:
+        """A Router.Chat call for many turns, with cancel that keeps it open (see Conversation)."""
+        return Conversation(self.stub, self._metadata)
 
     def chat(self, prompt: Prompt, *, timeout: float | None = None, **options: Any) -> Iterator[ChatEvent]:
         """Delta… then one End; leaving the loop early cancels the call."""
