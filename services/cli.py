@@ -14,6 +14,7 @@ import sys
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("services.launcher.up", "run the whole mesh locally on embedded defaults"),
+    "gateway": ("services.launcher.gateway", "attach the REST gateway to the running mesh's router"),
     "chat": ("services.client.chat", "interactive streaming chat through the router"),
     "ask": ("services.client.ask", "ask one question through the router"),
     "status": ("services.client.status", "replicas, health, load and cache hit rate"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.gen.llmmesh.v1 import common_pb2, router_pb2
+from llm_mesh_client.pb import common_pb2, router_pb2
 
 FINISH_NAMES = {
     common_pb2.FINISH_REASON_STOP: "stop",

@@ -11,20 +11,19 @@ import argparse
 import json
 import sys
 
-import grpc
+from llm_mesh_client import Delta, MeshError
+from llm_mesh_client.pb import common_pb2, router_pb2
 
 from services.client.answers import footer, json_answer
 from services.client.connection import (
     add_connection_arguments,
     add_turn_arguments,
-    call_metadata,
     describe_error,
     format_citations,
-    open_router,
+    open_client,
     turn_arguments_problem,
     turn_request,
 )
-from services.gen.llmmesh.v1 import common_pb2, router_pb2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,19 +43,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     request = turn_request(args, [common_pb2.ChatMessage(role="user", content=args.question)])
-    channel, stub = open_router(args.router)
+    client = open_client(args)
     parts: list[str] = []
     try:
-        for reply in stub.ChatStream(request, metadata=call_metadata(args.api_key)):
-            if reply.HasField("delta"):
-                parts.append(reply.delta.text)
+        for event in client.chat(request):
+            if isinstance(event, Delta):
+                parts.append(event.text)
                 if not args.json:
-                    sys.stdout.write(reply.delta.text)
+                    sys.stdout.write(event.text)
                     sys.stdout.flush()
-            elif reply.HasField("end"):
-                return finish(args, "".join(parts), reply.end)
+            else:
+                return finish(args, "".join(parts), event.turn)
         return 0
-    except grpc.RpcError as error:
+    except MeshError as error:
         print(describe_error(error, args.router), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -64,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         print("\n[interrupted]")
         return 130
     finally:
-        channel.close()
+        client.close()
 
 
 def finish(args: argparse.Namespace, text: str, end: router_pb2.TurnEnd) -> int:

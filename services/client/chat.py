@@ -8,25 +8,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import queue
 import signal
 import sys
-import threading
 
-import grpc
+from llm_mesh_client import Conversation, Delta, MeshError, StreamEnded, SyncMeshClient
+from llm_mesh_client.pb import common_pb2, router_pb2
 
 from services.client.answers import footer
 from services.client.connection import (
     add_connection_arguments,
     add_turn_arguments,
-    call_metadata,
     describe_error,
     format_citations,
-    open_router,
+    open_client,
     turn_arguments_problem,
     turn_request,
 )
-from services.gen.llmmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 PROMPT = "you> "
 ANSWER_PREFIX = "llm-mesh> "
@@ -38,62 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_turn_arguments(parser)
 
 
-class StreamClosed(Exception):
-    """The router ended the Chat call (normally or with an error)."""
-
-    def __init__(self, error: grpc.RpcError | None) -> None:
-        super().__init__(str(error) if error else "closed")
-        self.error = error
-
-
-class ChatStream:
-    """One open Router.Chat call: turns and cancels go in through a queue, replies come out in order.
-
-    A thread reads the replies: a sync gRPC read interrupted by Ctrl-C leaves the
-    call unusable, so the main thread only ever waits on a queue, which Ctrl-C
-    may interrupt safely.
-    """
-
-    def __init__(
-        self, stub: router_pb2_grpc.RouterStub, metadata: tuple[tuple[str, str | bytes], ...]
-    ) -> None:
-        self._outbox: queue.Queue[router_pb2.ChatRequest | None] = queue.Queue()
-        self._inbox: queue.Queue[router_pb2.ChatResponse | StreamClosed] = queue.Queue()
-        self.call = stub.Chat(iter(self._outbox.get, None), metadata=metadata)
-        threading.Thread(target=self._read, name="chat-replies", daemon=True).start()
-
-    def _read(self) -> None:
-        try:
-            for reply in self.call:
-                self._inbox.put(reply)
-            self._inbox.put(StreamClosed(None))
-        except grpc.RpcError as error:
-            self._inbox.put(StreamClosed(error))
-
-    def send(self, request: router_pb2.ChatRequest) -> None:
-        self._outbox.put(request)
-
-    def next_reply(self) -> router_pb2.ChatResponse:
-        """The next reply; raises StreamClosed when the call is over."""
-        item = self._inbox.get()
-        if isinstance(item, StreamClosed):
-            raise item
-        return item
-
-    def close(self) -> None:
-        self._outbox.put(None)
-        self.call.cancel()
-
-
 class ChatTerminal:
     """The read–send–stream loop. Without --session the client keeps the history and sends it whole."""
 
-    def __init__(self, args: argparse.Namespace, stub: router_pb2_grpc.RouterStub) -> None:
+    def __init__(self, args: argparse.Namespace, client: SyncMeshClient) -> None:
         self.args = args
-        self.stub = stub
-        self.metadata = call_metadata(args.api_key)
+        self.client = client
         self.history: list[common_pb2.ChatMessage] = []
-        self.stream: ChatStream | None = None
+        self.stream: Conversation | None = None
 
     def loop(self) -> int:
         session = f", session {self.args.session}" if self.args.session else ""
@@ -119,13 +68,13 @@ class ChatTerminal:
         user = common_pb2.ChatMessage(role="user", content=text)
         messages = [user] if self.args.session else [*self.history, user]
         if self.stream is None:
-            self.stream = ChatStream(self.stub, self.metadata)
+            self.stream = self.client.conversation()
         self.stream.send(turn_request(self.args, messages))
         answer = self.stream_answer(self.stream)
         if answer is not None:
             self.history += [user, common_pb2.ChatMessage(role="assistant", content=answer)]
 
-    def stream_answer(self, stream: ChatStream) -> str | None:
+    def stream_answer(self, stream: Conversation) -> str | None:
         """Print the answer as it streams; the text the model produced, or None if the stream broke."""
         parts: list[str] = []
         cancelled = False
@@ -133,29 +82,30 @@ class ChatTerminal:
         sys.stdout.flush()
         while True:
             try:
-                reply = stream.next_reply()
-                if reply.HasField("delta"):
-                    parts.append(reply.delta.text)
-                    sys.stdout.write(reply.delta.text)
+                event = stream.next_event()
+                if isinstance(event, Delta):
+                    parts.append(event.text)
+                    sys.stdout.write(event.text)
                     sys.stdout.flush()
-                elif reply.HasField("end"):
-                    self.finish_turn(reply.end, cancelled)
+                else:
+                    self.finish_turn(event.turn, cancelled)
                     return "".join(parts)
             except KeyboardInterrupt:
                 if not cancelled:
                     # The router ends the turn with CANCELLED; the conversation stays open.
                     cancelled = True
-                    stream.send(router_pb2.ChatRequest(cancel=True))
+                    stream.cancel()
                     continue
                 # A second Ctrl-C does not wait for the router: drop this stream, keep the chat.
                 self.reset_stream()
                 print(f" {INTERRUPTED}")
                 return "".join(parts)
-            except StreamClosed as closed:
-                if closed.error is None:
-                    print("\nerror: the router closed the conversation; the next message opens a new one")
-                else:
-                    print("\n" + describe_error(closed.error, self.args.router))
+            except StreamEnded:
+                print("\nerror: the router closed the conversation; the next message opens a new one")
+                self.reset_stream()
+                return None
+            except MeshError as error:
+                print("\n" + describe_error(error, self.args.router))
                 self.reset_stream()
                 return None
 
@@ -187,8 +137,5 @@ def run(args: argparse.Namespace) -> int:
     if (problem := turn_arguments_problem(args)) is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    channel, stub = open_router(args.router)
-    try:
-        return ChatTerminal(args, stub).loop()
-    finally:
-        channel.close()
+    with open_client(args) as client:
+        return ChatTerminal(args, client).loop()

@@ -7,11 +7,11 @@ import os
 import sys
 
 import grpc
+from llm_mesh_client import MeshError, SyncMeshClient
+from llm_mesh_client.pb import common_pb2, router_pb2
 from rich.console import Console
 
-from services.common.metadata import AUTHORIZATION_KEY
 from services.common.settings import ROUTER_PORT
-from services.gen.llmmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 DEFAULT_ROUTER = f"127.0.0.1:{ROUTER_PORT}"
 #: The terminal clients' temperature unless --temperature: greedy (see add_turn_arguments).
@@ -91,19 +91,19 @@ def output_console(stderr: bool = False) -> Console:
     return Console(file=stream, width=None if stream.isatty() else PIPED_WIDTH)
 
 
-def call_metadata(api_key: str | None) -> tuple[tuple[str, str | bytes], ...]:
-    return ((AUTHORIZATION_KEY, f"Bearer {api_key}"),) if api_key else ()
+def open_client(args: argparse.Namespace) -> SyncMeshClient:
+    """The client package's blocking client for --router and --api-key."""
+    return SyncMeshClient(args.router, api_key=args.api_key)
 
 
-def open_router(address: str) -> tuple[grpc.Channel, router_pb2_grpc.RouterStub]:
-    channel = grpc.insecure_channel(address)
-    return channel, router_pb2_grpc.RouterStub(channel)
-
-
-def describe_error(error: grpc.RpcError, address: str) -> str:
+def describe_error(error: grpc.RpcError | MeshError, address: str) -> str:
     """One line for a failed call, with the likely fix when the mesh is simply not running."""
-    code = error.code() if isinstance(error, grpc.Call) else None
-    details = error.details() if isinstance(error, grpc.Call) else str(error)
+    if isinstance(error, MeshError):
+        code: grpc.StatusCode | None = error.code
+        details = error.message
+    else:
+        code = error.code() if isinstance(error, grpc.Call) else None
+        details = error.details() if isinstance(error, grpc.Call) else str(error)
     name = code.name if code is not None else "ERROR"
     hint = ""
     if code == grpc.StatusCode.UNAVAILABLE:

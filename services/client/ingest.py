@@ -13,20 +13,20 @@ import argparse
 import random
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 import grpc
+from llm_mesh_client import MeshError, SyncMeshClient, Unavailable
+from llm_mesh_client.pb import retriever_pb2
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from services.client.connection import add_connection_arguments, call_metadata, describe_error, open_router
-from services.gen.llmmesh.v1 import retriever_pb2, router_pb2_grpc
+from services.client.connection import add_connection_arguments, describe_error, open_client
 from services.retriever.parsing import mime_type_for
 
-PIECE_BYTES = 256 * 1024
 #: Answers that say "not now" rather than "not this": ABORTED (another retriever replica held the
 #: document's write lease past the wait limit, or this one lost it) and UNAVAILABLE (the retriever
 #: restarting, or its Redis away). A document re-sent after one is never half-written: a write
@@ -137,41 +137,25 @@ def parse_metadata(pairs: list[str]) -> dict[str, str]:
     return metadata
 
 
-def upload_messages(
-    document: PlannedDocument, metadata: dict[str, str]
-) -> Iterator[retriever_pb2.IngestRequest]:
-    mime_type = mime_type_for(document.path) or ""
-    header = retriever_pb2.DocumentHeader(
-        document_id=document.document_id,
-        title=document.path.stem,
-        mime_type=mime_type,
-        metadata=metadata,
-        source=str(document.path),
-    )
-    yield retriever_pb2.IngestRequest(header=header)
-    with document.path.open("rb") as f:
-        while piece := f.read(PIECE_BYTES):
-            yield retriever_pb2.IngestRequest(data=piece)
-
-
 def send_document(
-    stub: router_pb2_grpc.RouterStub,
+    client: SyncMeshClient,
     document: PlannedDocument,
     metadata: dict[str, str],
-    auth: tuple[tuple[str, str | bytes], ...],
     timeout_s: float,
 ) -> retriever_pb2.IngestSummary:
     """One attempt: the document streamed from its first byte, through the router."""
-    summary: retriever_pb2.IngestSummary = stub.IngestDocument(
-        upload_messages(document, metadata), timeout=timeout_s, metadata=auth
+    return client.ingest(
+        document.path,
+        document_id=document.document_id,
+        title=document.path.stem,
+        mime_type=mime_type_for(document.path) or "",
+        metadata=metadata,
+        timeout=timeout_s,
     )
-    return summary
 
 
-def say_retry(console: Console, document: PlannedDocument, exc: grpc.RpcError, wait_s: float) -> None:
-    console.print(
-        f"[yellow]{document.document_id}: {exc.code().name}: {exc.details()}; retrying in {wait_s:.1f} s"
-    )
+def say_retry(console: Console, document: PlannedDocument, exc: MeshError, wait_s: float) -> None:
+    console.print(f"[yellow]{document.document_id}: {exc}; retrying in {wait_s:.1f} s")
 
 
 def backoff_seconds(retry: int, first_s: float, rng: random.Random) -> float:
@@ -184,7 +168,7 @@ def ingest_with_retries(
     send: Callable[[], retriever_pb2.IngestSummary],
     retries: int,
     first_s: float,
-    on_retry: Callable[[grpc.RpcError, float], None],
+    on_retry: Callable[[MeshError, float], None],
     sleep: Callable[[float], None] = time.sleep,
     rng: random.Random | None = None,
 ) -> tuple[retriever_pb2.IngestSummary, int]:
@@ -194,8 +178,8 @@ def ingest_with_retries(
     for retry in range(retries + 1):
         try:
             return send(), retry
-        except grpc.RpcError as exc:
-            if exc.code() not in RETRYABLE or retry == retries:
+        except MeshError as exc:
+            if exc.code not in RETRYABLE or retry == retries:
                 raise
             wait_s = backoff_seconds(retry, first_s, rng)
             on_retry(exc, wait_s)
@@ -217,10 +201,8 @@ def run(args: argparse.Namespace) -> int:
     planned, skipped = plan(args.paths, args.id_prefix)
     metadata = parse_metadata(args.metadata)
     report = IngestReport(skipped=skipped)
-    auth = call_metadata(args.api_key)
-    channel, stub = open_router(args.router)
-    with channel:
-        if planned and not router_reachable(channel):
+    with open_client(args) as client:
+        if planned and not router_reachable(client):
             # Not "retry later": nothing listens there. Retrying each document for ~15 s would
             # only hide the one thing to do.
             print(
@@ -233,18 +215,18 @@ def run(args: argparse.Namespace) -> int:
             task = progress.add_task("ingesting", total=len(planned))
             for document in planned:
                 progress.update(task, description=f"ingesting {document.document_id}")
-                send = partial(send_document, stub, document, metadata, auth, args.timeout_seconds)
+                send = partial(send_document, client, document, metadata, args.timeout_seconds)
                 try:
                     summary, retries = ingest_with_retries(
                         send, args.retries, args.retry_seconds, partial(say_retry, console, document)
                     )
-                except grpc.RpcError as exc:
-                    if exc.code() in FATAL:
+                except MeshError as exc:
+                    if exc.code in FATAL:
                         # Nothing after this document would fare better; say so once and stop.
                         # Plain print: a rich console wraps at 80 columns when stderr is not a terminal.
                         print(describe_error(exc, args.router), file=sys.stderr)
                         return 2
-                    report.rejected.append((str(document.path), f"{exc.code().name}: {exc.details()}"))
+                    report.rejected.append((str(document.path), str(exc)))
                 else:
                     report.retries += retries
                     if summary.unchanged:
@@ -263,11 +245,11 @@ def exit_status(report: IngestReport) -> int:
     return 1 if report.rejected or report.skipped else 0
 
 
-def router_reachable(channel: grpc.Channel, timeout_s: float = CONNECT_TIMEOUT_S) -> bool:
+def router_reachable(client: SyncMeshClient, timeout_s: float = CONNECT_TIMEOUT_S) -> bool:
     """Whether a connection to the router opens within ``timeout_s``."""
     try:
-        grpc.channel_ready_future(channel).result(timeout=timeout_s)
-    except grpc.FutureTimeoutError:
+        client.wait_ready(timeout_s)
+    except Unavailable:
         return False
     return True
 

@@ -9,18 +9,17 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import grpc
+from llm_mesh_client import MeshError
+from llm_mesh_client.pb import router_pb2
 from prometheus_client.parser import text_string_to_metric_families
 from rich.table import Table
 
 from services.client.connection import (
     add_connection_arguments,
-    call_metadata,
     describe_error,
-    open_router,
+    open_client,
     output_console,
 )
-from services.gen.llmmesh.v1 import router_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
 HEALTH_NAMES = {
@@ -136,16 +135,14 @@ def replica_table(reply: router_pb2.ListReplicasResponse) -> Table:
 
 def run(args: argparse.Namespace) -> int:
     console = output_console()
-    channel, stub = open_router(args.router)
+    client = open_client(args)
     try:
-        reply = stub.ListReplicas(
-            router_pb2.ListReplicasRequest(), metadata=call_metadata(args.api_key), timeout=5
-        )
-    except grpc.RpcError as error:
+        reply = client.list_replicas(timeout=5)
+    except MeshError as error:
         print(describe_error(error, args.router), file=sys.stderr)
         return 1
     finally:
-        channel.close()
+        client.close()
     console.print(replica_table(reply))
     urls = {name: f"http://{hostport}/metrics" for name, hostport in launcher_metrics(args.data_dir).items()}
     if args.router_metrics:

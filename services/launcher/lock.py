@@ -65,6 +65,22 @@ class MeshLock:
         self._file = None
 
 
+def running_mesh(data_dir: Path) -> dict[str, Any] | None:
+    """What the launcher running on ``data_dir`` recorded (pid, router, endpoints, …), or None
+    when no launcher holds the lock there (a leftover file from a stopped mesh says nothing)."""
+    path = data_dir / "llm-mesh.lock"
+    if not path.exists():
+        return None
+    with open(path) as f:
+        try:
+            # A shared lock is refused exactly while a launcher holds its exclusive one.
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _parse(f.read())
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return None
+
+
 def _parse(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)

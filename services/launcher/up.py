@@ -13,8 +13,9 @@ from types import FrameType
 
 from services.common.settings import ROUTER_HTTP_PORT, ROUTER_PORT
 from services.launcher.children import ChildFailed
+from services.launcher.gateway import attach, find_router
 from services.launcher.lock import AlreadyRunning, MeshLock, port_in_use
-from services.launcher.mesh import DEFAULT_MODEL, ROOT, LocalMesh, MeshConfig
+from services.launcher.mesh import DEFAULT_MODEL, GATEWAY_LISTEN, ROOT, LocalMesh, MeshConfig
 from services.launcher.supervision import RestartPolicy
 from services.launcher.supervisor import ChildGaveUp, Supervisor
 
@@ -70,7 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "every caller one tenant [env LLMMESH_API_KEYS_FILE]",
     )
     parser.add_argument(
-        "--gateway", action="store_true", help="also start the REST gateway on 127.0.0.1:8080 (if built)"
+        "--gateway",
+        action="store_true",
+        help="also start the REST gateway on 127.0.0.1:8080 (if built); with a mesh already running "
+        "on --data-dir, attach just the gateway to it (as `llm-mesh gateway`)",
     )
     parser.add_argument(
         "--startup-timeout",
@@ -189,6 +193,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         lock.acquire()
     except AlreadyRunning as exc:
+        if args.gateway:
+            # `up --gateway` on a running mesh adds just the gateway, in front of that mesh's router.
+            return attach_gateway(config.data_dir)
         print(str(exc), file=sys.stderr)
         return 1
     try:
@@ -210,6 +217,15 @@ def run(args: argparse.Namespace) -> int:
         return _run_mesh(config, lock)
     finally:
         lock.release()
+
+
+def attach_gateway(data_dir: Path) -> int:
+    router, why = find_router(data_dir)
+    if router is None:
+        print(f"llm-mesh up --gateway: {why}", file=sys.stderr)
+        return 1
+    print(f"llm-mesh is already running (router {router}): attaching the gateway to it", flush=True)
+    return attach(router, GATEWAY_LISTEN, data_dir)
 
 
 def record_mesh(lock: MeshLock, mesh: LocalMesh) -> None:

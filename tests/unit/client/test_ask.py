@@ -7,10 +7,24 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from llm_mesh_client import SyncMeshClient
 
 from services import cli
 from services.client import ask
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
+
+
+class FakeCall:
+    """A server-streaming call: iterable, and cancellable as the client does on leaving."""
+
+    def __init__(self, replies: Iterator[router_pb2.ChatResponse]) -> None:
+        self.replies = replies
+
+    def __iter__(self) -> Iterator[router_pb2.ChatResponse]:
+        return self.replies
+
+    def cancel(self) -> None:
+        pass
 
 
 class FakeRouter:
@@ -21,21 +35,26 @@ class FakeRouter:
         self.end = end
         self.requests: list[router_pb2.ChatRequest] = []
 
-    def ChatStream(self, request: router_pb2.ChatRequest, **_: Any) -> Iterator[router_pb2.ChatResponse]:
+    def ChatStream(self, request: router_pb2.ChatRequest, **_: Any) -> FakeCall:
         self.requests.append(request)
+        return FakeCall(self.replies())
+
+    def replies(self) -> Iterator[router_pb2.ChatResponse]:
         half = len(self.text) // 2
         for piece in (self.text[:half], self.text[half:]):
             yield router_pb2.ChatResponse(delta=router_pb2.TokenDelta(text=piece))
         yield router_pb2.ChatResponse(end=self.end)
 
 
-class FakeChannel:
-    def close(self) -> None:
-        pass
+def client_of(router: FakeRouter) -> SyncMeshClient:
+    """The CLI's real client (llm_mesh_client) with the fake behind it instead of a channel's stub."""
+    client = SyncMeshClient("127.0.0.1:1")
+    client.stub = router  # type: ignore[assignment]
+    return client
 
 
 def run_ask(monkeypatch: pytest.MonkeyPatch, router: FakeRouter, *argv: str) -> int:
-    monkeypatch.setattr(ask, "open_router", lambda address: (FakeChannel(), router))
+    monkeypatch.setattr(ask, "open_client", lambda args: client_of(router))
     return cli.main(["ask", *argv])
 
 

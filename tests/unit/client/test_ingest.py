@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from llm_mesh_client import MeshError
 
 from services import cli
 from services.client.ingest import (
@@ -53,19 +54,6 @@ def test_metadata_pairs_need_a_key_and_an_equals_sign() -> None:
         parse_metadata(["no-equals"])
 
 
-class Refused(grpc.RpcError):
-    """What a stub raises for a failed call: a code and a message."""
-
-    def __init__(self, code: grpc.StatusCode, details: str = "") -> None:
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-
 class Answers:
     """A send() that fails with the given codes in turn, then answers."""
 
@@ -76,7 +64,7 @@ class Answers:
     def __call__(self) -> pb.IngestSummary:
         self.calls += 1
         if self.codes:
-            raise Refused(self.codes.pop(0), "busy")
+            raise MeshError("busy", self.codes.pop(0))
         return pb.IngestSummary(document_id="doc", version=3, chunks=2)
 
 
@@ -89,7 +77,7 @@ def test_aborted_and_unavailable_are_sent_again_after_doubling_waits() -> None:
         send,
         retries=4,
         first_s=1.0,
-        on_retry=lambda exc, wait_s: announced.append((exc.code().name, wait_s)),
+        on_retry=lambda exc, wait_s: announced.append((exc.code.name, wait_s)),
         sleep=slept.append,
         rng=random.Random(7),
     )
@@ -105,9 +93,9 @@ def test_aborted_and_unavailable_are_sent_again_after_doubling_waits() -> None:
 
 def test_a_document_still_refused_after_the_last_retry_fails_with_the_last_answer() -> None:
     send = Answers(*[grpc.StatusCode.ABORTED] * 3)
-    with pytest.raises(grpc.RpcError) as caught:
+    with pytest.raises(MeshError) as caught:
         ingest_with_retries(send, retries=2, first_s=0.5, on_retry=lambda *_: None, sleep=lambda _: None)
-    assert caught.value.code() == grpc.StatusCode.ABORTED
+    assert caught.value.code == grpc.StatusCode.ABORTED
     assert send.calls == 3
 
 
@@ -117,14 +105,14 @@ def test_a_document_still_refused_after_the_last_retry_fails_with_the_last_answe
 )
 def test_answers_that_would_not_change_are_not_retried(code: grpc.StatusCode) -> None:
     send = Answers(code)
-    with pytest.raises(grpc.RpcError):
+    with pytest.raises(MeshError):
         ingest_with_retries(send, retries=4, first_s=1.0, on_retry=lambda *_: None, sleep=lambda _: None)
     assert send.calls == 1
 
 
 def test_no_retries_means_one_attempt() -> None:
     send = Answers(grpc.StatusCode.UNAVAILABLE)
-    with pytest.raises(grpc.RpcError):
+    with pytest.raises(MeshError):
         ingest_with_retries(send, retries=0, first_s=1.0, on_retry=lambda *_: None, sleep=lambda _: None)
     assert send.calls == 1
 

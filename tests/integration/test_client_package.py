@@ -1,0 +1,252 @@
+"""The client package (clients/python, `llm_mesh_client`) against a real router: the real model behind
+it, Redis for tasks, a retriever for ingest; and the package installed by pip, away from the repo."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from llm_mesh_client import (
+    Conversation,
+    Delta,
+    End,
+    InvalidArgument,
+    MeshClient,
+    MeshError,
+    NotFound,
+    SyncMeshClient,
+    Unavailable,
+)
+from llm_mesh_client.pb import router_pb2
+
+from services.launcher.readiness import free_port
+from tests.support.processes import ROOT, ServiceProcess
+from tests.support.redis import RedisServer
+from tests.support.router_mesh import running_sequences
+
+pytestmark = pytest.mark.timeout(300)
+
+CLIENT_DIR = ROOT / "clients" / "python"
+
+
+@dataclass
+class Mesh:
+    router: ServiceProcess
+    replica: ServiceProcess
+
+
+@pytest.fixture(scope="module")
+def mesh(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """Redis, a retriever and the real model load side by side; then a router in front of them."""
+    data = tmp_path_factory.mktemp("client-mesh")
+    redis = RedisServer(data / "redis").start()
+    replica = ServiceProcess(
+        "services.inference", ["--model", str(model_path), "--device", "cpu", "--metrics-port", "0"]
+    )
+    retriever = ServiceProcess(
+        "services.retriever", ["--milvus-uri", str(data / "milvus.db"), "--metrics-port", "0"]
+    )
+    router: ServiceProcess | None = None
+    try:
+        for service in (replica, retriever):
+            service.start(wait_serving=False)
+        for service in (replica, retriever):
+            service.wait_serving()
+        router = ServiceProcess(
+            "services.router",
+            [
+                *("--replicas", replica.address, "--retriever-addr", retriever.address),
+                *("--redis-url", redis.url, "--probe-interval-s", "0", "--metrics-port", "0"),
+            ],
+        ).start(timeout=120)
+        yield Mesh(router, replica)
+    finally:
+        if router is not None:
+            router.stop()
+        retriever.stop()
+        replica.stop()
+        redis.kill()
+
+
+async def wait_idle(replica: ServiceProcess, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if running_sequences(replica) == 0:
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def test_chat_streams_deltas_then_its_end_and_complete_gives_the_same_greedy_answer(mesh: Mesh) -> None:
+    async with MeshClient(mesh.router.address) as client:
+        events = [e async for e in client.chat("Name three colours.", max_tokens=12, temperature=0)]
+        completion = await client.complete([("user", "Name three colours.")], max_tokens=12, temperature=0)
+    deltas = [e for e in events if isinstance(e, Delta)]
+    end = events[-1]
+    assert isinstance(end, End) and all(isinstance(e, Delta) for e in events[:-1])
+    assert deltas and [e.seq for e in events] == list(range(1, len(events) + 1))
+    streamed = "".join(d.text for d in deltas)
+    assert streamed.strip()
+    assert end.finish_reason in ("stop", "length")
+    assert end.turn.usage.completion_tokens == sum(len(d.token_ids) for d in deltas) <= 12
+    assert completion.text == streamed
+    assert completion.end.usage.completion_tokens == end.turn.usage.completion_tokens
+
+
+async def test_cancel_ends_the_turn_as_cancelled_and_leaving_the_loop_stops_the_generation(
+    mesh: Mesh,
+) -> None:
+    async with MeshClient(mesh.router.address) as client:
+        turn = client.chat("Count to one thousand.", max_tokens=400, ignore_eos=True, temperature=0)
+        events = []
+        async for event in turn:
+            events.append(event)
+            if len(events) == 1:
+                await turn.cancel()
+        end = events[-1]
+        assert isinstance(end, End) and end.finish_reason == "cancelled"
+        assert end.turn.usage.completion_tokens < 400
+        assert await wait_idle(mesh.replica)
+
+        async with client.chat("Count to one thousand.", max_tokens=400, ignore_eos=True) as left:
+            async for event in left:
+                assert isinstance(event, Delta)
+                break
+        # The router cancelled the replica's sequence: nothing runs on, nobody reads it.
+        assert await wait_idle(mesh.replica)
+
+
+async def test_a_task_is_queued_watched_to_its_end_and_read_back(mesh: Mesh) -> None:
+    async with MeshClient(mesh.router.address) as client:
+        task = await client.submit_task("Say hello.", max_tokens=6, temperature=0)
+        assert task.task_id
+        states = [e.task.state async for e in client.watch_task(task.task_id) if e.HasField("task")]
+        done = await client.get_task(task.task_id)
+        direct = await client.complete("Say hello.", max_tokens=6, temperature=0)
+        with pytest.raises(NotFound) as missing:
+            await client.get_task("no-such-task")
+    assert states[-1] == router_pb2.TASK_STATE_SUCCEEDED
+    assert done.state == router_pb2.TASK_STATE_SUCCEEDED and done.text == direct.text
+    assert missing.value.code == grpc.StatusCode.NOT_FOUND and missing.value.message
+
+
+async def test_ingest_takes_a_path_or_bytes_and_a_rag_answer_cites_them(mesh: Mesh, tmp_path: Path) -> None:
+    notes = tmp_path / "lighthouse.md"
+    notes.write_text("# Keepers\n\nThe Fresnel lens of the Korrigan lighthouse was ground in 1887 in Lyon.\n")
+
+    async with MeshClient(mesh.router.address) as client:
+        first = await client.ingest(notes)
+        again = await client.ingest(notes)
+        raw = await client.ingest(
+            b"Korrigan keepers log the weather every four hours.", document_id="log", filename="log.txt"
+        )
+        answer = await client.chat(
+            "Where was the Korrigan lighthouse lens ground?", max_tokens=4, rag=True
+        ).collect()
+        with pytest.raises(ValueError, match="document_id"):
+            await client.ingest(b"no id", filename="x.txt")
+    assert first.document_id == "lighthouse.md" and first.chunks >= 1 and not first.unchanged
+    assert again.unchanged
+    assert raw.document_id == "log" and raw.chunks >= 1
+    assert "lighthouse.md" in {c.document_id for c in answer.end.citations}
+
+
+async def test_resume_replays_a_turn_after_the_last_seq_seen(mesh: Mesh) -> None:
+    request_id = f"client-resume-{uuid.uuid4().hex[:8]}"
+
+    async with MeshClient(mesh.router.address) as client:
+        turn = client.chat("Name a fruit.", max_tokens=6, temperature=0, request_id=request_id)
+        original = [e async for e in turn]
+        assert turn.request_id == request_id and turn.last_seq == len(original)
+        deadline = time.monotonic() + 5
+        while True:  # the replay buffer is written off the hot path
+            replayed = [e async for e in client.resume(request_id, last_seq=2)]
+            if isinstance(replayed[-1], End) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+    assert [e.seq for e in replayed] == [e.seq for e in original[2:]]
+    assert [getattr(e, "text", None) for e in replayed] == [getattr(e, "text", None) for e in original[2:]]
+
+
+async def test_bad_input_and_no_router_raise_typed_errors_with_code_and_message(mesh: Mesh) -> None:
+    async with MeshClient(mesh.router.address) as client:
+        with pytest.raises(InvalidArgument) as bad:
+            await client.complete("hi", temperature=-1.0)
+    assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in bad.value.message
+    async with MeshClient(f"127.0.0.1:{free_port()}") as nowhere:
+        with pytest.raises(Unavailable):
+            await nowhere.wait_ready(timeout=1.0)
+        with pytest.raises(MeshError) as down:
+            await nowhere.complete("hi", timeout=2.0)
+    assert down.value.code == grpc.StatusCode.UNAVAILABLE
+
+    with SyncMeshClient(mesh.router.address) as sync:
+        assert sync.complete("Say hi.", max_tokens=3, temperature=0).text
+        assert [r.address for r in sync.list_replicas().replicas] == [mesh.replica.address]
+
+
+def test_pip_installs_the_package_away_from_the_repo_and_it_talks_to_the_router(
+    mesh: Mesh, tmp_path: Path
+) -> None:
+    target = tmp_path / "site"
+    # No build isolation and no deps: this venv already has grpcio, protobuf and grpcio-tools;
+    # the wheel is still built from clients/python by its own build hook (stubs from protos/).
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+         "--target", str(target), str(CLIENT_DIR)],
+        check=True, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert (target / "llm_mesh_client" / "_gen" / "llmmesh" / "v1" / "router_pb2_grpc.py").exists()
+    script = textwrap.dedent(f"""
+        import asyncio, llm_mesh_client
+        from llm_mesh_client import MeshClient
+        async def main():
+            async with MeshClient({mesh.router.address!r}) as client:
+                answer = await client.complete("Say hi.", max_tokens=3, temperature=0)
+            print(llm_mesh_client.__file__)
+            print(answer.finish_reason, answer.end.usage.completion_tokens)
+        asyncio.run(main())
+    """)
+    # Away from the repository: only the installed copy can be imported.
+    env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    where, outcome = done.stdout.splitlines()
+    assert where.startswith(str(target))
+    assert outcome.split()[0] in ("stop", "length") and 1 <= int(outcome.split()[1]) <= 3
+
+
+def read_turn(conversation: Conversation) -> tuple[str, End]:
+    parts = []
+    while isinstance(event := conversation.next_event(), Delta):
+        parts.append(event.text)
+    return "".join(parts), event
+
+
+def test_a_conversation_carries_several_turns_and_a_cancel_keeps_it_open(mesh: Mesh) -> None:
+    """What `llm-mesh chat` rests on: one Router.Chat call, Ctrl-C ends just the answer."""
+    with SyncMeshClient(mesh.router.address) as client:
+        conversation = client.conversation()
+        try:
+            conversation.send("Count to one thousand.", max_tokens=400, ignore_eos=True)
+            assert isinstance(conversation.next_event(), Delta)
+            conversation.cancel()
+            _, cut = read_turn(conversation)
+            conversation.send("Say hi.", max_tokens=3, temperature=0)
+            text, end = read_turn(conversation)
+        finally:
+            conversation.close()
+    assert cut.finish_reason == "cancelled" and cut.turn.usage.completion_tokens < 400
+    assert text and end.finish_reason in ("stop", "length")
+    assert end.request_id != cut.request_id
