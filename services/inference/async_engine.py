@@ -29,6 +29,7 @@ from services.common.generate_many.limits import PARK_AFTER_OUTPUTS
 from services.common.generate_many.merge import Span, merge
 from services.inference import metrics
 from services.inference.engine import EngineFailure, EngineLoad, LLMEngine, RequestOutput
+from services.inference.grammar import Guide
 from services.inference.sampling import SamplingParams
 from services.inference.sequence import FinishReason
 
@@ -51,6 +52,8 @@ class _Pending:
     parked: bool = False
     # Refused by ``LLMEngine.enqueue`` (set by the engine thread before the refusal is posted).
     refused: bool = False
+    # Its output constraint's matcher, compiled on an executor thread before it was handed over.
+    guide: Guide | None = None
 
 
 def merge_outputs(outputs: Seq[RequestOutput]) -> RequestOutput:
@@ -62,7 +65,8 @@ def merge_outputs(outputs: Seq[RequestOutput]) -> RequestOutput:
         return last
     token_ids: list[int] = []
     index, text = merge([Span(o.index, o.new_token_ids, o.text) for o in outputs], token_ids)
-    return dataclasses.replace(last, new_token_ids=token_ids, text=text, index=index)
+    logprobs = tuple(lp for o in outputs for lp in o.logprobs)
+    return dataclasses.replace(last, new_token_ids=token_ids, text=text, index=index, logprobs=logprobs)
 
 
 class AsyncEngine:
@@ -103,9 +107,20 @@ class AsyncEngine:
             raise errors.DependencyUnavailable(
                 f"the inference engine failed ({self.failure}); send work elsewhere"
             )
+        # The constraint compiles (or comes from the cache) on an executor thread, before the
+        # request is handed over: a compile never holds up a step, and a bad one is refused here.
+        guide = None
+        if params.constraint is not None:
+            guide = await asyncio.to_thread(self.engine.make_guide, params, resume_token_ids)
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         pending = _Pending(
-            request_id, prompt_token_ids, params, resume_token_ids, sink, asyncio.get_running_loop()
+            request_id,
+            prompt_token_ids,
+            params,
+            resume_token_ids,
+            sink,
+            asyncio.get_running_loop(),
+            guide=guide,
         )
         with self._cond:
             if request_id in self._sinks:
@@ -199,7 +214,7 @@ class AsyncEngine:
                 pending, self._pending = self._pending, []
             for p in pending:
                 try:
-                    engine.enqueue(p.request_id, p.prompt_token_ids, p.params, p.resume_token_ids)
+                    engine.enqueue(p.request_id, p.prompt_token_ids, p.params, p.resume_token_ids, p.guide)
                     if p.aborted:
                         engine.abort_request(p.request_id)
                 except Exception as exc:  # refused as it was queued (AlreadyExists): that caller only

@@ -29,9 +29,10 @@ from services.inference.config import EngineConfig
 from services.inference.detokenizer import IncrementalDetokenizer
 from services.inference.fault_isolation import ChunkResult, EngineFailure, run_isolating_faults
 from services.inference.gguf_loading import gguf_read_once
+from services.inference.grammar import GrammarCompiler, Guide
 from services.inference.model_loading import load_tokenizer
 from services.inference.model_runner import ModelRunner
-from services.inference.outputs import EngineLoad, RequestOutput, final_output
+from services.inference.outputs import EngineLoad, RequestOutput, SampledToken, final_output
 from services.inference.sampler import RowFault
 from services.inference.sampling import SamplingParams
 from services.inference.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
@@ -52,6 +53,8 @@ class _Request:
     seq: Sequence
     detokenizer: IncrementalDetokenizer
     stop_ids: frozenset[int] = field(default_factory=frozenset)
+    #: Its output constraint's matcher (None = free text): fills its bitmask row, eats its tokens.
+    guide: Guide | None = None
 
 
 class LLMEngine:
@@ -75,6 +78,13 @@ class LLMEngine:
         self._recent: deque[tuple[float, int]] = deque()
         # Sequences preempted so far (KV dropped for recompute): a sign the cache is too small.
         self.num_preemptions = 0
+        self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size)
+
+    def make_guide(self, params: SamplingParams, resume_token_ids: Seq[int] = ()) -> Guide | None:
+        """The request's grammar matcher, compiled (or taken from the cache) with its resumed
+        tokens replayed; None for free text. ``InvalidArgument`` for a constraint that does not
+        compile or resumed tokens it refuses. Slow on a cache miss: call it off the step loop."""
+        return None if params.constraint is None else self.grammars.guide(params.constraint, resume_token_ids)
 
     # -- admission -----------------------------------------------------------
     def validate(
@@ -132,7 +142,8 @@ class LLMEngine:
     ) -> None:
         """Admit (``admit``) and queue a request, for a caller that drives the engine itself."""
         self.admit(prompt_token_ids, params, resume_token_ids)
-        self.enqueue(request_id, prompt_token_ids, params, resume_token_ids)
+        guide = self.make_guide(params, resume_token_ids)
+        self.enqueue(request_id, prompt_token_ids, params, resume_token_ids, guide)
 
     def enqueue(
         self,
@@ -140,8 +151,10 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         resume_token_ids: Seq[int] = (),
+        guide: Guide | None = None,
     ) -> None:
-        """Queue a request already admitted (the async front admits on arrival, see ``admit``)."""
+        """Queue a request already admitted (the async front admits on arrival, see ``admit``),
+        with its ``guide`` from ``make_guide`` when it has an output constraint."""
         if request_id in self._requests:
             raise errors.AlreadyExists(f"request {request_id!r} is already running")
         seq = Sequence(
@@ -154,7 +167,9 @@ class LLMEngine:
         )
         stop_ids = frozenset() if params.ignore_eos else self._eos_ids
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, prime=resume_token_ids)
-        self._requests[request_id] = _Request(seq, detok, stop_ids)
+        if params.constraint is not None and guide is None:
+            guide = self.make_guide(params, resume_token_ids)  # a caller that skipped make_guide
+        self._requests[request_id] = _Request(seq, detok, stop_ids, guide)
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
@@ -191,8 +206,13 @@ class LLMEngine:
         return outputs
 
     def _run(self, chunks: Seq[ScheduledSequence]) -> list[ChunkResult]:
-        drawn = iter(self.runner.execute(chunks))
+        guides = [self._guide(c.seq.request_id) for c in chunks if c.samples]
+        drawn = iter(self.runner.execute(chunks, guides if any(guides) else ()))
         return [next(drawn) if c.samples else None for c in chunks]
+
+    def _guide(self, request_id: str) -> Guide | None:
+        req = self._requests.get(request_id)
+        return None if req is None else req.guide
 
     def _apply_parks(self) -> None:
         with self._control_lock:
@@ -238,6 +258,9 @@ class LLMEngine:
                 seq.prefill_done_time = now
             if token is None:
                 continue
+            logprobs = (token,) if isinstance(token, SampledToken) else ()
+            if isinstance(token, SampledToken):
+                token = token.token
             req = self._requests[seq.request_id]
             index = seq.num_output_tokens
             seq.token_ids.append(token)
@@ -248,13 +271,16 @@ class LLMEngine:
             update = req.detokenizer.add(token)
             if update.matched_stop is not None:
                 status = SequenceStatus.FINISHED_STOPPED
+            if req.guide is not None:
+                status = self._advance_guide(req, token, status)
             if status is None:
-                outputs.append(RequestOutput(seq.request_id, [token], update.text, index))
+                outputs.append(RequestOutput(seq.request_id, [token], update.text, index, logprobs=logprobs))
                 continue
             self.scheduler.finish(seq, status)
             del self._requests[seq.request_id]
             text = update.text + ("" if update.matched_stop else req.detokenizer.flush())
-            outputs.append(final_output(req.seq, [token], text, index, update.matched_stop or ""))
+            final = final_output(req.seq, [token], text, index, update.matched_stop or "")
+            outputs.append(dataclasses.replace(final, logprobs=logprobs) if logprobs else final)
         if generated:
             self._recent.append((now, generated))
         return outputs
@@ -280,6 +306,16 @@ class LLMEngine:
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
             outputs.append(dataclasses.replace(final_output(req.seq, [], ""), fault=True))
         return outputs
+
+    @staticmethod
+    def _advance_guide(req: _Request, token: int, status: SequenceStatus | None) -> SequenceStatus | None:
+        """Feed the token to the request's grammar: a complete grammar ends the request (STOP)."""
+        assert req.guide is not None
+        refused = req.guide.advance(token)
+        if refused:
+            req.seq.error = refused
+            return SequenceStatus.FINISHED_ERROR
+        return SequenceStatus.FINISHED_STOPPED if req.guide.finished and status is None else status
 
     def _check_stop(self, req: _Request, token: int) -> SequenceStatus | None:
         seq = req.seq

@@ -13,6 +13,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from services.inference.outputs import SampledToken
 from services.inference.sampler import RowFault
 from services.inference.scheduler import ScheduledSequence
 
@@ -29,9 +30,9 @@ def is_engine_wide(exc: BaseException) -> bool:
     return isinstance(exc, (MemoryError, torch.OutOfMemoryError, torch.AcceleratorError))
 
 
-#: What a step computed for one scheduled chunk: its drawn token, None (a mid-prompt chunk,
-#: nothing drawn), or why the engine failed on it.
-ChunkResult = int | RowFault | None
+#: What a step computed for one scheduled chunk: its drawn token (with its logprobs when the
+#: request asked), None (a mid-prompt chunk, nothing drawn), or why the engine failed on it.
+ChunkResult = int | SampledToken | RowFault | None
 
 #: One forward over some of the step's chunks: one result per chunk, in order.
 RunChunks = Callable[[Seq[ScheduledSequence]], list[ChunkResult]]

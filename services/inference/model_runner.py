@@ -30,11 +30,12 @@ import torch
 from services.inference import decode_slab, llama
 from services.inference.config import EngineConfig
 from services.inference.flat_batch import FlatBatchBuilder
+from services.inference.grammar import Guide
 from services.inference.host_memory import keep_large_allocations_mapped, zeroed
 from services.inference.kv_sizing import KVGeometry, auto_cuda_blocks, fit_host_memory
 from services.inference.model_loading import load_model, resolve_device, resolve_dtype
 from services.inference.paged_attention import ForwardContext
-from services.inference.sampler import RowFault, Sampler
+from services.inference.sampler import RowResult, Sampler
 from services.inference.scheduler import ScheduledSequence
 
 log = logging.getLogger("llmmesh.inference.runner")
@@ -176,9 +177,9 @@ class ModelRunner:
         return out.last_hidden_state  # type: ignore[no-any-return]
 
     @torch.inference_mode()
-    def execute(self, scheduled: Seq[ScheduledSequence]) -> Seq[int | RowFault]:
+    def execute(self, scheduled: Seq[ScheduledSequence], guides: Seq[Guide | None] = ()) -> Seq[RowResult]:
         """Run one step; returns the drawn token (or its row's fault) of every chunk that reached
-        its sequence's end, in order."""
+        its sequence's end, in order. ``guides``: those chunks' grammars (None = free), or empty."""
         sampling = [s for s in scheduled if s.samples]
         if self.native is not None:
             logits = self._native_logits(scheduled)
@@ -192,6 +193,7 @@ class ModelRunner:
             [s.seq.seed for s in sampling],
             [s.seq.num_output_tokens for s in sampling],
             [s.seq.token_ids for s in sampling],
+            guides,
         )
 
     def _transformers_logits(self, scheduled: Seq[ScheduledSequence]) -> torch.Tensor | None:

@@ -27,6 +27,16 @@ class Timings:
 
 
 @dataclass(frozen=True)
+class SampledToken:
+    """A drawn token with its log probability and the ``top`` (token id, logprob) alternatives,
+    most likely first: what the sampler gives for a row whose request asked for logprobs."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """What one step produced for one request."""
 
@@ -43,6 +53,8 @@ class RequestOutput:
     matched_stop: str = ""
     #: The engine failed on this request alone (``error`` says how); the others go on.
     fault: bool = False
+    #: One per new token, in order, when the request asked for logprobs; else empty.
+    logprobs: tuple[SampledToken, ...] = ()
 
 
 @dataclass(frozen=True)

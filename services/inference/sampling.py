@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
@@ -14,6 +15,44 @@ MIN_TEMPERATURE = 1e-5
 #: into inf (NaN probabilities), and past 100 the penalty is already absolute in practice.
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
+#: The most alternatives a token's logprobs may list (OpenAI's limit too).
+MAX_TOP_LOGPROBS = 20
+
+
+class ConstraintKind(enum.StrEnum):
+    """What an output constraint is written in; the value is the proto field that carries it."""
+
+    JSON_SCHEMA = "json_schema"
+    JSON_OBJECT = "json_object"
+    REGEX = "regex"
+    GRAMMAR = "grammar"
+    CHOICE = "choice"
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match. ``spec`` is the schema, regex or grammar text (empty for
+    ``json_object``); ``choices`` the alternatives of ``choice``. Only the shape is checked here:
+    whether the text compiles is the grammar compiler's answer (``grammar.py``), at admission."""
+
+    kind: ConstraintKind
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        field = self.kind.value
+        if self.kind is ConstraintKind.CHOICE:
+            if not self.choices:
+                raise InvalidArgument(field, "needs at least one value")
+            if any(not c for c in self.choices):
+                raise InvalidArgument(field, "values must not be empty")
+        elif self.kind is not ConstraintKind.JSON_OBJECT and not self.spec.strip():
+            raise InvalidArgument(field, "must not be empty")
+
+    @property
+    def key(self) -> tuple[str, str, tuple[str, ...]]:
+        """What identifies the compiled grammar (the compile cache's key)."""
+        return (self.kind.value, self.spec, self.choices)
 
 
 @dataclass(frozen=True)
@@ -28,6 +67,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
+    #: What the output must match; None = free text.
+    constraint: Constraint | None = None
+    #: Return each generated token's log probability.
+    logprobs: bool = False
+    #: Also return this many most likely alternatives per token (0 to ``MAX_TOP_LOGPROBS``).
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -53,6 +98,15 @@ class SamplingParams:
             raise InvalidArgument("seed", f"must fit in 64 unsigned bits, got {self.seed}")
         if any(not s for s in self.stop):
             raise InvalidArgument("stop", "stop strings must not be empty")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument(
+                "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """The engine computes log probabilities for this request's rows (and only then)."""
+        return self.logprobs or self.top_logprobs > 0
 
     @property
     def greedy(self) -> bool:

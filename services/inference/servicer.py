@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import grpc
 
@@ -16,7 +16,8 @@ from services.inference.async_engine import AsyncEngine
 from services.inference.engine import RequestOutput
 from services.inference.kv_events import KvDelta, KvSnapshot
 from services.inference.kv_watch import watch_kv_events
-from services.inference.sampling import SamplingParams
+from services.inference.outputs import SampledToken
+from services.inference.sampling import Constraint, ConstraintKind, SamplingParams
 from services.inference.sequence import FinishReason
 
 DEFAULT_MAX_TOKENS = 256
@@ -44,16 +45,46 @@ def sampling_from_pb(pb: common_pb2.SamplingParams, prompt_len: int, max_model_l
         stop=tuple(pb.stop),
         repetition_penalty=pb.repetition_penalty if pb.HasField("repetition_penalty") else 1.0,
         ignore_eos=pb.ignore_eos,
+        constraint=constraint_from_pb(pb),
+        logprobs=pb.logprobs,
+        top_logprobs=pb.top_logprobs,
     )
 
 
+def constraint_from_pb(pb: common_pb2.SamplingParams) -> Constraint | None:
+    """The proto's ``constraint`` oneof as a ``Constraint`` (None when unset, or json_object false)."""
+    which = pb.WhichOneof("constraint")
+    if which is None or (which == "json_object" and not pb.json_object):
+        return None
+    kind = ConstraintKind(which)
+    if kind is ConstraintKind.CHOICE:
+        return Constraint(kind, choices=tuple(pb.choice.values))
+    return Constraint(kind, "" if kind is ConstraintKind.JSON_OBJECT else str(getattr(pb, which)))
+
+
+def logprobs_pb(
+    tokens: tuple[SampledToken, ...], text_of: Callable[[int], str]
+) -> list[common_pb2.TokenLogprobs]:
+    """The engine's per-token logprobs as the proto's, each alternative with its own text."""
+    return [
+        common_pb2.TokenLogprobs(
+            logprob=t.logprob,
+            top=[common_pb2.TokenLogprob(token_id=i, text=text_of(i), logprob=lp) for i, lp in t.top],
+        )
+        for t in tokens
+    ]
+
+
 def chunk_and_finished(
-    out: RequestOutput,
+    out: RequestOutput, text_of: Callable[[int], str] = str
 ) -> tuple[inference_pb2.TokenChunk | None, inference_pb2.GenerationFinished | None]:
-    """A chunk for new tokens or text, and the final message when the request ended."""
+    """A chunk for new tokens or text, and the final message when the request ended
+    (``text_of``: a token id's text, for the logprobs' alternatives)."""
     chunk = None
     if out.new_token_ids or out.text:
         chunk = inference_pb2.TokenChunk(text=out.text, token_ids=out.new_token_ids, index=out.index)
+        if out.logprobs:
+            chunk.logprobs.extend(logprobs_pb(out.logprobs, text_of))
     if not out.finished:
         return chunk, None
     usage = out.usage
@@ -162,10 +193,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, start: inference_pb2.GenerateStart, timeout_s: float
     ) -> AsyncGenerator[inference_pb2.GenerationEvent, None]:
         """One generation, on a GenerateMany stream or a Generate call (``GenerationBackend``)."""
-        stream = start_generation(self._engine(), start)
+        engine = self._engine()
+        stream = start_generation(engine, start)
+        tokenizer = engine.engine.tokenizer
+
+        def text_of(token_id: int) -> str:
+            return str(tokenizer.decode([token_id]))
+
         try:
             async for out in stream:
-                chunk, finished = chunk_and_finished(out)
+                chunk, finished = chunk_and_finished(out, text_of)
                 if chunk is not None:
                     yield inference_pb2.GenerationEvent(chunk=chunk)
                 if finished is not None:

@@ -1,0 +1,161 @@
+"""Output constraints compiled to token-level guides, with llguidance (docs/inference.md says why).
+
+A ``Constraint`` (JSON schema, any JSON object, regex, grammar, choice) becomes an
+llguidance grammar, checked against this model's tokenizer once and cached by a hash
+of the constraint: the grammar compiler keeps one pristine matcher per grammar and
+every request gets a deep copy, so a hot schema costs a copy, not a compile. Compiling
+runs on whatever thread asks: the async front asks from an executor thread at
+admission (``AsyncEngine.generate``), never from the engine's step loop.
+
+A ``Guide`` is one request's matcher: it fills that request's row of the step's token
+bitmask and consumes each drawn token. Resumed tokens are replayed through it when it
+is made, so a failed-over request continues its grammar exactly where it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import llguidance
+import llguidance.gbnf_to_lark
+import llguidance.hf
+
+from services.common.errors import InvalidArgument
+from services.inference.sampling import Constraint, ConstraintKind
+
+log = logging.getLogger("llmmesh.inference.grammar")
+
+#: Grammars kept compiled (least recently used dropped first).
+CACHE_SIZE = 256
+#: JSON the model writes: one space after ':' and ',', none elsewhere. Flexible whitespace lets a
+#: small greedy model pad with newlines until max_tokens; compact JSON is what parsers expect.
+JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+#: Recent compile times (ms), for the benchmark's p95 and the logs.
+COMPILE_HISTORY = 1024
+
+
+class Guide:
+    """One request's position in its grammar: which tokens may come next."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+
+    def fill(self, bitmask_row_ptr: int, nbytes: int) -> None:
+        """Write the allowed next tokens into one bitmask row (a 32-bit word per 32 tokens)."""
+        self.matcher.unsafe_compute_mask_ptr(bitmask_row_ptr, nbytes)
+
+    def advance(self, token: int) -> str:
+        """Consume a drawn token: "" when taken, else why the grammar refused it. The mask makes a
+        refusal impossible but for a token past the grammar's end (``finished``), which is ignored."""
+        if self.finished or self.matcher.consume_token(token):
+            return ""
+        return f"the output constraint refused token {token}: {self.error}"
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete and can take nothing more (end-of-sequence aside)."""
+        return bool(self.matcher.is_stopped())
+
+    @property
+    def error(self) -> str:
+        return str(self.matcher.get_error())
+
+
+class GrammarCompiler:
+    """Constraints to guides for one tokenizer; thread-safe, cached by the constraint's hash."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self.compile_ms: deque[float] = deque(maxlen=COMPILE_HISTORY)
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's view of the vocabulary (every token's bytes): ~1 s to build, so built on
+        the first constrained request (on the admission executor), not at every engine start."""
+        with self._lock:
+            if self._tokenizer is None:
+                started = time.perf_counter()
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, self.vocab_size)
+                log.info("grammar tokenizer ready in %.2fs", time.perf_counter() - started)
+            return self._tokenizer
+
+    def guide(self, constraint: Constraint, resume_token_ids: Seq[int] = ()) -> Guide:
+        """A fresh guide for ``constraint`` that has consumed ``resume_token_ids``.
+
+        Raises ``InvalidArgument`` naming the constraint's field when it does not compile, and
+        naming ``resume_token_ids`` when the resumed tokens are not a prefix the grammar allows.
+        """
+        matcher = self._pristine(constraint).deep_copy()
+        if resume_token_ids and not matcher.consume_tokens(list(resume_token_ids)):
+            raise InvalidArgument(
+                "resume_token_ids",
+                f"the resumed tokens do not follow the {constraint.kind.value} constraint: "
+                f"{matcher.get_error()}",
+            )
+        return Guide(matcher)
+
+    def _pristine(self, constraint: Constraint) -> llguidance.LLMatcher:
+        key = hashlib.sha256(json.dumps(constraint.key).encode()).hexdigest()
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                return cached
+        started = time.perf_counter()
+        grammar = to_llguidance(constraint)
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error:
+            raise InvalidArgument(constraint.kind.value, f"does not compile: {error.strip()}")
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar)
+        if matcher.is_error():
+            raise InvalidArgument(constraint.kind.value, f"does not compile: {matcher.get_error().strip()}")
+        self.compile_ms.append((time.perf_counter() - started) * 1000.0)
+        with self._lock:
+            self._cache[key] = matcher
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return matcher
+
+
+def to_llguidance(constraint: Constraint) -> str:
+    """The llguidance grammar for a constraint; ``InvalidArgument`` for text that is not even
+    the right kind (a schema that is not JSON)."""
+    kind = constraint.kind
+    field = kind.value
+    if kind is ConstraintKind.JSON_OBJECT:
+        return str(llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS))
+    if kind is ConstraintKind.JSON_SCHEMA:
+        try:
+            schema = json.loads(constraint.spec)
+        except json.JSONDecodeError as exc:
+            raise InvalidArgument(field, f"is not valid JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise InvalidArgument(field, "must be a JSON object")
+        try:
+            return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS))
+        except ValueError as exc:
+            raise InvalidArgument(field, str(exc)) from None
+    if kind is ConstraintKind.REGEX:
+        return str(llguidance.LLMatcher.grammar_from_regex(constraint.spec))
+    if kind is ConstraintKind.CHOICE:
+        # JSON string literals are Lark string literals: every choice quoted and escaped.
+        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in constraint.choices)
+        return str(llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}"))
+    text = constraint.spec
+    if "::=" in text:  # GBNF (llama.cpp's notation): llguidance translates it to Lark
+        try:
+            text = llguidance.gbnf_to_lark.gbnf_to_lark(text)
+        except Exception as exc:  # its parser raises plain exceptions with the position
+            raise InvalidArgument(field, f"is not valid GBNF: {exc}") from None
+    return str(llguidance.LLMatcher.grammar_from_lark(text))
