@@ -24,11 +24,13 @@ from services.client.connection import (
     turn_arguments_problem,
     turn_request,
 )
+from services.client.constraints import add_constraint_arguments, apply_constraint
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_connection_arguments(parser)
     add_turn_arguments(parser)
+    add_constraint_arguments(parser)
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object (text, finish_reason, usage, …) at the end"
     )
@@ -43,6 +45,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     request = turn_request(args, [common_pb2.ChatMessage(role="user", content=args.question)])
+    if (problem := apply_constraint(args, request.sampling)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     client = open_client(args)
     parts: list[str] = []
     try:

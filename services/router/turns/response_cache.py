@@ -76,6 +76,11 @@ def sampling_fingerprint(sampling: common_pb2.SamplingParams) -> str:
             fields[name] = round(value, 6) if isinstance(value, float) else value
     fields["stop"] = list(sampling.stop)
     fields["ignore_eos"] = sampling.ignore_eos
+    # An output constraint changes the answer: a constrained request never gets a free one.
+    constraint = sampling.WhichOneof("constraint")
+    if constraint is not None:
+        value = getattr(sampling, constraint)
+        fields[constraint] = list(value.values) if constraint == "choice" else value
     # Greedy decoding ignores the seed and the nucleus settings.
     if sampling.HasField("temperature") and sampling.temperature == 0:
         for name in ("seed", "top_p", "top_k"):
@@ -89,6 +94,8 @@ def exact_cache_key(
     """The exact-cache key of a request, or None when its answer is not deterministic."""
     if not is_deterministic(sampling):
         return None
+    if sampling.logprobs or sampling.top_logprobs:
+        return None  # a cached answer has no logprobs to give back
     for name in ("temperature", "top_p", "repetition_penalty"):
         if sampling.HasField(name) and not math.isfinite(getattr(sampling, name)):
             return None

@@ -49,8 +49,11 @@ def token_message(
         delta.index = first.index
         delta.text = first.text
         delta.token_ids.extend(first.token_ids)
+        delta.logprobs.extend(first.logprobs)
         return response
     delta.index, delta.text = merge(batch, delta.token_ids)
+    for chunk in batch:  # one per token id, in the same order (empty unless asked for)
+        delta.logprobs.extend(chunk.logprobs)
     return response
 
 
