@@ -69,6 +69,7 @@ def logprobs_pb(
     return [
         common_pb2.TokenLogprobs(
             logprob=t.logprob,
+            text=text_of(t.token),
             top=[common_pb2.TokenLogprob(token_id=i, text=text_of(i), logprob=lp) for i, lp in t.top],
         )
         for t in tokens

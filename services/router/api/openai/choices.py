@@ -28,6 +28,8 @@ class ChoiceAnswer:
 
     parts: list[str] = field(default_factory=list)
     end: router_pb2.TurnEnd | None = None
+    #: One per answer token when the request asked for logprobs.
+    logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -120,6 +122,7 @@ class ChoiceStreams:
             index, response = event
             if response.HasField("delta"):
                 answers[index].parts.append(response.delta.text)
+                answers[index].logprobs.extend(response.delta.logprobs)
             else:
                 check_end(response.end)
                 answers[index].end = response.end

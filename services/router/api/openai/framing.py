@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from services.gen.llmmesh.v1 import common_pb2
 from services.router.api.openai.choices import ChoiceAnswer
+from services.router.api.openai.structured import chat_logprobs, text_logprobs
 
 SYSTEM_FINGERPRINT = "llm-mesh"
 FINISH_REASONS: dict[int, str] = {
@@ -80,14 +81,15 @@ class Framer:
         choices = []
         for index, answer in enumerate(answers):
             reason = FINISH_REASONS.get(answer.end.finish_reason) if answer.end is not None else None
+            logprobs = self._logprobs(answer.logprobs)
             if self.kind == "chat":
                 message = {"role": "assistant", "content": answer.text, "refusal": None}
                 choices.append(
-                    {"index": index, "message": message, "logprobs": None, "finish_reason": reason}
+                    {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
                 )
             else:
                 choices.append(
-                    {"index": index, "text": answer.text, "logprobs": None, "finish_reason": reason}
+                    {"index": index, "text": answer.text, "logprobs": logprobs, "finish_reason": reason}
                 )
         body = self._head("chat.completion" if self.kind == "chat" else "text_completion", model)
         body["choices"] = choices
@@ -112,12 +114,21 @@ class Framer:
             {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}, with_usage
         )
 
-    def delta(self, index: int, text: str, with_usage: bool) -> dict[str, Any]:
+    def delta(
+        self, index: int, text: str, with_usage: bool, logprobs: Sequence[common_pb2.TokenLogprobs] = ()
+    ) -> dict[str, Any]:
+        lp = self._logprobs(logprobs)
         if self.kind == "chat":
-            choice = {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+            choice = {"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}
         else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": None}
         return self._chunk(choice, with_usage)
+
+    def _logprobs(self, tokens: Sequence[common_pb2.TokenLogprobs]) -> dict[str, Any] | None:
+        """The choice's ``logprobs`` (null unless the request asked and tokens came)."""
+        if not tokens:
+            return None
+        return chat_logprobs(tokens) if self.kind == "chat" else text_logprobs(tokens)
 
     def finish(self, index: int, reason: int, with_usage: bool) -> dict[str, Any]:
         name = FINISH_REASONS.get(reason)

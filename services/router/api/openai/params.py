@@ -17,6 +17,7 @@ from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from services.router.api.openai.errors import bad_request, unsupported
 from services.router.api.openai.extras import FIELDS as EXTRA_FIELDS
 from services.router.api.openai.extras import Extras, extras
+from services.router.api.openai.structured import apply_output_options
 
 log = logging.getLogger("llmmesh.router.openai")
 
@@ -115,6 +116,7 @@ def chat_generation(body: Any, request_id: str) -> Generation:
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1, INT32_MAX)
     sampling = _sampling(body, max_tokens)
+    apply_output_options(body, sampling, chat=True)
     return _generation(body, request_id, [messages], sampling)
 
 
@@ -140,6 +142,7 @@ def completion_generation(body: Any, request_id: str) -> Generation:
         raise bad_request("prompt", f"prompt: at most {MAX_CHOICES} prompts per request")
     max_tokens = _int(body, "max_tokens", 1, INT32_MAX)
     sampling = _sampling(body, COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
+    apply_output_options(body, sampling, chat=False)
     # The engine's chat template frames each prompt as a user turn: the router's turns carry messages only.
     conversations = [[common_pb2.ChatMessage(role="user", content=p)] for p in prompts]
     return _generation(body, request_id, conversations, sampling)
@@ -218,6 +221,14 @@ def _sampling(body: Mapping[str, Any], max_tokens: int | None) -> common_pb2.Sam
     return sampling
 
 
+_WHY_NOT = {
+    "tools": "tool calls are not supported: this model's chat template defines none; "
+    "use response_format json_schema with the function's parameters",
+    "tool_choice": "tool calls are not supported: this model's chat template defines none "
+    "(so tool_choice 'auto' cannot be honoured)",
+}
+
+
 def _refuse_unsupported(body: Mapping[str, Any], known: frozenset[str]) -> None:
     """Fields that would change the answer get a 400 unless null or their neutral value."""
     neutral: dict[str, tuple[Any, ...]] = {
@@ -226,24 +237,15 @@ def _refuse_unsupported(body: Mapping[str, Any], known: frozenset[str]) -> None:
         "tool_choice": ("none",),
         "function_call": ("none",),
         "logit_bias": ({},),
-        "logprobs": (False,),
         "audio": (),
         "prediction": (),
         "web_search_options": (),
-        "guided_json": (),
-        "guided_regex": (),
-        "guided_choice": (),
-        "guided_grammar": (),
         "use_beam_search": (False,),
     }
     for name, allowed in neutral.items():
         value = body.get(name)
         if value is not None and not any(value == a and type(value) is type(a) for a in allowed):
-            raise unsupported(name, "not supported by this server")
-    if body.get("top_logprobs") not in (None, 0):
-        raise unsupported("top_logprobs", "not supported by this server")
-    if (fmt := body.get("response_format")) is not None and fmt != {"type": "text"}:
-        raise unsupported("response_format", "only {'type': 'text'} is supported")
+            raise unsupported(name, _WHY_NOT.get(name, "not supported by this server"))
     if (modalities := body.get("modalities")) is not None and modalities != ["text"]:
         raise unsupported("modalities", "only ['text'] is supported")
     if body.get("best_of") not in (None, 1) and body.get("best_of") != body.get("n"):

@@ -136,8 +136,10 @@ async def _events(
             if (opening := framer.opening(index, include_usage)) is not None:
                 yield event(index, opening)
         if response.HasField("delta"):
-            if response.delta.text:
-                yield event(index, framer.delta(index, response.delta.text, include_usage))
+            if response.delta.text or response.delta.logprobs:
+                yield event(
+                    index, framer.delta(index, response.delta.text, include_usage, response.delta.logprobs)
+                )
             continue
         end = response.end
         try:

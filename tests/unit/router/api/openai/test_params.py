@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -107,9 +108,20 @@ def test_nulls_and_load_tool_extras_are_accepted() -> None:
         ({"messages": USER, "frequency_penalty": -1}, "frequency_penalty"),
         ({"messages": USER, "min_tokens": 4}, "min_tokens"),
         ({"messages": USER, "tools": [{"type": "function"}]}, "tools"),
-        ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": USER, "response_format": {"type": "xml"}}, "response_format.type"),
+        ({"messages": USER, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        (
+            {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"messages": USER, "guided_json": "{not json"}, "guided_json"),
+        ({"messages": USER, "guided_choice": []}, "guided_choice"),
+        ({"messages": USER, "guided_regex": "a+", "guided_choice": ["a"]}, "guided_regex"),
+        ({"messages": USER, "top_logprobs": 3}, "top_logprobs"),
+        ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": USER, "logprobs": 2}, "logprobs"),
+        ({"messages": USER, "tool_choice": "auto"}, "tool_choice"),
         ({"messages": USER, "logit_bias": {"1": 5}}, "logit_bias"),
-        ({"messages": USER, "logprobs": True}, "logprobs"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
     ],
@@ -126,3 +138,29 @@ def test_completions_refuse_echo_and_token_prompts() -> None:
 
 def test_a_body_that_is_not_an_object_is_refused() -> None:
     assert refused([1, 2]).param is None
+
+
+def test_structured_output_fields_become_the_engine_constraint() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+    sampling = chat_generation({"messages": USER, "response_format": fmt}, "r").turns[0].sampling
+    assert json.loads(sampling.json_schema) == schema
+    sampling = (
+        chat_generation({"messages": USER, "response_format": {"type": "json_object"}}, "r").turns[0].sampling
+    )
+    assert sampling.WhichOneof("constraint") == "json_object" and sampling.json_object
+    sampling = chat_generation({"messages": USER, "response_format": {"type": "text"}}, "r").turns[0].sampling
+    assert sampling.WhichOneof("constraint") is None
+    sampling = chat_generation({"messages": USER, "guided_choice": ["yes", "no"]}, "r").turns[0].sampling
+    assert list(sampling.choice.values) == ["yes", "no"]
+    sampling = completion_generation({"prompt": "x", "guided_regex": r"\d+"}, "r").turns[0].sampling
+    assert sampling.regex == r"\d+"
+
+
+def test_logprobs_fields_map_to_the_engine_for_both_endpoints() -> None:
+    chat = chat_generation({"messages": USER, "logprobs": True, "top_logprobs": 5}, "r").turns[0].sampling
+    assert (chat.logprobs, chat.top_logprobs) == (True, 5)
+    text = completion_generation({"prompt": "x", "logprobs": 3}, "r").turns[0].sampling
+    assert (text.logprobs, text.top_logprobs) == (True, 3)
+    off = chat_generation({"messages": USER, "logprobs": False}, "r").turns[0].sampling
+    assert (off.logprobs, off.top_logprobs) == (False, 0)
