@@ -28,7 +28,13 @@ DEFAULT_MODEL = "models/SmolLM2-135M-Instruct"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", choices=("uniform", "mixed"), default="uniform")
+    parser.add_argument(
+        "--workload",
+        choices=("uniform", "mixed", "structured"),
+        default="uniform",
+        help="structured: JSON-schema requests vs the same free ones, and transformers with llguidance "
+        "(bench/structured.py)",
+    )
     parser.add_argument("--model", default=DEFAULT_MODEL, help="local model directory (default: %(default)s)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -161,6 +167,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.workload == "structured":
+        from bench import structured
+
+        return structured.run(args)
 
     import torch
     import transformers

@@ -189,6 +189,46 @@ def test_any_sampling_settings_get_their_tokens_or_a_clear_status(engine: Servic
         wait_idle(stub)
 
 
+#: Output constraints of any text: most do not compile (INVALID_ARGUMENT naming the field), the
+#: rest must run and end by the grammar (STOP) or by max_tokens (LENGTH), never as a fault.
+CONSTRAINED_SAMPLING = st.one_of(
+    st.builds(common_pb2.SamplingParams, json_schema=st.text(max_size=40)),
+    st.builds(common_pb2.SamplingParams, regex=st.text(max_size=20)),
+    st.builds(common_pb2.SamplingParams, grammar=st.text(max_size=40)),
+    st.builds(
+        common_pb2.SamplingParams,
+        choice=st.builds(common_pb2.Choices, values=st.lists(st.text(max_size=8), max_size=3)),
+    ),
+    st.builds(common_pb2.SamplingParams, json_object=st.booleans(), top_logprobs=st.integers(0, 25)),
+)
+
+
+def test_any_output_constraint_runs_or_gets_invalid_argument_naming_it(engine: ServiceProcess) -> None:
+    with grpc.insecure_channel(engine.address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+
+        @PROPERTY_SETTINGS
+        @given(sampling=CONSTRAINED_SAMPLING)
+        def run(sampling: common_pb2.SamplingParams) -> None:
+            sampling.max_tokens = 4
+            sampling.temperature = 0.0
+            start = inference_pb2.GenerateStart(prompt="Name a colour.", sampling=sampling)
+            finished = None
+            try:
+                for response in stub.Generate(iter([inference_pb2.GenerateRequest(start=start)]), timeout=60):
+                    if response.HasField("finished"):
+                        finished = response.finished
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.code(), err.details(), sampling)
+                check_status(err.code(), err.details() or "", common_pb2.SamplingParams.DESCRIPTOR)
+                return
+            assert finished is not None
+            assert finished.finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+
+        run()
+        wait_idle(stub)
+
+
 # --- router --------------------------------------------------------------------------------------
 
 
