@@ -18,6 +18,7 @@ from urllib.parse import quote
 
 import grpc
 import httpx
+import jsonschema
 import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -383,10 +384,7 @@ def test_400_names_the_field(front: Front) -> None:
     chat = {"model": front.model, "messages": HELLO}
     assert_error(front.post("/v1/chat/completions", {**chat, "temperature": 9}), 400, "temperature")
     assert_error(
-        front.post("/v1/chat/completions", {**chat, "tools": [{"type": "function"}]}),
-        400,
-        "tools",
-        "unsupported_parameter",
+        front.post("/v1/chat/completions", {**chat, "tools": [{"type": "function"}]}), 400, "tools[0]"
     )
     assert_error(front.post("/v1/chat/completions", {**chat, "presence_penalty": 1}), 400, "presence_penalty")
     assert_error(front.post("/v1/chat/completions", {**chat, "min_tokens": 2}), 400, "min_tokens")
@@ -399,7 +397,95 @@ def test_400_names_the_field(front: Front) -> None:
     )
     assert_error(raw, 400, code="invalid_json")
     with pytest.raises(openai.BadRequestError):
-        front.client().chat.completions.create(model=front.model, messages=HELLO, logprobs=True)  # type: ignore[arg-type]
+        front.client().chat.completions.create(model=front.model, messages=HELLO, top_logprobs=2)  # type: ignore[arg-type]
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_json_schema_answers_valid_json_with_openai_shaped_logprobs(front: Front) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    answer = front.client().chat.completions.create(
+        model=front.model,
+        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        max_tokens=64,
+        temperature=0,  # type: ignore[arg-type]
+        response_format=fmt,  # type: ignore[arg-type]
+        logprobs=True,
+        top_logprobs=2,
+    )
+    (choice,) = answer.choices
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content or ""), PERSON)
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    content = choice.logprobs.content
+    assert answer.usage is not None and len(content) == answer.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    # The chosen token is the most likely one the grammar allowed (greedy).
+    assert all(t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-5) for t in content)
+    streamed = front.client().chat.completions.create(
+        model=front.model,
+        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        max_tokens=64,
+        temperature=0,  # type: ignore[arg-type]
+        response_format=fmt,  # type: ignore[arg-type]
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+    )
+    chunks = [c for c in streamed if c.choices and c.choices[0].logprobs is not None]
+    tokens = [t for c in chunks for t in (c.choices[0].logprobs.content or [])]  # type: ignore[union-attr]
+    assert [t.token for t in tokens] == [t.token for t in content]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+
+
+def test_json_object_and_a_bad_schema_over_http(front: Front) -> None:
+    chat = {"model": front.model, "messages": HELLO, "max_tokens": 48, "temperature": 0}
+    ok = front.post("/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}})
+    assert ok.status_code == 200, ok.text
+    choice = ok.json()["choices"][0]
+    if choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(choice["message"]["content"]), dict)
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}
+    assert_error(front.post("/v1/chat/completions", {**chat, "response_format": bad}), 400, "json_schema")
+    assert_error(front.post("/v1/chat/completions", {**chat, "guided_regex": "a(b"}), 400, "regex")
+    assert_error(
+        front.post(
+            "/v1/chat/completions",
+            {**chat, "tool_choice": "auto", "tools": [{"type": "function", "function": {"name": "f"}}]},
+        ),
+        400,
+        "tool_choice",
+        "unsupported_parameter",
+    )
+
+
+def test_a_named_tool_choice_answers_with_a_call_whose_arguments_fit_the_schema(front: Front) -> None:
+    parameters = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 16}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
+    answer = front.client().chat.completions.create(
+        model=front.model,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        max_tokens=48,
+        temperature=0,  # type: ignore[arg-type]
+        tools=[tool],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    (choice,) = answer.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls or []
+    assert call.type == "function" and call.function.name == "get_weather"  # type: ignore[union-attr]
+    jsonschema.validate(json.loads(call.function.arguments), parameters)  # type: ignore[union-attr]
 
 
 def test_nulls_and_load_tool_extras_are_served(front: Front) -> None:

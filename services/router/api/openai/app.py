@@ -183,7 +183,12 @@ class OpenAiFront:
         completion_id = prefix + request_id
         headers = {"x-request-id": request_id}
         framer = Framer(
-            kind, completion_id, int(time.time()), self._model_name(generation.model), generation.per_prompt
+            kind,
+            completion_id,
+            int(time.time()),
+            self._model_name(generation.model),
+            generation.per_prompt,
+            generation.tool,
         )
         replay = self.pipeline.s.replay
         if (seen is not None or generation.extras.resumable) and replay is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from dataclasses import dataclass
 
 import grpc
@@ -63,6 +64,9 @@ _BY_CODE: dict[grpc.StatusCode, tuple[int, str, str]] = {
 _INTERNAL = (500, "server_error", "internal_error")
 
 
+_NAMED_FIELD = re.compile(r"([A-Za-z_][\w.\[\]]*): ")
+
+
 def api_error(exc: BaseException, route: str = "") -> ApiError:
     """What the client is told about ``exc``; anything the table does not know is a bug, logged once here."""
     if isinstance(exc, ApiError):
@@ -76,6 +80,10 @@ def api_error(exc: BaseException, route: str = "") -> ApiError:
         message = str(exc) or type(exc).__name__
     status, kind, error_code = _BY_CODE.get(code, _INTERNAL)
     param = getattr(exc, "field", None) if isinstance(exc, errors.InvalidArgument) else None
+    if param is None and code == grpc.StatusCode.INVALID_ARGUMENT:
+        # A replica's refusal passed on as a status ("json_schema: does not compile: …"): its field.
+        named = _NAMED_FIELD.match(message)
+        param = named.group(1) if named else None
     if param == "model" and "unknown model" in message:
         # The catalog names the models it serves in the message: OpenAI says 404 for a model it lacks.
         return ApiError(404, message, "invalid_request_error", "model_not_found", "model")

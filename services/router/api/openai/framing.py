@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from services.gen.llmmesh.v1 import common_pb2
 from services.router.api.openai.choices import ChoiceAnswer
-from services.router.api.openai.structured import chat_logprobs, text_logprobs
+from services.router.api.openai.structured import ToolMode, chat_logprobs, text_logprobs
 
 SYSTEM_FINGERPRINT = "llm-mesh"
 FINISH_REASONS: dict[int, str] = {
@@ -65,6 +65,8 @@ class Framer:
     model: str
     #: Choices per prompt (n): they share one prompt's tokens in the usage.
     per_prompt: int = 1
+    #: Chat with tools: each answer is a function call, sent as ``tool_calls``.
+    tool: ToolMode | None = None
 
     def _head(self, object_name: str, model: str | None = None) -> dict[str, Any]:
         return {
@@ -83,7 +85,11 @@ class Framer:
             reason = FINISH_REASONS.get(answer.end.finish_reason) if answer.end is not None else None
             logprobs = self._logprobs(answer.logprobs)
             if self.kind == "chat":
-                message = {"role": "assistant", "content": answer.text, "refusal": None}
+                message: dict[str, Any] = {"role": "assistant", "content": answer.text, "refusal": None}
+                call = self.tool_call(index, answer.text)
+                if call is not None:
+                    message = {"role": "assistant", "content": None, "refusal": None, "tool_calls": [call]}
+                    reason = "tool_calls" if reason == "stop" else reason
                 choices.append(
                     {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
                 )
@@ -130,8 +136,24 @@ class Framer:
             return None
         return chat_logprobs(tokens) if self.kind == "chat" else text_logprobs(tokens)
 
+    def tool_call(self, index: int, text: str) -> dict[str, Any] | None:
+        """Choice ``index``'s ``tool_calls`` entry, when the request has a tool mode and the text is a call."""
+        return None if self.tool is None else self.tool.call(text, f"call_{self.completion_id}_{index}")
+
+    def tool_delta(self, index: int, text: str, with_usage: bool) -> dict[str, Any] | None:
+        """A stream's whole call as one delta (sent once the answer ended), or None if it is no call."""
+        call = self.tool_call(index, text)
+        if call is None:
+            return None
+        delta = {"tool_calls": [{"index": 0, **call}]}
+        return self._chunk(
+            {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}, with_usage
+        )
+
     def finish(self, index: int, reason: int, with_usage: bool) -> dict[str, Any]:
         name = FINISH_REASONS.get(reason)
+        if self.tool is not None and name == "stop":
+            name = "tool_calls"
         if self.kind == "chat":
             choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": name}
         else:

@@ -7,6 +7,7 @@ is refused; ``null`` means "default" everywhere, as OpenAI's own API treats it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping
@@ -17,7 +18,7 @@ from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from services.router.api.openai.errors import bad_request, unsupported
 from services.router.api.openai.extras import FIELDS as EXTRA_FIELDS
 from services.router.api.openai.extras import Extras, extras
-from services.router.api.openai.structured import apply_output_options
+from services.router.api.openai.structured import ToolMode, apply_output_options, tool_mode
 
 log = logging.getLogger("llmmesh.router.openai")
 
@@ -105,19 +106,23 @@ class Generation:
     per_prompt: int = 1
     #: llm-mesh's own fields (session, RAG, cache policy, resumable), already applied to ``turns``.
     extras: Extras = field(default_factory=Extras)
+    #: Chat with tools: every answer is a call (its arguments constrained to the tool's schema).
+    tool: ToolMode | None = None
 
 
 def chat_generation(body: Any, request_id: str) -> Generation:
     """A ``POST /v1/chat/completions`` body as turns."""
     body = _object(body)
-    _refuse_unsupported(body, _CHAT_KNOWN)
+    # Chat maps tools itself (structured.tool_mode); completions have none to map.
+    _refuse_unsupported({k: v for k, v in body.items() if k not in ("tools", "tool_choice")}, _CHAT_KNOWN)
     messages = _messages(body.get("messages"))
     max_tokens = _int(body, "max_completion_tokens", 1, INT32_MAX)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1, INT32_MAX)
     sampling = _sampling(body, max_tokens)
     apply_output_options(body, sampling, chat=True)
-    return _generation(body, request_id, [messages], sampling)
+    tool = tool_mode(body, sampling)
+    return dataclasses.replace(_generation(body, request_id, [messages], sampling), tool=tool)
 
 
 def completion_generation(body: Any, request_id: str) -> Generation:

@@ -106,6 +106,7 @@ async def _events(
 
     opened: set[int] = set()
     usages: dict[int, common_pb2.Usage] = {}
+    calls: dict[int, str] = {}  # tool mode: each choice's answer so far
     pending: ChoiceEvent | None = None
     if isinstance(first, NoEventYet):
         yield KEEPALIVE
@@ -136,7 +137,10 @@ async def _events(
             if (opening := framer.opening(index, include_usage)) is not None:
                 yield event(index, opening)
         if response.HasField("delta"):
-            if response.delta.text or response.delta.logprobs:
+            if framer.tool is not None:
+                # A call is sent whole once it ended: its name may come last (``required``).
+                calls[index] = calls.get(index, "") + response.delta.text
+            elif response.delta.text or response.delta.logprobs:
                 yield event(
                     index, framer.delta(index, response.delta.text, include_usage, response.delta.logprobs)
                 )
@@ -149,6 +153,10 @@ async def _events(
             yield DONE
             return
         usages[index] = end.usage
+        if framer.tool is not None:
+            call = framer.tool_delta(index, calls.get(index, ""), include_usage)
+            if call is not None:
+                yield event(index, call)
         finish = framer.finish(index, end.finish_reason, include_usage)
         if with_extras:
             finish["llm_mesh"] = response_extras(end)

@@ -3,9 +3,11 @@
 ``response_format`` (``text``, ``json_object``, ``json_schema``), vLLM's ``guided_json`` /
 ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` extras, and ``logprobs`` /
 ``top_logprobs`` map onto ``SamplingParams``; whether a schema, regex or grammar
-compiles is the replica's answer (INVALID_ARGUMENT, a 400 naming the field). Tools are
-refused with a 400 that says what is missing: this model's chat template defines no
-tool calls, so ``tool_choice: "auto"`` cannot be honoured.
+compiles is the replica's answer (INVALID_ARGUMENT, a 400 naming the field). ``tools`` with
+``tool_choice`` ``required`` or a named function become a JSON-schema constraint (the call's
+arguments constrained to the function's ``parameters``) and a ``ToolMode`` that answers with
+``tool_calls``; ``auto`` is a 400 (this model's chat template defines no tool calls, so the
+model cannot choose between answering and calling).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from services.gen.llmmesh.v1 import common_pb2
@@ -166,3 +169,99 @@ def _entry(text: str, logprob: float, top: list[dict[str, Any]] | None = None) -
 def _finite(logprob: float) -> float:
     # JSON has no -inf: OpenAI reports an impossible token at -9999.0.
     return logprob if math.isfinite(logprob) else -9999.0
+
+
+@dataclass(frozen=True)
+class ToolMode:
+    """The answer is one function call. ``name`` set: a named ``tool_choice``, the answer is that
+    function's arguments; None (``required``): the answer is ``{"name": …, "arguments": …}``."""
+
+    name: str | None
+
+    def call(self, text: str, call_id: str) -> dict[str, Any] | None:
+        """The ``tool_calls`` entry for an answer's text; None when it is not a call (cut short)."""
+        if self.name is not None:
+            return _tool_call(call_id, self.name, text)
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
+            return None
+        arguments = json.dumps(parsed.get("arguments", {}), ensure_ascii=False)
+        return _tool_call(call_id, parsed["name"], arguments)
+
+
+def _tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+_NO_AUTO = (
+    "only 'required' or a named function: this model's chat template defines no tool calls, "
+    "so the model cannot choose between answering and calling ('auto')"
+)
+
+
+def tool_mode(body: Mapping[str, Any], sampling: common_pb2.SamplingParams) -> ToolMode | None:
+    """``tools`` with ``tool_choice`` as a constraint on ``sampling``: the call's arguments are
+    constrained to the function's ``parameters`` schema. None when the answer is text."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice", "tool_choice: needs tools")
+        return None
+    functions = _functions(tools)
+    if choice == "none":
+        return None  # the tools are offered, and not to be called
+    if choice is None or choice == "auto":
+        raise unsupported("tool_choice", _NO_AUTO)
+    if sampling.WhichOneof("constraint") is not None:
+        raise bad_request("tool_choice", "tool_choice: cannot be combined with response_format or guided_*")
+    if choice == "required":
+        schema: dict[str, Any] = {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": name}, "arguments": parameters},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+                for name, parameters in functions.items()
+            ]
+        }
+        sampling.json_schema = json.dumps(schema, ensure_ascii=False)
+        return ToolMode(None)
+    named = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if not isinstance(named, dict) or not isinstance(named.get("name"), str):
+        raise bad_request(
+            "tool_choice", "tool_choice: 'none', 'required' or {'type': 'function', 'function': {'name': …}}"
+        )
+    if named["name"] not in functions:
+        raise bad_request(
+            "tool_choice.function.name", f"tool_choice.function.name: no tool {named['name']!r}"
+        )
+    sampling.json_schema = json.dumps(functions[named["name"]], ensure_ascii=False)
+    return ToolMode(named["name"])
+
+
+def _functions(tools: Any) -> dict[str, dict[str, Any]]:
+    if not isinstance(tools, list):
+        raise bad_request("tools", "tools: must be a list")
+    functions: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if (
+            not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or not function["name"]
+        ):
+            raise bad_request(where, f"{where}: must be {{'type': 'function', 'function': {{'name': …}}}}")
+        parameters = function.get("parameters", {"type": "object"})
+        if not isinstance(parameters, dict):
+            raise bad_request(
+                f"{where}.function.parameters", f"{where}.function.parameters: must be a JSON Schema"
+            )
+        functions[function["name"]] = parameters
+    return functions

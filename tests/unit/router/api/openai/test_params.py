@@ -10,6 +10,13 @@ import pytest
 from services.router.api.openai.errors import ApiError
 from services.router.api.openai.params import chat_generation, completion_generation
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 USER = [{"role": "user", "content": "hi"}]
 
 
@@ -107,7 +114,18 @@ def test_nulls_and_load_tool_extras_are_accepted() -> None:
         ({"messages": USER, "presence_penalty": 0.5}, "presence_penalty"),
         ({"messages": USER, "frequency_penalty": -1}, "frequency_penalty"),
         ({"messages": USER, "min_tokens": 4}, "min_tokens"),
-        ({"messages": USER, "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": USER, "tools": [{"type": "function"}]}, "tools[0]"),
+        ({"messages": USER, "tools": [WEATHER]}, "tool_choice"),
+        ({"messages": USER, "tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+        ({"messages": USER, "tool_choice": "required"}, "tool_choice"),
+        (
+            {
+                "messages": USER,
+                "tools": [WEATHER],
+                "tool_choice": {"type": "function", "function": {"name": "x"}},
+            },
+            "tool_choice.function.name",
+        ),
         ({"messages": USER, "response_format": {"type": "xml"}}, "response_format.type"),
         ({"messages": USER, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
         (
@@ -164,3 +182,29 @@ def test_logprobs_fields_map_to_the_engine_for_both_endpoints() -> None:
     assert (text.logprobs, text.top_logprobs) == (True, 3)
     off = chat_generation({"messages": USER, "logprobs": False}, "r").turns[0].sampling
     assert (off.logprobs, off.top_logprobs) == (False, 0)
+
+
+def test_a_named_tool_choice_constrains_the_answer_to_its_parameters() -> None:
+    named = {"type": "function", "function": {"name": "weather"}}
+    generation = chat_generation({"messages": USER, "tools": [WEATHER], "tool_choice": named}, "r")
+    assert json.loads(generation.turns[0].sampling.json_schema) == WEATHER["function"]["parameters"]  # type: ignore[index]
+    assert generation.tool is not None
+    assert generation.tool.call('{"city": "Oslo"}', "c1") == {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "weather", "arguments": '{"city": "Oslo"}'},
+    }
+
+
+def test_required_tool_choice_lets_the_model_pick_one_of_the_tools() -> None:
+    clock = {"type": "function", "function": {"name": "time"}}
+    generation = chat_generation(
+        {"messages": USER, "tools": [WEATHER, clock], "tool_choice": "required"}, "r"
+    )
+    schema = json.loads(generation.turns[0].sampling.json_schema)
+    assert [b["properties"]["name"]["const"] for b in schema["anyOf"]] == ["weather", "time"]
+    assert generation.tool is not None
+    call = generation.tool.call('{"name": "time", "arguments": {}}', "c2")
+    assert call is not None and call["function"] == {"name": "time", "arguments": "{}"}
+    assert generation.tool.call('{"name": "ti', "c3") is None  # cut short: not a call
+    assert chat_generation({"messages": USER, "tools": [WEATHER], "tool_choice": "none"}, "r").tool is None
