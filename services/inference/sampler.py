@@ -22,6 +22,7 @@ constrained token's alternatives are the ones the grammar allowed).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -121,7 +122,10 @@ def token_logprobs(row: torch.Tensor, token: int, top: int) -> SampledToken:
     alternatives: tuple[tuple[int, float], ...] = ()
     if top > 0:
         values, ids = torch.topk(logprobs, top)
-        alternatives = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+        # A constrained row may allow fewer than ``top`` tokens: the forbidden ones are no alternative.
+        alternatives = tuple(
+            (i, v) for i, v in zip(ids.tolist(), values.tolist(), strict=True) if v > -math.inf
+        )
     return SampledToken(token, float(logprobs[token]), alternatives)
 
 

@@ -56,7 +56,10 @@ def test_sampled_rows_never_draw_a_forbidden_token() -> None:
 def test_logprobs_are_the_masked_rows_log_softmax_with_the_true_top_k() -> None:
     logits = rows(2)
     raw = logits.clone()
-    params = [SamplingParams(temperature=0.0, top_logprobs=3), SamplingParams(temperature=0.0, logprobs=True)]
+    params = [
+        SamplingParams(temperature=0.0, top_logprobs=3),
+        SamplingParams(temperature=0.0, top_logprobs=6),
+    ]
     out = Sampler()(logits, params, [0, 0], [0, 0], [[], []], [None, AllowOnly(1, 2, 3, 4)])  # type: ignore[list-item]
     free, constrained = out
     assert isinstance(free, SampledToken) and isinstance(constrained, SampledToken)
@@ -67,7 +70,8 @@ def test_logprobs_are_the_masked_rows_log_softmax_with_the_true_top_k() -> None:
     assert [lp for _, lp in free.top] == pytest.approx(values.tolist(), abs=1e-6)
     masked = torch.log_softmax(raw[1, 1:5], -1)  # the four allowed tokens share all the mass
     assert constrained.logprob == pytest.approx(float(masked.max()), abs=1e-6)
-    assert constrained.top == ()
+    # Four tokens allowed: only they are alternatives, however many were asked for.
+    assert sorted(t for t, _ in constrained.top) == [1, 2, 3, 4]
 
 
 def test_a_row_whose_grammar_failed_is_a_fault_for_that_row_alone() -> None:
