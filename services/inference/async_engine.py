@@ -214,7 +214,9 @@ class AsyncEngine:
                 pending, self._pending = self._pending, []
             for p in pending:
                 try:
-                    engine.enqueue(p.request_id, p.prompt_token_ids, p.params, p.resume_token_ids, p.guide)
+                    # The guide only when there is one: a free request is queued as it always was.
+                    extra = () if p.guide is None else (p.guide,)
+                    engine.enqueue(p.request_id, p.prompt_token_ids, p.params, p.resume_token_ids, *extra)
                     if p.aborted:
                         engine.abort_request(p.request_id)
                 except Exception as exc:  # refused as it was queued (AlreadyExists): that caller only
