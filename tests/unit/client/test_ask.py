@@ -129,3 +129,22 @@ def test_session_must_exist_without_a_session_is_a_usage_error(
     assert run_ask(monkeypatch, router, "--session-must-exist", "hi") == 2
     assert "--session-must-exist needs --session" in capsys.readouterr().err
     assert router.requests == []
+
+
+def test_json_schema_regex_and_choice_flags_constrain_the_turn(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    schema = tmp_path / "person.json"
+    schema.write_text('{"type": "object"}')
+    stop = router_pb2.TurnEnd(finish_reason=common_pb2.FINISH_REASON_STOP)
+    router = FakeRouter('{"a": 1}', stop)
+    assert run_ask(monkeypatch, router, "--json-schema", str(schema), "Who?") == 0
+    assert router.requests[-1].sampling.json_schema == '{"type": "object"}'
+    assert run_ask(monkeypatch, router, "--regex", "[0-9]+", "How many?") == 0
+    assert router.requests[-1].sampling.regex == "[0-9]+"
+    assert run_ask(monkeypatch, router, "--choice", "yes", "--choice", "no", "Well?") == 0
+    assert list(router.requests[-1].sampling.choice.values) == ["yes", "no"]
+    assert run_ask(monkeypatch, router, "--json-schema", str(tmp_path / "missing.json"), "Who?") == 2
+    assert "--json-schema: cannot read" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one constraint at most: argparse refuses two
+        run_ask(monkeypatch, router, "--regex", "a", "--choice", "b", "Both?")
