@@ -17,8 +17,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from services.common.prompts import Message, prompt_token_ids
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from services.inference.prompts import Message, prompt_token_ids
 from tests.support.device import TEST_DEVICE, replica_device_args
 from tests.support.inference import Generation, generate
 from tests.support.processes import ServiceProcess
