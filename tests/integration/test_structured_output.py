@@ -39,12 +39,24 @@ def _obj(props: dict[str, Any], required: list[str] | None = None) -> dict[str, 
 
 NAME = {"type": "string", "maxLength": 12}
 #: Twenty schemas: nested objects, arrays, enums, bounded numbers, patterned strings, optional keys.
+#: Every one can be finished well within MAX_TOKENS (an unbounded integer, or a number without
+#: multipleOf, lets a small greedy model write digits until max_tokens, which the engine rightly
+#: ends with LENGTH: tested apart below).
 SCHEMAS: list[dict[str, Any]] = [
     _obj({"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}}),
     _obj({"city": NAME, "country": {"enum": ["France", "Japan", "Peru"]}}),
     _obj({"ok": {"type": "boolean"}}),
     _obj({"tags": {"type": "array", "items": NAME, "minItems": 1, "maxItems": 3}}),
-    _obj({"point": _obj({"x": {"type": "integer", "minimum": -9, "maximum": 9}, "y": {"type": "integer"}})}),
+    _obj(
+        {
+            "point": _obj(
+                {
+                    "x": {"type": "integer", "minimum": -9, "maximum": 9},
+                    "y": {"type": "integer", "minimum": 0, "maximum": 99},
+                }
+            )
+        }
+    ),
     _obj({"zip": {"type": "string", "pattern": "^[0-9]{5}$"}}),
     _obj(
         {
@@ -57,7 +69,7 @@ SCHEMAS: list[dict[str, Any]] = [
         {
             "user": _obj(
                 {
-                    "id": {"type": "integer", "minimum": 1},
+                    "id": {"type": "integer", "minimum": 1, "maximum": 9999},
                     "email": {"type": "string", "pattern": "^[a-z]{1,8}@[a-z]{1,8}\\.com$"},
                 }
             )
@@ -72,7 +84,7 @@ SCHEMAS: list[dict[str, Any]] = [
             }
         }
     ),
-    _obj({"price": {"type": "number", "minimum": 0, "maximum": 1000}}),
+    _obj({"price": {"type": "number", "minimum": 0, "maximum": 1000, "multipleOf": 0.25}}),
     _obj({"status": {"enum": ["open", "closed"]}, "note": NAME}, ["status"]),
     _obj({"a": _obj({"b": _obj({"c": {"type": "integer", "minimum": 0, "maximum": 9}})})}),
     _obj(
@@ -186,6 +198,17 @@ async def test_constrained_outputs_validate_and_free_neighbours_keep_their_token
 @pytest.mark.full
 async def test_twenty_schemas_times_five_prompts_validate(stub: inference_pb2_grpc.InferenceStub) -> None:
     await run_batch(stub, prompts_per_schema=5)
+
+
+async def test_a_grammar_not_finished_within_max_tokens_ends_with_length(
+    stub: inference_pb2_grpc.InferenceStub,
+) -> None:
+    digits = json.dumps({"type": "object", "properties": {"n": {"type": "string", "pattern": "^[0-9]{40}$"}}})
+    got = await generate(stub, start(PROMPTS[0], json_schema=digits, max_tokens=8))
+    assert got.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert len(got.token_ids) == 8
+    with pytest.raises(json.JSONDecodeError):  # cut short: not claimed complete, and it is not
+        json.loads(got.text)
 
 
 async def test_logprobs_are_transformers_log_softmax_and_top_logprobs_its_top_k(
