@@ -81,9 +81,8 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size)
 
     def make_guide(self, params: SamplingParams, resume_token_ids: Seq[int] = ()) -> Guide | None:
-        """The request's grammar matcher, compiled (or taken from the cache) with its resumed
-        tokens replayed; None for free text. ``InvalidArgument`` for a constraint that does not
-        compile or resumed tokens it refuses. Slow on a cache miss: call it off the step loop."""
+        """The request's grammar matcher (cached compile, resumed tokens replayed), None for free text;
+        ``InvalidArgument`` for a constraint or resume it refuses. Call it off the step loop."""
         return None if params.constraint is None else self.grammars.guide(params.constraint, resume_token_ids)
 
     # -- admission -----------------------------------------------------------
@@ -167,8 +166,7 @@ class LLMEngine:
         )
         stop_ids = frozenset() if params.ignore_eos else self._eos_ids
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, prime=resume_token_ids)
-        if params.constraint is not None and guide is None:
-            guide = self.make_guide(params, resume_token_ids)  # a caller that skipped make_guide
+        guide = guide or self.make_guide(params, resume_token_ids)  # a caller that skipped make_guide
         self._requests[request_id] = _Request(seq, detok, stop_ids, guide)
         self.scheduler.add(seq)
 
@@ -206,13 +204,10 @@ class LLMEngine:
         return outputs
 
     def _run(self, chunks: Seq[ScheduledSequence]) -> list[ChunkResult]:
-        guides = [self._guide(c.seq.request_id) for c in chunks if c.samples]
+        # Every chunk of the step is a live request's (aborts leave between steps).
+        guides = [self._requests[c.seq.request_id].guide for c in chunks if c.samples]
         drawn = iter(self.runner.execute(chunks, guides if any(guides) else ()))
         return [next(drawn) if c.samples else None for c in chunks]
-
-    def _guide(self, request_id: str) -> Guide | None:
-        req = self._requests.get(request_id)
-        return None if req is None else req.guide
 
     def _apply_parks(self) -> None:
         with self._control_lock:
@@ -258,9 +253,7 @@ class LLMEngine:
                 seq.prefill_done_time = now
             if token is None:
                 continue
-            logprobs = (token,) if isinstance(token, SampledToken) else ()
-            if isinstance(token, SampledToken):
-                token = token.token
+            logprobs, token = ((token,), token.token) if isinstance(token, SampledToken) else ((), token)
             req = self._requests[seq.request_id]
             index = seq.num_output_tokens
             seq.token_ids.append(token)
@@ -280,7 +273,7 @@ class LLMEngine:
             del self._requests[seq.request_id]
             text = update.text + ("" if update.matched_stop else req.detokenizer.flush())
             final = final_output(req.seq, [token], text, index, update.matched_stop or "")
-            outputs.append(dataclasses.replace(final, logprobs=logprobs) if logprobs else final)
+            outputs.append(dataclasses.replace(final, logprobs=logprobs))
         if generated:
             self._recent.append((now, generated))
         return outputs
