@@ -37,11 +37,12 @@ class PoisonedForward:
         self.error = error or RuntimeError("this batch cannot run")
         self.failures = 0
 
-    def __call__(self, scheduled: Sequence[Any]) -> Sequence[Any]:
+    def __call__(self, scheduled: Sequence[Any], *rest: Any) -> Sequence[Any]:
+        # ``rest``: the runner's other arguments (the constrained rows' grammars), passed through.
         if any(s.seq.request_id.startswith("poison-") for s in scheduled):
             self.failures += 1
             raise self.error
-        return self.execute(scheduled)
+        return self.execute(scheduled, *rest)
 
 
 @pytest.fixture(scope="module")
