@@ -32,6 +32,7 @@ WORDS = [
     "review",
 ]
 BLOCK = 16
+TOKENIZER_READY = "prefix hashes from the tokenizer"
 BYPASS = router_pb2.CachePolicy(mode=router_pb2.CACHE_MODE_BYPASS)
 
 
@@ -59,6 +60,8 @@ def mesh(model_path: Path) -> Iterator[tuple[list[ServiceProcess], list[ServiceP
         routers = [router_process(replicas, *flags).start() for _ in range(2)]
         for router in routers:
             wait_for(partial(events_live, router))
+            # The tokenizer loads in the background; until then prompts are placed unhashed.
+            wait_for(partial(tokenizer_loaded, router), timeout_s=180)
         yield replicas, routers
     finally:
         for process in [*routers, *replicas]:
@@ -80,6 +83,10 @@ def ask(router: ServiceProcess, group: str, question: str) -> router_pb2.TurnEnd
 def statuses(router: ServiceProcess) -> dict[str, router_pb2.ReplicaStatus]:
     listed = router_stub(router).ListReplicas(router_pb2.ListReplicasRequest(), timeout=5).replicas
     return {s.address: s for s in listed}
+
+
+def tokenizer_loaded(router: ServiceProcess) -> bool:
+    return TOKENIZER_READY in router.output()
 
 
 def events_live(router: ServiceProcess, address: str = "") -> bool:
