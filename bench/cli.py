@@ -15,6 +15,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     ),
     "router": ("bench.router", "the router's overhead and balancing under load"),
     "retriever": ("bench.retriever", "ingest and search throughput of the retriever"),
+    "placement": (
+        "bench.placement",
+        "prefix-aware placement vs WRT, round robin and group-key hashing over 3 real replicas",
+    ),
     "load": ("bench.load", "the whole mesh under many concurrent clients"),
     "http-stack": ("bench.http_stack", "what uvicorn+starlette and aiohttp add per request and SSE event"),
     "openai-front": (

@@ -69,3 +69,20 @@ KV_RESYNCS = Counter(
     "KV event streams restarted from a snapshot: gap, stream broken or ended.",
     ["reason"],
 )
+PLACEMENTS = Counter(
+    "llmmesh_router_placements_total",
+    "Replica choices by why they were made: pin, ring, prefix, load, fallback (placement/pipeline.py).",
+    ["reason"],
+)
+# Both counted by the relay's picker (streams/relay.py ``count_placement``).
+# Prompt lengths run to a few thousand tokens; a hit is some number of whole KV blocks of them.
+PREFIX_HIT_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PREFIX_HIT_TOKENS = Histogram(
+    "llmmesh_router_prefix_hit_tokens",
+    "Leading prompt tokens the chosen replica holds per the prefix index, per placement of a hashed prompt.",
+    buckets=PREFIX_HIT_BUCKETS,
+)
+PREFIX_PROMPT_TOKENS = Counter(
+    "llmmesh_router_prefix_prompt_tokens_total",
+    "Prompt tokens of the placements counted in llmmesh_router_prefix_hit_tokens: the hit rate's denominator.",
+)

@@ -14,7 +14,7 @@ from typing import Generic, TypeVar
 from services.common import errors
 from services.router.placement import filters
 from services.router.placement.filters import CandidateSource, Placeable
-from services.router.placement.pipeline import BalancingPolicy
+from services.router.placement.pipeline import BalancingPolicy, Decision
 from services.router.placement.request import PlacementRequest
 
 R = TypeVar("R", bound=Placeable)
@@ -26,11 +26,17 @@ class ReplicaPicker(Generic[R]):
     """Picks the replica (and its model) for the next attempt of a generation."""
 
     def __init__(
-        self, pool: CandidateSource[R], policy: BalancingPolicy, clock: Callable[[], float] = time.monotonic
+        self,
+        pool: CandidateSource[R],
+        policy: BalancingPolicy,
+        clock: Callable[[], float] = time.monotonic,
+        on_decision: Callable[[Decision[R], PlacementRequest], None] | None = None,
     ) -> None:
         self.pool = pool
         self.policy = policy
         self._clock = clock
+        #: Told every placement and why (the router's metrics); injected, so this stays pure.
+        self._on_decision = on_decision
 
     def place(self, request: PlacementRequest) -> tuple[R, str] | None:
         """The replica for the next attempt and its model, or None when no model has one.
@@ -42,7 +48,7 @@ class ReplicaPicker(Generic[R]):
         deadline is DeadlineExceeded, not None. The policy is told where the request goes.
         """
         too_slow = 0.0
-        for model in request.models:
+        for rank, model in enumerate(request.models):
             candidates = filters.of_model(self.pool, model, request.exclude)
             if request.deadline is not None and candidates:
                 split = filters.within_deadline(candidates, request.deadline - self._clock())
@@ -52,9 +58,15 @@ class ReplicaPicker(Generic[R]):
                 candidates = split.fits
             if not candidates:
                 continue
-            chosen = self._pinned(candidates, request) or self.policy.select(candidates, request)
+            pinned = self._pinned(candidates, request)
+            decision = Decision(pinned, "pin") if pinned else self.policy.decide(candidates, request)
+            chosen = decision.chosen
             if chosen is not None:
+                if rank:  # the plan's first model had no replica: its fallback serves
+                    decision = Decision(chosen, "fallback", decision.cached_prefix_tokens)
                 self.policy.placed(chosen, request)
+                if self._on_decision is not None:
+                    self._on_decision(decision, request)
                 return chosen, model
         if too_slow:
             raise errors.DeadlineExceeded(

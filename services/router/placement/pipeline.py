@@ -13,13 +13,31 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Literal, Protocol
 
 from services.router.placement.candidate import C, Candidate
 from services.router.placement.filters import LoadBound
 from services.router.placement.request import PlacementRequest
 from services.router.placement.scorers import Scorer
 from services.router.placement.selectors import Selector
+
+#: Why a replica was chosen, the label of ``llmmesh_router_placements_total{reason}``: ``pin``
+#: the session's pinned replica kept; ``ring`` the session's place on the affinity ring;
+#: ``prefix`` the prefix policy's least work on a replica holding part of the prompt;
+#: ``load`` a load-only choice (wrt, least, p2c, round robin, a prefix choice with no cached
+#: prefix anywhere); ``fallback`` the policy's own rule could not decide (a session whose ring
+#: replicas are all over the bound, every replica over the bound, a later model of the plan).
+Reason = Literal["pin", "ring", "prefix", "load", "fallback"]
+
+
+@dataclass(frozen=True)
+class Decision(Generic[C]):
+    """A policy's choice, why, and how many of the prompt's tokens the index says it holds."""
+
+    chosen: C | None
+    reason: Reason = "load"
+    #: Leading prompt tokens the chosen replica holds per the prefix index (0 without one).
+    cached_prefix_tokens: int = 0
 
 
 class BalancingPolicy(Protocol):
@@ -28,6 +46,10 @@ class BalancingPolicy(Protocol):
     name: str
 
     def select(self, candidates: Sequence[C], request: PlacementRequest) -> C | None: ...
+
+    def decide(self, candidates: Sequence[C], request: PlacementRequest) -> Decision[C]:
+        """``select`` with the reason for the choice, for the placement metrics."""
+        ...
 
     def accepts_pin(self, pinned: Candidate, candidates: Sequence[Candidate]) -> bool:
         """Whether a session pinned to ``pinned`` (one of ``candidates``) may stay there."""
@@ -48,6 +70,9 @@ class Policy:
     name = ""
 
     def select(self, candidates: Sequence[C], request: PlacementRequest) -> C | None:
+        return self.decide(candidates, request).chosen
+
+    def decide(self, candidates: Sequence[C], request: PlacementRequest) -> Decision[C]:
         raise NotImplementedError
 
     def choose(self, candidates: Sequence[C], session_key: str | None = None) -> C | None:
@@ -104,19 +129,25 @@ class Pipeline(Policy):
                 total[i] += weighted.weight * s
         return total
 
-    def select(self, candidates: Sequence[C], request: PlacementRequest) -> C | None:
+    def decide(self, candidates: Sequence[C], request: PlacementRequest) -> Decision[C]:
         if not candidates:
-            return None
+            return Decision(None)
         costs = self.costs(candidates, request)
         if self.bound is None:
-            return self.selector.select(candidates, costs, request)
+            return self.explain(self.selector.select(candidates, costs, request), request)
         cap = self.bound.capacity(candidates)
         kept = [i for i, c in enumerate(candidates) if self.bound.load(c) < cap]
         if not kept:
             if self.strict:
-                return None
-            kept = list(range(len(candidates)))
-        return self.selector.select([candidates[i] for i in kept], [costs[i] for i in kept], request)
+                return Decision(None)
+            everyone = self.selector.select(candidates, costs, request)
+            return Decision(everyone, "fallback", self.explain(everyone, request).cached_prefix_tokens)
+        chosen = self.selector.select([candidates[i] for i in kept], [costs[i] for i in kept], request)
+        return self.explain(chosen, request)
+
+    def explain(self, chosen: C | None, request: PlacementRequest) -> Decision[C]:
+        """Why this configuration chose ``chosen`` within its bound: by load, unless it says otherwise."""
+        return Decision(chosen)
 
     def accepts_pin(self, pinned: Candidate, candidates: Sequence[Candidate]) -> bool:
         """A pin holds while its replica is within the bounded load, as the pipeline's own choice does."""
@@ -136,12 +167,14 @@ class SessionFirst(Policy):
         self.session = session
         self.fallback = fallback
 
-    def select(self, candidates: Sequence[C], request: PlacementRequest) -> C | None:
+    def decide(self, candidates: Sequence[C], request: PlacementRequest) -> Decision[C]:
         if request.session_key and candidates:
             chosen = self.session.select(candidates, request)
             if chosen is not None:
-                return chosen
-        return self.fallback.select(candidates, request)
+                return Decision(chosen, "ring")
+            declined = self.fallback.decide(candidates, request)
+            return Decision(declined.chosen, "fallback", declined.cached_prefix_tokens)
+        return self.fallback.decide(candidates, request)
 
     def accepts_pin(self, pinned: Candidate, candidates: Sequence[Candidate]) -> bool:
         return self.session.accepts_pin(pinned, candidates)

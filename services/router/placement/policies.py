@@ -21,10 +21,16 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.router.placement.candidate import Candidate, outstanding
+from services.router.placement.candidate import C, Candidate, outstanding
 from services.router.placement.ewma import LatencyEwma
 from services.router.placement.filters import LoadBound
-from services.router.placement.pipeline import BalancingPolicy, Pipeline, SessionFirst, Weighted
+from services.router.placement.pipeline import (
+    BalancingPolicy,
+    Decision,
+    Pipeline,
+    SessionFirst,
+    Weighted,
+)
 from services.router.placement.prefix_index import PrefixIndex
 from services.router.placement.prefix_scorers import (
     CostDefaults,
@@ -190,6 +196,14 @@ class PrefixPolicy(Pipeline):
             ArgMin(HashTieBreak()),
             bound=LoadBound(s.epsilon, load=reported_load, floor=s.bound_floor),
         )
+
+    def explain(self, chosen: C | None, request: PlacementRequest) -> Decision[C]:
+        """``prefix`` when the chosen replica holds a leading part of the prompt, else ``load``."""
+        if chosen is None or not request.prefix_hashes:
+            return Decision(chosen)
+        blocks = self.index.cached_prefix_blocks(chosen.address, request.prefix_hashes, request.block_size)
+        cached = min(blocks * request.block_size, request.prompt_tokens)
+        return Decision(chosen, "prefix" if cached else "load", cached)
 
     def placed(self, chosen: Candidate, request: PlacementRequest) -> None:
         self.index.record_sent(chosen.address, request.block_size, request.prefix_hashes)

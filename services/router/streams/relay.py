@@ -23,13 +23,22 @@ from services.gen.llmmesh.v1 import common_pb2, inference_pb2
 from services.router import metrics
 from services.router.placement.outliers import FailureKind
 from services.router.placement.picker import ReplicaPicker
-from services.router.placement.pipeline import BalancingPolicy
+from services.router.placement.pipeline import BalancingPolicy, Decision
 from services.router.placement.pool import Replica, ReplicaPool
 from services.router.placement.request import PlacementRequest
 from services.router.streams.attempts import BUSY_RETRY_AFTER_S, AttemptFailed, ReplicaBusy, replica_failure
 from services.router.streams.watchdog import Watchdog
 
 log = logging.getLogger("llmmesh.router.relay")
+
+
+def count_placement(decision: Decision[Replica], request: PlacementRequest) -> None:
+    """The picker's ``on_decision``: the reason always; the prefix hit where the prompt was hashed
+    (``--policy prefix`` with a tokenizer) and the policy, not a pin, chose."""
+    metrics.PLACEMENTS.labels(reason=decision.reason).inc()
+    if request.prefix_hashes and decision.reason != "pin":
+        metrics.PREFIX_HIT_TOKENS.observe(decision.cached_prefix_tokens)
+        metrics.PREFIX_PROMPT_TOKENS.inc(request.prompt_tokens)
 
 
 @dataclass(frozen=True)
@@ -79,7 +88,7 @@ class Relay:
     ) -> None:
         self.pool = pool
         #: Where each attempt goes (placement/picker.py); failover asks it again, minus those tried.
-        self.picker = ReplicaPicker(pool, policy, clock)
+        self.picker = ReplicaPicker(pool, policy, clock, on_decision=count_placement)
         self.config = config or RelayConfig()
         self._rng = rng or random.Random()
         self._clock = clock
