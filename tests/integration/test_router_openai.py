@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.gen.llmmesh.v1 import router_pb2
+from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from tests.support.openai_front import README_BASE, http_base, keys_file, readme_block
 from tests.support.processes import ServiceProcess
 from tests.support.router_mesh import router_stub, running_sequences, user_turn
@@ -236,6 +236,34 @@ def test_legacy_completions_answer_each_prompt(front: Front) -> None:
         if c.choices
     )
     assert streamed == answer.choices[0].text
+
+
+def test_legacy_completions_continue_the_raw_prompt_without_a_chat_template(front: Front) -> None:
+    client = front.client()
+    text = "The capital of France is"
+    raw = client.completions.create(model=front.model, prompt=text, max_tokens=6, temperature=0)
+    chat = client.chat.completions.create(
+        model=front.model, messages=[{"role": "user", "content": text}], max_tokens=6, temperature=0
+    )
+    assert raw.usage is not None and chat.usage is not None
+    # The chat template wraps the text in a system prompt and role markers; a raw prompt is its own tokens.
+    assert raw.usage.prompt_tokens <= len(text.split()) + 2 < chat.usage.prompt_tokens
+    # The same raw prompt over gRPC (ChatRequest.prompt) gives the same greedy continuation.
+    request = router_pb2.ChatRequest(
+        prompt=text, sampling=common_pb2.SamplingParams(max_tokens=6, temperature=0.0)
+    )
+    reply = router_stub(front.router).Complete(
+        request, metadata=(("authorization", f"Bearer {KEY}"),), timeout=60
+    )
+    assert reply.text == raw.choices[0].text and reply.end.usage.prompt_tokens == raw.usage.prompt_tokens
+    both = router_pb2.ChatRequest(prompt=text, messages=[common_pb2.ChatMessage(role="user", content=text)])
+    with pytest.raises(grpc.RpcError) as refused:
+        router_stub(front.router).Complete(both, metadata=(("authorization", f"Bearer {KEY}"),), timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in refused.value.details()
+    with_session = front.post(
+        "/v1/completions", {"model": front.model, "prompt": text, "max_tokens": 2, "session_id": "s-raw"}
+    )
+    assert with_session.status_code == 400 and with_session.json()["error"]["param"] == "session_id"
 
 
 def test_models_list_and_get(front: Front) -> None:

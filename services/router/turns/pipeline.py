@@ -171,7 +171,11 @@ class TurnPipeline:
                     yield response
                 return
             prompt: Iterable[common_pb2.ChatMessage]
-            if request.session_id or request.rag.enabled:
+            if request.prompt:
+                # A raw prompt goes to the model as is; "prompt" is not a chat role, so its cache
+                # key never meets a chat turn's with the same text (the two are answered differently).
+                messages, prompt = [("prompt", request.prompt)], ()
+            elif request.session_id or request.rag.enabled:
                 history, chunks, pinned = await sources.lookups(s, tenant, request, new_messages, state)
                 messages = sources.build_prompt(history, chunks, new_messages)
                 prompt = [common_pb2.ChatMessage(role=r, content=c) for r, c in messages]
@@ -179,7 +183,7 @@ class TurnPipeline:
                 # No history, no sources: the prompt is the request's messages, copied as they are.
                 messages, prompt = new_messages, request.messages
             start = inference_pb2.GenerateStart(
-                request_id=state.request_id, messages=prompt, sampling=request.sampling
+                request_id=state.request_id, messages=prompt, prompt=request.prompt, sampling=request.sampling
             )
         plan = cache_step.cache_plan(s, request, models[0], messages, resume is not None, state.cited)
         key = plan.key

@@ -14,8 +14,22 @@ MAX_CACHE_USER_CHARS = 256
 
 def validate(request: router_pb2.ChatRequest, field_prefix: str = "") -> None:
     """Reject bad input with a message naming the field (after ``field_prefix``), before any work is done."""
-    if not request.messages:
-        raise errors.InvalidArgument(f"{field_prefix}messages", "at least one message is required")
+    if request.prompt:
+        # A raw prompt is a text to continue, not a conversation: nothing to add history or sources to.
+        if request.messages:
+            raise errors.InvalidArgument(f"{field_prefix}prompt", "send messages or a prompt, not both")
+        if request.session_id:
+            raise errors.InvalidArgument(
+                f"{field_prefix}session_id", "a raw prompt has no session (use messages)"
+            )
+        if request.rag.enabled:
+            raise errors.InvalidArgument(
+                f"{field_prefix}rag", "a raw prompt takes no RAG context (use messages)"
+            )
+    elif not request.messages:
+        raise errors.InvalidArgument(
+            f"{field_prefix}messages", "at least one message (or a prompt) is required"
+        )
     for i, message in enumerate(request.messages):
         if message.role not in ROLES:
             raise errors.InvalidArgument(

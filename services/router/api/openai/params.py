@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,15 +148,21 @@ def completion_generation(body: Any, request_id: str) -> Generation:
     max_tokens = _int(body, "max_tokens", 1, INT32_MAX)
     sampling = _sampling(body, COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
     apply_output_options(body, sampling, chat=False)
-    # The engine's chat template frames each prompt as a user turn: the router's turns carry messages only.
-    conversations = [[common_pb2.ChatMessage(role="user", content=p)] for p in prompts]
-    return _generation(body, request_id, conversations, sampling)
+    # Raw, as OpenAI and vLLM serve /v1/completions: the text is continued, no chat template around it.
+    return _generation(body, request_id, [Prompt(p) for p in prompts], sampling)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One raw prompt of a ``/v1/completions`` body (a chat body has message lists instead)."""
+
+    text: str
 
 
 def _generation(
     body: Mapping[str, Any],
     request_id: str,
-    conversations: list[list[common_pb2.ChatMessage]],
+    conversations: Sequence[list[common_pb2.ChatMessage] | Prompt],
     sampling: common_pb2.SamplingParams,
 ) -> Generation:
     model = body.get("model")
@@ -183,7 +189,8 @@ def _generation(
                 # Choices of one seeded request differ from each other, and each is reproducible.
                 params.seed = (sampling.seed + index) % SEED_LIMIT
             turn = router_pb2.ChatRequest(
-                messages=conversation,
+                messages=() if isinstance(conversation, Prompt) else conversation,
+                prompt=conversation.text if isinstance(conversation, Prompt) else "",
                 model=model or "",
                 sampling=params,
                 request_id=turn_request_id(request_id, index, len(conversations) * n),

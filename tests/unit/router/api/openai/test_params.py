@@ -71,9 +71,11 @@ def test_n_choices_get_their_own_ids_and_distinct_seeds() -> None:
     assert [t.sampling.seed for t in g.turns] == [5, 6, 7]
 
 
-def test_completions_are_prompt_major_and_default_to_16_tokens() -> None:
+def test_completions_are_raw_prompt_major_and_default_to_16_tokens() -> None:
     g = completion_generation({"prompt": ["a", "b"], "n": 2}, "cmpl-1")
-    assert [t.messages[0].content for t in g.turns] == ["a", "a", "b", "b"]
+    # Raw prompts, as OpenAI and vLLM serve /v1/completions: no chat message, so no template.
+    assert [t.prompt for t in g.turns] == ["a", "a", "b", "b"]
+    assert not any(t.messages for t in g.turns)
     assert all(t.sampling.max_tokens == 16 for t in g.turns)
 
 

@@ -1,0 +1,34 @@
+"""A turn is a conversation (messages) or a raw prompt, never both, and a raw prompt has no
+session or RAG: each refusal names the field before any work is done."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common import errors
+from services.gen.llmmesh.v1 import common_pb2, router_pb2
+from services.router.turns.validation import validate
+
+USER = [common_pb2.ChatMessage(role="user", content="Hi")]
+
+
+def test_a_raw_prompt_alone_is_a_valid_turn_as_are_messages_alone() -> None:
+    validate(router_pb2.ChatRequest(prompt="Once upon a time"))
+    validate(router_pb2.ChatRequest(messages=USER))
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (router_pb2.ChatRequest(), "messages"),
+        (router_pb2.ChatRequest(prompt="x", messages=USER), "prompt"),
+        (router_pb2.ChatRequest(prompt="x", session_id="s1"), "session_id"),
+        (router_pb2.ChatRequest(prompt="x", rag=router_pb2.RagOptions(enabled=True)), "rag"),
+    ],
+)
+def test_a_turn_that_is_neither_or_both_is_refused_naming_the_field(
+    request_: router_pb2.ChatRequest, field: str
+) -> None:
+    with pytest.raises(errors.InvalidArgument) as refused:
+        validate(request_, "request.")
+    assert refused.value.field == f"request.{field}"
