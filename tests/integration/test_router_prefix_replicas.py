@@ -16,7 +16,9 @@ from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from tests.support.processes import ServiceProcess
 from tests.support.router_mesh import router_process, router_stub
 
-pytestmark = pytest.mark.timeout(300)
+# Five processes (three real replicas, two routers): ~90 s on an idle 2-vCPU VM, so behind -m full;
+# test_router_kv_events.py covers the events, restart and resync with one replica in make test.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.full]
 
 # ≈ 1,000 tokens with SmolLM2's tokenizer and chat template: one group's shared system prompt.
 WORDS = [
