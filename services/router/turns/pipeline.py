@@ -155,7 +155,9 @@ class TurnPipeline:
             # them up again could give another prompt, which the delivered tokens do not continue.
             start = resumed_start(resume, state)
             models = [resume.checkpoint.model]
-            messages = [(m.role, m.content) for m in start.messages]
+            messages = (
+                [("prompt", start.prompt)] if start.prompt else [(m.role, m.content) for m in start.messages]
+            )
         else:
             known = s.pool.models()
             if not known and s.pool.discovering():
