@@ -297,7 +297,10 @@ class LLMEngine:
                     )
             seq.error = result.reason
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
-            outputs.append(dataclasses.replace(final_output(req.seq, [], ""), fault=True))
+            final = final_output(req.seq, [], req.detokenizer.flush())
+            # A constraint that cannot go on is the request's own end (FINISH_REASON_ERROR with
+            # the reason), not a failure of the engine (the stream's INTERNAL status).
+            outputs.append(final if result.constraint else dataclasses.replace(final, fault=True))
         return outputs
 
     @staticmethod

@@ -120,12 +120,30 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar)
         if matcher.is_error():
             raise InvalidArgument(constraint.kind.value, f"does not compile: {matcher.get_error().strip()}")
+        _check_can_start(matcher, constraint)
         self.compile_ms.append((time.perf_counter() - started) * 1000.0)
         with self._lock:
             self._cache[key] = matcher
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return matcher
+
+
+def _check_can_start(matcher: llguidance.LLMatcher, constraint: Constraint) -> None:
+    """``InvalidArgument`` when no token of this vocabulary can begin the constraint's output.
+
+    A grammar can compile yet need bytes the vocabulary never writes (SmolLM2's tokenizer has
+    no token for most C0 control characters): refused here, once per grammar, rather than
+    failing the request at its first step. A dead end further in (after a prefix that can be
+    written) ends that request alone with FINISH_REASON_ERROR, saying so.
+    """
+    probe = matcher.deep_copy()
+    probe.compute_bitmask()
+    if probe.is_error():
+        reason = probe.get_error().strip().splitlines()[0]
+        raise InvalidArgument(
+            constraint.kind.value, f"no token of this model's vocabulary can begin its output ({reason})"
+        )
 
 
 def to_llguidance(constraint: Constraint) -> str:

@@ -43,6 +43,10 @@ class RowFault:
     reason: str
     #: The forward itself failed on the row: the K/V it wrote this step cannot be trusted.
     forward_failed: bool = False
+    #: The request's own output constraint cannot go on (its grammar needs bytes no token of
+    #: this vocabulary writes): the request ends with FINISH_REASON_ERROR saying so, not as an
+    #: engine fault (INTERNAL), since nothing went wrong in the engine.
+    constraint: bool = False
 
 
 #: One row's result: the token, the token with its logprobs, or why it could not be drawn.
@@ -103,7 +107,7 @@ def apply_guides(logits: torch.Tensor, guides: Seq[Guide | None]) -> dict[int, R
         assert guide is not None
         guide.fill(bitmask[j].data_ptr(), nbytes)
         if guide.error:
-            faults[i] = RowFault(f"the output constraint failed: {guide.error}")
+            faults[i] = RowFault(f"the output constraint cannot go on: {guide.error}", constraint=True)
     # Bit k of little-endian word w is token 32w + k: unpacking the bytes little-bit-first gives
     # one flag per token in order (numpy's unpackbits: ~20x cheaper than shifting in torch).
     allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]

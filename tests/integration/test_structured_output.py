@@ -260,6 +260,9 @@ async def generate_with_logprobs(
         ("grammar", {"grammar": "root ::= (("}),
         ("choice", {"choice": common_pb2.Choices()}),
         ("choice", {"choice": common_pb2.Choices(values=["a", ""])}),
+        # Compiles, but SmolLM2's vocabulary has no token for U+0016 or U+0004: it cannot begin.
+        ("choice", {"choice": common_pb2.Choices(values=["\x16"])}),
+        ("regex", {"regex": "\x04+"}),
         ("top_logprobs", {"top_logprobs": 21}),
     ],
 )
@@ -272,6 +275,25 @@ async def test_bad_constraints_are_invalid_argument_naming_the_field_before_any_
     assert (caught.value.details() or "").startswith(field + ":"), caught.value.details()
     load = await stub.GetLoad(inference_pb2.GetLoadRequest())
     assert load.waiting == 0 and load.running == 0 and load.kv_blocks_used == 0
+
+
+async def test_a_constraint_that_dead_ends_mid_output_ends_that_request_alone_saying_why(
+    stub: inference_pb2_grpc.InferenceStub,
+) -> None:
+    """ "a" can be written, the U+0016 after it cannot: the request ends with FINISH_REASON_ERROR
+    naming the constraint (not INTERNAL: the engine did nothing wrong); its neighbour is untouched."""
+    free = start(FREE_PROMPTS[0], max_tokens=16)
+    alone = await generate(stub, free)
+    dead_end, beside = await asyncio.gather(
+        generate(stub, start("Pick one.", choice=common_pb2.Choices(values=["a\x16"]))), generate(stub, free)
+    )
+    assert dead_end.finish_reason == common_pb2.FINISH_REASON_ERROR
+    assert dead_end.text == "a"
+    assert dead_end.finished is not None
+    assert "output constraint cannot go on" in dead_end.finished.error_message
+    assert beside.token_ids == alone.token_ids
+    load = await stub.GetLoad(inference_pb2.GetLoadRequest())
+    assert load.running == 0 and load.kv_blocks_used == 0
 
 
 async def test_a_resumed_request_continues_its_grammar_token_for_token(
