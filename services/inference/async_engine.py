@@ -252,6 +252,12 @@ class AsyncEngine:
             _record_finished(out)
         if target is None:
             return
+        if out.invalid_field:
+            # The request's own constraint cannot go on: INVALID_ARGUMENT naming it, as any
+            # replica would end it (a router passes it on rather than failing over).
+            invalid = errors.InvalidArgument(out.invalid_field, out.error)
+            target.loop.call_soon_threadsafe(target.sink.put_nowait, invalid)
+            return
         if out.fault:
             # The engine failed on this request alone: its stream ends with that status.
             fault = errors.RequestFault(f"request {out.request_id} failed in the engine: {out.error}")

@@ -273,7 +273,8 @@ class LLMEngine:
             del self._requests[seq.request_id]
             text = update.text + ("" if update.matched_stop else req.detokenizer.flush())
             final = final_output(req.seq, [token], text, index, update.matched_stop or "")
-            outputs.append(dataclasses.replace(final, logprobs=logprobs))
+            refused = req.guide.field if req.guide and status is SequenceStatus.FINISHED_ERROR else ""
+            outputs.append(dataclasses.replace(final, logprobs=logprobs, invalid_field=refused))
         if generated:
             self._recent.append((now, generated))
         return outputs
@@ -297,10 +298,11 @@ class LLMEngine:
                     )
             seq.error = result.reason
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
-            final = final_output(req.seq, [], req.detokenizer.flush())
-            # A constraint that cannot go on is the request's own end (FINISH_REASON_ERROR with
-            # the reason), not a failure of the engine (the stream's INTERNAL status).
-            outputs.append(final if result.constraint else dataclasses.replace(final, fault=True))
+            final = final_output(req.seq, [], "")
+            if result.invalid_field:  # the request's own constraint dead-ended, not the engine
+                outputs.append(dataclasses.replace(final, invalid_field=result.invalid_field))
+            else:
+                outputs.append(dataclasses.replace(final, fault=True))
         return outputs
 
     @staticmethod

@@ -48,7 +48,7 @@ def run_isolating_faults(run: RunChunks, chunks: list[ScheduledSequence]) -> lis
             raise EngineFailure(f"{type(exc).__name__}: {exc}") from exc
         log.warning("a step of %d chunks failed (%s); finding the chunks that fail alone", len(chunks), exc)
     results = _bisect(run, chunks)
-    faults = [r for r in results if isinstance(r, RowFault) and not r.constraint]
+    faults = [r for r in results if isinstance(r, RowFault) and not r.invalid_field]
     if len(chunks) > 1 and len(faults) == len(chunks):
         raise EngineFailure(f"every chunk of the step fails alone: {faults[0].reason}")
     return results

@@ -44,8 +44,10 @@ COMPILE_HISTORY = 1024
 class Guide:
     """One request's position in its grammar: which tokens may come next."""
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, field: str) -> None:
         self.matcher = matcher
+        #: The request field the constraint came from, named when it cannot go on.
+        self.field = field
 
     def fill(self, bitmask_row_ptr: int, nbytes: int) -> None:
         """Write the allowed next tokens into one bitmask row (a 32-bit word per 32 tokens)."""
@@ -103,7 +105,7 @@ class GrammarCompiler:
                 f"the resumed tokens do not follow the {constraint.kind.value} constraint: "
                 f"{matcher.get_error()}",
             )
-        return Guide(matcher)
+        return Guide(matcher, constraint.kind.value)
 
     def _pristine(self, constraint: Constraint) -> llguidance.LLMatcher:
         key = hashlib.sha256(json.dumps(constraint.key).encode()).hexdigest()

@@ -43,10 +43,10 @@ class RowFault:
     reason: str
     #: The forward itself failed on the row: the K/V it wrote this step cannot be trusted.
     forward_failed: bool = False
-    #: The request's own output constraint cannot go on (its grammar needs bytes no token of
-    #: this vocabulary writes): the request ends with FINISH_REASON_ERROR saying so, not as an
-    #: engine fault (INTERNAL), since nothing went wrong in the engine.
-    constraint: bool = False
+    #: The request's own input cannot go on (its output constraint needs bytes no token of this
+    #: vocabulary writes): the field to name. It ends as INVALID_ARGUMENT, not as an engine fault
+    #: (INTERNAL): nothing went wrong in the engine, and any replica would end it the same way.
+    invalid_field: str = ""
 
 
 #: One row's result: the token, the token with its logprobs, or why it could not be drawn.
@@ -107,7 +107,8 @@ def apply_guides(logits: torch.Tensor, guides: Seq[Guide | None]) -> dict[int, R
         assert guide is not None
         guide.fill(bitmask[j].data_ptr(), nbytes)
         if guide.error:
-            faults[i] = RowFault(f"the output constraint cannot go on: {guide.error}", constraint=True)
+            reason = f"the output constraint cannot go on: {guide.error}"
+            faults[i] = RowFault(reason, invalid_field=guide.field)
     # Bit k of little-endian word w is token 32w + k: unpacking the bytes little-bit-first gives
     # one flag per token in order (numpy's unpackbits: ~20x cheaper than shifting in torch).
     allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]

@@ -1,6 +1,7 @@
 """kill -9 of the replica in the middle of a JSON answer: the router resumes it on the other
 replica with the same constraint, and the client gets exactly the uninterrupted constrained
-tokens, whose text validates against the schema."""
+tokens, whose text validates against the schema. A constraint that dead-ends is the client's
+error, passed on, not a replica's failure."""
 
 from __future__ import annotations
 
@@ -58,6 +59,19 @@ def test_kill_9_mid_json_resumes_the_grammar_token_for_token(model_path: Path) -
         reference = [t for r in direct if r.HasField("chunk") for t in r.chunk.token_ids]
         assert direct[-1].finished.finish_reason == common_pb2.FINISH_REASON_STOP
         assert len(reference) > 30
+
+        # A constraint that dead-ends part-way is the client's: passed on as INVALID_ARGUMENT
+        # naming it, never failed over, never counted against a replica (three in a row would
+        # eject one if they were).
+        dead_end = user_turn("Pick one.", 8, cache=BYPASS)
+        dead_end.sampling.choice.values.append("a\x16")
+        for _ in range(3):
+            with pytest.raises(grpc.RpcError) as caught:
+                list(stub.ChatStream(dead_end, timeout=60))
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert (caught.value.details() or "").startswith("choice: "), caught.value.details()
+        listed = stub.ListReplicas(router_pb2.ListReplicasRequest())
+        assert [r.ejection_count for r in listed.replicas] == [0, 0]
 
         stream = stub.ChatStream(request, timeout=120)
         messages = [next(stream) for _ in range(4)]

@@ -280,17 +280,20 @@ async def test_bad_constraints_are_invalid_argument_naming_the_field_before_any_
 async def test_a_constraint_that_dead_ends_mid_output_ends_that_request_alone_saying_why(
     stub: inference_pb2_grpc.InferenceStub,
 ) -> None:
-    """ "a" can be written, the U+0016 after it cannot: the request ends with FINISH_REASON_ERROR
-    naming the constraint (not INTERNAL: the engine did nothing wrong); its neighbour is untouched."""
+    """The first character can be written, the U+0016 after it cannot: the request ends as
+    INVALID_ARGUMENT naming the constraint (not INTERNAL: the engine did nothing wrong, and a
+    router must not fail it over or count it against the replica); its batch neighbour is untouched."""
     free = start(FREE_PROMPTS[0], max_tokens=16)
     alone = await generate(stub, free)
     dead_end, beside = await asyncio.gather(
-        generate(stub, start("Pick one.", choice=common_pb2.Choices(values=["a\x16"]))), generate(stub, free)
+        generate(stub, start("Pick one.", choice=common_pb2.Choices(values=["a\x16"]))),
+        generate(stub, free),
+        return_exceptions=True,
     )
-    assert dead_end.finish_reason == common_pb2.FINISH_REASON_ERROR
-    assert dead_end.text == "a"
-    assert dead_end.finished is not None
-    assert "output constraint cannot go on" in dead_end.finished.error_message
+    assert isinstance(dead_end, grpc.aio.AioRpcError), dead_end
+    assert dead_end.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (dead_end.details() or "").startswith("choice: the output constraint cannot go on")
+    assert isinstance(beside, Generation)
     assert beside.token_ids == alone.token_ids
     load = await stub.GetLoad(inference_pb2.GetLoadRequest())
     assert load.running == 0 and load.kv_blocks_used == 0

@@ -22,6 +22,7 @@ class AllowOnly:
     def __init__(self, *allowed: int, error: str = "") -> None:
         self.allowed = allowed
         self.error = error
+        self.field = "regex"
 
     def fill(self, ptr: int, nbytes: int) -> None:
         ctypes.memset(ptr, 0, nbytes)
@@ -74,10 +75,12 @@ def test_logprobs_are_the_masked_rows_log_softmax_with_the_true_top_k() -> None:
     assert sorted(t for t, _ in constrained.top) == [1, 2, 3, 4]
 
 
-def test_a_row_whose_grammar_failed_is_a_fault_for_that_row_alone() -> None:
+def test_a_row_whose_grammar_failed_ends_that_row_alone_naming_its_constraint() -> None:
     greedy = SamplingParams(temperature=0.0)
     out = Sampler()(rows(2), [greedy] * 2, [0, 0], [0, 0], [[], []], [AllowOnly(error="boom"), None])  # type: ignore[list-item]
     assert isinstance(out[0], RowFault) and "boom" in out[0].reason
+    # The request's own input, not the engine: INVALID_ARGUMENT naming the field, no fault.
+    assert out[0].invalid_field == "regex" and not out[0].forward_failed
     assert isinstance(out[1], int)
 
 
