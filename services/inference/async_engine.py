@@ -107,6 +107,9 @@ class AsyncEngine:
             raise errors.DependencyUnavailable(
                 f"the inference engine failed ({self.failure}); send work elsewhere"
             )
+        # Refused before anything else sees it (the grammar would overflow on token ids outside
+        # the vocabulary); touches no state, so no lock.
+        self.engine.validate(prompt_token_ids, params, resume_token_ids)
         # The constraint compiles (or comes from the cache) on an executor thread, before the
         # request is handed over: a compile never holds up a step, and a bad one is refused here.
         guide = None
@@ -125,12 +128,10 @@ class AsyncEngine:
         with self._cond:
             if request_id in self._sinks:
                 raise errors.AlreadyExists(f"request {request_id!r} is already running")
-            # The engine's one admission check, here on arrival: a bad or surplus request is refused
-            # at once, not after the step the engine thread is in (which can take seconds). Queued
-            # = handed over but not yet taken + the engine's waiting queue as last published.
-            self.engine.admit(
-                prompt_token_ids, params, resume_token_ids, waiting=len(self._pending) + self._load.waiting
-            )
+            # The queue bound, here on arrival: a surplus request is refused at once, not after
+            # the step the engine thread is in (which can take seconds). Queued = handed over
+            # but not yet taken + the engine's waiting queue as last published.
+            self.engine.check_room(waiting=len(self._pending) + self._load.waiting)
             self._pending.append(pending)
             self._sinks[request_id] = pending
             self._cond.notify()

@@ -125,6 +125,10 @@ class LLMEngine:
         scheduler's queue) fill the waiting queue. Touches no state, so the async front runs it on
         its own thread and a refusal is immediate, never one engine step late."""
         self.validate(prompt_token_ids, params, resume_token_ids)
+        self.check_room(waiting)
+
+    def check_room(self, waiting: int | None = None) -> None:
+        """``Overloaded`` when ``waiting`` requests (default: the scheduler's queue) fill the queue."""
         queued = len(self.scheduler.waiting) if waiting is None else waiting
         if queued >= self.config.max_queued_requests:
             raise errors.Overloaded(

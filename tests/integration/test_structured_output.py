@@ -311,6 +311,15 @@ async def test_a_resumed_request_continues_its_grammar_token_for_token(
     rest: Generation = await generate(stub, resumed_start)
     assert whole.token_ids[:cut] + rest.token_ids == whole.token_ids
     jsonschema.validate(json.loads(whole.text), SCHEMAS[0])
+    # Token ids outside the vocabulary are refused before the grammar sees them (a negative
+    # int32 overflowed llguidance's conversion: an INTERNAL found by the property suite).
+    for outside in (-1, 10**9):
+        odd = start(PROMPTS[0], json_schema=schema)
+        odd.resume_token_ids.extend([outside])
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await generate(stub, odd)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (caught.value.details() or "").startswith("resume_token_ids:")
     # Resumed tokens the grammar refuses are not a valid resume of this request.
     bad = start(PROMPTS[0], json_schema=schema)
     bad.resume_token_ids.extend(whole.token_ids[1:cut])  # drops the opening brace

@@ -33,7 +33,10 @@ class FakeTokenEngine:
     def load(self) -> EngineLoad:
         return EngineLoad(0, 1 if self.request_id else 0, 0, 16, 0, 0.0)
 
-    def admit(self, prompt: list[int], params: SamplingParams, resume: object, waiting: int) -> None:
+    def validate(self, prompt: list[int], params: SamplingParams, resume: object) -> None:
+        return None
+
+    def check_room(self, waiting: int) -> None:
         return None
 
     def enqueue(self, request_id: str, prompt: list[int], params: SamplingParams, resume: object) -> None:
@@ -115,7 +118,7 @@ async def test_an_engine_failure_reaches_the_reader_after_the_tokens_before_it()
 
 
 class RefusingEngine(FakeTokenEngine):
-    """Refuses every request: on arrival (``admit``: a full waiting queue) or as the engine thread
+    """Refuses every request: on arrival (``check_room``: a full waiting queue) or as the engine thread
     queues it (``enqueue``: the id raced another request's)."""
 
     def __init__(self, where: str) -> None:
@@ -123,7 +126,7 @@ class RefusingEngine(FakeTokenEngine):
         self.where = where
         self.aborted: list[str] = []
 
-    def admit(self, prompt: list[int], params: SamplingParams, resume: object, waiting: int) -> None:
+    def check_room(self, waiting: int) -> None:
         if self.where == "admit":
             raise errors.Overloaded("waiting queue is full (8 requests); retry later", retry_after_s=1.0)
 
