@@ -17,10 +17,20 @@ import argparse
 import json
 import os
 import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
+from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.retrieval_eval import EvalQuestion, EvalSet, distinct, format_summary, load_eval_set, summarize
+from bench.retrieval_eval import (
+    EvalQuestion,
+    EvalSet,
+    distinct,
+    format_summary,
+    load_eval_set,
+    neutral_names,
+    summarize,
+)
 from services.retriever.chunking import ChunkingPolicy, TokenChunker
 from services.retriever.config import RetrieverConfig
 from services.retriever.corpus import Corpus, DocumentUpload, SearchQuery
@@ -52,10 +62,17 @@ def dense_rankings(eval_set: EvalSet, corpus: Corpus) -> list[tuple[EvalQuestion
     return results
 
 
-def misses(results: list[tuple[EvalQuestion, list[str]]]) -> list[str]:
-    """One line per question whose first document is not a gold one: its kind, gold, top three."""
+def misses(results: list[tuple[EvalQuestion, list[str]]], names: Mapping[str, str]) -> list[str]:
+    """One line per question whose first document is not a gold one: its kind, gold, top three.
+
+    ``names`` maps neutral ids back to descriptive ones, so a reader sees which twin won.
+    """
+
+    def shown(ids: Sequence[str]) -> str:
+        return ", ".join(f"{i} ({names[i]})" if i in names else i for i in ids)
+
     return [
-        f"  {q.kind:<14}{','.join(q.gold_document_ids):<24} got {', '.join(ranked[:3])}  | {q.text}"
+        f"  {q.kind:<14}{shown(q.gold_document_ids)}  got {shown(ranked[:3])}  | {q.text}"
         for q, ranked in results
         if not ranked or ranked[0] not in q.gold_document_ids
     ]
@@ -87,13 +104,20 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     config = RetrieverConfig(milvus_uri="unused.db")
     embedder = Embedder(config.embedding_model, device=config.device)
-    report: dict[str, dict[str, object]] = {}
+    descriptive_ids = [d.document_id for d in load_eval_set().documents]
+    names = {neutral: original for original, neutral in neutral_names(descriptive_ids).items()}
+    report: dict[str, object] = {
+        "when_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "load_average_at_start": os.getloadavg()[0],
+        "embedding_model": embedder.model_name,
+        "chunk_tokens": config.chunk_tokens,
+    }
     for label, neutral in (("descriptive ids", False), ("neutral ids", True)):
         results = run_mode(neutral, config, embedder)
         summary = summarize(results)
         print(f"dense search, {label}:\n{format_summary(summary)}\n")
         if args.show_misses:
-            print("\n".join(["missed at rank 1:", *misses(results)]) + "\n")
+            print("\n".join(["missed at rank 1:", *misses(results, names if neutral else {})]) + "\n")
         report[label] = {kind: asdict(score) for kind, score in summary.items()}
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
