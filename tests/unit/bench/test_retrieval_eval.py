@@ -161,16 +161,23 @@ def test_every_confusable_question_is_answered_by_one_member_of_a_pair(eval_set:
     assert {d.document_id for d in eval_set.documents if d.twin} <= asked
 
 
-def test_every_lexical_question_shares_a_rare_term_with_its_gold_document(
+def test_every_lexical_question_shares_a_rare_term_with_its_gold_document_and_not_its_twin(
     eval_set: EvalSet, parsed_text: dict[str, str]
 ) -> None:
+    twin_of = {d.document_id: d.twin for d in eval_set.documents}
+    words = {document_id: _words(text) for document_id, text in parsed_text.items()}
     document_frequency: Counter[str] = Counter()
-    for text in parsed_text.values():
-        document_frequency.update(_words(text))
+    for vocabulary in words.values():
+        document_frequency.update(vocabulary)
 
     for question in (q for q in eval_set.questions if q.kind == "lexical"):
-        gold_words = _words(parsed_text[question.gold_document_ids[0]])
-        rare = [w for w in _words(question.text) if w in gold_words and document_frequency[w] <= 2]
+        gold = question.gold_document_ids[0]
+        twin_words = words[twin_of[gold]] if twin_of[gold] else set()
+        rare = [
+            w
+            for w in _words(question.text)
+            if w in words[gold] and w not in twin_words and document_frequency[w] <= 2
+        ]
         assert rare, question.text
 
 
