@@ -45,22 +45,17 @@ class Mesh:
 
 
 @pytest.fixture(scope="module")
-def mesh(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    """Redis, a retriever and the real model load side by side; then a router in front of them."""
+def mesh(shared_replica: ServiceProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """Redis and a retriever beside the session's shared real replica; then a router in front of them."""
     data = tmp_path_factory.mktemp("client-mesh")
     redis = RedisServer(data / "redis").start()
-    replica = ServiceProcess(
-        "services.inference", ["--model", str(model_path), "--device", "cpu", "--metrics-port", "0"]
-    )
+    replica = shared_replica
     retriever = ServiceProcess(
         "services.retriever", ["--milvus-uri", str(data / "milvus.db"), "--metrics-port", "0"]
     )
     router: ServiceProcess | None = None
     try:
-        for service in (replica, retriever):
-            service.start(wait_serving=False)
-        for service in (replica, retriever):
-            service.wait_serving()
+        retriever.start()
         router = ServiceProcess(
             "services.router",
             [
@@ -73,7 +68,6 @@ def mesh(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         if router is not None:
             router.stop()
         retriever.stop()
-        replica.stop()
         redis.kill()
 
 
