@@ -45,17 +45,20 @@ class Mesh:
 
 
 @pytest.fixture(scope="module")
-def mesh(shared_replica: ServiceProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+def mesh(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     """Redis and a retriever beside the session's shared real replica; then a router in front of them."""
     data = tmp_path_factory.mktemp("client-mesh")
     redis = RedisServer(data / "redis").start()
-    replica = shared_replica
     retriever = ServiceProcess(
         "services.retriever", ["--milvus-uri", str(data / "milvus.db"), "--metrics-port", "0"]
     )
     router: ServiceProcess | None = None
     try:
-        retriever.start()
+        # The retriever loads its embedding model while the shared replica starts (when this
+        # file is the first of its worker to ask for one), as the two did side by side before.
+        retriever.start(wait_serving=False)
+        replica: ServiceProcess = request.getfixturevalue("shared_replica")
+        retriever.wait_serving()
         router = ServiceProcess(
             "services.router",
             [
