@@ -7,9 +7,11 @@ from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
+from xdist.remote import Producer
 
 from tests.support.processes import ServiceProcess
 from tests.support.redis import RedisServer
+from tests.support.scheduling import LoadFileSharingMesh
 from tests.support.shared_replica import shared_replica_process, wait_idle
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,6 +19,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Every router a test starts opens its OpenAI HTTP front on a free port, never the shared 8000.
 os.environ.setdefault("LLMMESH_HTTP_PORT", "0")
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> LoadFileSharingMesh | None:
+    """Under ``--dist loadfile`` (`make test`), the e2e files share a worker and its one `llm-mesh up`."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    return LoadFileSharingMesh(config, log)
 
 
 @pytest.hookimpl(wrapper=True)
