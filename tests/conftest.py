@@ -12,7 +12,7 @@ from xdist.remote import Producer
 from tests.support.processes import ServiceProcess
 from tests.support.redis import RedisServer
 from tests.support.scheduling import LoadFileSharingMesh
-from tests.support.shared_replica import shared_replica_process, wait_idle
+from tests.support.shared_replica import load, shared_replica_process, wait_idle
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -72,9 +72,9 @@ def shared_replica(_shared_replicas: list[ServiceProcess], model_path: Path) -> 
 
     Idle when a file gets it, and checked idle again when the file is done: a file that left a
     stream running fails its own teardown instead of skewing the next file's counts. A replica
-    that died (or that a test stopped) is replaced, so the next file starts on a live one.
+    that died or is draining (a test stopped it) is replaced, so the next file starts on a live one.
     """
-    if not _shared_replicas or not _shared_replicas[-1].alive():
+    if not _shared_replicas or not _shared_replicas[-1].alive() or load(_shared_replicas[-1]).draining:
         _shared_replicas.append(shared_replica_process(model_path).start(timeout=240))
     replica = _shared_replicas[-1]
     wait_idle(replica)
