@@ -59,7 +59,8 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 
 ## test: set up if needed, lint, then the whole test suite (what CI runs)
-# Two workers, whole files each (module fixtures start once): most tests wait on child
+# Two workers, whole files each (module fixtures start once; the e2e files together, as they
+# share one `llm-mesh up`: tests/support/scheduling.py): most tests wait on child
 # processes, so one worker left the second core idle (suite CPU ~1.05 cores over its wall time).
 # Tests marked `serial` promise wall-clock bounds (a restart within 30 s, a refusal within
 # 100 ms) that a second worker's load would break: they run alone, afterwards.

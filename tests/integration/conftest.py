@@ -13,6 +13,7 @@ from tests.support.processes import ServiceProcess
 
 @pytest.fixture()
 async def stub(replica: ServiceProcess) -> AsyncIterator[inference_pb2_grpc.InferenceStub]:
-    """An Inference stub on the module's own ``replica`` (each module starts one configured for its tests)."""
+    """An Inference stub on the module's ``replica``: its own, configured for its tests, or the
+    session's shared one (``shared_replica``, tests/conftest.py) where default flags do."""
     async with grpc.aio.insecure_channel(replica.address) as channel:
         yield inference_pb2_grpc.InferenceStub(channel)

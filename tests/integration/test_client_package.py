@@ -45,22 +45,20 @@ class Mesh:
 
 
 @pytest.fixture(scope="module")
-def mesh(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    """Redis, a retriever and the real model load side by side; then a router in front of them."""
+def mesh(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """Redis and a retriever beside the session's shared real replica; then a router in front of them."""
     data = tmp_path_factory.mktemp("client-mesh")
     redis = RedisServer(data / "redis").start()
-    replica = ServiceProcess(
-        "services.inference", ["--model", str(model_path), "--device", "cpu", "--metrics-port", "0"]
-    )
     retriever = ServiceProcess(
         "services.retriever", ["--milvus-uri", str(data / "milvus.db"), "--metrics-port", "0"]
     )
     router: ServiceProcess | None = None
     try:
-        for service in (replica, retriever):
-            service.start(wait_serving=False)
-        for service in (replica, retriever):
-            service.wait_serving()
+        # The retriever loads its embedding model while the shared replica starts (when this
+        # file is the first of its worker to ask for one), as the two did side by side before.
+        retriever.start(wait_serving=False)
+        replica: ServiceProcess = request.getfixturevalue("shared_replica")
+        retriever.wait_serving()
         router = ServiceProcess(
             "services.router",
             [
@@ -73,7 +71,6 @@ def mesh(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         if router is not None:
             router.stop()
         retriever.stop()
-        replica.stop()
         redis.kill()
 
 

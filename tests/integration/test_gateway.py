@@ -56,12 +56,9 @@ def api_keys(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
 
 
 @pytest.fixture(scope="module")
-def replica(model_path: Path) -> Iterator[ServiceProcess]:
-    proc = ServiceProcess(
-        "services.inference", ["--model", str(model_path), "--device", "cpu", "--metrics-port", "0"]
-    ).start()
-    yield proc
-    proc.stop()
+def replica(shared_replica: ServiceProcess) -> ServiceProcess:
+    """The session's shared real replica (it has a metrics port: the cancel tests read it)."""
+    return shared_replica
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ from tests.support.router_mesh import (
     user_turn,
     wait_until_idle,
 )
+from tests.support.shared_replica import holds_nothing, load
 
 BYPASS = router_pb2.CachePolicy(mode=router_pb2.CACHE_MODE_BYPASS)
 
@@ -209,6 +210,8 @@ def test_a_lost_replicas_session_moves_to_a_prewarmed_successor(mesh: Mesh) -> N
         )
     assert len(homes) == 1
     home = homes.pop()
+    survivors = [r for r in mesh.replicas if r.address != home and r.alive()]
+    cached_before = {r.address: load(r).kv_blocks_cached for r in survivors}
     next(r for r in mesh.replicas if r.address == home).kill()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -216,7 +219,20 @@ def test_a_lost_replicas_session_moves_to_a_prewarmed_successor(mesh: Mesh) -> N
         if any(r.address == home and r.health == router_pb2.REPLICA_HEALTH_NOT_SERVING for r in pool):
             break
         time.sleep(0.1)
-    time.sleep(3.0)  # the move and the one-token pre-warm generation
+
+    def prewarmed() -> bool:
+        # The move ends with a one-token generation of the history on the successor: done once
+        # a survivor caches more prefix blocks than before and runs nothing.
+        loads = [(r.address, load(r)) for r in survivors]
+        return any(
+            report.kv_blocks_cached > cached_before[address] and holds_nothing(report)
+            for address, report in loads
+        )
+
+    deadline = time.monotonic() + 30
+    while not prewarmed():
+        assert time.monotonic() < deadline, "no survivor was pre-warmed with the session 30 s after the kill"
+        time.sleep(0.1)
     end = read_turn(mesh.stub.ChatStream(user_turn("Thanks!", 2, session_id=session, cache=BYPASS))).end
     assert end.replica != home
     assert end.usage.prompt_tokens > 100

@@ -49,7 +49,7 @@ class Mesh:
 
 
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterator[Mesh]:
+def mesh(tmp_path_factory: pytest.TempPathFactory, shared_replica: ServiceProcess) -> Iterator[Mesh]:
     tmp = tmp_path_factory.mktemp("openai-mesh")
     keys = keys_file(tmp / "keys.yaml", {KEY: {"tenant": "a"}, OTHER: {"tenant": "b"}})
     spans = tmp / "spans.jsonl"
@@ -58,11 +58,8 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterator
     try:
         session = ServiceProcess("services.session", ["--redis-url", redis.url])
         retriever = ServiceProcess("services.retriever", ["--milvus-uri", str(tmp / "milvus.db")])
-        replica = ServiceProcess(
-            "services.inference",
-            ["--model", str(model_path), "--device", "cpu", "--dtype", "float32", "--max-num-seqs", "4"],
-        )
-        for service in (session, retriever, replica):
+        replica = shared_replica  # the session's real replica (SmolLM2, fp32), not stopped here
+        for service in (session, retriever):
             started.append(service.start(240))
         common = [
             "--replicas", replica.address, "--redis-url", redis.url, "--session-addr", session.address,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.common.prompts import Message, prompt_token_ids
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from tests.support.device import TEST_DEVICE, replica_device_args
+from tests.support.device import TEST_DEVICE
 from tests.support.inference import Generation, generate
 from tests.support.processes import ServiceProcess
 
@@ -130,16 +130,9 @@ FREE_PROMPTS = ["What is the capital of France?", "Count to five.", "Say hello."
 
 
 @pytest.fixture(scope="module")
-def replica(model_path: Path) -> Iterator[ServiceProcess]:
-    proc = ServiceProcess(
-        "services.inference",
-        ["--model", str(model_path), "--kv-blocks", "512", "--max-num-seqs", "64", *replica_device_args()],
-    )
-    try:
-        proc.start()
-        yield proc
-    finally:
-        proc.stop()
+def replica(shared_replica: ServiceProcess) -> ServiceProcess:
+    """The session's shared real replica: fp32 on the test device, 64 seats (the engine's default)."""
+    return shared_replica
 
 
 @pytest.fixture()

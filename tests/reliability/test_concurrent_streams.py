@@ -18,7 +18,7 @@ import pytest
 
 from bench.load import StreamOutcome, run_closed_loop
 from services.gen.llmmesh.v1 import router_pb2, router_pb2_grpc
-from tests.reliability.mesh_support import chat, mesh, sized
+from tests.reliability.mesh_support import FULL, chat, mesh, sized
 from tests.support.processes import ServiceProcess
 from tests.support.router_mesh import expected_synthetic_ids
 
@@ -91,15 +91,25 @@ async def test_concurrent_streams_complete_exactly_with_bounded_load_under_affin
 
 
 @pytest.mark.slow
-async def test_concurrent_streams_on_the_real_engine_all_complete(model_path: Path) -> None:
+async def test_concurrent_streams_on_the_real_engine_all_complete(
+    shared_replica: ServiceProcess, model_path: Path
+) -> None:
     streams = sized(8, 64)
-    replica = ServiceProcess(
-        "services.inference",
-        ["--model", str(model_path), "--device", "cpu", "--max-num-seqs", "16", "--log-level", "WARNING"],
+    # The CI size's 8 streams run at once on the session's shared replica; the full size starts
+    # one with 16 seats, so that its 64 streams also queue.
+    own = (
+        ServiceProcess(
+            "services.inference",
+            ["--model", str(model_path), "--device", "cpu", "--max-num-seqs", "16", "--log-level", "WARNING"],
+        )
+        if FULL
+        else None
     )
+    replica = own or shared_replica
     router: ServiceProcess | None = None
     try:
-        replica.start(timeout=300)
+        if own is not None:
+            own.start(timeout=300)
         router = ServiceProcess(
             "services.router",
             ["--replicas", replica.address, "--health-interval-s", "0.2", "--probe-interval-s", "0"],
@@ -110,7 +120,7 @@ async def test_concurrent_streams_on_the_real_engine_all_complete(model_path: Pa
 
         outcomes = await run_closed_loop(router.address, streams, streams, make, timeout_s=300)
     finally:
-        for p in [router, replica]:
+        for p in [router, own]:
             if p is not None:
                 p.stop()
     assert [o.code for o in outcomes] == ["OK"] * streams

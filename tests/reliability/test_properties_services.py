@@ -101,10 +101,9 @@ def finished_generations(metrics_port: int) -> float:
 
 
 @pytest.fixture(scope="module")
-def engine(model_path: Path) -> Iterator[ServiceProcess]:
-    args = ["--model", str(model_path), "--device", "cpu", "--metrics-port", "0", "--log-level", "WARNING"]
-    with running("services.inference", args) as proc:
-        yield proc
+def engine(shared_replica: ServiceProcess) -> ServiceProcess:
+    """The session's shared real replica (it has a metrics port: the slot check reads its counters)."""
+    return shared_replica
 
 
 def wait_idle(stub: inference_pb2_grpc.InferenceStub, timeout: float = 5.0) -> inference_pb2.LoadReport:

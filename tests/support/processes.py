@@ -79,6 +79,10 @@ class ServiceProcess(ProcessHandle):
                 raise RuntimeError(f"{self.module} exited:\n" + self.output())
             raise TimeoutError(f"{self.module} not SERVING after {timeout}s:\n" + self.output())
 
+    def alive(self) -> bool:
+        """Started and not yet exited."""
+        return self.proc is not None and self.proc.poll() is None
+
     def _alive(self) -> bool:
         # Not started yet counts as alive: the wait then times out, as before, rather than saying "exited".
         return self.proc is None or self.proc.poll() is None
