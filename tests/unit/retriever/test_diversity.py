@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from services.retriever.diversity import maximal_marginal_relevance
 from services.retriever.embedder import normalize_rows
-from services.retriever.rerank import maximal_marginal_relevance
 
 
 def test_mmr_prefers_a_different_relevant_chunk_over_a_near_duplicate() -> None:
