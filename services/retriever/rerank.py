@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -29,6 +31,10 @@ DEFAULT_RERANK_MODEL = "context"
 NO_RERANKER = "none"
 DEFAULT_CANDIDATES = 20
 MAX_CANDIDATES = 100
+# Label vectors kept: a corpus has few distinct title + heading labels, and they repeat across searches.
+_LABEL_CACHE_SIZE = 8192
+
+
 class QueryEmbedder(Protocol):
     """The part of the embedding model ``ContextReranker`` uses."""
 
@@ -59,21 +65,36 @@ class ContextReranker:
 
     name = "context"
 
-    def __init__(
-        self, embedder: QueryEmbedder, label_weight: float = 0.3, title_weight: float = 0.3
-    ) -> None:
+    def __init__(self, embedder: QueryEmbedder, label_weight: float = 0.3, title_weight: float = 0.3) -> None:
         self._embedder = embedder
         self._label_weight = label_weight
         self._title_weight = title_weight
+        # Embedding 20 labels is most of a rerank's cost; a label's vector never changes.
+        self._labels: OrderedDict[str, Vectors] = OrderedDict()
+        self._labels_lock = threading.Lock()
+
+    def _label_vectors(self, labels: Sequence[str]) -> dict[str, Vectors]:
+        with self._labels_lock:
+            known = {label: self._labels[label] for label in labels if label in self._labels}
+            for label in known:
+                self._labels.move_to_end(label)
+        missing = sorted(set(labels) - set(known))
+        if missing:
+            fresh = dict(zip(missing, self._embedder.embed(missing), strict=True))
+            with self._labels_lock:
+                self._labels.update(fresh)
+                while len(self._labels) > _LABEL_CACHE_SIZE:
+                    self._labels.popitem(last=False)
+            known.update(fresh)
+        return known
 
     def score(self, query: str, query_vector: Vectors, candidates: Sequence[ChunkHit]) -> list[float]:
         if not candidates:
             return []
         labels = [contextual_text(c.title, (c.heading,), "") for c in candidates]
-        distinct = sorted(set(labels))
-        label_cosine = dict(
-            zip(distinct, (self._embedder.embed(distinct) @ query_vector).tolist(), strict=True)
-        )
+        label_cosine = {
+            label: float(vector @ query_vector) for label, vector in self._label_vectors(labels).items()
+        }
         titles = [set(content_words(c.title)) for c in candidates]
         weights = {}
         for word in set(content_words(query)):
