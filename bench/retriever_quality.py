@@ -25,17 +25,20 @@ from bench.retrieval_eval import EvalSet, format_summary, load_eval_set, summari
 from services.retriever.chunking import TokenChunker
 from services.retriever.corpus import Corpus, DocumentUpload, SearchQuery
 from services.retriever.embedder import Embedder
-from services.retriever.rerank import load_reranker
+from services.retriever.rerank import ContextReranker
 from services.retriever.search_modes import SearchMode
 from services.retriever.store import MilvusStore
 
 TENANT = "eval"
-# (label, mode, rerank): what the table rows compare.
-CONFIGS: tuple[tuple[str, SearchMode, bool], ...] = (
-    ("dense", SearchMode.DENSE, False),
-    ("keyword", SearchMode.KEYWORD, False),
-    ("hybrid", SearchMode.HYBRID, False),
-    ("hybrid+rerank", SearchMode.HYBRID, True),
+# (label, mode, reranker weights or None): what the table rows compare. "cosine-led" is the first
+# design (cosine + 0.3 label + 0.3 title, ignoring the search's order), kept to show why it lost.
+_COSINE_LED = {"order_weight": 0.0, "cosine_weight": 1.0, "label_weight": 0.3, "title_weight": 0.3}
+CONFIGS: tuple[tuple[str, SearchMode, dict[str, float] | None], ...] = (
+    ("dense", SearchMode.DENSE, None),
+    ("keyword", SearchMode.KEYWORD, None),
+    ("hybrid", SearchMode.HYBRID, None),
+    ("hybrid+rerank", SearchMode.HYBRID, {}),
+    ("hybrid+rerank(cosine-led)", SearchMode.HYBRID, _COSINE_LED),
 )
 # Chunks fetched per question: enough to rank five distinct documents.
 _CHUNKS = 20
@@ -62,19 +65,21 @@ def ranked_documents(corpus: Corpus, question: str, mode: SearchMode, rerank: bo
 def evaluate(embedder: Embedder, eval_set: EvalSet, neutral_ids: bool, folder: Path) -> list[ModeQuality]:
     store = MilvusStore(str(folder / f"eval-{int(neutral_ids)}.db"), embedder.model_name, embedder.dimension)
     try:
-        reranker, _ = load_reranker("context", embedder)
-        corpus = Corpus(store, embedder, TokenChunker(embedder.token_spans), reranker=reranker)
+        chunker = TokenChunker(embedder.token_spans)
+        corpus = Corpus(store, embedder, chunker)
         for document in eval_set.documents:
             upload = DocumentUpload(
                 document.document_id, document.data, document.mime_type, document.title, document.filename
             )
             corpus.ingest(TENANT, upload)
         results = []
-        for label, mode, rerank in CONFIGS:
+        for label, mode, weights in CONFIGS:
+            rerank = weights is not None
+            searcher = Corpus(store, embedder, chunker, reranker=ContextReranker(embedder, **(weights or {})))
             timings, rows = [], []
             for question in eval_set.questions:
                 started = time.perf_counter()
-                rows.append((question, ranked_documents(corpus, question.text, mode, rerank)))
+                rows.append((question, ranked_documents(searcher, question.text, mode, rerank)))
                 timings.append(time.perf_counter() - started)
             summary = summarize(rows)
             print(f"\n{label} ({'neutral' if neutral_ids else 'readable'} ids)\n{format_summary(summary)}")

@@ -50,25 +50,37 @@ class Reranker(Protocol):
 
 
 class ContextReranker:
-    """Contextual cosine plus how well the query matches whose chunk it is: its title and heading path.
+    """The search's own order, corrected by whose chunk each candidate is: its title and heading path.
 
     A question about one of two twin documents (two coffee cooperatives) matches
     both twins' chunks almost equally well by content, and twins share their
-    section headings too; what differs is the title. Two signals say that:
+    section headings too; what differs is the title. The score is
 
-    - the cosine between the query and the candidate's title + heading path
-      (embedded by the same MiniLM, once per distinct label);
-    - the query's content words found in the title, each weighted by how rare
-      it is among the candidates' titles (a name one twin has and the other
-      lacks weighs most; "coffee", in both titles, weighs little).
+    - the candidate's place in the search's order (1 for the first, 0.05 less
+      per place, over at least 20 places): hybrid search already holds the keyword evidence, which a
+      rescoring by cosine alone throws away (measured: docs/benchmarks.md);
+    - plus the query's content words found in the title, each weighted by how
+      rare it is among the candidates' titles (a name one twin has and the other
+      lacks weighs most; "coffee", in both titles, little);
+    - plus the cosine between the query and the title + heading path (the same
+      MiniLM, once per distinct label, cached), and optionally the chunk's cosine.
     """
 
     name = "context"
 
-    def __init__(self, embedder: QueryEmbedder, label_weight: float = 0.3, title_weight: float = 0.3) -> None:
+    def __init__(
+        self,
+        embedder: QueryEmbedder,
+        order_weight: float = 1.0,
+        title_weight: float = 0.5,
+        label_weight: float = 0.2,
+        cosine_weight: float = 0.0,
+    ) -> None:
         self._embedder = embedder
-        self._label_weight = label_weight
+        self._order_weight = order_weight
         self._title_weight = title_weight
+        self._label_weight = label_weight
+        self._cosine_weight = cosine_weight
         # Embedding 20 labels is most of a rerank's cost; a label's vector never changes.
         self._labels: OrderedDict[str, Vectors] = OrderedDict()
         self._labels_lock = threading.Lock()
@@ -103,10 +115,15 @@ class ContextReranker:
                 weights[word] = math.log((len(titles) + 1) / found)
         total = sum(weights.values())
         scores = []
-        for candidate, label, title in zip(candidates, labels, titles, strict=True):
+        # One step per place, the same however few candidates came back (at most 20 places count).
+        count = max(len(candidates), DEFAULT_CANDIDATES)
+        for rank, (candidate, label, title) in enumerate(zip(candidates, labels, titles, strict=True)):
             named = sum(w for word, w in weights.items() if word in title) / total if total else 0.0
             scores.append(
-                candidate.score + self._label_weight * label_cosine[label] + self._title_weight * named
+                self._order_weight * max(0.0, 1.0 - rank / count)
+                + self._title_weight * named
+                + self._label_weight * label_cosine[label]
+                + self._cosine_weight * candidate.score
             )
         return scores
 
