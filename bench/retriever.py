@@ -51,7 +51,7 @@ from services.retriever.corpus import Corpus, DocumentUpload, SearchQuery
 from services.retriever.embedder import DEFAULT_EMBEDDING_MODEL, Embedder, Vectors, normalize_rows
 from services.retriever.filters import digest
 from services.retriever.records import ChunkRow, DocumentRecord
-from services.retriever.rerank import load_reranker
+from services.retriever.rerank import CONTEXT_RERANKER, load_reranker
 from services.retriever.search_modes import SearchMode
 from services.retriever.store import MilvusStore
 
@@ -189,7 +189,7 @@ def run_bench(args: argparse.Namespace) -> RetrieverBenchResult:
             str(Path(tmp) / "milvus.db"), embedder.model_name, embedder.dimension, search_ef=args.search_ef
         )
         try:
-            reranker, _ = load_reranker("context", embedder)
+            reranker, _ = load_reranker(CONTEXT_RERANKER, embedder)
             corpus = Corpus(store, embedder, chunker, reranker=reranker)
             topics = sorted(TOPICS)
             # ~ chunk_tokens*0.8 new tokens per chunk; a sentence is ~14 tokens.

@@ -30,8 +30,8 @@ class RetrieverConfig:
     # docs/retriever.md: what each choice does and why "context" is the default.
     rerank_model: str = flag(
         DEFAULT_RERANK_MODEL,
-        help="relevance reranker: 'context' (title/heading-aware, on the embedding model), "
-        "a local sentence-transformers CrossEncoder directory, or 'none'",
+        help="relevance reranker: 'none' (the default), a local sentence-transformers CrossEncoder "
+        "directory, or 'context' (title/heading-aware, on the embedding model; measured weaker than hybrid)",
     )
     # Per-document write leases shared by every replica of one corpus (document_locks.py);
     # None: one writer per document per process, enough for a single replica.

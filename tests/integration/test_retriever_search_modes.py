@@ -89,7 +89,8 @@ def start_retriever(folder: Path, *flags: str) -> ServiceProcess:
 
 @pytest.fixture(scope="module")
 def retriever(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
-    service = start_retriever(tmp_path_factory.mktemp("search-modes"))
+    # The context reranker is not the default (measured weaker than hybrid), so name it.
+    service = start_retriever(tmp_path_factory.mktemp("search-modes"), "--rerank-model", "context")
     try:
         ingest_all(service.address)
         yield service
@@ -135,7 +136,9 @@ def test_a_paraphrase_is_found_by_dense_and_hybrid_search(stub: retriever_pb2_gr
         assert 0.3 < response.chunks[0].score <= 1.0
 
 
-def test_unspecified_mode_is_hybrid_and_reranked_by_default(stub: retriever_pb2_grpc.RetrieverStub) -> None:
+def test_unspecified_mode_is_hybrid_and_reranked_when_a_reranker_is_loaded(
+    stub: retriever_pb2_grpc.RetrieverStub,
+) -> None:
     response = search(stub, "QZ-7781", top_k=2)
     assert response.mode == HYBRID and response.reranked and not response.degraded
     assert all(c.HasField("rerank_score") for c in response.chunks)

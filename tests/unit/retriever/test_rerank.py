@@ -8,7 +8,7 @@ import numpy as np
 
 from services.retriever.embedder import Vectors
 from services.retriever.records import ChunkHit
-from services.retriever.rerank import ContextReranker, load_reranker
+from services.retriever.rerank import DEFAULT_RERANK_MODEL, ContextReranker, load_reranker
 
 
 class ConstantEmbedder:
@@ -43,8 +43,8 @@ def test_the_title_word_only_one_twin_has_outweighs_a_slightly_better_cosine() -
     assert sum(len(c) for c in embedder.calls) == 2
 
 
-def test_the_default_reranker_needs_nothing_but_the_embedder_and_none_turns_it_off() -> None:
+def test_no_reranker_by_default_and_the_context_one_needs_nothing_but_the_embedder() -> None:
     # (A directory that cannot be loaded is tested in integration: importing CrossEncoder takes seconds.)
+    assert load_reranker(DEFAULT_RERANK_MODEL, ConstantEmbedder()) == (None, "")
     reranker, reason = load_reranker("context", ConstantEmbedder())
     assert isinstance(reranker, ContextReranker) and reason == ""
-    assert load_reranker("none", ConstantEmbedder()) == (None, "")
