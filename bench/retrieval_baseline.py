@@ -35,6 +35,7 @@ from services.retriever.chunking import ChunkingPolicy, TokenChunker
 from services.retriever.config import RetrieverConfig
 from services.retriever.corpus import Corpus, DocumentUpload, SearchQuery
 from services.retriever.embedder import Embedder
+from services.retriever.search_modes import SearchMode
 from services.retriever.store import MilvusStore
 
 TENANT = "eval"
@@ -57,7 +58,9 @@ def dense_rankings(eval_set: EvalSet, corpus: Corpus) -> list[tuple[EvalQuestion
         )
     results = []
     for question in eval_set.questions:
-        hits = corpus.search(TENANT, SearchQuery(question.text, top_k=CHUNK_HITS))
+        # Dense only: the retriever's default became hybrid (issue #27); the baseline stays dense.
+        query = SearchQuery(question.text, top_k=CHUNK_HITS, mode=SearchMode.DENSE.value)
+        hits = corpus.search(TENANT, query)
         results.append((question, distinct(hit.document_id for hit in hits)))
     return results
 

@@ -31,10 +31,26 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# --rag-mode's words, as retriever.proto's SearchMode numbers.
+_RAG_MODES = {"dense": 1, "keyword": 2, "hybrid": 3}
+
+
 def add_turn_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of one turn, shared by `chat` and `ask`."""
     parser.add_argument("--session", default="", help="session id: the router keeps the history")
     parser.add_argument("--rag", action="store_true", help="answer from the ingested documents")
+    parser.add_argument(
+        "--rag-min-score",
+        type=float,
+        default=None,
+        help="with --rag: leave out sources less similar than this (cosine; default the router's 0.2)",
+    )
+    parser.add_argument(
+        "--rag-mode",
+        choices=sorted(_RAG_MODES),
+        default=None,
+        help="with --rag: how sources are found (default hybrid)",
+    )
     parser.add_argument("--model", default="", help="model name or alias (default: the router's)")
     parser.add_argument("--max-tokens", type=int, default=None, help="most tokens per answer")
     # Greedy by default: at the engine's 1.0 the small default model's answers read as broken;
@@ -68,6 +84,15 @@ def sampling_from_args(args: argparse.Namespace) -> common_pb2.SamplingParams:
     return sampling
 
 
+def rag_options(args: argparse.Namespace) -> router_pb2.RagOptions:
+    rag = router_pb2.RagOptions(enabled=args.rag)
+    if getattr(args, "rag_min_score", None) is not None:
+        rag.min_score = args.rag_min_score
+    if getattr(args, "rag_mode", None) is not None:
+        rag.mode = _RAG_MODES[args.rag_mode]  # type: ignore[assignment]
+    return rag
+
+
 def turn_request(args: argparse.Namespace, messages: list[common_pb2.ChatMessage]) -> router_pb2.ChatRequest:
     return router_pb2.ChatRequest(
         messages=messages,
@@ -75,7 +100,7 @@ def turn_request(args: argparse.Namespace, messages: list[common_pb2.ChatMessage
         sampling=sampling_from_args(args),
         session_id=args.session,
         session_must_exist=args.session_must_exist,
-        rag=router_pb2.RagOptions(enabled=args.rag),
+        rag=rag_options(args),
     )
 
 

@@ -1,7 +1,8 @@
-"""Splits sections into overlapping token windows sized for the embedding model."""
+"""Splits sections into chunks sized for the embedding model, along paragraph boundaries."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -9,21 +10,26 @@ from services.retriever.parsing import Section
 
 # Character spans of a text's tokens, in order (the embedding model's tokenizer provides them).
 TokenSpans = Callable[[str], list[tuple[int, int]]]
+# A blank line ends a paragraph; text without any (HTML and DOCX blocks) has one block per line.
+_BLANK_LINE = re.compile(r"\n[ \t]*\n\s*")
+_LINE_BREAK = re.compile(r"\n\s*")
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """One window of a document: what gets embedded and returned by search."""
+    """One piece of a document: what gets embedded and returned by search."""
 
     text: str
     position: int
     heading: str = ""
     page: int = 0
+    #: The headings above the chunk, outermost first (``heading`` last).
+    heading_path: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class ChunkingPolicy:
-    """Window size and overlap, in tokens of the embedding model."""
+    """Chunk size and, for a paragraph longer than one chunk, the overlap of its windows, in tokens."""
 
     max_tokens: int = 200
     overlap_tokens: int = 40
@@ -35,12 +41,25 @@ class ChunkingPolicy:
             raise ValueError(f"chunk overlap_tokens must be in [0, max_tokens/2], got {self.overlap_tokens}")
 
 
-class TokenChunker:
-    """Cuts each section into windows of at most ``max_tokens`` tokens, overlapping by ``overlap_tokens``.
+def paragraph_spans(text: str) -> list[tuple[int, int]]:
+    """Character spans of ``text``'s paragraphs (blank-line separated, else one per line)."""
+    separator = _BLANK_LINE if _BLANK_LINE.search(text) else _LINE_BREAK
+    spans, start = [], 0
+    for match in separator.finditer(text):
+        spans.append((start, match.start()))
+        start = match.end()
+    spans.append((start, len(text)))
+    return [(a, b) for a, b in spans if text[a:b].strip()]
 
-    Windows never cross a section boundary, so every chunk keeps its heading and
-    page. Chunk text is a slice of the original text (not detokenized), so case,
-    punctuation and spacing survive.
+
+class TokenChunker:
+    """Packs each section's whole paragraphs into chunks of at most ``max_tokens`` tokens.
+
+    A chunk never crosses a section boundary, so it keeps its heading path and
+    page, and never splits a paragraph that fits in one chunk: a chunk is about
+    what its paragraphs are about. A paragraph longer than a chunk is cut into
+    windows overlapping by ``overlap_tokens``. Chunk text is a slice of the
+    original text (not detokenized), so case, punctuation and spacing survive.
     """
 
     def __init__(self, token_spans: TokenSpans, policy: ChunkingPolicy | None = None) -> None:
@@ -50,9 +69,31 @@ class TokenChunker:
     def chunk(self, sections: Iterable[Section]) -> list[Chunk]:
         chunks: list[Chunk] = []
         for section in sections:
-            for text in self._windows(section.text):
-                chunks.append(Chunk(text, len(chunks), section.heading, section.page))
+            path = section.path or ((section.heading,) if section.heading else ())
+            for text in self._pieces(section.text):
+                chunks.append(Chunk(text, len(chunks), section.heading, section.page, path))
         return chunks
+
+    def _pieces(self, text: str) -> list[str]:
+        pieces: list[str] = []
+        # The paragraphs packed so far: (start, end) of the run and its token count.
+        run: tuple[int, int] | None = None
+        run_tokens = 0
+        for start, end in paragraph_spans(text):
+            tokens = len(self._token_spans(text[start:end]))
+            if run is not None and run_tokens + tokens <= self._policy.max_tokens:
+                run, run_tokens = (run[0], end), run_tokens + tokens
+                continue
+            if run is not None:
+                pieces.append(text[run[0] : run[1]].strip())
+            if tokens <= self._policy.max_tokens:
+                run, run_tokens = (start, end), tokens
+            else:
+                pieces.extend(self._windows(text[start:end]))
+                run, run_tokens = None, 0
+        if run is not None:
+            pieces.append(text[run[0] : run[1]].strip())
+        return [p for p in pieces if p]
 
     def _windows(self, text: str) -> list[str]:
         spans = self._token_spans(text)

@@ -8,6 +8,7 @@ from services.common.settings import flag
 from services.retriever.connection import check_milvus_uri
 from services.retriever.document_locks import DEFAULT_LEASE_SECONDS, DEFAULT_WAIT_SECONDS
 from services.retriever.embedder import DEFAULT_EMBEDDING_MODEL
+from services.retriever.rerank import DEFAULT_RERANK_MODEL
 from services.retriever.semantic_cache import DEFAULT_THRESHOLD, DEFAULT_TTL_SECONDS, MAX_TTL_SECONDS
 
 
@@ -26,6 +27,12 @@ class RetrieverConfig:
     cache_ttl_seconds: int = flag(DEFAULT_TTL_SECONDS, help="default semantic-cache entry lifetime")
     milvus_timeout_seconds: float = flag(10.0, help="bound on each Milvus call")
     search_ef: int = flag(64, help="HNSW search breadth (recall vs speed)")
+    # docs/retriever.md: what each choice does and why "context" is the default.
+    rerank_model: str = flag(
+        DEFAULT_RERANK_MODEL,
+        help="relevance reranker: 'none' (the default), a local sentence-transformers CrossEncoder "
+        "directory, or 'context' (title/heading-aware, on the embedding model; measured weaker than hybrid)",
+    )
     # Per-document write leases shared by every replica of one corpus (document_locks.py);
     # None: one writer per document per process, enough for a single replica.
     redis_url: str | None = flag(

@@ -27,6 +27,7 @@ from services.retriever.schema import (
     chunk_schema,
     document_schema,
     legacy_cache_row,
+    legacy_chunk_row,
 )
 
 log = logging.getLogger("llmmesh.retriever.store")
@@ -134,17 +135,31 @@ class MilvusCollections:
                         "--embedding-model, or use another --collection-prefix or --milvus-uri"
                     )
             self._client.load_collection(name, timeout=self._timeout)
-        legacy = self.names.legacy_cache
-        if legacy is not None and legacy in existing:
-            self._adopt_legacy_cache(legacy, expected)
+        moves = (
+            (self.names.legacy_cache, self.names.cache, "entry_id", legacy_cache_row),
+            (self.names.legacy_chunks, self.names.chunks, "chunk_id", legacy_chunk_row),
+        )
+        for legacy, target, key, convert in moves:
+            if legacy is not None and legacy in existing:
+                self._adopt_legacy(legacy, target, key, convert, expected)
 
-    def _adopt_legacy_cache(self, legacy: str, expected: Mapping[str, str]) -> None:
-        """Moves the entries of an older cache collection into the current one, then drops it.
+    def _adopt_legacy(
+        self,
+        legacy: str,
+        target: str,
+        key: str,
+        convert: Callable[[Mapping[str, Any]], dict[str, Any]],
+        expected: Mapping[str, str],
+    ) -> None:
+        """Moves the rows of an older-schema collection into the current one, then drops it.
 
-        Its entries keep hitting, with usage 0 (it was never recorded). Rows are
-        written to the new collection before they are deleted from the old one and
-        the old one is dropped only when empty, so a crash midway loses nothing: the
-        next start carries on (rewriting a row already moved is an idempotent upsert).
+        Milvus Lite cannot add a field to a collection, so a new schema is a new
+        collection. Old cache entries keep hitting, with usage 0 (it was never
+        recorded); old chunks keep their vectors and versions and gain the keyword
+        field, so documents need no re-ingest. Rows are written to the new
+        collection before they are deleted from the old one and the old one is
+        dropped only when empty, so a crash midway loses nothing: the next start
+        carries on (rewriting a row already moved is an idempotent upsert).
         """
         found = self._client.describe_collection(legacy, timeout=self._timeout).get("properties", {})
         if {k: str(found.get(k, "")) for k in expected} != dict(expected):
@@ -154,18 +169,18 @@ class MilvusCollections:
         moved = 0
         try:
             self._client.load_collection(legacy, timeout=self._timeout)
-            while rows := self._query(legacy, 'entry_id != ""', ["*"], limit=_MIGRATION_BATCH):
-                self._upsert(self.names.cache, [legacy_cache_row(row) for row in rows])
-                self._settle(self.names.cache)
-                moved_ids = sorted(str(row["entry_id"]) for row in rows)
-                self._delete(legacy, f"entry_id in {json.dumps(moved_ids)}")
+            while rows := self._query(legacy, f'{key} != ""', ["*"], limit=_MIGRATION_BATCH):
+                self._upsert(target, [convert(row) for row in rows])
+                self._settle(target)
+                moved_ids = sorted(str(row[key]) for row in rows)
+                self._delete(legacy, f"{key} in {json.dumps(moved_ids)}")
                 moved += len(rows)
             self._client.drop_collection(legacy, timeout=self._timeout)
         except MilvusException:
             if self._client.has_collection(legacy, timeout=self._timeout):
                 raise
             return  # another replica sharing this Milvus finished the move first
-        log.info("moved %d semantic-cache entries from %s to %s", moved, legacy, self.names.cache)
+        log.info("moved %d rows from %s to %s", moved, legacy, target)
 
     # -- error mapping ---------------------------------------------------
 

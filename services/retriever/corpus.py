@@ -14,35 +14,28 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
-
 from services.common.errors import InvalidArgument, NotFound
 from services.retriever.chunking import Chunk, TokenChunker
 from services.retriever.document_locks import DocumentLocks, LocalLocks
 from services.retriever.embedder import Vectors
-from services.retriever.filters import METADATA_KEY_RE
 from services.retriever.parsing import normalize_mime_type, parse_document
 from services.retriever.records import ChunkHit, ChunkRow, DocumentRecord
-from services.retriever.rerank import maximal_marginal_relevance
-from services.retriever.store import MAX_QUERY_WINDOW, MilvusStore
+from services.retriever.rerank import Reranker
+from services.retriever.schema import MAX_TEXT_BYTES, contextual_text, fit_bytes
+from services.retriever.search import Searcher, SearchQuery, SearchResult, check_metadata
+from services.retriever.store import MilvusStore
 
-DEFAULT_TOP_K = 5
-MAX_TOP_K = 100
+__all__ = ["Corpus", "DocumentUpload", "IngestResult", "SearchQuery", "SearchResult"]
+
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
 MAX_DOCUMENT_ID_CHARS = 256
 MAX_TITLE_CHARS = 512
-MAX_METADATA_ENTRIES = 64
-MAX_METADATA_VALUE_CHARS = 1024
-MAX_QUERY_CHARS = 8192
-# Candidates fetched per result: room for stale versions dropped and for MMR to choose from.
-_OVERFETCH = 4
 
 
 class TextEmbedder(Protocol):
@@ -76,48 +69,6 @@ class IngestResult:
     bytes: int
 
 
-@dataclass(frozen=True)
-class SearchQuery:
-    """A validated search; ``top_k`` None (unset) means the default."""
-
-    text: str
-    top_k: int | None = None
-    min_score: float | None = None
-    metadata_filter: Mapping[str, str] = field(default_factory=dict)
-    rerank: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.text.strip():
-            raise InvalidArgument("query", "must not be empty")
-        if len(self.text) > MAX_QUERY_CHARS:
-            raise InvalidArgument("query", f"must be at most {MAX_QUERY_CHARS} characters")
-        if self.top_k is not None and not 1 <= self.top_k <= MAX_TOP_K:
-            raise InvalidArgument(
-                "top_k", f"must be in 1..{MAX_TOP_K} (unset = {DEFAULT_TOP_K}), got {self.top_k}"
-            )
-        if self.min_score is not None and not (
-            math.isfinite(self.min_score) and -1.0 <= self.min_score <= 1.0
-        ):
-            raise InvalidArgument(
-                "min_score", f"must be a cosine similarity in [-1, 1], got {self.min_score}"
-            )
-        check_metadata(self.metadata_filter, "metadata_filter")
-
-    @property
-    def limit(self) -> int:
-        return DEFAULT_TOP_K if self.top_k is None else self.top_k
-
-
-def check_metadata(metadata: Mapping[str, str], field_name: str) -> None:
-    if len(metadata) > MAX_METADATA_ENTRIES:
-        raise InvalidArgument(field_name, f"at most {MAX_METADATA_ENTRIES} entries")
-    for key, value in metadata.items():
-        if not METADATA_KEY_RE.match(key):
-            raise InvalidArgument(field_name, f"key {key!r} must be 1-64 of letters, digits, '_', '.', '-'")
-        if len(value) > MAX_METADATA_VALUE_CHARS:
-            raise InvalidArgument(field_name, f"value of {key!r} is longer than {MAX_METADATA_VALUE_CHARS}")
-
-
 def check_document_id(document_id: str, field_name: str = "document_id") -> None:
     if not 1 <= len(document_id) <= MAX_DOCUMENT_ID_CHARS:
         raise InvalidArgument(field_name, f"must be 1-{MAX_DOCUMENT_ID_CHARS} characters")
@@ -126,8 +77,8 @@ def check_document_id(document_id: str, field_name: str = "document_id") -> None
 
 
 def embedding_text(title: str, chunk: Chunk) -> str:
-    """What gets embedded: the chunk with its title and heading, which often name its topic."""
-    return "\n".join(part for part in (title, chunk.heading, chunk.text) if part)
+    """What gets embedded and keyword-indexed: the chunk under its title and heading path."""
+    return contextual_text(title, chunk.heading_path or (chunk.heading,), chunk.text)
 
 
 def encode_page_token(last_document_id: str) -> str:
@@ -153,8 +104,11 @@ class Corpus:
         chunker: TokenChunker,
         clock: Callable[[], float] = time.time,
         locks: DocumentLocks | None = None,
+        reranker: Reranker | None = None,
+        reranker_unavailable: str = "",
     ) -> None:
         self._store = store
+        self._searcher = Searcher(store, embedder, reranker, reranker_unavailable)
         self._embedder = embedder
         self._chunker = chunker
         self._clock = clock
@@ -191,7 +145,8 @@ class Corpus:
             chunks = self._chunker.chunk(parse_document(upload.data, mime_type))
             if not chunks:
                 raise InvalidArgument("data", "document has no text to index")
-            vectors = self._embedder.embed([embedding_text(title, c) for c in chunks])
+            contexts = [embedding_text(title, c) for c in chunks]
+            vectors = self._embedder.embed(contexts)
 
             version = current.last_version + 1 if current is not None else 1
             record = DocumentRecord(
@@ -212,36 +167,22 @@ class Corpus:
                 upload.document_id,
                 keep_version=current.version if current and not current.deleted else None,
             )
-            rows = [ChunkRow(c.position, c.text, c.heading, c.page) for c in chunks]
+            rows = [
+                ChunkRow(c.position, c.text, c.heading, c.page, fit_bytes(context, MAX_TEXT_BYTES))
+                for c, context in zip(chunks, contexts, strict=True)
+            ]
             self._store.write_chunks(record, rows, vectors)
             lease.check()  # another replica may write this document once our lease is gone
             self._store.put_document(record)  # the flip: readers now see version `version`
             self._store.delete_chunks(tenant, upload.document_id, keep_version=version)
         return IngestResult(upload.document_id, len(chunks), False, content_hash, version, len(upload.data))
 
+    def find(self, tenant: str, query: SearchQuery) -> SearchResult:
+        """The search's hits and how it ran (mode, reranked, degraded)."""
+        return self._searcher.search(tenant, query)
+
     def search(self, tenant: str, query: SearchQuery) -> list[ChunkHit]:
-        vector = self._embedder.embed([query.text])[0]
-        wanted = query.limit
-        fetch = min(MAX_QUERY_WINDOW, max(wanted * _OVERFETCH, 20))
-        while True:
-            candidates = self._store.search_chunks(
-                tenant, vector, fetch, query.metadata_filter, with_vectors=query.rerank
-            )
-            current = self._store.current_versions(tenant, (h.document_key for h in candidates))
-            # A chunk counts only if its document still names its version: no mixes during a replace.
-            visible = [h for h in candidates if current.get(h.document_key) == h.document_version]
-            # Short because stale chunks took places: look further down the list.
-            short = len(visible) < wanted and len(candidates) == fetch and fetch < MAX_QUERY_WINDOW
-            if not short:
-                break
-            fetch = min(MAX_QUERY_WINDOW, fetch * 4)
-        if query.min_score is not None:
-            visible = [h for h in visible if h.score >= query.min_score]
-        if query.rerank and len(visible) > 1:
-            matrix = np.stack([h.vector for h in visible if h.vector is not None])
-            order = maximal_marginal_relevance(vector, matrix, wanted)
-            visible = [visible[i] for i in order]
-        return visible[:wanted]
+        return self.find(tenant, query).hits
 
     def delete(self, tenant: str, document_id: str) -> int:
         check_document_id(document_id)

@@ -63,6 +63,8 @@ class Embedder:
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model_name, location = resolve_model(name_or_path)
+        #: What was loaded (a path for the packaged model), for tools that load it again.
+        self.location = location
         self._model = SentenceTransformer(location, device=device, local_files_only=True)
         native = self._model.get_embedding_dimension()
         if native is None:

@@ -43,6 +43,24 @@ class Section:
     text: str
     heading: str = ""
     page: int = 0
+    #: The headings above it, outermost first, ending with ``heading``: what the section is about.
+    path: tuple[str, ...] = ()
+
+
+class HeadingTrail:
+    """The open headings while a document is read in order: a level-n heading closes those at n and deeper."""
+
+    def __init__(self) -> None:
+        self._open: list[tuple[int, str]] = []
+
+    def enter(self, level: int, heading: str) -> None:
+        while self._open and self._open[-1][0] >= level:
+            self._open.pop()
+        self._open.append((level, heading))
+
+    def section(self, text: str) -> Section:
+        path = tuple(h for _, h in self._open)
+        return Section(text, path[-1] if path else "", path=path)
 
 
 def mime_type_for(path: str | PurePath) -> str | None:
@@ -86,7 +104,7 @@ def _parse_plain(data: bytes) -> list[Section]:
 
 def _parse_markdown(data: bytes) -> list[Section]:
     sections: list[Section] = []
-    heading = ""
+    trail = HeadingTrail()
     lines: list[str] = []
     in_fence = False
     for line in _decode_text(data).splitlines():
@@ -94,11 +112,12 @@ def _parse_markdown(data: bytes) -> list[Section]:
             in_fence = not in_fence
         match = None if in_fence else _MD_HEADING.match(line)
         if match:
-            sections.append(Section("\n".join(lines).strip(), heading))
-            heading, lines = match.group(2), []
+            sections.append(trail.section("\n".join(lines).strip()))
+            trail.enter(len(match.group(1)), match.group(2))
+            lines = []
         else:
             lines.append(line)
-    sections.append(Section("\n".join(lines).strip(), heading))
+    sections.append(trail.section("\n".join(lines).strip()))
     return sections
 
 
@@ -109,7 +128,7 @@ def _parse_html(data: bytes) -> list[Section]:
     for tag in soup(["script", "style", "noscript", "template", "head"]):
         tag.decompose()
     sections: list[Section] = []
-    heading = ""
+    trail = HeadingTrail()
     parts: list[str] = []
     # Walk the block-level elements in document order; a heading closes the section before it.
     for element in soup.find_all(
@@ -119,11 +138,12 @@ def _parse_html(data: bytes) -> list[Section]:
             continue  # already counted as part of its enclosing block
         text = _SPACE_BEFORE_PUNCTUATION.sub(r"\1", " ".join(element.get_text(" ").split()))
         if element.name in {"h1", "h2", "h3", "h4", "h5", "h6"}:
-            sections.append(Section("\n".join(parts), heading))
-            heading, parts = text, []
+            sections.append(trail.section("\n".join(parts)))
+            trail.enter(int(element.name[1]), text)
+            parts = []
         elif text:
             parts.append(text)
-    sections.append(Section("\n".join(parts), heading))
+    sections.append(trail.section("\n".join(parts)))
     if not any(s.text for s in sections) and soup.body is not None:
         # No block elements at all: fall back to the body's bare text.
         sections = [Section(" ".join(soup.body.get_text(" ").split()))]
@@ -158,19 +178,22 @@ def _parse_docx(data: bytes) -> list[Section]:
     except (PackageNotFoundError, zipfile.BadZipFile, KeyError, ValueError) as exc:
         raise InvalidArgument("data", f"not a readable DOCX file: {exc}") from exc
     sections: list[Section] = []
-    heading = ""
+    trail = HeadingTrail()
     lines: list[str] = []
     for paragraph in document.paragraphs:
         style = paragraph.style.name if paragraph.style is not None and paragraph.style.name else ""
         if _DOCX_HEADING.match(style) and paragraph.text.strip():
-            sections.append(Section("\n".join(lines).strip(), heading))
-            heading, lines = paragraph.text.strip(), []
+            sections.append(trail.section("\n".join(lines).strip()))
+            # "Title" is the outermost level; "Heading N" nests under it.
+            level = int(style.split()[-1]) if style.lower().startswith("heading") else 0
+            trail.enter(level, paragraph.text.strip())
+            lines = []
         elif paragraph.text.strip():
             lines.append(paragraph.text.strip())
     for table in document.tables:
         for row in table.rows:
             lines.append(" | ".join(cell.text.strip() for cell in row.cells))
-    sections.append(Section("\n".join(lines).strip(), heading))
+    sections.append(trail.section("\n".join(lines).strip()))
     return sections
 
 

@@ -47,6 +47,8 @@ class ChunkRow:
     text: str
     heading: str
     page: int
+    #: What is embedded and keyword-indexed: title, heading path and text (``schema.contextual_text``).
+    search_text: str = ""
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,10 @@ class ChunkHit:
     metadata: dict[str, str]
     document_version: int
     vector: Vectors | None = field(default=None, compare=False)
+    #: What the search mode ordered by: cosine (dense), BM25 (keyword) or the rank fusion (hybrid).
+    retrieval_score: float = 0.0
+    #: The relevance reranker's score, when it ordered the results.
+    rerank_score: float | None = None
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from services.retriever.config import RetrieverConfig
 from services.retriever.corpus import Corpus
 from services.retriever.document_locks import DocumentLocks, LocalLocks, RedisLocks
 from services.retriever.embedder import Embedder
+from services.retriever.rerank import load_reranker
 from services.retriever.schema import CollectionNames
 from services.retriever.semantic_cache import SemanticCache
 from services.retriever.servicer import Backends, RetrieverServicer
@@ -56,9 +57,21 @@ class RetrieverRuntime:
         if self._store.mismatch:
             log.error("%s", self._store.mismatch)
         chunker = TokenChunker(embedder.token_spans, policy)
+        # A reranker that cannot be loaded is logged and noted on searches, never fatal.
+        reranker, unavailable = await asyncio.to_thread(
+            load_reranker, config.rerank_model, embedder, config.device
+        )
+        corpus = Corpus(
+            self._store,
+            embedder,
+            chunker,
+            locks=self._document_locks(),
+            reranker=reranker,
+            reranker_unavailable=unavailable,
+        )
         self.servicer.set_ready(
             Backends(
-                corpus=Corpus(self._store, embedder, chunker, locks=self._document_locks()),
+                corpus=corpus,
                 cache=SemanticCache(self._store, embedder, config.cache_threshold, config.cache_ttl_seconds),
                 embedder=embedder,
             )

@@ -16,7 +16,7 @@ from services.gen.llmmesh.v1 import common_pb2, retriever_pb2, retriever_pb2_grp
 from services.retriever import metrics
 from services.retriever.corpus import Corpus, DocumentUpload, SearchQuery
 from services.retriever.embedder import Embedder, Vectors
-from services.retriever.records import AnswerUsage, DocumentRecord
+from services.retriever.records import AnswerUsage, ChunkHit, DocumentRecord
 from services.retriever.semantic_cache import CacheScope, SemanticCache
 
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -53,6 +53,23 @@ def document_info(record: DocumentRecord) -> retriever_pb2.DocumentInfo:
         version=record.version,
         metadata=record.metadata,
         updated_at_ms=record.updated_at_ms,
+    )
+
+
+def retrieved_chunk(hit: ChunkHit) -> retriever_pb2.RetrievedChunk:
+    return retriever_pb2.RetrievedChunk(
+        chunk_id=hit.chunk_id,
+        document_id=hit.document_id,
+        title=hit.title,
+        text=hit.text,
+        score=hit.score,
+        position=hit.position,
+        page=hit.page,
+        heading=hit.heading,
+        metadata=hit.metadata,
+        document_version=hit.document_version,
+        retrieval_score=hit.retrieval_score,
+        rerank_score=hit.rerank_score,
     )
 
 
@@ -137,26 +154,18 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             top_k=request.top_k if request.HasField("top_k") else None,
             min_score=request.min_score if request.HasField("min_score") else None,
             metadata_filter=dict(request.metadata_filter),
-            rerank=request.rerank,
+            diversify=request.diversify,
+            mode=int(request.mode),
+            rerank=request.rerank if request.HasField("rerank") else None,
+            rerank_candidates=request.rerank_candidates if request.HasField("rerank_candidates") else None,
         )
-        hits = await asyncio.to_thread(self.backends.corpus.search, tenant, query)
+        result = await asyncio.to_thread(self.backends.corpus.find, tenant, query)
         metrics.SEARCH_SECONDS.observe(time.perf_counter() - started)
         return retriever_pb2.SearchResponse(
-            chunks=[
-                retriever_pb2.RetrievedChunk(
-                    chunk_id=hit.chunk_id,
-                    document_id=hit.document_id,
-                    title=hit.title,
-                    text=hit.text,
-                    score=hit.score,
-                    position=hit.position,
-                    page=hit.page,
-                    heading=hit.heading,
-                    metadata=hit.metadata,
-                    document_version=hit.document_version,
-                )
-                for hit in hits
-            ]
+            chunks=[retrieved_chunk(hit) for hit in result.hits],
+            mode=result.mode.value,  # type: ignore[arg-type]
+            reranked=result.reranked,
+            degraded=result.degraded,
         )
 
     async def DeleteDocument(  # type: ignore[override]

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
 import numpy as np
+from pymilvus import AnnSearchRequest, RRFRanker
 
 from services.retriever.connection import CONSISTENCY, MilvusCollections
 from services.retriever.embedder import Vectors
@@ -31,9 +32,24 @@ from services.retriever.schema import (
     USAGE_FIELDS,
     fit_bytes,
 )
+from services.retriever.search_modes import SearchMode
 
 # Milvus answers at most this many rows per query or search.
 MAX_QUERY_WINDOW = 16_384
+# Reciprocal rank fusion's constant: 60 is the value of the original paper and Milvus's default.
+RRF_K = 60
+_HIT_FIELDS = [
+    "document_key",
+    "document_id",
+    "title",
+    "text",
+    "position",
+    "page",
+    "heading",
+    "metadata",
+    "version",
+    "vector",
+]
 
 
 class MilvusStore(MilvusCollections):
@@ -125,6 +141,7 @@ class MilvusStore(MilvusCollections):
                 "text": fit_bytes(chunk.text, MAX_TEXT_BYTES),
                 "metadata": record.metadata,
                 "vector": vector.tolist(),
+                "search_text": fit_bytes(chunk.search_text or chunk.text, MAX_TEXT_BYTES),
             }
             for chunk, vector in zip(chunks, vectors, strict=True)
         ]
@@ -149,60 +166,56 @@ class MilvusStore(MilvusCollections):
     def search_chunks(
         self,
         tenant: str,
+        mode: SearchMode,
+        query_text: str,
         vector: Vectors,
         limit: int,
         metadata_filter: Mapping[str, str],
-        with_vectors: bool = False,
     ) -> list[ChunkHit]:
+        """The ``limit`` best chunks for the query in ``mode``, best first, each with its vector.
+
+        ``score`` is always the cosine similarity to ``vector`` (so ``min_score``
+        means the same in every mode); ``retrieval_score`` is what the mode ranked by.
+        """
         self.require_model()
         condition = f'tenant_key == "{digest(tenant)}"'
         if metadata_filter:
             condition += " and " + metadata_condition(metadata_filter)
-        fields = [
-            "document_key",
-            "document_id",
-            "title",
-            "text",
-            "position",
-            "page",
-            "heading",
-            "metadata",
-            "version",
-        ]
-        if with_vectors:
-            fields.append("vector")
-        result = self._call(
-            lambda: self._client.search(
+        dense = {"metric_type": "COSINE", "params": {"ef": max(self.search_ef, limit)}}
+        keyword = {"metric_type": "BM25"}
+        if mode is SearchMode.HYBRID:
+            requests = [
+                AnnSearchRequest([vector.tolist()], "vector", dense, limit, expr=condition),
+                AnnSearchRequest([query_text], "sparse", keyword, limit, expr=condition),
+            ]
+            call = lambda: self._client.hybrid_search(  # noqa: E731
                 self.names.chunks,
-                data=[vector.tolist()],
+                requests,
+                RRFRanker(RRF_K),
                 limit=limit,
-                filter=condition,
-                output_fields=fields,
-                search_params={"metric_type": "COSINE", "params": {"ef": max(self.search_ef, limit)}},
+                output_fields=_HIT_FIELDS,
                 consistency_level=CONSISTENCY,
                 timeout=self._timeout,
             )
-        )
-        hits = []
-        for hit in result[0] if result else []:
-            entity = hit["entity"]
-            hits.append(
-                ChunkHit(
-                    chunk_id=str(hit["chunk_id"] if "chunk_id" in hit else hit["id"]),
-                    document_id=entity["document_id"],
-                    document_key=entity["document_key"],
-                    title=entity["title"],
-                    text=entity["text"],
-                    score=float(hit["distance"]),
-                    position=int(entity["position"]),
-                    page=int(entity["page"]),
-                    heading=entity["heading"],
-                    metadata=dict(entity.get("metadata") or {}),
-                    document_version=int(entity["version"]),
-                    vector=np.asarray(entity["vector"], dtype=np.float32) if with_vectors else None,
-                )
+        else:
+            field, data, params = (
+                ("vector", vector.tolist(), dense)
+                if mode is SearchMode.DENSE
+                else ("sparse", query_text, keyword)
             )
-        return hits
+            call = lambda: self._client.search(  # noqa: E731
+                self.names.chunks,
+                data=[data],
+                anns_field=field,
+                limit=limit,
+                filter=condition,
+                output_fields=_HIT_FIELDS,
+                search_params=params,
+                consistency_level=CONSISTENCY,
+                timeout=self._timeout,
+            )
+        result = self._call(call)
+        return [_hit(hit, vector, mode) for hit in (result[0] if result else [])]
 
     # -- semantic cache --------------------------------------------------
 
@@ -276,3 +289,25 @@ class MilvusStore(MilvusCollections):
 
     def count_cache_entries(self, tenant: str) -> int:
         return self._count(self.names.cache, f'tenant_key == "{digest(tenant)}"')
+
+
+def _hit(hit: Mapping[str, object], query: Vectors, mode: SearchMode) -> ChunkHit:
+    entity: Mapping[str, object] = hit["entity"]  # type: ignore[assignment]
+    vector = np.asarray(entity["vector"], dtype=np.float32)
+    distance = float(hit["distance"])  # type: ignore[arg-type]
+    return ChunkHit(
+        chunk_id=str(hit["chunk_id"] if "chunk_id" in hit else hit["id"]),
+        document_id=str(entity["document_id"]),
+        document_key=str(entity["document_key"]),
+        title=str(entity["title"]),
+        text=str(entity["text"]),
+        score=float(vector @ query),
+        position=int(entity["position"]),  # type: ignore[call-overload]
+        page=int(entity["page"]),  # type: ignore[call-overload]
+        heading=str(entity["heading"]),
+        metadata=dict(entity.get("metadata") or {}),  # type: ignore[call-overload]
+        document_version=int(entity["version"]),  # type: ignore[call-overload]
+        vector=vector,
+        # Milvus Lite reports BM25 negated (smaller is better); a server reports it as is.
+        retrieval_score=abs(distance) if mode is SearchMode.KEYWORD else distance,
+    )

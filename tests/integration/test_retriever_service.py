@@ -298,14 +298,14 @@ def test_bad_searches_are_invalid_arguments_naming_the_field(
     assert (error.details() or "").startswith(f"{field}:")
 
 
-def test_rerank_returns_the_best_chunk_first_and_no_more_than_top_k(
+def test_diversify_keeps_the_best_chunk_first_and_no_more_than_top_k(
     ingest_output: str, stub: retriever_pb2_grpc.RetrieverStub
 ) -> None:
     plain = search(stub, "How do I bake sourdough bread?", top_k=4)
-    reranked = search(stub, "How do I bake sourdough bread?", top_k=4, rerank=True)
-    assert len(reranked) == 4
-    assert reranked[0].chunk_id == plain[0].chunk_id
-    assert len({c.chunk_id for c in reranked}) == 4
+    diverse = search(stub, "How do I bake sourdough bread?", top_k=4, diversify=True)
+    assert len(diverse) == 4
+    assert diverse[0].chunk_id == plain[0].chunk_id
+    assert len({c.chunk_id for c in diverse}) == 4
 
 
 def test_semantic_cache_hits_paraphrases_and_misses_unrelated_prompts(

@@ -23,7 +23,8 @@ from services.retriever.corpus import Corpus, DocumentUpload, SearchQuery
 from services.retriever.embedder import Vectors, normalize_rows
 from services.retriever.filters import digest
 from services.retriever.records import AnswerUsage, ChunkHit, ChunkRow, DocumentRecord
-from services.retriever.schema import DIMENSION_PROPERTY, MODEL_PROPERTY
+from services.retriever.schema import DIMENSION_PROPERTY, MODEL_PROPERTY, CollectionNames
+from services.retriever.search_modes import SearchMode
 from services.retriever.semantic_cache import CacheScope, SemanticCache
 from services.retriever.store import MilvusStore
 
@@ -217,7 +218,7 @@ def test_a_store_built_by_another_model_refuses_vector_calls(tmp_path: Path) -> 
         try:
             assert other.mismatch is not None and "model-a" in other.mismatch
             with pytest.raises(FailedPrecondition, match="embedding model 'model-a'") as caught:
-                other.search_chunks("t", np.ones(dimension, dtype=np.float32), 3, {})
+                other.search_chunks("t", SearchMode.DENSE, "q", np.ones(dimension, dtype=np.float32), 3, {})
             assert status_for(caught.value).name == "FAILED_PRECONDITION"
         finally:
             other.close()
@@ -385,3 +386,71 @@ def test_entries_of_the_cache_collection_without_usage_still_hit_with_usage_zero
         assert reopened.count_cache_entries("upgraded") == 4
     finally:
         reopened.close()
+
+
+def _recreate_as_first_chunk_schema(path: str, rows: list[dict[str, object]]) -> None:
+    """Replaces the chunks collection by one of the schema before hybrid search (no BM25 field)."""
+    client = MilvusClient(uri=path)
+    try:
+        names = CollectionNames.with_prefix("llmmesh")
+        client.drop_collection(names.chunks)
+        schema = MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
+        schema.add_field("chunk_id", DataType.VARCHAR, is_primary=True, max_length=128)
+        for name in ("tenant_key", "document_key"):
+            schema.add_field(name, DataType.VARCHAR, max_length=64)
+        for name in ("document_id", "heading", "title"):
+            schema.add_field(name, DataType.VARCHAR, max_length=1024)
+        for name in ("version", "position", "page"):
+            schema.add_field(name, DataType.INT64)
+        schema.add_field("text", DataType.VARCHAR, max_length=65_535)
+        schema.add_field("metadata", DataType.JSON)
+        schema.add_field("vector", DataType.FLOAT_VECTOR, dim=DIM)
+        properties = {MODEL_PROPERTY: BagOfWordsFakeEmbedder.model_name, DIMENSION_PROPERTY: str(DIM)}
+        assert names.legacy_chunks is not None
+        client.create_collection(names.legacy_chunks, schema=schema, properties=properties)
+        index = client.prepare_index_params()
+        index.add_index(
+            "vector", index_type="HNSW", metric_type="COSINE", params={"M": 16, "efConstruction": 200}
+        )
+        client.create_index(names.legacy_chunks, index, sync=False)
+        client.load_collection(names.legacy_chunks)
+        client.upsert(names.legacy_chunks, rows)
+        client.flush(names.legacy_chunks)
+    finally:
+        client.close()
+        from milvus_lite.server_manager import server_manager_instance
+
+        server_manager_instance.release_server(path)
+
+
+def test_chunks_of_the_schema_before_hybrid_search_are_moved_and_keyword_searchable(tmp_path: Path) -> None:
+    path = str(tmp_path / "milvus.db")
+    tenant = "upgraded"
+    store = MilvusStore(path, BagOfWordsFakeEmbedder.model_name, DIM)
+    corpus = Corpus(store, BagOfWordsFakeEmbedder(), TokenChunker(whitespace_token_spans))
+    text = "# Harbour rules\n\nBoats moor at pier ZX-19 only.\n\n## Fees\n\nMooring costs four coins a night."
+    assert corpus.ingest(tenant, DocumentUpload("harbour", text.encode(), "text/markdown")).version == 1
+    fields = [
+        "chunk_id", "tenant_key", "document_key", "document_id", "version", "position", "page",
+        "heading", "title", "text", "metadata", "vector",
+    ]  # fmt: skip
+    rows = store._query(store.names.chunks, 'chunk_id != ""', fields)
+    store.close()
+    _recreate_as_first_chunk_schema(path, rows)
+
+    store = MilvusStore(path, BagOfWordsFakeEmbedder.model_name, DIM)
+    try:
+        assert store.names.legacy_chunks not in store._client.list_collections()  # moved, then dropped
+        corpus = Corpus(store, BagOfWordsFakeEmbedder(), TokenChunker(whitespace_token_spans))
+        for mode in (1, 2, 3):
+            hits = corpus.search(tenant, SearchQuery("ZX-19", top_k=1, mode=mode, rerank=False))
+            assert [(h.document_id, h.document_version) for h in hits] == [("harbour", 1)], mode
+        # Re-ingest continues the version and replaces the moved chunks.
+        changed = text.replace("four coins", "five coins")
+        assert (
+            corpus.ingest(tenant, DocumentUpload("harbour", changed.encode(), "text/markdown")).version == 2
+        )
+        hits = corpus.search(tenant, SearchQuery("mooring coins", top_k=5, mode=2, rerank=False))
+        assert {h.document_version for h in hits} == {2} and any("five coins" in h.text for h in hits)
+    finally:
+        store.close()

@@ -59,9 +59,9 @@ def retriever(milvus_behind_proxy: FaultProxy) -> Iterator[retriever_pb2_grpc.Re
 
 
 def ingest(
-    stub: retriever_pb2_grpc.RetrieverStub, document_id: str, text: str
+    stub: retriever_pb2_grpc.RetrieverStub, document_id: str, text: str, **metadata: str
 ) -> retriever_pb2.IngestSummary:
-    header = retriever_pb2.DocumentHeader(document_id=document_id, mime_type="text/plain")
+    header = retriever_pb2.DocumentHeader(document_id=document_id, mime_type="text/plain", metadata=metadata)
     requests = [retriever_pb2.IngestRequest(header=header), retriever_pb2.IngestRequest(data=text.encode())]
     summary: retriever_pb2.IngestSummary = stub.Ingest(iter(requests), metadata=TENANT, timeout=60)
     return summary
@@ -74,13 +74,17 @@ def test_a_search_right_after_an_ingest_finds_the_new_document(
     for i in range(rounds):
         topic = TOPICS[i % len(TOPICS)]
         document_id = f"note-{i}-{topic}"
-        text = f"All about {topic}. This note explains {topic} in detail, and only {topic}."
-        assert ingest(retriever, document_id, text).chunks >= 1
+        # Topics repeat at full size, so earlier notes could fill the top 3 with the same text: a
+        # marker only this round's note carries, and a filter on it, leave one right answer.
+        marker = f"round{i}marker"
+        text = f"All about {topic}. This note ({marker}) explains {topic} in detail, and only {topic}."
+        assert ingest(retriever, document_id, text, round=marker).chunks >= 1
         # No sleep, no flush: the very next call must see the write.
-        hits = retriever.Search(
-            retriever_pb2.SearchRequest(query=f"Tell me about {topic}", top_k=3), metadata=TENANT, timeout=30
-        ).chunks
-        assert document_id in [h.document_id for h in hits], f"round {i}: own write not visible: {hits}"
+        request = retriever_pb2.SearchRequest(
+            query=f"Tell me about {topic} {marker}", top_k=3, metadata_filter={"round": marker}
+        )
+        hits = retriever.Search(request, metadata=TENANT, timeout=30).chunks
+        assert [h.document_id for h in hits] == [document_id], f"round {i}: own write not visible: {hits}"
         listed = retriever.ListDocuments(retriever_pb2.ListDocumentsRequest(), metadata=TENANT, timeout=30)
         assert document_id in {d.document_id for d in listed.documents}
 

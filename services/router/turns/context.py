@@ -19,6 +19,10 @@ if TYPE_CHECKING:
 
 DEFAULT_RAG_TOP_K = 4
 MAX_RAG_TOP_K = 20
+# Chunks less similar to the question than this (cosine, MiniLM) stay out of the prompt unless
+# RagOptions.min_score says otherwise: unrelated text scores about 0-0.15 and an answering chunk
+# well above 0.3 (docs/retriever.md), so weak matches stop padding prompts.
+DEFAULT_RAG_MIN_SCORE = 0.2
 SNIPPET_CHARS = 200
 SOURCES_PREAMBLE = (
     "Answer using the numbered sources below when they are relevant, and cite them as [1], [2], …. "
@@ -176,7 +180,9 @@ class ConversationContext:
             query=query,
             top_k=rag.top_k or DEFAULT_RAG_TOP_K,
             metadata_filter=dict(rag.filter),
-            min_score=rag.min_score if rag.HasField("min_score") else None,
+            min_score=rag.min_score if rag.HasField("min_score") else DEFAULT_RAG_MIN_SCORE,
+            mode=rag.mode,
+            rerank=rag.rerank if rag.HasField("rerank") else None,
         )
         try:
             response = await self.retriever_breaker.call(

@@ -122,6 +122,21 @@ def test_the_cli_asks_greedy_unless_told_and_passes_session_must_exist(
     assert second.sampling.temperature == pytest.approx(0.7)
 
 
+def test_rag_flags_set_the_minimum_score_and_mode_and_sources_show_their_scores(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cited = router_pb2.Citation(document_id="kovari", title="Kovari", position=2, score=0.734)
+    end = router_pb2.TurnEnd(finish_reason=common_pb2.FINISH_REASON_STOP, citations=[cited])
+    router = FakeRouter("Red soil.", end)
+    run_ask(monkeypatch, router, "--rag", "--rag-min-score", "0.4", "--rag-mode", "keyword", "soil?")
+    run_ask(monkeypatch, router, "--rag", "soil?")
+    strict, plain = router.requests
+    assert strict.rag.enabled and strict.rag.min_score == pytest.approx(0.4)
+    assert strict.rag.mode == 2  # SEARCH_MODE_KEYWORD
+    assert plain.rag.enabled and not plain.rag.HasField("min_score") and plain.rag.mode == 0
+    assert "[1] Kovari (kovari, chunk 2, score 0.73)" in capsys.readouterr().out
+
+
 def test_session_must_exist_without_a_session_is_a_usage_error(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

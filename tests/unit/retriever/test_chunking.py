@@ -48,3 +48,22 @@ def test_chunks_never_cross_sections_and_keep_original_text() -> None:
 def test_policy_rejects_windows_that_cannot_make_progress(max_tokens: int, overlap: int) -> None:
     with pytest.raises(ValueError, match="chunk"):
         ChunkingPolicy(max_tokens=max_tokens, overlap_tokens=overlap)
+
+
+def test_paragraphs_are_packed_whole_and_never_split_when_they_fit() -> None:
+    chunker = TokenChunker(whitespace_token_spans, ChunkingPolicy(max_tokens=10, overlap_tokens=2))
+    text = "\n\n".join([words(4, 0), words(5, 10), words(3, 20), words(8, 30)])
+    chunks = chunker.chunk([Section(text, heading="H", path=("Doc", "H"))])
+    # 4+5 fit in 10; 3 would overflow, so it starts the next chunk; 3+8 overflow again.
+    assert [c.text.split() for c in chunks] == [
+        words(4, 0).split() + words(5, 10).split(),
+        words(3, 20).split(),
+        words(8, 30).split(),
+    ]
+    assert {c.heading_path for c in chunks} == {("Doc", "H")}
+
+
+def test_lines_are_paragraphs_when_a_text_has_no_blank_lines() -> None:
+    chunker = TokenChunker(whitespace_token_spans, ChunkingPolicy(max_tokens=8, overlap_tokens=1))
+    chunks = chunker.chunk([Section("\n".join([words(5, 0), words(5, 10)]))])
+    assert [c.text for c in chunks] == [words(5, 0), words(5, 10)]

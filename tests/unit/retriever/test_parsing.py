@@ -94,3 +94,26 @@ def test_mime_type_comes_from_header_or_file_extension() -> None:
     assert caught.value.field == "header.mime_type"
     with pytest.raises(InvalidArgument, match=r"\(empty\)"):
         normalize_mime_type("", source="archive.zip")
+
+
+def test_markdown_sections_carry_their_heading_path() -> None:
+    from services.retriever.parsing import MARKDOWN, parse_document
+
+    doc = b"# Kovari Cooperative\nIntro.\n## Farming\n### Soil\nRed clay.\n## Trade\nExports.\n"
+    sections = parse_document(doc, MARKDOWN)
+    assert [(s.heading, s.path) for s in sections] == [
+        ("Kovari Cooperative", ("Kovari Cooperative",)),
+        ("Soil", ("Kovari Cooperative", "Farming", "Soil")),
+        ("Trade", ("Kovari Cooperative", "Trade")),
+    ]
+
+
+def test_html_sections_carry_their_heading_path() -> None:
+    from services.retriever.parsing import HTML, parse_document
+
+    doc = b"<h1>Planet Ostra</h1><p>A world.</p><h2>Climate</h2><p>Cold.</p><h2>Moons</h2><p>Two.</p>"
+    assert [s.path for s in parse_document(doc, HTML)] == [
+        ("Planet Ostra",),
+        ("Planet Ostra", "Climate"),
+        ("Planet Ostra", "Moons"),
+    ]

@@ -30,7 +30,9 @@ _CACHE_MODES = {
     "bypass": router_pb2.CACHE_MODE_BYPASS,
     "refresh": router_pb2.CACHE_MODE_REFRESH,
 }
-_RAG_KEYS = frozenset({"top_k", "filter", "min_score", "required"})
+_RAG_KEYS = frozenset({"top_k", "filter", "min_score", "required", "mode", "rerank"})
+# rag.mode's words, as retriever.proto's SearchMode numbers.
+_RAG_MODES = {"dense": 1, "keyword": 2, "hybrid": 3}
 _CACHE_KEYS = frozenset({"mode", "semantic", "semantic_threshold", "personal"})
 # OpenAI's `user`: who a personal question's cached answer belongs to (CachePolicy.user).
 MAX_USER_CHARS = 256
@@ -132,11 +134,12 @@ def _rag(raw: Any) -> router_pb2.RagOptions | None:
     if raw is True:
         return router_pb2.RagOptions(enabled=True)
     if not isinstance(raw, dict):
-        raise bad_request("rag", "rag: true, or an object {top_k, filter, min_score, required}")
+        raise bad_request("rag", "rag: true, or an object {top_k, filter, min_score, required, mode, rerank}")
     for key in raw:
         if key not in _RAG_KEYS:
             raise bad_request(
-                f"rag.{key}", f"rag.{key}: unknown; rag takes top_k, filter, min_score, required"
+                f"rag.{key}",
+                f"rag.{key}: unknown; rag takes top_k, filter, min_score, required, mode, rerank",
             )
     rag = router_pb2.RagOptions(enabled=True)
     top_k = raw.get("top_k")
@@ -161,6 +164,13 @@ def _rag(raw: Any) -> router_pb2.RagOptions | None:
             raise bad_request("rag.min_score", "rag.min_score: a number")
         rag.min_score = float(min_score)
     rag.required = _flag(raw, "required", "rag.")
+    mode = raw.get("mode")
+    if mode is not None:
+        if mode not in _RAG_MODES:
+            raise bad_request("rag.mode", f"rag.mode: one of {', '.join(_RAG_MODES)}")
+        rag.mode = _RAG_MODES[mode]  # type: ignore[assignment]
+    if raw.get("rerank") is not None:
+        rag.rerank = _flag(raw, "rerank", "rag.")
     return rag
 
 

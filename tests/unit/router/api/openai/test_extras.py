@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from services.gen.llmmesh.v1 import common_pb2, router_pb2
+from services.gen.llmmesh.v1 import common_pb2, retriever_pb2, router_pb2
 from services.router.api.openai.choices import ChoiceStreams
 from services.router.api.openai.errors import ApiError
 from services.router.api.openai.extras import request_id_header
@@ -46,6 +46,14 @@ def test_session_rag_and_cache_reach_the_turn() -> None:
     assert not chat_generation({"messages": USER}, "r").extras.any
 
 
+def test_rag_mode_and_rerank_reach_the_search() -> None:
+    (turn,) = chat_generation({"messages": USER, "rag": {"mode": "keyword", "rerank": False}}, "r").turns
+    assert turn.rag.mode == retriever_pb2.SEARCH_MODE_KEYWORD
+    assert turn.rag.HasField("rerank") and not turn.rag.rerank
+    (plain,) = chat_generation({"messages": USER, "rag": True}, "r").turns
+    assert plain.rag.mode == retriever_pb2.SEARCH_MODE_UNSPECIFIED and not plain.rag.HasField("rerank")
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -53,6 +61,8 @@ def test_session_rag_and_cache_reach_the_turn() -> None:
         ({"rag": {"top_k": 21}}, "rag.top_k"),
         ({"rag": {"filter": {"a": 1}}}, "rag.filter"),
         ({"rag": "yes"}, "rag"),
+        ({"rag": {"mode": "fuzzy"}}, "rag.mode"),
+        ({"rag": {"rerank": "yes"}}, "rag.rerank"),
         ({"cache": {"mode": "sometimes"}}, "cache.mode"),
         ({"cache": {"semantic_threshold": 2}}, "cache.semantic_threshold"),
         ({"session_id": "has space"}, "session_id"),

@@ -1,0 +1,196 @@
+"""One search: candidates from Milvus in the asked mode, stale versions dropped, then rerank and diversity.
+
+The order of the steps matters: the version filter first (a reader never sees
+a half-replaced document), then ``min_score`` (a cosine bound, the same in
+every mode), then the relevance reranker over the best ``rerank_candidates``,
+then maximal marginal relevance when asked (it trades relevance for
+diversity, so it comes last and only reorders what relevance chose).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+import numpy as np
+
+from services.common.errors import InvalidArgument
+from services.retriever.diversity import maximal_marginal_relevance
+from services.retriever.embedder import Vectors
+from services.retriever.filters import METADATA_KEY_RE
+from services.retriever.records import ChunkHit
+from services.retriever.rerank import DEFAULT_CANDIDATES, MAX_CANDIDATES, Reranker
+from services.retriever.search_modes import DEFAULT_MODE, SearchMode
+from services.retriever.store import MAX_QUERY_WINDOW, MilvusStore
+from services.retriever.terms import keyword_query
+
+log = logging.getLogger("llmmesh.retriever.search")
+
+DEFAULT_TOP_K = 5
+MAX_TOP_K = 100
+MAX_QUERY_CHARS = 8192
+MAX_METADATA_ENTRIES = 64
+MAX_METADATA_VALUE_CHARS = 1024
+# Candidates fetched per result: room for stale versions dropped and for MMR to choose from.
+_OVERFETCH = 4
+_MODE_NAMES = ", ".join(f"{m.value} ({m.name})" for m in SearchMode)
+
+
+def check_metadata(metadata: Mapping[str, str], field_name: str) -> None:
+    if len(metadata) > MAX_METADATA_ENTRIES:
+        raise InvalidArgument(field_name, f"at most {MAX_METADATA_ENTRIES} entries")
+    for key, value in metadata.items():
+        if not METADATA_KEY_RE.match(key):
+            raise InvalidArgument(field_name, f"key {key!r} must be 1-64 of letters, digits, '_', '.', '-'")
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise InvalidArgument(field_name, f"value of {key!r} is longer than {MAX_METADATA_VALUE_CHARS}")
+
+
+@dataclass(frozen=True)
+class SearchQuery:
+    """A validated search; None (unset) means the default for ``top_k``, ``mode``, ``rerank`` and its candidates."""
+
+    text: str
+    top_k: int | None = None
+    min_score: float | None = None
+    metadata_filter: Mapping[str, str] = field(default_factory=dict)
+    #: Maximal marginal relevance over the results (diversity).
+    diversify: bool = False
+    #: A SearchMode number; 0 or None is the default (hybrid).
+    mode: int | None = None
+    rerank: bool | None = None
+    rerank_candidates: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.text.strip():
+            raise InvalidArgument("query", "must not be empty")
+        if len(self.text) > MAX_QUERY_CHARS:
+            raise InvalidArgument("query", f"must be at most {MAX_QUERY_CHARS} characters")
+        if self.top_k is not None and not 1 <= self.top_k <= MAX_TOP_K:
+            raise InvalidArgument(
+                "top_k", f"must be in 1..{MAX_TOP_K} (unset = {DEFAULT_TOP_K}), got {self.top_k}"
+            )
+        if self.min_score is not None and not (
+            math.isfinite(self.min_score) and -1.0 <= self.min_score <= 1.0
+        ):
+            raise InvalidArgument(
+                "min_score", f"must be a cosine similarity in [-1, 1], got {self.min_score}"
+            )
+        if self.mode and self.mode not in {m.value for m in SearchMode}:
+            raise InvalidArgument("mode", f"unknown search mode {self.mode}; known: {_MODE_NAMES}")
+        if self.rerank_candidates is not None and not 1 <= self.rerank_candidates <= MAX_CANDIDATES:
+            raise InvalidArgument(
+                "rerank_candidates",
+                f"must be in 1..{MAX_CANDIDATES} (unset = {DEFAULT_CANDIDATES}), got {self.rerank_candidates}",
+            )
+        check_metadata(self.metadata_filter, "metadata_filter")
+
+    @property
+    def limit(self) -> int:
+        return DEFAULT_TOP_K if self.top_k is None else self.top_k
+
+    @property
+    def search_mode(self) -> SearchMode:
+        return SearchMode(self.mode) if self.mode else DEFAULT_MODE
+
+    @property
+    def candidates(self) -> int:
+        """How many the reranker scores: never fewer than the results asked for."""
+        return max(self.limit, self.rerank_candidates or DEFAULT_CANDIDATES)
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    hits: list[ChunkHit]
+    mode: SearchMode
+    reranked: bool = False
+    #: Why something asked for was not done; empty when the search ran as asked.
+    degraded: str = ""
+
+
+class QueryEmbedder(Protocol):
+    def embed(self, texts: Sequence[str]) -> Vectors: ...
+
+
+class Searcher:
+    """Runs searches over one store. Blocking: call from worker threads."""
+
+    def __init__(
+        self,
+        store: MilvusStore,
+        embedder: QueryEmbedder,
+        reranker: Reranker | None = None,
+        reranker_unavailable: str = "",
+    ) -> None:
+        self._store = store
+        self._embedder = embedder
+        self._reranker = reranker
+        # Why the configured reranker is missing (it failed to load), for the `degraded` note.
+        self._reranker_unavailable = reranker_unavailable
+
+    def search(self, tenant: str, query: SearchQuery) -> SearchResult:
+        vector = self._embedder.embed([query.text])[0]
+        mode = query.search_mode
+        want_rerank = query.rerank if query.rerank is not None else self._reranker is not None
+        wanted = max(query.limit, query.candidates if want_rerank else 0)
+        visible = self._visible(tenant, query, mode, vector, wanted)
+        if query.min_score is not None:
+            visible = [h for h in visible if h.score >= query.min_score]
+        reranked, degraded = False, ""
+        if want_rerank:
+            if self._reranker is None:
+                degraded = self._reranker_unavailable or "no reranker is configured (--rerank-model none)"
+            else:
+                try:
+                    visible = self._rerank(self._reranker, query, vector, visible)
+                    reranked = True
+                except Exception as exc:  # a reranker failure must not fail the search
+                    log.warning("reranker %s failed: %s", self._reranker.name, exc)
+                    degraded = f"the reranker failed ({type(exc).__name__}); results are not reranked"
+        elif query.rerank is None and self._reranker_unavailable:
+            degraded = self._reranker_unavailable
+        if query.diversify and len(visible) > 1:
+            visible = self._diversify(vector, visible, query.limit, reranked)
+        return SearchResult(visible[: query.limit], mode, reranked, degraded)
+
+    def _visible(
+        self, tenant: str, query: SearchQuery, mode: SearchMode, vector: Vectors, wanted: int
+    ) -> list[ChunkHit]:
+        """The best ``wanted`` chunks whose document still names their version."""
+        fetch = min(MAX_QUERY_WINDOW, max(wanted * _OVERFETCH, 20))
+        while True:
+            candidates = self._store.search_chunks(
+                tenant, mode, keyword_query(query.text), vector, fetch, query.metadata_filter
+            )
+            current = self._store.current_versions(tenant, (h.document_key for h in candidates))
+            # A chunk counts only if its document still names its version: no mixes during a replace.
+            visible = [h for h in candidates if current.get(h.document_key) == h.document_version]
+            # Short because stale chunks took places: look further down the list.
+            short = len(visible) < wanted and len(candidates) == fetch and fetch < MAX_QUERY_WINDOW
+            if not short:
+                return visible[:wanted]
+            fetch = min(MAX_QUERY_WINDOW, fetch * 4)
+
+    @staticmethod
+    def _diversify(vector: Vectors, hits: list[ChunkHit], limit: int, reranked: bool) -> list[ChunkHit]:
+        matrix = np.stack([h.vector for h in hits if h.vector is not None])
+        relevance = None
+        if reranked:
+            # The reranker's judgement, scaled to [0, 1] so the redundancy term keeps its weight.
+            raw = np.asarray([h.rerank_score or 0.0 for h in hits], dtype=np.float32)
+            relevance = (raw - raw.min()) / max(float(raw.max() - raw.min()), 1e-6)
+        order = maximal_marginal_relevance(vector, matrix, limit, relevance=relevance)
+        return [hits[i] for i in order]
+
+    @staticmethod
+    def _rerank(
+        reranker: Reranker, query: SearchQuery, vector: Vectors, hits: list[ChunkHit]
+    ) -> list[ChunkHit]:
+        head, tail = hits[: query.candidates], hits[query.candidates :]
+        scores = reranker.score(query.text, vector, head)
+        scored = [replace(h, rerank_score=s) for h, s in zip(head, scores, strict=True)]
+        # Stable: equal scores keep the search's order.
+        return sorted(scored, key=lambda h: -(h.rerank_score or 0.0)) + tail
