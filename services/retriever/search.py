@@ -136,7 +136,7 @@ class Searcher:
         mode = query.search_mode
         want_rerank = query.rerank if query.rerank is not None else self._reranker is not None
         wanted = max(query.limit, query.candidates if want_rerank else 0)
-        visible = self._visible(tenant, query, mode, vector, wanted)
+        visible = self._visible(tenant, query, mode, vector, wanted, with_vectors=query.diversify)
         if query.min_score is not None:
             visible = [h for h in visible if h.score >= query.min_score]
         reranked, degraded = False, ""
@@ -157,13 +157,19 @@ class Searcher:
         return SearchResult(visible[: query.limit], mode, reranked, degraded)
 
     def _visible(
-        self, tenant: str, query: SearchQuery, mode: SearchMode, vector: Vectors, wanted: int
+        self,
+        tenant: str,
+        query: SearchQuery,
+        mode: SearchMode,
+        vector: Vectors,
+        wanted: int,
+        with_vectors: bool = False,
     ) -> list[ChunkHit]:
         """The best ``wanted`` chunks whose document still names their version."""
         fetch = min(MAX_QUERY_WINDOW, max(wanted * _OVERFETCH, 20))
         while True:
             candidates = self._store.search_chunks(
-                tenant, mode, keyword_query(query.text), vector, fetch, query.metadata_filter
+                tenant, mode, keyword_query(query.text), vector, fetch, query.metadata_filter, with_vectors
             )
             current = self._store.current_versions(tenant, (h.document_key for h in candidates))
             # A chunk counts only if its document still names its version: no mixes during a replace.

@@ -48,7 +48,6 @@ _HIT_FIELDS = [
     "heading",
     "metadata",
     "version",
-    "vector",
 ]
 
 
@@ -171,13 +170,17 @@ class MilvusStore(MilvusCollections):
         vector: Vectors,
         limit: int,
         metadata_filter: Mapping[str, str],
+        with_vectors: bool = False,
     ) -> list[ChunkHit]:
-        """The ``limit`` best chunks for the query in ``mode``, best first, each with its vector.
+        """The ``limit`` best chunks for the query in ``mode``, best first.
 
         ``score`` is always the cosine similarity to ``vector`` (so ``min_score``
         means the same in every mode); ``retrieval_score`` is what the mode ranked by.
+        Chunk vectors come back only when asked for or needed for that cosine (keyword and
+        hybrid): fetching 384 floats a hit costs a dense search ~4x (8 → 30 ms at 10k chunks).
         """
         self.require_model()
+        fields = [*_HIT_FIELDS, "vector"] if with_vectors or mode is not SearchMode.DENSE else _HIT_FIELDS
         condition = f'tenant_key == "{digest(tenant)}"'
         if metadata_filter:
             condition += " and " + metadata_condition(metadata_filter)
@@ -193,7 +196,7 @@ class MilvusStore(MilvusCollections):
                 requests,
                 RRFRanker(RRF_K),
                 limit=limit,
-                output_fields=_HIT_FIELDS,
+                output_fields=fields,
                 consistency_level=CONSISTENCY,
                 timeout=self._timeout,
             )
@@ -209,7 +212,7 @@ class MilvusStore(MilvusCollections):
                 anns_field=field,
                 limit=limit,
                 filter=condition,
-                output_fields=_HIT_FIELDS,
+                output_fields=fields,
                 search_params=params,
                 consistency_level=CONSISTENCY,
                 timeout=self._timeout,
@@ -293,15 +296,17 @@ class MilvusStore(MilvusCollections):
 
 def _hit(hit: Mapping[str, object], query: Vectors, mode: SearchMode) -> ChunkHit:
     entity: Mapping[str, object] = hit["entity"]  # type: ignore[assignment]
-    vector = np.asarray(entity["vector"], dtype=np.float32)
+    vector = np.asarray(entity["vector"], dtype=np.float32) if "vector" in entity else None
     distance = float(hit["distance"])  # type: ignore[arg-type]
+    # A dense search ranks by the cosine itself; the other modes' cosine is computed here.
+    cosine = distance if vector is None else float(vector @ query)
     return ChunkHit(
         chunk_id=str(hit["chunk_id"] if "chunk_id" in hit else hit["id"]),
         document_id=str(entity["document_id"]),
         document_key=str(entity["document_key"]),
         title=str(entity["title"]),
         text=str(entity["text"]),
-        score=float(vector @ query),
+        score=cosine,
         position=int(entity["position"]),  # type: ignore[call-overload]
         page=int(entity["page"]),  # type: ignore[call-overload]
         heading=str(entity["heading"]),
