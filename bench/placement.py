@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import time
+import urllib.request
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -75,11 +76,31 @@ def replica(args: argparse.Namespace) -> Service:
 
 def router(args: argparse.Namespace, replicas: Sequence[Service], policy: str) -> Service:
     flags = ["--replicas", ",".join(r.address for r in replicas), "--health-interval-s", "0.2"]
+    flags += ["--metrics-port", "0"]  # for the tokenizer's readiness (wait_for_tokenizer)
     flags += ["--policy", policy, "--prefix-epsilon", str(args.prefix_epsilon)]
     flags += ["--prefix-bound-floor", str(args.prefix_bound_floor)]
     if policy == "prefix":
         flags += ["--tokenizer", args.model]
     return Service("services.router", flags)
+
+
+TOKENIZER_LOADED = "llmmesh_router_prefix_tokenizer_loaded 1.0"
+
+
+async def wait_for_tokenizer(front: Service, timeout_s: float = 300.0) -> float:
+    """Seconds until the router's tokenizer is loaded (its gauge is 1): before that the prefix
+    policy places every prompt as uncached, which is not what is measured."""
+    url = f"http://127.0.0.1:{front.metrics_port}/metrics"
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        try:
+            body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+        except OSError:
+            body = ""
+        if TOKENIZER_LOADED in body:
+            return time.monotonic() - started
+        await asyncio.sleep(0.5)
+    raise TimeoutError(f"the router's tokenizer did not load in {timeout_s:.0f} s")
 
 
 async def one(
@@ -127,6 +148,9 @@ async def run_policy(
         await asyncio.gather(*(r.wait_serving() for r in replicas))
         front = router(args, replicas, policy).start()
         await front.wait_serving()
+        if policy == "prefix":
+            waited = await wait_for_tokenizer(front)
+            print(f"prefix: the router's tokenizer loaded {waited:.0f} s after it served")
         await asyncio.sleep(1.0)  # health polls and, for prefix, the KV-event snapshots
         async with grpc.aio.insecure_channel(front.address) as channel:
             stub: RouterAsyncStub = router_pb2_grpc.RouterStub(channel)  # type: ignore[assignment]
