@@ -231,3 +231,13 @@ def run(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
     return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.placement", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
