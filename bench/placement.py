@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import time
+import urllib.request
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -49,7 +50,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefix-tokens", type=int, default=1000, help="about how long each prefix is (500–2,000)"
     )
     parser.add_argument("--requests", type=int, default=36, help="requests per policy")
-    parser.add_argument("--rate", type=float, default=0.6, help="Poisson arrivals per second")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=0.6,
+        help="Poisson arrivals per second: above what the replicas serve, so throughput is their capacity",
+    )
+    parser.add_argument(
+        "--low-rate",
+        type=float,
+        default=0.0,
+        help="a second, below-saturation rate for --low-rate-policies, where TTFT is not queueing (0 = off)",
+    )
+    parser.add_argument(
+        "--low-rate-policies", default="prefix,wrt", help="the policies run at --low-rate too"
+    )
     parser.add_argument("--skew", type=float, default=1.0, help="Zipf exponent of the groups' popularity")
     parser.add_argument(
         "--max-tokens", type=int, default=8, help="answer length: prefill is what is measured"
@@ -75,11 +90,31 @@ def replica(args: argparse.Namespace) -> Service:
 
 def router(args: argparse.Namespace, replicas: Sequence[Service], policy: str) -> Service:
     flags = ["--replicas", ",".join(r.address for r in replicas), "--health-interval-s", "0.2"]
+    flags += ["--metrics-port", "0"]  # for the tokenizer's readiness (wait_for_tokenizer)
     flags += ["--policy", policy, "--prefix-epsilon", str(args.prefix_epsilon)]
     flags += ["--prefix-bound-floor", str(args.prefix_bound_floor)]
     if policy == "prefix":
         flags += ["--tokenizer", args.model]
     return Service("services.router", flags)
+
+
+TOKENIZER_LOADED = "llmmesh_router_prefix_tokenizer_loaded 1.0"
+
+
+async def wait_for_tokenizer(front: Service, timeout_s: float = 300.0) -> float:
+    """Seconds until the router's tokenizer is loaded (its gauge is 1): before that the prefix
+    policy places every prompt as uncached, which is not what is measured."""
+    url = f"http://127.0.0.1:{front.metrics_port}/metrics"
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        try:
+            body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+        except OSError:
+            body = ""
+        if TOKENIZER_LOADED in body:
+            return time.monotonic() - started
+        await asyncio.sleep(0.5)
+    raise TimeoutError(f"the router's tokenizer did not load in {timeout_s:.0f} s")
 
 
 async def one(
@@ -127,6 +162,9 @@ async def run_policy(
         await asyncio.gather(*(r.wait_serving() for r in replicas))
         front = router(args, replicas, policy).start()
         await front.wait_serving()
+        if policy == "prefix":
+            waited = await wait_for_tokenizer(front)
+            print(f"prefix: the router's tokenizer loaded {waited:.0f} s after it served")
         await asyncio.sleep(1.0)  # health polls and, for prefix, the KV-event snapshots
         async with grpc.aio.insecure_channel(front.address) as channel:
             stub: RouterAsyncStub = router_pb2_grpc.RouterStub(channel)  # type: ignore[assignment]
@@ -143,21 +181,20 @@ async def run_policy(
             r.stop()
 
 
-def run(args: argparse.Namespace) -> int:
-    policies = [p for p in args.policies.split(",") if p]
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown or args.replicas < 1 or args.groups < 1 or args.requests < 1 or args.rate <= 0:
-        print(f"bad flags: policies {unknown or 'ok'}; --replicas, --groups, --requests ≥ 1; --rate > 0")
-        return 2
-    requests = workload(args.requests, args.groups, args.prefix_tokens, args.rate, args.seed, args.skew)
+def run_rate(
+    args: argparse.Namespace, rate: float, policies: Sequence[str]
+) -> tuple[dict[str, dict[str, object]], dict[str, object]]:
+    """Every policy through the same workload at ``rate``; the rows and the prefix/WRT goals."""
+    requests = workload(args.requests, args.groups, args.prefix_tokens, rate, args.seed, args.skew)
     rows: dict[str, dict[str, object]] = {}
     for policy in policies:
         rows[policy] = row = asyncio.run(run_policy(args, policy, requests))
         print(
-            f"{policy:12s} TTFT p50 {row['ttft_ms_p50']:8.1f} ms  p90 {row['ttft_ms_p90']:8.1f} ms  "
+            f"{rate:.2f}/s {policy:12s} TTFT p50 {row['ttft_ms_p50']:8.1f} ms  p90 {row['ttft_ms_p90']:8.1f} ms  "
             f"{row['requests_per_s']:6.3f} req/s  cached {row['cached_prompt_share']:.0%}  "
             f"max in flight {row['max_in_flight_per_replica']} ({row['placements_over_bound']} over bound)  "
-            f"failed {row['failed']}  share {list(row['replica_share'].values())}"  # type: ignore[attr-defined]
+            f"failed {row['failed']}  share {list(row['replica_share'].values())}",  # type: ignore[attr-defined]
+            flush=True,
         )
     goals: dict[str, object] = {}
     if "prefix" in rows and "wrt" in rows:
@@ -168,13 +205,39 @@ def run(args: argparse.Namespace) -> int:
             "meets_throughput_goal": ratio["throughput_prefix_over_wrt"] >= GOAL_THROUGHPUT_RATIO,
         }
         goals["prefix_within_bound"] = rows["prefix"]["placements_over_bound"] == 0
-        print(f"prefix/wrt: {goals}")
+        print(f"{rate:.2f}/s prefix/wrt: {goals}", flush=True)
+    return rows, goals
+
+
+def run(args: argparse.Namespace) -> int:
+    policies = [p for p in args.policies.split(",") if p]
+    low_policies = [p for p in args.low_rate_policies.split(",") if p] if args.low_rate > 0 else []
+    unknown = [p for p in [*policies, *low_policies] if p not in POLICIES]
+    if unknown or args.replicas < 1 or args.groups < 1 or args.requests < 1 or args.rate <= 0:
+        print(f"bad flags: policies {unknown or 'ok'}; --replicas, --groups, --requests ≥ 1; --rate > 0")
+        return 2
+    rows, goals = run_rate(args, args.rate, policies)
+    low: dict[str, object] = {}
+    if low_policies:
+        low_rows, low_goals = run_rate(args, args.low_rate, low_policies)
+        low = {"rate": args.low_rate, "policies": low_rows, "goals": low_goals}
     now = datetime.now(UTC)
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"placement-{now:%Y-%m-%d-%H%M}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in vars(args).items() if k != "out"}
-    out.write_text(
-        json.dumps({"date": now.isoformat(), "config": config, "policies": rows, "goals": goals}, indent=2)
-    )
+    result = {"date": now.isoformat(), "config": config, "policies": rows, "goals": goals}
+    if low:
+        result["low_rate"] = low
+    out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
     return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.placement", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

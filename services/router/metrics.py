@@ -82,6 +82,10 @@ PREFIX_HIT_TOKENS = Histogram(
     "Leading prompt tokens the chosen replica holds per the prefix index, per placement of a hashed prompt.",
     buckets=PREFIX_HIT_BUCKETS,
 )
+PREFIX_TOKENIZER_LOADED = Gauge(
+    "llmmesh_router_prefix_tokenizer_loaded",
+    "1 once --tokenizer is loaded and prompts get prefix hashes; 0 before (placement treats prompts as uncached).",
+)
 PREFIX_PROMPT_TOKENS = Counter(
     "llmmesh_router_prefix_prompt_tokens_total",
     "Prompt tokens of the placements counted in llmmesh_router_prefix_hit_tokens: the hit rate's denominator.",

@@ -77,11 +77,11 @@ class RouterSettings:
         PrefixSettings.load_weight, help="--policy prefix: weight of queued-and-running seconds"
     )
     prefix_epsilon: float = flag(
-        PrefixSettings.epsilon, help="--policy prefix: bounded-load slack on the reported load"
+        PrefixSettings.epsilon, help="--policy prefix: bounded-load slack on max(in-flight, reported load)"
     )
     prefix_bound_floor: int = flag(
         PrefixSettings.bound_floor,
-        help="--policy prefix: below this reported load no replica is over the bound",
+        help="--policy prefix: below this load no replica is over the bound",
     )
     prefix_approximate_ttl_s: float = flag(
         PrefixSettings.approximate_ttl_s, help="--policy prefix: how long a sent prompt counts as cached"
@@ -299,6 +299,7 @@ class RouterRuntime:
             await self.mover.stop()
         await self.health.stop()
         await self.kv_events.stop()
+        self.prompt_hasher.close()
         for task in self._tasks:
             task.cancel()
         await self.discovery.stop()

@@ -3,7 +3,9 @@ the replica prefills, the same block chain its block manager registers."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -109,16 +111,60 @@ def test_segment_cached_encoding_gives_the_tokenizers_own_ids(hasher: PromptHash
     )
 
 
-def test_the_turns_prefix_hook_gives_the_hashes_with_the_models_block_size(hasher: PromptHasher) -> None:
+async def test_the_turns_prefix_hook_gives_the_hashes_with_the_models_block_size(
+    hasher: PromptHasher,
+) -> None:
     sizes = {"SmolLM2-135M-Instruct": 16}
     hook = PromptHasher(hasher.tokenizer, block_size=lambda model: sizes.get(model, 0))
     start = chat(("system", SYSTEM), ("user", "Hi"))
-    prefix = hook.prefix(start, "SmolLM2-135M-Instruct")
-    ids = hook.token_ids(start)
-    assert ids is not None
-    assert prefix.block_size == 16 and list(prefix.hashes) == block_hashes(ids, 16)
-    assert prefix.prompt_tokens == len(ids)
-    assert not hook.prefix(start, "another-model").hashes  # no replica of it reports a block size
+    try:
+        prefix = await hook.prefix(start, "SmolLM2-135M-Instruct")
+        ids = hook.token_ids(start)
+        assert ids is not None
+        assert prefix.block_size == 16 and list(prefix.hashes) == block_hashes(ids, 16)
+        assert prefix.prompt_tokens == len(ids)
+        # No replica of it reports a block size.
+        assert not (await hook.prefix(start, "another-model")).hashes
+    finally:
+        hook.close()
+
+
+async def test_tokenizing_an_unseen_long_prompt_leaves_the_event_loop_free(hasher: PromptHasher) -> None:
+    # A 2,000-token prompt never seen takes ~30 ms to tokenize: on the loop, every other stream
+    # would wait that long. On the hasher's thread, a ticker on the loop keeps ticking.
+    hook = PromptHasher(hasher.tokenizer, block_size=lambda model: 16)
+    rng = random.Random(7)
+    words = ["order", "refund", "parcel", "invoice", "courier", "delay", "stock", "price"]
+    prompts = [
+        chat(("system", f"{i} " + " ".join(rng.choice(words) for _ in range(2000))), ("user", "Hi"))
+        for i in range(6)
+    ]
+    gaps: list[float] = []
+    done = asyncio.Event()
+
+    async def ticker() -> None:
+        loop = asyncio.get_running_loop()
+        last = loop.time()
+        while not done.is_set():
+            await asyncio.sleep(0.001)
+            now = loop.time()
+            gaps.append(now - last)
+            last = now
+
+    ticking = asyncio.create_task(ticker())
+    try:
+        started = time.perf_counter()
+        prefixes = [await hook.prefix(p, "m") for p in prompts]
+        hashing_s = time.perf_counter() - started
+    finally:
+        done.set()
+        await ticking
+        hook.close()
+    assert all(len(p.hashes) >= 2000 // 16 for p in prefixes)
+    # The loop kept running meanwhile: on average at least every 10 ms (the thread still takes
+    # the GIL for the template's rendering, at most a 5 ms switch interval at a time). Hashed
+    # on the loop it would tick once between prompts, ~30 ms each.
+    assert len(gaps) >= hashing_s / 0.010, (len(gaps), hashing_s)
 
 
 def test_only_the_prefix_policy_tokenizes_prompts(model_path: Path) -> None:

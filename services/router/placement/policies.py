@@ -8,7 +8,8 @@ least          outstanding                               –                   a
 p2c            outstanding                               –                   better of two random
 wrt            expected response time                    –                   random ∝ 1 / cost
 affinity/auto  session ring rank; wrt without a session  router in-flight    argmin
-prefix         prefill work (w), queued work (w)         reported load       argmin, hash tie-break
+prefix         prefill work (w), queued work (w)         max(in-flight,      argmin, hash tie-break
+                                                         reported load)
 =============  ========================================  ==================  ========================
 
 Randomness is injected; no grpc or asyncio in here.
@@ -37,7 +38,7 @@ from services.router.placement.prefix_scorers import (
     PrefillWork,
     PrefixOverlap,
     QueuedWork,
-    reported_load,
+    placement_load,
 )
 from services.router.placement.request import PlacementRequest
 from services.router.placement.ring import DEFAULT_EPSILON
@@ -150,9 +151,9 @@ class PrefixSettings:
     prefill_weight: float = 1.0
     #: Weight of the queued-and-running seconds (``--prefix-load-weight``).
     load_weight: float = 1.0
-    #: Bounded-load slack on the replicas' reported load (``--prefix-epsilon``).
+    #: Bounded-load slack on each replica's load, max(this router's in-flight, its report) (``--prefix-epsilon``).
     epsilon: float = 0.5
-    #: Below this reported load a replica is never over the bound (``--prefix-bound-floor``).
+    #: Below this load a replica is never over the bound (``--prefix-bound-floor``).
     bound_floor: int = 4
     #: How long a prompt this router sent counts as cached where it went (``--prefix-approximate-ttl-s``).
     approximate_ttl_s: float = 120.0
@@ -175,10 +176,11 @@ class PrefixSettings:
 class PrefixPolicy(Pipeline):
     """Least predicted work: uncached prefill seconds plus queued seconds, under a load bound.
 
-    Everything it reads is alike on every router that polls the same replicas and consumes
-    the same KV events (reported load, the index), and a tie goes by a hash of the request,
-    so active-active routers place a request identically. What it sends, it records in the
-    index's approximate mode, for replicas that publish no events.
+    What it reads is alike on every router that polls the same replicas and consumes the same
+    KV events (reported load, the index) once its own requests there have ended, and a tie
+    goes by a hash of the request, so active-active routers place a request identically. Its
+    own requests it counts at once (in-flight; the index's pending blocks until the replica's
+    events store them, or the approximate mode for replicas that publish no events).
     """
 
     def __init__(
@@ -194,7 +196,7 @@ class PrefixPolicy(Pipeline):
                 Weighted(QueuedWork(defaults), s.load_weight),
             ],
             ArgMin(HashTieBreak()),
-            bound=LoadBound(s.epsilon, load=reported_load, floor=s.bound_floor),
+            bound=LoadBound(s.epsilon, load=placement_load, floor=s.bound_floor),
         )
 
     def explain(self, chosen: C | None, request: PlacementRequest) -> Decision[C]:

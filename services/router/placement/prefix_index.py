@@ -7,6 +7,14 @@ the next snapshot) and tells the caller to resync. *Approximate*: what this rout
 sent where, each block remembered for ``approximate_ttl_s``; used for a replica with no fresh
 precise entry (an older replica without events, a stream that is down).
 
+*Pending*, beside a fresh precise entry: blocks this router sent there that the replica has
+not reported stored yet. A prompt waits in the replica's queue and prefills for seconds on a
+CPU before its first event; without this, every request of a burst behind one new prefix
+would see no replica holding it and each would prefill it cold on another replica (SGLang's
+router inserts into its tree when it routes, for the same reason). A pending block counts as
+held until the replica's event stores it (from then on the events rule, evictions included)
+or ``approximate_ttl_s`` passes (the request failed, or its blocks were never kept).
+
 A block hash is an unsigned 64-bit int; hash *i* of a chain covers tokens
 ``[0, (i + 1) * block_size)``, so the longest cached prefix is found by walking the chain
 until the first miss. Sets and dicts of ints: a lookup is one hash probe, which keeps
@@ -26,19 +34,6 @@ MAX_APPROXIMATE_BLOCKS = 200_000
 
 
 @dataclass
-class PreciseEntry:
-    """One replica's blocks as its KV events describe them."""
-
-    incarnation: str
-    #: The last sequence number applied (the snapshot's, then each delta's).
-    sequence: int
-    block_size: int
-    blocks: set[int]
-    #: A gap, a reordering or a new incarnation was seen: wait for a snapshot.
-    stale: bool = False
-
-
-@dataclass
 class ApproximateEntry:
     """Blocks this router sent to one replica: each hash's expiry, and the sends oldest first.
 
@@ -51,11 +46,37 @@ class ApproximateEntry:
     sends: deque[tuple[float, Sequence[int]]] = field(default_factory=deque)
 
 
+@dataclass
+class PreciseEntry:
+    """One replica's blocks as its KV events describe them."""
+
+    incarnation: str
+    #: The last sequence number applied (the snapshot's, then each delta's).
+    sequence: int
+    block_size: int
+    blocks: set[int]
+    #: A gap, a reordering or a new incarnation was seen: wait for a snapshot.
+    stale: bool = False
+    #: Blocks this router sent that no event has stored yet (see the module's "Pending").
+    pending: ApproximateEntry | None = None
+
+
 def _walk(blocks: set[int], chain: Sequence[int]) -> int:
     """Leading hashes of ``chain`` found in ``blocks``."""
     n = 0
     for h in chain:
         if h not in blocks:
+            break
+        n += 1
+    return n
+
+
+def _walk_live(table: dict[int, float], chain: Sequence[int], now: float, start: int = 0) -> int:
+    """Leading hashes of ``chain`` from ``start`` on whose expiry in ``table`` is after ``now``."""
+    n = start
+    for h in chain[start:]:
+        expires = table.get(h)
+        if expires is None or expires <= now:
             break
         n += 1
     return n
@@ -101,6 +122,11 @@ class PrefixIndex:
         # Evicted first: a block evicted and stored again in one event is held.
         entry.blocks.difference_update(evicted)
         entry.blocks.update(stored)
+        if entry.pending is not None:
+            # Stored: the events say from now on whether it is held (a later eviction included).
+            table = entry.pending.expires
+            for h in stored:
+                table.pop(h, None)
         return True
 
     def forget(self, replica: str) -> None:
@@ -121,15 +147,28 @@ class PrefixIndex:
     # Approximate mode: what this router sent.
 
     def record_sent(self, replica: str, block_size: int, block_hashes: Sequence[int]) -> None:
-        """Approximate mode: this router sent a prompt with these blocks there; expires after
-        approximate_ttl_s. Used for a replica with no fresh precise entry (older replicas, stream down)."""
-        if not block_hashes or block_size <= 0 or self.is_precise(replica):
-            # With fresh events the replica says itself what it holds; and when they break off
-            # the entry is forgotten (or resynced), so a record made meanwhile would be dropped.
+        """This router sent a prompt with these blocks there; each counts as held for
+        approximate_ttl_s. With a fresh precise entry they are its pending blocks (held until an
+        event stores them); otherwise the approximate entry (older replicas, stream down)."""
+        if not block_hashes or block_size <= 0:
+            return
+        precise = self._precise.get(replica)
+        if precise is not None and not precise.stale:
+            if block_size != precise.block_size:
+                return  # hashes over other token spans than the replica's blocks: never matched
+            held = precise.blocks
+            unseen = [h for h in block_hashes if h not in held]
+            if unseen:
+                if precise.pending is None:
+                    precise.pending = ApproximateEntry(block_size)
+                self._remember(precise.pending, unseen)
             return
         entry = self._approximate.get(replica)
         if entry is None or entry.block_size != block_size:
             entry = self._approximate[replica] = ApproximateEntry(block_size)
+        self._remember(entry, block_hashes)
+
+    def _remember(self, entry: ApproximateEntry, block_hashes: Sequence[int]) -> None:
         now = self._clock()
         expires = now + self.approximate_ttl_s
         hashes = tuple(block_hashes)  # the caller's list may change; the expiry walk needs this one
@@ -158,19 +197,23 @@ class PrefixIndex:
         if entry is not None and not entry.stale:
             if block_size and block_size != entry.block_size:
                 return 0
-            return _walk(entry.blocks, block_hashes)
+            blocks, pending = entry.blocks, entry.pending
+            if pending is None or not pending.expires:
+                return _walk(blocks, block_hashes)
+            # Held or on its way: a pending block, then held ones after it, all count.
+            table, now, n = pending.expires, self._clock(), 0
+            while n < len(block_hashes):
+                held = _walk(blocks, block_hashes[n:])
+                n += held
+                sent = _walk_live(table, block_hashes, now, n) - n
+                n += sent
+                if not held and not sent:
+                    break
+            return n
         approx = self._approximate.get(replica)
         if approx is None or (block_size and block_size != approx.block_size):
             return 0
-        table = approx.expires
-        now = self._clock()
-        n = 0
-        for h in block_hashes:
-            expires = table.get(h)
-            if expires is None or expires <= now:
-                break
-            n += 1
-        return n
+        return _walk_live(approx.expires, block_hashes, self._clock())
 
     def block_count(self, replica: str) -> int:
         """Blocks indexed for ``replica``: its precise entry's if fresh, else its live approximate ones."""

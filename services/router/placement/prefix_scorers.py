@@ -5,8 +5,11 @@ predicted work on a replica = uncached prefill tokens × its prefill cost per to
 
 Both costs are learned from the replica's own reported timings (``ReplicaCosts``); a replica
 without samples counts as the mean of those with, and with none at all the defaults hold.
-The load is what the replica reported (GetLoad), so routers that poll the same replicas and
-hold the same index compute the same costs. Pure: no grpc, no asyncio.
+The load is the larger of what this router has open on the replica (``in_flight``: counted
+the moment a request is placed, so the next placement of a burst sees it) and what the
+replica last reported (GetLoad, polled: it lags a burst by up to a poll interval, but it
+includes other routers' work). With nothing in flight every router that polls the same
+replicas and holds the same index computes the same costs. Pure: no grpc, no asyncio.
 """
 
 from __future__ import annotations
@@ -71,15 +74,26 @@ class PrefillWork:
 
 
 def reported_load(c: Candidate) -> int:
-    """Running plus waiting as the replica reported them: the prefix policy's load, alike on every router."""
+    """Running plus waiting as the replica reported them (alike on every router that polls it)."""
     return c.reported_load
 
 
+def placement_load(c: Candidate) -> int:
+    """The prefix policy's load: this router's own open generations there, seen at once, or the
+    replica's report (which also holds other routers' work), whichever is more.
+
+    The report alone let a burst inside one poll interval land on the replica that looked idle
+    (9 in flight on one replica in the 03:40 benchmark); the sum would count this router's own
+    requests twice once the report catches up.
+    """
+    return max(c.in_flight, c.reported_load)
+
+
 class QueuedWork:
-    """Seconds of work already on a replica: its reported load × its learned decode cost per request."""
+    """Seconds of work already on a replica: its load × its learned decode cost per request."""
 
     def __init__(
-        self, defaults: CostDefaults | None = None, load: Callable[[Candidate], int] = reported_load
+        self, defaults: CostDefaults | None = None, load: Callable[[Candidate], int] = placement_load
     ) -> None:
         self.defaults = defaults or CostDefaults()
         self.load = load

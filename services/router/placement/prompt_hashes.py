@@ -8,9 +8,15 @@ tokens) and hashes its full blocks with the mesh-wide chain hash
 The rendered chat is tokenized segment by segment with a cache (``segment_encoder.py``): the
 same ids, but a system prompt or context shared by many requests is tokenized once.
 
-Loading takes a few seconds (importing transformers), so it runs off the event loop after the
-router starts; until it is done, and for a request the replica would refuse anyway, there are
-no hashes and placement treats the prompt as uncached.
+Loading takes a few seconds (importing transformers; ~45 s on a busy 2-core machine), so it
+runs off the event loop after the router starts; until it is done, and for a request the
+replica would refuse anyway, there are no hashes and placement treats the prompt as uncached
+(``llmmesh_router_prefix_tokenizer_loaded`` says when it is done).
+
+A turn's hashes are computed on one worker thread of their own (``prefix``): a prompt whose
+segments are not cached yet takes ~32 ms to tokenize (2,000 tokens), which on the event
+loop would stall every other stream for that long. One thread, because a Hugging Face fast
+tokenizer is not safe to call from several at once, and tokenizing is serial CPU work anyway.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +33,7 @@ from services.common.errors import InvalidArgument
 from services.common.kv_blocks import block_hashes
 from services.common.prompts import Message, prompt_token_ids
 from services.gen.llmmesh.v1 import inference_pb2
+from services.router import metrics
 from services.router.placement.request import NO_PREFIX, PromptPrefix
 from services.router.placement.segment_encoder import SegmentEncoder
 
@@ -64,6 +72,8 @@ class PromptHasher:
         #: The block size a model's replicas use ("" = any model), when the caller names none
         #: (the pool's, see runtime.py).
         self.block_size = block_size
+        #: Where turns' prompts are tokenized and hashed, off the event loop (started on first use).
+        self._worker: ThreadPoolExecutor | None = None
 
     async def load(self, path: str) -> None:
         """Load the tokenizer off the event loop; a failure leaves prefix placement off, said once."""
@@ -74,7 +84,13 @@ class PromptHasher:
             return
         self._encoder = SegmentEncoder(tokenizer)
         self.tokenizer = tokenizer
+        metrics.PREFIX_TOKENIZER_LOADED.set(1)
         log.info("prefix hashes from the tokenizer of %s", path)
+
+    @property
+    def ready(self) -> bool:
+        """The tokenizer is loaded: prompts get their hashes."""
+        return self.tokenizer is not None
 
     def token_ids(self, start: inference_pb2.GenerateStart) -> list[int] | None:
         """The ids the replica will prefill for ``start``; None without a tokenizer or for a
@@ -100,10 +116,29 @@ class PromptHasher:
         size, hashes, _ = self._chain(start, block_size, model)
         return size, hashes
 
-    def prefix(self, start: inference_pb2.GenerateStart, model: str) -> PromptPrefix:
-        """The turn's hook (``TurnServices.prompt_prefix``): the placement request's prefix."""
-        size, hashes, prompt_tokens = self._chain(start, 0, model)
+    async def prefix(self, start: inference_pb2.GenerateStart, model: str) -> PromptPrefix:
+        """The turn's hook (``TurnServices.prompt_prefix``): the placement request's prefix,
+        computed on the hasher's worker thread so a long unseen prompt does not stall the loop."""
+        if self.tokenizer is None:
+            return NO_PREFIX
+        # The block size reads the pool: on the loop, where the pool is changed.
+        size = self.block_size(model)
+        if size <= 0:
+            return NO_PREFIX
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-hashes")
+        return await asyncio.get_running_loop().run_in_executor(self._worker, self.prefix_now, start, size)
+
+    def prefix_now(self, start: inference_pb2.GenerateStart, block_size: int) -> PromptPrefix:
+        """The placement request's prefix for ``start`` with ``block_size``, on the calling thread."""
+        size, hashes, prompt_tokens = self._chain(start, block_size, "")
         return PromptPrefix(hashes, size, prompt_tokens) if hashes else NO_PREFIX
+
+    def close(self) -> None:
+        """Stop the worker thread (the router's shutdown)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=False, cancel_futures=True)
+            self._worker = None
 
     def _chain(
         self, start: inference_pb2.GenerateStart, block_size: int, model: str

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from services.gen.llmmesh.v1 import inference_pb2
@@ -21,10 +21,10 @@ from services.router.turns.semantic_verify import DEFAULT_CANDIDATE_THRESHOLD
 
 #: The prompt's chained block hashes for prefix-aware placement, from the generation about to
 #: start and its first model. The router's tokenizer fills this in; until it is wired, none.
-PromptHasher = Callable[[inference_pb2.GenerateStart, str], PromptPrefix]
+PromptHasher = Callable[[inference_pb2.GenerateStart, str], Awaitable[PromptPrefix]]
 
 
-def no_prefix(start: inference_pb2.GenerateStart, model: str) -> PromptPrefix:
+async def no_prefix(start: inference_pb2.GenerateStart, model: str) -> PromptPrefix:
     """No tokenizer in this router: placement goes without the prompt's prefix."""
     return NO_PREFIX
 

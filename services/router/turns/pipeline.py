@@ -219,7 +219,7 @@ class TurnPipeline:
                 pinned,
                 deadline=deadline,
                 request_id=request_id,
-                prefix=s.prompt_prefix(start, models[0]),
+                prefix=await s.prompt_prefix(start, models[0]),
             )
             relayed = s.relay.generate(start, placement, outcome)
             # The per-message path: one clock read, one histogram sample, one proto built in place.

@@ -106,3 +106,35 @@ def test_forget_empties_both_modes_and_another_block_size_matches_nothing() -> N
     index.forget("r2")
     assert index.replicas() == []
     assert index.cached_prefix_blocks("r1", CHAIN) == index.cached_prefix_blocks("r2", CHAIN) == 0
+
+
+def test_blocks_sent_to_a_replica_with_events_count_as_held_until_its_events_say_otherwise() -> None:
+    clock = FakeClock()
+    index = PrefixIndex(clock=clock, approximate_ttl_s=60.0)
+    index.apply_snapshot("r1", "inc-a", 1, 16, CHAIN[:2])
+    # Sent, queued there, not prefilled yet: the next request of the prompt finds it on its way.
+    index.record_sent("r1", 16, CHAIN[:6])
+    assert index.cached_prefix_blocks("r1", CHAIN) == 6
+    assert index.block_count("r1") == 2  # the index's size is what the replica reports
+    # Stored: from now on the events rule, so an eviction takes the blocks away.
+    assert index.apply_delta("r1", "inc-a", 2, stored=CHAIN[2:6], evicted=[])
+    assert index.cached_prefix_blocks("r1", CHAIN) == 6
+    assert index.apply_delta("r1", "inc-a", 3, stored=[], evicted=CHAIN[3:6])
+    assert index.cached_prefix_blocks("r1", CHAIN) == 3
+    # Sent again and never stored (the request failed): it counts only for the TTL.
+    index.record_sent("r1", 16, CHAIN)
+    assert index.cached_prefix_blocks("r1", CHAIN) == 8
+    clock.now += 61
+    assert index.cached_prefix_blocks("r1", CHAIN) == 3
+    # Another replica never sent to holds none of it.
+    index.apply_snapshot("r2", "inc-b", 1, 16, [])
+    assert index.cached_prefix_blocks("r2", CHAIN) == 0
+
+
+def test_a_pending_block_between_held_ones_continues_the_prefix() -> None:
+    index = PrefixIndex(clock=FakeClock())
+    index.apply_snapshot("r1", "inc-a", 1, 16, CHAIN[:2] + CHAIN[4:6])
+    index.record_sent("r1", 16, CHAIN[:4])  # blocks 2 and 3 are on their way
+    assert index.cached_prefix_blocks("r1", CHAIN) == 6
+    index.forget("r1")  # the stream broke: nothing is known, pending included
+    assert index.cached_prefix_blocks("r1", CHAIN) == 0

@@ -80,7 +80,7 @@ def test_a_replica_over_its_bound_is_skipped_even_with_the_best_prefix() -> None
     index = PrefixIndex()
     prompt = chain(1)
     index.apply_snapshot("holder", "i", 1, BLOCK, prompt)
-    # b and c publish events and hold none of it (whatever this router sends them).
+    # b and c publish events and hold none of it.
     index.apply_snapshot("b", "i", 1, BLOCK, [])
     index.apply_snapshot("c", "i", 1, BLOCK, [])
     # Even with load weighing nothing, the bound alone keeps the request off the holder.
@@ -90,6 +90,10 @@ def test_a_replica_over_its_bound_is_skipped_even_with_the_best_prefix() -> None
     replicas[0].reported_load = 5  # the cap is now ⌈1.5 · 8 / 3⌉ = 4 … and 5 is not under it
     assert place(pick, request(prompt)) in {"b", "c"}
     replicas[0].reported_load = 3
+    # What went to b and c is pending there (sent, not yet stored): their events, sent now,
+    # say they kept none of it.
+    index.apply_snapshot("b", "i", 2, BLOCK, [])
+    index.apply_snapshot("c", "i", 2, BLOCK, [])
     assert place(pick, request(prompt)) == "holder"
 
 
