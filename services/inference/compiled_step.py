@@ -22,9 +22,10 @@ did not cover runs eagerly instead of compiling on a live request.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -53,6 +54,14 @@ class _Bucketed:
 
 def _eager_on_recompile() -> Any:
     return torch.compiler.set_stance("eager_on_recompile")
+
+
+@contextlib.contextmanager
+def _graph_step() -> Iterator[None]:
+    # A new step: the graphs' output buffers of the last one may be reused (cudagraph trees).
+    torch.compiler.cudagraph_mark_step_begin()
+    with _eager_on_recompile():
+        yield
 
 
 def compile_kernels(
@@ -113,5 +122,5 @@ def compile_kernels(
         add_rms_norm=fns["add_rms_norm"],
         rotary=fns["rotary"],
         silu_mul=fns["silu_mul"],
-        step_scope=_eager_on_recompile,
+        step_scope=_graph_step if cuda else _eager_on_recompile,
     )
