@@ -23,7 +23,10 @@ from typing import Any
 from bench.timings import MethodRun, Summary, median_summary, summarize
 from bench.workloads import Workload
 
-METHODS = ("llm_mesh", "naive", "hf_static", "hf_continuous")
+METHODS = ("llm_mesh", "llm_mesh_eager", "naive", "hf_static", "hf_continuous")
+#: Run unless --only says otherwise; llm_mesh_eager (the engine with --no-compile, beside a
+#: --compile llm_mesh in the same run) is asked for by name.
+DEFAULT_METHODS = ("llm_mesh", "naive", "hf_static", "hf_continuous")
 DEFAULT_MODEL = "models/SmolLM2-135M-Instruct"
 
 
@@ -39,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument(
-        "--only", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}"
+        "--only", default=",".join(DEFAULT_METHODS), help=f"comma-separated subset of {','.join(METHODS)}"
     )
     parser.add_argument("--json", type=Path, default=None, help="write the results document here")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds; medians are reported")
@@ -69,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="torch.compile llm-mesh's transformers forward (slow warm-up; the native forward is eager)",
+        help="torch.compile llm-mesh's forward (native: per-layer kernels; transformers: decode step)",
     )
     parser.add_argument(
         "--max-num-seqs", type=int, default=64, help="llm-mesh running batch and static wave size"
@@ -199,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
     cb_sizes = continuous_batching_sizes(args.cb_num_blocks, device)
     runners: dict[str, Callable[[Workload], MethodRun]] = {}
     engine: Any = None
-    if any(m != "llm_mesh" for m in methods):
+    if any(not m.startswith("llm_mesh") for m in methods):
         console.print(f"loading HF model ({args.dtype}) …")
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(
             args.model, dtype=getattr(torch, args.dtype)
@@ -225,6 +228,17 @@ def run(args: argparse.Namespace) -> int:
             model_impl=args.model_impl,
         )
         runners["llm_mesh"] = lambda w: mesh_method.run_llm_mesh(engine, w)
+    if "llm_mesh_eager" in methods:
+        eager_engine = mesh_method.build_engine(
+            args.model,
+            args.dtype,
+            device,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            compile_model=False,
+            model_impl=args.model_impl,
+        )
+        runners["llm_mesh_eager"] = lambda w: mesh_method.run_llm_mesh(eager_engine, w)
 
     warm = warmup_workload(workload) if args.warmup == "short" else workload
     for method in methods:
@@ -249,6 +263,11 @@ def run(args: argparse.Namespace) -> int:
         per_round.append(summaries)
 
     results = {m: median_summary([r[m] for r in per_round]) for m in methods}
+    # The ceiling of this machine and dtype, now, at the batch's rows: "close to the limit" measured.
+    from bench.matmul_ceiling import ceiling_tok_s
+
+    ceiling: dict[str, Any] = dict(ceiling_tok_s(args.max_num_seqs, getattr(torch, args.dtype), device))
+    ceiling["share"] = {m: results[m].tok_s / ceiling["tok_s"] for m in methods}
     check = report.check_tokens({m: last_runs[m] for m in methods})
     ratio_table = report.ratios(results)
     if args.dtype != "float32" and check.total_mismatches:
@@ -264,6 +283,7 @@ def run(args: argparse.Namespace) -> int:
         "ratios": ratio_table,
         "targets": report.targets(workload.name, ratio_table),
         "token_check": check.as_dict(),
+        "ceiling": ceiling,
         "rounds": args.rounds,
         "per_round": [{m: s.as_dict() for m, s in r.items()} for r in per_round],
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -287,6 +307,11 @@ def run(args: argparse.Namespace) -> int:
         "notes": notes,
     }
     report.print_report(console, document, results, check, notes)
+    console.print(
+        f"matmul ceiling ({args.dtype}, {ceiling['rows']} rows, this machine, this run): "
+        f"{ceiling['gflops']:.1f} GFLOP/s ≈ {ceiling['tok_s']:,.0f} tok/s; share: "
+        + ", ".join(f"{m} {share:.0%}" for m, share in ceiling["share"].items())
+    )
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(document, indent=2) + "\n")

@@ -5,6 +5,9 @@
 #   2. the engine benchmark on CUDA: fp32 (its token check must pass), bf16 uniform
 #      at 256 concurrent requests, bf16 mixed arrivals (against transformers' continuous
 #      batching only: static waves of 256 padded to the longest answer take minutes there);
+#   2b. the compiled step (--compile: the native forward's layer kernels as CUDA graphs per
+#      row bucket, compiled_step.py) against the same engine eager and HF static, fp32 (its
+#      token check must pass) and its exactness test (tests/integration/test_compiled_step.py);
 #   3. where a bf16 decode step's time goes (bench/engine_profile.py --device cuda);
 #   4. the router's overhead on this machine's CPU cores (bench/router.py, shortened; the
 #      real-engine row on CUDA): the 2-vCPU dev VM charges any relay ~1 ms per paced answer
@@ -12,14 +15,14 @@
 #
 #     bash bench/gpu_check.sh OUT_DIR [SECONDS] [STEPS]
 #
-# STEPS: comma list of tests, engine, profile, router (default: all, in that order).
+# STEPS: comma list of tests, engine, compile, profile, router (default: all, in that order).
 # Writes OUT_DIR/engine-*-cuda.json and OUT_DIR/router-device.json and prints every step's
 # output. Steps that would not fit in SECONDS (default 540) are skipped and say so.
 # Exit status: the first failing step's.
 set -uo pipefail
 out=${1:?usage: bash bench/gpu_check.sh OUT_DIR [SECONDS] [STEPS]}
 budget=${2:-540}
-steps=",${3:-tests,engine,profile,router},"
+steps=",${3:-tests,engine,compile,profile,router},"
 py=${PYTHON:-python3}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -68,6 +71,10 @@ step engine engine-uniform-bf16 130 "${bench[@]}" --dtype bfloat16 --workload un
   --max-tokens 128 --max-num-seqs 256 --json "$out/engine-uniform-bf16-cuda.json"
 step engine engine-mixed-bf16 100 "${bench[@]}" --dtype bfloat16 --workload mixed --num-requests 256 \
   --arrival-rate 32 --max-num-seqs 256 --only llm_mesh,hf_continuous --json "$out/engine-mixed-bf16-cuda.json"
+step compile compile-test 200 env LLMMESH_TEST_DEVICE=cuda "$py" -m pytest -q -p no:cacheprovider -rfE -m full \
+  --timeout 190 tests/integration/test_compiled_step.py
+step compile engine-uniform-fp32-compiled 150 "${bench[@]}" --dtype float32 --workload uniform --compile \
+  --only llm_mesh,llm_mesh_eager,hf_static --json "$out/engine-uniform-fp32-compiled-cuda.json"
 # Where a GPU step goes (host-bound or not): what to change next on a GPU.
 step profile engine-profile-bf16 90 "$py" -m bench.engine_profile --device cuda --dtype bfloat16 --threads 4 \
   --num-requests 64 --max-tokens 32

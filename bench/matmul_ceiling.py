@@ -1,13 +1,15 @@
-"""What this CPU's fp32 matmuls reach on the model's own shapes: the ceiling a server cannot pass.
+"""What this CPU's matmuls reach on the model's own shapes: the ceiling a server cannot pass.
 
-    python -m bench.matmul_ceiling               # rows 16, 64, 256, 1024
-    llm-mesh bench matmul-ceiling --rows 48,512
+    python -m bench.matmul_ceiling               # rows 16, 64, 256, 1024, fp32
+    llm-mesh bench matmul-ceiling --rows 48,512 --dtype bfloat16
 
 Every linear layer of SmolLM2-135M (q/o 576×576, k/v 576×192, MLP 576×1536 and
 1536×576, LM head 576×49152) through ``torch.nn.functional.linear`` at a number
 of rows (tokens in one step: the batch for decode, the chunk for prefill), with
 the torch thread count the engine uses. Prints GFLOP/s per row count: with it,
 the least time any server needs for a workload's prompt and output tokens.
+``bench/engine.py`` prints ``ceiling_tok_s`` beside its results (the engine's share
+of it), measured in the same run at the batch's rows and the run's dtype.
 """
 
 from __future__ import annotations
@@ -22,11 +24,22 @@ import torch
 SHAPES = ((576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152))
 
 
-def gflops(rows: int, seconds_per_shape: float = 0.5) -> float:
+#: FLOPs of one decoded token of SmolLM2-135M through its linears: 30 layers (q, k, v, o,
+#: gate, up, down) and the LM head, 2 per multiply-add (≈ 269 MFLOP).
+LAYERS = 30
+FLOPS_PER_TOKEN = 2.0 * (LAYERS * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536) + 576 * 49152)
+
+
+def gflops(
+    rows: int, seconds_per_shape: float = 0.5, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> float:
+    """GFLOP/s of ``F.linear`` over the model's shapes at ``rows`` rows, in ``dtype``."""
     flops = 0.0
     spent = 0.0
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for k, n in SHAPES:
-        a, w = torch.randn(rows, k), torch.randn(n, k)
+        a = torch.randn(rows, k, device=device).to(dtype)
+        w = torch.randn(n, k, device=device).to(dtype)
         for _ in range(3):
             torch.nn.functional.linear(a, w)
         start = time.perf_counter()
@@ -34,20 +47,36 @@ def gflops(rows: int, seconds_per_shape: float = 0.5) -> float:
         while (elapsed := time.perf_counter() - start) < seconds_per_shape:
             torch.nn.functional.linear(a, w)
             calls += 1
+            sync()
         flops += 2.0 * rows * k * n * calls
         spent += elapsed
     return flops / spent / 1e9
 
 
+def ceiling_tok_s(
+    rows: int, dtype: torch.dtype, device: str = "cpu", seconds_per_shape: float = 0.3
+) -> dict[str, float]:
+    """The decode ceiling at ``rows`` rows: matmul GFLOP/s and the tokens/s it allows."""
+    rate = gflops(rows, seconds_per_shape, dtype, device)
+    return {"rows": rows, "gflops": rate, "tok_s": rate * 1e9 / FLOPS_PER_TOKEN}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", default="16,64,256,1024", help="comma list of rows per matmul")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
 
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
     for rows in (int(r) for r in args.rows.split(",") if r.strip()):
-        print(f"rows {rows:5d}: {gflops(rows):6.1f} GFLOP/s fp32 ({args.threads} threads)", flush=True)
+        c = ceiling_tok_s(rows, dtype, seconds_per_shape=0.5)
+        print(
+            f"rows {rows:5d}: {c['gflops']:6.1f} GFLOP/s {args.dtype} ({args.threads} threads), "
+            f"≈ {c['tok_s']:,.0f} tok/s",
+            flush=True,
+        )
     return 0
 
 

@@ -31,8 +31,11 @@ class EngineConfig:
     max_queued_requests: int = flag(256, help="waiting-queue bound")
     # None: the model's own context length, capped (see model_runner.MAX_MODEL_LEN_CAP).
     max_model_len: int | None = flag(None, type=int, help="context cap (default: the model's)")
-    # torch.compile the forward with bucketed batch sizes (slow warm-up, faster steps).
-    compile: bool = flag(False, help="torch.compile the transformers forward (slow start)")
+    # Off by default: on this project's 2-vCPU CPU it did not pay (docs/benchmarks.md, issue 26).
+    # Native forward: its per-layer kernels (compiled_step.py); transformers: its decode step.
+    compile: bool = flag(
+        False, help="torch.compile the forward at start-up (native: per-layer kernels; slow start)"
+    )
     model_impl: str = flag(
         "auto",
         choices=MODEL_IMPLS,

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from services.inference import layer_kernels
 from services.inference.decode_slab import DecodeSlab
 
 log = logging.getLogger("llmmesh.inference.llama")
@@ -178,6 +179,8 @@ class LlamaForward:
         self.lm_head = Linear(model.get_output_embeddings().weight)
         self.cos, self.sin = self._rotary_tables(decoder.rotary_emb, max_positions)
         self.scratch = Scratch()
+        # The work around the matmuls and attention: eager, or compiled (compiled_step.py).
+        self.kernels: layer_kernels.Kernels = layer_kernels.EAGER
 
     @staticmethod
     def _layer(layer: Any) -> LayerWeights:
@@ -201,34 +204,34 @@ class LlamaForward:
         dtype = self.embed.dtype
         return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        variance = xf.pow(2).mean(-1, keepdim=True)
-        return weight * (xf * torch.rsqrt(variance + self.eps)).to(x.dtype)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return (x * cos) + (rotated * sin)
-
     def hidden_states(
         self, step: StepInputs, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
     ) -> torch.Tensor:
         """The final-normed hidden state of every token in ``step.sample_index``: [S, hidden]."""
-        n = step.input_ids.shape[0]
-        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         x = self.embed.index_select(0, step.input_ids)
         cos = self.cos.index_select(0, step.positions)[:, None, :]
         sin = self.sin.index_select(0, step.positions)[:, None, :]
+        with self.kernels.step_scope():
+            return self._layers(step, x, cos, sin, k_caches, v_caches)
+
+    def _layers(
+        self,
+        step: StepInputs,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        n = step.input_ids.shape[0]
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        kernels = self.kernels
+        h = kernels.rms_norm(x, self.layers[0].input_norm, self.eps)
         for index, (layer, k_cache, v_cache) in enumerate(zip(self.layers, k_caches, v_caches, strict=True)):
-            h = self._rms_norm(x, layer.input_norm)
-            q, k, v = layer.qkv(h).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-            q = self._rotate(q.view(n, heads, dim), cos, sin)
-            k = self._rotate(k.view(n, kv_heads, dim), cos, sin)
+            q, k, v = kernels.rotary(layer.qkv(h), cos, sin, heads, kv_heads, dim)
             # Every row's K/V is written before any row attends: a prefill row may
             # read blocks another row of this same step fills (in-step prefix sharing).
             k_cache.index_copy_(1, step.slot_mapping, k.transpose(0, 1))
-            v = v.view(n, kv_heads, dim)
             v_cache.index_copy_(1, step.slot_mapping, v.transpose(0, 1))
             decode = step.decode
             if decode is not None and decode.slab is not None:
@@ -239,11 +242,16 @@ class LlamaForward:
             # reshape, not view: SDPA's output layout depends on the kernel that ran (CUDA's
             # and CPU's math kernels leave [rows, heads, steps, D] strides), so one prefill
             # row may need a copy here.
-            x = x + layer.o(attn.reshape(n, heads * dim))
-            h = self._rms_norm(x, layer.post_attention_norm)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
-        return self._rms_norm(x.index_select(0, step.sample_index), self.final_norm)
+            x, h = kernels.add_rms_norm(
+                x, layer.o(attn.reshape(n, heads * dim)), layer.post_attention_norm, self.eps
+            )
+            down = layer.down(kernels.silu_mul(layer.gate_up(h)))
+            if index + 1 < len(self.layers):
+                # The residual add and the next layer's input norm in one call (one kernel compiled).
+                x, h = kernels.add_rms_norm(x, down, self.layers[index + 1].input_norm, self.eps)
+            else:
+                x = x + down
+        return kernels.rms_norm(x.index_select(0, step.sample_index), self.final_norm, self.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from services.inference import decode_slab, llama
+from services.inference import compiled_step, decode_slab, llama
 from services.inference.config import EngineConfig
 from services.inference.flat_batch import FlatBatchBuilder
 from services.inference.grammar import Guide
@@ -86,6 +86,19 @@ class ModelRunner:
             raise ValueError(f"--model-impl native supports Llama-family models, not {mc.model_type!r}")
         if config.model_impl != "transformers" and llama.supports(self.model):
             self.native = llama.LlamaForward(self.model, self.max_model_len)
+            if config.compile:
+                # Here, before the replica reports SERVING: never on a live request.
+                self.native.kernels = compiled_step.compile_kernels(
+                    hidden=mc.hidden_size,
+                    intermediate=mc.intermediate_size,
+                    heads=self.native.num_heads,
+                    kv_heads=self.native.num_kv_heads,
+                    head_dim=self.native.head_dim,
+                    eps=self.native.eps,
+                    dtype=self.dtype,
+                    device=self.device,
+                    max_rows=max(config.max_num_seqs, config.max_num_batched_tokens),
+                )
             # The native forward holds its own (packed) copies: keep only what the engine reads.
             self.model = _ModelFacts(mc, getattr(self.model, "generation_config", None))
 
@@ -143,7 +156,7 @@ class ModelRunner:
         self.lm_head: Any = (
             self.native.logits if self.native is not None else self.model.get_output_embeddings()
         )
-        # Decode steps only (shape [B, 1]) are compiled: prefill shapes vary too much.
+        # transformers path: decode steps only (shape [B, 1]) are compiled, prefill shapes vary too much.
         compiled = config.compile and self.native is None
         self._decode_forward = self._compiled_forward() if compiled else self._decoder_forward
         self._forward = self._run_forward

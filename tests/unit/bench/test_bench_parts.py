@@ -127,6 +127,20 @@ def test_unknown_method_is_a_usage_error_naming_the_choices() -> None:
         parse_methods("llm_mesh,hf_typo")
 
 
+def test_the_eager_engine_runs_beside_a_compiled_one_only_when_named() -> None:
+    from bench.engine import DEFAULT_METHODS
+
+    assert "llm_mesh_eager" not in DEFAULT_METHODS
+    assert parse_methods("hf_static,llm_mesh_eager,llm_mesh") == ["llm_mesh", "llm_mesh_eager", "hf_static"]
+
+
+def test_the_ceiling_counts_a_smollm2_token_as_its_linears_flops() -> None:
+    from bench.matmul_ceiling import FLOPS_PER_TOKEN
+
+    # 134.5 M multiply-adds: 30 layers of q, k, v, o, gate, up, down and the 49,152-row LM head.
+    assert FLOPS_PER_TOKEN == 2 * (30 * 3_538_944 + 28_311_552)
+
+
 def test_bench_dispatch_reports_a_missing_benchmark_clearly(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
