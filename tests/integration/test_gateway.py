@@ -56,9 +56,15 @@ def api_keys(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
 
 
 @pytest.fixture(scope="module")
-def replica(shared_replica: ServiceProcess) -> ServiceProcess:
-    """The session's shared real replica (it has a metrics port: the cancel tests read it)."""
-    return shared_replica
+def replica(model_path: Path) -> Iterator[ServiceProcess]:
+    """Its own replica, not the session's shared one: with the shared replica the disconnect
+    test once saw its generation cancelled before it could be seen held (clean-clone CI,
+    2026-12-02 07:07, not reproduced alone; see docs/architecture.md's test section)."""
+    proc = ServiceProcess(
+        "services.inference", ["--model", str(model_path), "--device", "cpu", "--metrics-port", "0"]
+    ).start()
+    yield proc
+    proc.stop()
 
 
 @pytest.fixture(scope="module")
