@@ -8,8 +8,8 @@ least          outstanding                               –                   a
 p2c            outstanding                               –                   better of two random
 wrt            expected response time                    –                   random ∝ 1 / cost
 affinity/auto  session ring rank; wrt without a session  router in-flight    argmin
-prefix         prefill work (w), queued work (w)         max(in-flight,      argmin, hash tie-break
-                                                         reported load)
+prefix         prefill work (w), queued work (w),        max(in-flight,      argmin, hash tie-break
+               queued prefill (w)                        reported load)
 =============  ========================================  ==================  ========================
 
 Randomness is injected; no grpc or asyncio in here.
@@ -37,6 +37,7 @@ from services.router.placement.prefix_scorers import (
     CostDefaults,
     PrefillWork,
     PrefixOverlap,
+    QueuedPrefill,
     QueuedWork,
     placement_load,
 )
@@ -149,7 +150,7 @@ class PrefixSettings:
 
     #: Weight of the uncached-prefill seconds in the cost (``--prefix-prefill-weight``).
     prefill_weight: float = 1.0
-    #: Weight of the queued-and-running seconds (``--prefix-load-weight``).
+    #: Weight of the queued-and-running seconds, other prompts' queued prefill included (``--prefix-load-weight``).
     load_weight: float = 1.0
     #: Bounded-load slack on each replica's load, max(this router's in-flight, its report) (``--prefix-epsilon``).
     epsilon: float = 0.5
@@ -194,6 +195,7 @@ class PrefixPolicy(Pipeline):
             [
                 Weighted(PrefillWork(overlap, defaults), s.prefill_weight),
                 Weighted(QueuedWork(defaults), s.load_weight),
+                Weighted(QueuedPrefill(index, defaults), s.load_weight),
             ],
             ArgMin(HashTieBreak()),
             bound=LoadBound(s.epsilon, load=placement_load, floor=s.bound_floor),

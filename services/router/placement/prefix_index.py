@@ -215,6 +215,29 @@ class PrefixIndex:
             return 0
         return _walk_live(approx.expires, block_hashes, self._clock())
 
+    def pending_tokens_outside(self, replica: str, block_hashes: Sequence[int]) -> int:
+        """Prompt tokens this router sent to ``replica`` that it has not stored yet (prefill queued
+        or under way there), less those in ``block_hashes``: the cold prefills another request
+        would wait behind. Blocks of its own chain are work it needs done anyway (it counts them as
+        held), so a burst behind one new prefix still queues where the prefix is on its way, while
+        another prefix's request sees seconds of prefill ahead of it there. 0 without a fresh
+        precise entry: the approximate mode cannot tell a queued prefill from a finished one."""
+        entry = self._precise.get(replica)
+        if entry is None or entry.stale or entry.pending is None:
+            return 0
+        pending = entry.pending
+        now = self._clock()
+        self._expire(pending, now)
+        table = pending.expires
+        if not table:
+            return 0
+        mine = 0
+        for h in block_hashes:
+            expires = table.get(h)
+            if expires is not None and expires > now:
+                mine += 1
+        return (len(table) - mine) * entry.block_size
+
     def block_count(self, replica: str) -> int:
         """Blocks indexed for ``replica``: its precise entry's if fresh, else its live approximate ones."""
         entry = self._precise.get(replica)

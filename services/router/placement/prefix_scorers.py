@@ -2,6 +2,11 @@
 
 predicted work on a replica = uncached prefill tokens × its prefill cost per token
                             + (running + waiting) × its decode cost per request
+                            + other prompts' prefill queued there × its prefill cost per token
+
+The last term is Dynamo's "active prefill tokens": a request queued behind another group's cold
+prefill waits seconds, not one decode's worth, so counting every request ahead as a decode sent
+new prefixes to replicas busy prefilling (bench/placement.py, 06:17 run).
 
 Both costs are learned from the replica's own reported timings (``ReplicaCosts``); a replica
 without samples counts as the mean of those with, and with none at all the defaults hold.
@@ -103,3 +108,21 @@ class QueuedWork:
             [c.decode_s_per_request for c in candidates], self.defaults.decode_s_per_request
         )
         return [self.load(c) * cost for c, cost in zip(candidates, per_request, strict=True)]
+
+
+class QueuedPrefill:
+    """Seconds of other prompts' prefill queued on a replica: the blocks this router sent there
+    that its KV events have not stored yet, outside this request's own chain
+    (``PrefixIndex.pending_tokens_outside``), × the replica's learned prefill cost per token."""
+
+    def __init__(self, index: PrefixIndex, defaults: CostDefaults | None = None) -> None:
+        self.index = index
+        self.defaults = defaults or CostDefaults()
+
+    def score(self, candidates: Sequence[Candidate], request: PlacementRequest) -> list[float]:
+        per_token = learned_or_mean(
+            [c.prefill_s_per_token for c in candidates], self.defaults.prefill_s_per_token
+        )
+        pending = self.index.pending_tokens_outside
+        hashes = request.prefix_hashes
+        return [pending(c.address, hashes) * cost for c, cost in zip(candidates, per_token, strict=True)]

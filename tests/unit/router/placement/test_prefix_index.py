@@ -138,3 +138,40 @@ def test_a_pending_block_between_held_ones_continues_the_prefix() -> None:
     assert index.cached_prefix_blocks("r1", CHAIN) == 6
     index.forget("r1")  # the stream broke: nothing is known, pending included
     assert index.cached_prefix_blocks("r1", CHAIN) == 0
+
+
+def test_another_prompts_prefill_queued_on_a_replica_counts_until_stored_or_expired() -> None:
+    clock = FakeClock()
+    index = PrefixIndex(clock=clock, approximate_ttl_s=60.0)
+    other = [0x1234_0000 + i for i in range(5)]  # another prompt's chain
+    index.apply_snapshot("r1", "inc-a", 1, 16, CHAIN[:2])
+    index.record_sent("r1", 16, CHAIN[:6])  # 4 blocks on their way: 2 were held already
+    # Another prompt waits behind those 4 blocks' prefill; this prompt's own request does not:
+    # they are its own prefix, on its way.
+    assert index.pending_tokens_outside("r1", other) == 4 * 16
+    assert index.pending_tokens_outside("r1", CHAIN) == 0
+    assert index.pending_tokens_outside("r1", CHAIN[:3]) == 3 * 16  # it shares blocks 0-2 only
+    # Prefilled in two chunks: each stored event takes its blocks off the queue.
+    assert index.apply_delta("r1", "inc-a", 2, stored=CHAIN[2:4], evicted=[])
+    assert index.pending_tokens_outside("r1", other) == 2 * 16
+    assert index.apply_delta("r1", "inc-a", 3, stored=CHAIN[4:6], evicted=[])
+    assert index.pending_tokens_outside("r1", other) == 0
+    # Sent and never stored (the request failed): it counts only for the TTL.
+    index.record_sent("r1", 16, other)
+    assert index.pending_tokens_outside("r1", CHAIN) == 5 * 16
+    clock.now += 61
+    assert index.pending_tokens_outside("r1", CHAIN) == 0
+
+
+def test_without_fresh_events_no_queued_prefill_is_claimed() -> None:
+    # The approximate mode cannot tell a queued prefill from a finished one; a stale entry
+    # (a gap in the events) knows nothing until its snapshot.
+    index = PrefixIndex(clock=FakeClock())
+    index.record_sent("old", 16, CHAIN)
+    assert index.cached_prefix_blocks("old", CHAIN) == 8
+    assert index.pending_tokens_outside("old", []) == 0
+    index.apply_snapshot("r1", "inc-a", 1, 16, [])
+    index.record_sent("r1", 16, CHAIN)
+    assert index.pending_tokens_outside("r1", []) == 8 * 16
+    assert not index.apply_delta("r1", "inc-a", 5, stored=[], evicted=[])  # a gap: stale
+    assert index.pending_tokens_outside("r1", []) == 0

@@ -77,3 +77,24 @@ def test_a_group_stays_on_its_replica_while_the_work_queued_there_costs_less_tha
     assert place(pick, request(prompt, "stay")) == "h"
     holder.in_flight = 7  # 2.1 s: moving is cheaper
     assert place(pick, request(prompt, "move")) == "b"
+
+
+def test_a_new_prefix_avoids_a_replica_busy_prefilling_another_cold_prefix() -> None:
+    # 2,000-token prompts at 1 ms a token, 0.2 s a queued request. "a" has one request of this
+    # router in flight whose cold prefill is still queued there (its blocks sent, none stored);
+    # "b" has two that are decoding. Counted as decodes alone, "a" looked cheaper (2.2 s against
+    # 2.4 s); with its queued prefill it costs 4.2 s, so another prefix's request goes to "b".
+    a, b = (FakeReplica(x, prefill_s_per_token=1e-3, decode_s_per_request=0.2) for x in "ab")
+    index = PrefixIndex(clock=lambda: 0.0)
+    for r in (a, b):
+        index.apply_snapshot(r.address, "i", 1, BLOCK, [])
+    pick = prefix_picker([a, b], index, PrefixSettings(bound_floor=100))
+    first = chain(1)
+    index.record_sent("a", BLOCK, first)
+    a.in_flight, b.in_flight = 1, 2
+    assert place(pick, request(chain(2), "other-prefix")) == "b"
+    # The same prefix's next request waits for that prefill where it is on its way.
+    assert place(pick, request(first, "same-prefix")) == "a"
+    # Once "a" has stored it (prefilled, now decoding), "a" is the cheaper again.
+    assert index.apply_delta("a", "i", 2, stored=first, evicted=[])
+    assert place(pick, request(chain(3), "after-prefill")) == "a"

@@ -147,13 +147,15 @@ def test_two_routers_with_the_same_loads_and_index_place_every_request_identical
         return prefix_picker(replicas, index)
 
     first, second = router(), router()
-    requests = [request(chain(g), f"id-{g}-{i}") for g in range(6) for i in range(10)]
-    requests += [request([], f"no-prefix-{i}") for i in range(20)]  # every replica ties on cost
+    # First with nothing sent yet (every replica ties on cost), then the groups, whose sends
+    # queue prefills that the costs of later requests count.
+    requests = [request([], f"no-prefix-{i}") for i in range(20)]
+    requests += [request(chain(g), f"id-{g}-{i}") for g in range(6) for i in range(10)]
     picks = [place(first, r) for r in requests]
     assert picks == [place(second, r) for r in requests]
-    # Ties (a and b both hold group 1; no prefix at all) still spread, by the request's key.
-    assert set(picks[10:20]) == {"a"} or set(picks[10:20]) == {"b"}  # one prompt: one replica
-    assert set(picks[-20:]) == {"c", "d"}  # the two least loaded, both used
+    # Ties (no prefix at all; a and b both hold group 1) still spread, by the request's key.
+    assert set(picks[:20]) == {"c", "d"}  # the two least loaded, both used
+    assert set(picks[30:40]) == {"a"} or set(picks[30:40]) == {"b"}  # one prompt: one replica
 
 
 def test_without_events_the_router_remembers_where_it_sent_a_prefix() -> None:
