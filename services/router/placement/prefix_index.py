@@ -226,17 +226,13 @@ class PrefixIndex:
         if entry is None or entry.stale or entry.pending is None:
             return 0
         pending = entry.pending
-        now = self._clock()
-        self._expire(pending, now)
+        # Expired sends dropped, every hash left is live: counting is a size and one C-speed
+        # intersection (a probe per block of the chain), not a walk with expiry checks.
+        self._expire(pending, self._clock())
         table = pending.expires
         if not table:
             return 0
-        mine = 0
-        for h in block_hashes:
-            expires = table.get(h)
-            if expires is not None and expires > now:
-                mine += 1
-        return (len(table) - mine) * entry.block_size
+        return (len(table) - len(table.keys() & block_hashes)) * entry.block_size
 
     def block_count(self, replica: str) -> int:
         """Blocks indexed for ``replica``: its precise entry's if fresh, else its live approximate ones."""
