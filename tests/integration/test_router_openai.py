@@ -482,8 +482,23 @@ def test_json_object_and_a_bad_schema_over_http(front: Front) -> None:
     if choice["finish_reason"] == "stop":
         assert isinstance(json.loads(choice["message"]["content"]), dict)
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}
-    assert_error(front.post("/v1/chat/completions", {**chat, "response_format": bad}), 400, "json_schema")
-    assert_error(front.post("/v1/chat/completions", {**chat, "guided_regex": "a(b"}), 400, "regex")
+    # The replica refuses naming its proto field; the client is told the field it sent.
+    error = assert_error(
+        front.post("/v1/chat/completions", {**chat, "response_format": bad}),
+        400,
+        "response_format.json_schema.schema",
+    )
+    assert error["message"].startswith("response_format.json_schema.schema: does not compile")
+    assert_error(front.post("/v1/chat/completions", {**chat, "guided_regex": "a(b"}), 400, "guided_regex")
+    # A choice no token can begin (SmolLM2 has no token for U+0016): refused at admission; one
+    # that dead-ends after "a": that request ends alone, saying why. Both name guided_choice.
+    for choice in (["\x16"], ["a\x16"]):
+        error = assert_error(front.post("/v1/chat/completions", {**chat, "guided_choice": choice}), 400)
+        assert error["param"] == "guided_choice" and error["message"].startswith("guided_choice: "), choice
+    streamed = front.post("/v1/chat/completions", {**chat, "guided_choice": ["a\x16"], "stream": True})
+    assert streamed.status_code == 200, streamed.text
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert events[-1]["error"]["param"] == "guided_choice", events[-1]
     assert_error(
         front.post(
             "/v1/chat/completions",

@@ -189,7 +189,28 @@ class OpenAiFront:
             self._model_name(generation.model),
             generation.per_prompt,
             generation.tool,
+            generation.constraint,
         )
+        try:
+            return await self._answer(
+                request, generation, framer, principal, deadline, given_id, seen, headers
+            )
+        except Exception as exc:
+            raise framer.error(exc, request.url.path) from None
+
+    async def _answer(
+        self,
+        request: Request,
+        generation: Generation,
+        framer: Framer,
+        principal: Principal,
+        deadline: float | None,
+        given_id: str | None,
+        seen: list[int] | None,
+        headers: dict[str, str],
+    ) -> Any:
+        """The answer to a parsed generation request: whole, or an SSE stream. Its errors leave
+        through ``framer.error`` (the caller), naming fields as the request named them."""
         replay = self.pipeline.s.replay
         if (seen is not None or generation.extras.resumable) and replay is None:
             param = "Last-Event-ID" if seen is not None else "resumable"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -94,3 +95,26 @@ def api_error(exc: BaseException, route: str = "") -> ApiError:
         log.error("%s failed", route or "HTTP request", exc_info=exc)
         message = f"internal error: {type(exc).__name__}"
     return ApiError(status, message, kind, error_code, param, retry_after)
+
+
+@dataclass(frozen=True)
+class ConstraintParam:
+    """The request's own name for the output constraint it set.
+
+    A replica refuses a constraint naming its proto field ("choice: no token of this model's
+    vocabulary can begin its output"), but the client sent ``guided_choice`` (or
+    ``response_format.json_schema.schema``, ``tools``, …): the error names what it sent.
+    """
+
+    #: The proto field (``SamplingParams``'s ``constraint`` oneof) the request's constraint is in.
+    engine: str
+    #: The request field it came from.
+    request: str
+
+    def rename(self, error: ApiError) -> ApiError:
+        if error.param != self.engine:
+            return error
+        message = error.message
+        if message.startswith(f"{self.engine}:"):
+            message = self.request + message[len(self.engine) :]
+        return dataclasses.replace(error, param=self.request, message=message)

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from services.gen.llmmesh.v1 import common_pb2
 from services.router.api.openai.choices import ChoiceAnswer
+from services.router.api.openai.errors import ApiError, ConstraintParam, api_error
 from services.router.api.openai.structured import ToolMode, chat_logprobs, text_logprobs
 
 SYSTEM_FINGERPRINT = "llm-mesh"
@@ -67,6 +68,13 @@ class Framer:
     per_prompt: int = 1
     #: Chat with tools: each answer is a function call, sent as ``tool_calls``.
     tool: ToolMode | None = None
+    #: The request field its output constraint came from (a replica names the proto field).
+    constraint: ConstraintParam | None = None
+
+    def error(self, exc: BaseException, route: str) -> ApiError:
+        """What the client is told of ``exc``, a field named as this request named it."""
+        error = api_error(exc, route)
+        return self.constraint.rename(error) if self.constraint is not None else error
 
     def _head(self, object_name: str, model: str | None = None) -> dict[str, Any]:
         return {

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
-from services.router.api.openai.errors import bad_request, unsupported
+from services.router.api.openai.errors import ConstraintParam, bad_request, unsupported
 from services.router.api.openai.extras import FIELDS as EXTRA_FIELDS
 from services.router.api.openai.extras import Extras, extras
 from services.router.api.openai.structured import ToolMode, apply_output_options, tool_mode
@@ -108,6 +108,13 @@ class Generation:
     extras: Extras = field(default_factory=Extras)
     #: Chat with tools: every answer is a call (its arguments constrained to the tool's schema).
     tool: ToolMode | None = None
+    #: The request field its output constraint came from, for a replica's refusal to name it.
+    constraint: ConstraintParam | None = None
+
+
+def _constraint_param(sampling: common_pb2.SamplingParams, source: str | None) -> ConstraintParam | None:
+    engine = sampling.WhichOneof("constraint")
+    return ConstraintParam(engine, source) if engine is not None and source is not None else None
 
 
 def chat_generation(body: Any, request_id: str) -> Generation:
@@ -120,9 +127,15 @@ def chat_generation(body: Any, request_id: str) -> Generation:
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1, INT32_MAX)
     sampling = _sampling(body, max_tokens)
-    apply_output_options(body, sampling, chat=True)
+    source = apply_output_options(body, sampling, chat=True)
     tool = tool_mode(body, sampling)
-    return dataclasses.replace(_generation(body, request_id, [messages], sampling), tool=tool)
+    if tool is not None:
+        source = "tools"  # the constraint is the called function's parameters schema
+    return dataclasses.replace(
+        _generation(body, request_id, [messages], sampling),
+        tool=tool,
+        constraint=_constraint_param(sampling, source),
+    )
 
 
 def completion_generation(body: Any, request_id: str) -> Generation:
@@ -147,9 +160,12 @@ def completion_generation(body: Any, request_id: str) -> Generation:
         raise bad_request("prompt", f"prompt: at most {MAX_CHOICES} prompts per request")
     max_tokens = _int(body, "max_tokens", 1, INT32_MAX)
     sampling = _sampling(body, COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
-    apply_output_options(body, sampling, chat=False)
+    source = apply_output_options(body, sampling, chat=False)
     # Raw, as OpenAI and vLLM serve /v1/completions: the text is continued, no chat template around it.
-    return _generation(body, request_id, [Prompt(p) for p in prompts], sampling)
+    return dataclasses.replace(
+        _generation(body, request_id, [Prompt(p) for p in prompts], sampling),
+        constraint=_constraint_param(sampling, source),
+    )
 
 
 @dataclass(frozen=True)

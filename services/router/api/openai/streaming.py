@@ -8,7 +8,7 @@ from typing import Any
 
 from services.gen.llmmesh.v1 import common_pb2
 from services.router.api.openai.choices import ChoiceEvent, ChoiceStreams, check_end
-from services.router.api.openai.errors import api_error, bad_request
+from services.router.api.openai.errors import bad_request
 from services.router.api.openai.extras import response_extras
 from services.router.api.openai.framing import DONE, KEEPALIVE, Framer, sse
 
@@ -126,7 +126,7 @@ async def _events(
                 continue
             except Exception as exc:
                 # The status line is long gone: the error goes in-band, as OpenAI's own streams send it.
-                yield event(streams.last_index, api_error(exc, "stream").body())
+                yield event(streams.last_index, framer.error(exc, "stream").body())
                 yield DONE
                 return
         if item is None:
@@ -149,7 +149,7 @@ async def _events(
         try:
             check_end(end)
         except Exception as exc:
-            yield event(index, api_error(exc, "stream").body())
+            yield event(index, framer.error(exc, "stream").body())
             yield DONE
             return
         usages[index] = end.usage

@@ -36,13 +36,18 @@ FIELDS = frozenset(
 )
 
 
-def apply_output_options(body: Mapping[str, Any], sampling: common_pb2.SamplingParams, chat: bool) -> None:
-    """Set ``sampling``'s constraint and logprobs from ``body``; a 400 naming the field otherwise."""
-    _constraint(body, sampling)
+def apply_output_options(
+    body: Mapping[str, Any], sampling: common_pb2.SamplingParams, chat: bool
+) -> str | None:
+    """Set ``sampling``'s constraint and logprobs from ``body``; a 400 naming the field otherwise.
+    Returns the request field the constraint came from (None without one), for the replica's
+    refusals to name it (``errors.ConstraintParam``)."""
+    source = _constraint(body, sampling)
     _logprobs(body, sampling, chat)
+    return source
 
 
-def _constraint(body: Mapping[str, Any], sampling: common_pb2.SamplingParams) -> None:
+def _constraint(body: Mapping[str, Any], sampling: common_pb2.SamplingParams) -> str | None:
     given = [name for name in sorted(FIELDS - {"logprobs", "top_logprobs"}) if body.get(name) is not None]
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") == "text"):
@@ -52,12 +57,12 @@ def _constraint(body: Mapping[str, Any], sampling: common_pb2.SamplingParams) ->
     if len(given) > 1:
         raise bad_request(given[1], f"{given[1]}: only one of {', '.join(given)} may be given")
     if not given:
-        return
+        return None
     name = given[0]
     value = body[name]
     if name == "response_format":
-        _response_format(value, sampling)
-    elif name == "guided_json":
+        return _response_format(value, sampling)
+    if name == "guided_json":
         sampling.json_schema = _schema_text(value, name)
     elif name in ("guided_regex", "guided_grammar"):
         if not isinstance(value, str) or not value.strip():
@@ -68,13 +73,14 @@ def _constraint(body: Mapping[str, Any], sampling: common_pb2.SamplingParams) ->
             sampling.grammar = value
     else:
         sampling.choice.values.extend(_choices(value, name))
+    return name
 
 
-def _response_format(fmt: dict[str, Any], sampling: common_pb2.SamplingParams) -> None:
+def _response_format(fmt: dict[str, Any], sampling: common_pb2.SamplingParams) -> str:
     kind = fmt.get("type")
     if kind == "json_object":
         sampling.json_object = True
-        return
+        return "response_format"
     if kind != "json_schema":
         raise unsupported("response_format.type", "must be one of text, json_object, json_schema")
     spec = fmt.get("json_schema")
@@ -87,6 +93,7 @@ def _response_format(fmt: dict[str, Any], sampling: common_pb2.SamplingParams) -
             "response_format.json_schema.schema: required, a JSON Schema",
         )
     sampling.json_schema = _schema_text(schema, "response_format.json_schema.schema")
+    return "response_format.json_schema.schema"
 
 
 def _schema_text(schema: Any, where: str) -> str:

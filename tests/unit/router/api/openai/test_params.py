@@ -210,3 +210,36 @@ def test_required_tool_choice_lets_the_model_pick_one_of_the_tools() -> None:
     assert call is not None and call["function"] == {"name": "time", "arguments": "{}"}
     assert generation.tool.call('{"name": "ti', "c3") is None  # cut short: not a call
     assert chat_generation({"messages": USER, "tools": [WEATHER], "tool_choice": "none"}, "r").tool is None
+
+
+@pytest.mark.parametrize(
+    ("body", "sent"),
+    [
+        ({"guided_choice": ["yes", "no"]}, "guided_choice"),
+        ({"guided_regex": "a+"}, "guided_regex"),
+        ({"guided_grammar": 'root ::= "a"'}, "guided_grammar"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": {}}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"tools": [WEATHER], "tool_choice": "required"}, "tools"),
+    ],
+)
+def test_a_replicas_refusal_of_the_constraint_names_the_field_the_client_sent(
+    body: dict[str, Any], sent: str
+) -> None:
+    generation = chat_generation({"messages": USER, **body}, "r")
+    engine = generation.turns[0].sampling.WhichOneof("constraint")
+    assert generation.constraint is not None and engine is not None
+    # As a replica's INVALID_ARGUMENT arrives: its message starts with the proto field.
+    refusal = ApiError(400, f"{engine}: does not compile: bad", "invalid_request_error", "invalid_value", engine)
+    renamed = generation.constraint.rename(refusal)
+    assert (renamed.param, renamed.message) == (sent, f"{sent}: does not compile: bad")
+    # Another field's error keeps its name; a request without a constraint renames nothing.
+    other = ApiError(400, "resume_token_ids: x", "invalid_request_error", "invalid_value", "resume_token_ids")
+    assert generation.constraint.rename(other) == other
+    assert chat_generation({"messages": USER}, "r").constraint is None
+    text = completion_generation({"prompt": "x", **body}, "r") if "tools" not in body else None
+    assert text is None or (text.constraint is not None and text.constraint.request == sent)
