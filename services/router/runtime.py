@@ -74,7 +74,8 @@ class RouterSettings:
         PrefixSettings.prefill_weight, help="--policy prefix: weight of uncached-prefill seconds"
     )
     prefix_load_weight: float = flag(
-        PrefixSettings.load_weight, help="--policy prefix: weight of queued-and-running seconds"
+        PrefixSettings.load_weight,
+        help="--policy prefix: weight of queued-and-running seconds and of other prompts' queued prefill",
     )
     prefix_epsilon: float = flag(
         PrefixSettings.epsilon, help="--policy prefix: bounded-load slack on max(in-flight, reported load)"
