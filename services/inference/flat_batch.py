@@ -33,6 +33,10 @@ class FlatBatchBuilder:
         self.v_caches = v_caches
         self.slab = slab
         self._block_offsets = torch.arange(block_size, device=device)
+        #: Decode attention over the slab reads every allocated position (see _slab_decode_rows):
+        #: on CPU in reduced precision only. fp32's batched matmul reads strided rows in place, so
+        #: the masked tail would be work for nothing there (and fp32 keeps HF's exact arithmetic).
+        self._whole_slab_rows = device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
 
     def _slab_order(self, decodes: list[ScheduledSequence]) -> list[decode_slab.SlabRow] | None:
         """Put the decode rows in slab-row order; None (gather instead) when the slab cannot hold them."""
@@ -101,6 +105,16 @@ class FlatBatchBuilder:
         self, decodes: list[ScheduledSequence], positions: torch.Tensor
     ) -> llama.DecodeRows:
         span = max(s.start for s in decodes) + 1
+        if self._whole_slab_rows:
+            assert self.slab is not None
+            # The rows' whole allocated length (a power of two >= span; the positions past each
+            # row's own are masked as before): then slab[:n] is contiguous and oneDNN's bf16/fp16
+            # batched matmul reads it in place. Over a shorter span the rows are strided by the
+            # slab's length, and that matmul copies both operands on every call: decode
+            # attention over 30 layers at 48 rows took 108 ms a step at span 460 that way, 34 ms
+            # over the whole 512, and the whole length was the faster down to span = length / 2
+            # (docs/benchmarks.md, "bf16 `uniform` on an AVX512_BF16 host").
+            span = self.slab.length
         return llama.DecodeRows(
             count=len(decodes),
             span=span,
