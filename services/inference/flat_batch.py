@@ -105,15 +105,15 @@ class FlatBatchBuilder:
         self, decodes: list[ScheduledSequence], positions: torch.Tensor
     ) -> llama.DecodeRows:
         span = max(s.start for s in decodes) + 1
-        if self._whole_slab_rows:
-            assert self.slab is not None
-            # The rows' whole allocated length (a power of two >= span; the positions past each
-            # row's own are masked as before): then slab[:n] is contiguous and oneDNN's bf16/fp16
-            # batched matmul reads it in place. Over a shorter span the rows are strided by the
-            # slab's length, and that matmul copies both operands on every call: decode
-            # attention over 30 layers at 48 rows took 108 ms a step at span 460 that way, 34 ms
-            # over the whole 512, and the whole length was the faster down to span = length / 2
-            # (docs/benchmarks.md, "bf16 `uniform` on an AVX512_BF16 host").
+        if self._whole_slab_rows and self.slab is not None and 2 * span >= self.slab.length:
+            # The rows' whole allocated length (the positions past each row's own are masked as
+            # before): then slab[:n] is contiguous and oneDNN's bf16/fp16 batched matmul reads
+            # it in place. Over a shorter span the rows are strided by the slab's length, and
+            # that matmul copies both operands on every call: decode attention over 30 layers at
+            # 48 rows took 108 ms a step at span 460 that way, 34 ms over the whole 512, and the
+            # whole length was the faster down to span = length / 2, as far as measured
+            # (docs/benchmarks.md, "bf16 `uniform` on an AVX512_BF16 host"). A slab kept long by
+            # an earlier, longer batch (it only grows) is read over the span alone.
             span = self.slab.length
         return llama.DecodeRows(
             count=len(decodes),

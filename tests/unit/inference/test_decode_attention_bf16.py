@@ -12,8 +12,9 @@ from services.inference import llama
 from services.inference.decode_slab import DecodeSlab, SlabRow
 from services.inference.flat_batch import FlatBatchBuilder
 
-HEADS, KV_HEADS, DIM, BLOCK, BLOCKS = 6, 2, 8, 4, 32
-POSITIONS = (5, 13, 21)  # each row's new token; [0, position) is in the cache
+HEADS, KV_HEADS, DIM, BLOCK, BLOCKS = 6, 2, 8, 4, 64
+POSITIONS = (5, 13, 40)  # each row's new token; [0, position) is in the cache
+TABLE = 16  # blocks per row: 64 positions
 
 
 def slab_and_caches(dtype: torch.dtype) -> tuple[DecodeSlab, list[torch.Tensor], list[torch.Tensor]]:
@@ -21,7 +22,7 @@ def slab_and_caches(dtype: torch.dtype) -> tuple[DecodeSlab, list[torch.Tensor],
     k = [torch.randn(KV_HEADS, BLOCKS * BLOCK + 1, DIM).to(dtype)]
     v = [torch.randn(KV_HEADS, BLOCKS * BLOCK + 1, DIM).to(dtype)]
     slab = DecodeSlab(1, 4, BLOCK, KV_HEADS, DIM, dtype, torch.device("cpu"), 1 << 30)
-    rows = [SlabRow(f"r{i}", p, list(range(i * 8, i * 8 + 8))) for i, p in enumerate(POSITIONS)]
+    rows = [SlabRow(f"r{i}", p, list(range(i * TABLE, (i + 1) * TABLE))) for i, p in enumerate(POSITIONS)]
     assert slab.prepare(rows, k, v) == [0, 1, 2]
     for i, p in enumerate(POSITIONS):  # the step's own token, as the forward writes it
         slab.k[0][i, :, p] = torch.randn(KV_HEADS, DIM).to(dtype)
@@ -72,3 +73,15 @@ def test_fp32_keeps_the_batchs_own_span() -> None:
     assert rows.span == max(POSITIONS) + 1 < slab.length
     q = torch.randn(len(POSITIONS), HEADS, DIM)
     torch.testing.assert_close(attention(rows, q), reference(slab, q), atol=1e-5, rtol=1e-5)
+
+
+def test_a_slab_more_than_twice_the_batchs_span_is_read_over_the_span_alone() -> None:
+    # The slab only grows: after a longer batch it may be far longer than this one's rows.
+    slab, k, v = slab_and_caches(torch.bfloat16)
+    slab._resize(slab.rows, 256)  # as an earlier batch of 200-odd positions left it
+    rows = [SlabRow(f"r{i}", p, list(range(i * TABLE, (i + 1) * TABLE))) for i, p in enumerate(POSITIONS)]
+    assert slab.prepare(rows, k, v) == [0, 1, 2] and slab.length == 256
+    decode = decode_rows(torch.bfloat16, slab, k, v)
+    assert decode.span == max(POSITIONS) + 1  # 41 positions, not 256
+    q = torch.randn(len(POSITIONS), HEADS, DIM).to(torch.bfloat16)
+    torch.testing.assert_close(attention(decode, q).float(), reference(slab, q), atol=3e-2, rtol=3e-2)
