@@ -234,7 +234,9 @@ def test_a_replicas_refusal_of_the_constraint_names_the_field_the_client_sent(
     engine = generation.turns[0].sampling.WhichOneof("constraint")
     assert generation.constraint is not None and engine is not None
     # As a replica's INVALID_ARGUMENT arrives: its message starts with the proto field.
-    refusal = ApiError(400, f"{engine}: does not compile: bad", "invalid_request_error", "invalid_value", engine)
+    refusal = ApiError(
+        400, f"{engine}: does not compile: bad", "invalid_request_error", "invalid_value", engine
+    )
     renamed = generation.constraint.rename(refusal)
     assert (renamed.param, renamed.message) == (sent, f"{sent}: does not compile: bad")
     # Another field's error keeps its name; a request without a constraint renames nothing.
