@@ -10,11 +10,15 @@ A sequence's row is filled from the paged cache once, when it starts decoding;
 each step then writes the new token's K/V to both the paged cache (which stays
 the source of truth for prefix reuse and preemption) and the slab. Rows of
 sequences that stop decoding are released and the last row moves into the hole.
-The slab is a copy, so it has a byte budget. It is sized by the batch, rows and
-length each in powers of two, so a few long conversations fit where a full batch
-of them would not (8 rows of 1,500 tokens take 0.7 GiB in fp32 SmolLM2, 64 would
-take 6); it only grows, unless growing would pass the budget while the batch's own
-size fits. When even that is over budget the step gathers from the paged cache.
+The slab is a copy, so it has a byte budget. It is sized by the batch: rows in
+powers of two, length in powers of two up to ``LENGTH_STEP`` and in multiples of
+it beyond, so a few long conversations fit where a full batch of them would not
+(8 rows of 1,500 tokens take 0.7 GiB in fp32 SmolLM2, 64 would take 6); it only
+grows, unless growing would pass the budget while the batch's own size fits. When
+even that is over budget the step gathers from the paged cache. Past the step the
+length grows linearly, not by doubling: bf16 decode attention reads each row's
+whole allocated length (flat_batch.py), so a slab twice the span would be read
+twice over; a resize refills the rows, once per ``LENGTH_STEP`` positions.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
-# The slab's length and row count grow in powers of two from these.
+# The slab's row count grows in powers of two from MIN_ROWS, its length from MIN_LENGTH in
+# powers of two up to LENGTH_STEP and in steps of LENGTH_STEP past it.
 MIN_LENGTH = 64
 MIN_ROWS = 4
+LENGTH_STEP = 128
 
 
 def power_of_two_cover(n: int, start: int) -> int:
@@ -35,6 +41,14 @@ def power_of_two_cover(n: int, start: int) -> int:
     while size < n:
         size *= 2
     return size
+
+
+def length_cover(n: int) -> int:
+    """The slab length for ``n`` positions: a power of two from MIN_LENGTH up to LENGTH_STEP,
+    then the least multiple of LENGTH_STEP that is >= ``n``."""
+    if n <= LENGTH_STEP:
+        return power_of_two_cover(n, MIN_LENGTH)
+    return -(-n // LENGTH_STEP) * LENGTH_STEP
 
 
 @dataclass(frozen=True)
@@ -109,7 +123,7 @@ class DecodeSlab:
         longest = max(r.position for r in rows) + 1
         fitted = (
             min(power_of_two_cover(len(rows), MIN_ROWS), self.max_rows),
-            power_of_two_cover(longest, MIN_LENGTH),
+            length_cover(longest),
         )
         # Keep what is allocated when it still serves (no reallocation as the batch
         # breathes); shrink to the batch's own size only when growing would pass the budget.

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from services.inference.decode_slab import DecodeSlab, SlabRow
+from services.inference.decode_slab import DecodeSlab, SlabRow, length_cover
 
 LAYERS, KV_HEADS, DIM, BLOCK = 2, 3, 4, 4
-NUM_BLOCKS = 64
+NUM_BLOCKS = 128
 
 
 def caches() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -125,3 +125,20 @@ def test_a_step_with_no_decodes_releases_every_row() -> None:
     s.prepare([SlabRow("a", 4, [1])], k, v)
     assert s.prepare([], k, v) == []
     assert s.rows_in_use == 0
+
+
+def test_past_128_positions_the_length_grows_by_128_not_by_doubling() -> None:
+    # bf16 attention reads a row's whole allocated length: a slab of 512 for 260 positions
+    # would be read twice over, one of 384 a third more.
+    assert [length_cover(n) for n in (1, 64, 65, 128, 129, 256, 257, 460, 1500)] == [
+        64, 64, 128, 128, 256, 256, 384, 512, 1536,
+    ]  # fmt: skip
+    k, v = caches()
+    s = slab()
+    table = list(range(0, 100))  # 400 positions
+    s.prepare([SlabRow("a", 200, table)], k, v)
+    assert s.length == 256
+    s.prepare([SlabRow("a", 259, table)], k, v)  # 260 positions with this step's token
+    assert s.length == 384
+    for layer in range(LAYERS):
+        assert torch.equal(s.k[layer][0, :, :259], paged(k[layer], table, 259))
