@@ -13,7 +13,7 @@ sequences that stop decoding are released and the last row moves into the hole.
 The slab is a copy, so it has a byte budget. It is sized by the batch: rows in
 powers of two, length in powers of two up to ``LENGTH_STEP`` and in multiples of
 it beyond, so a few long conversations fit where a full batch of them would not
-(8 rows of 1,500 tokens take 0.7 GiB in fp32 SmolLM2, 64 would take 6); it only
+(8 rows of 1,500 tokens take 0.53 GiB in fp32 SmolLM2, 64 would take 4.2); it only
 grows, unless growing would pass the budget while the batch's own size fits. When
 even that is over budget the step gathers from the paged cache. Past the step the
 length grows linearly, not by doubling: bf16 decode attention reads each row's
