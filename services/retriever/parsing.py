@@ -5,10 +5,12 @@ from __future__ import annotations
 import io
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import PurePath
 
 from services.common.errors import InvalidArgument
+from services.retriever.pdf_layout import page_lines, pdf_blocks
+from services.retriever.text_layout import plain_text_blocks, setext_level
 
 PLAIN_TEXT = "text/plain"
 MARKDOWN = "text/markdown"
@@ -99,7 +101,14 @@ def _decode_text(data: bytes) -> str:
 
 
 def _parse_plain(data: bytes) -> list[Section]:
-    return [Section(_decode_text(data).strip())]
+    sections: list[Section] = []
+    trail = HeadingTrail()
+    for block in plain_text_blocks(_decode_text(data)):
+        if block.level:
+            trail.enter(block.level, block.text)
+        else:
+            sections.append(trail.section(block.text))
+    return sections
 
 
 def _parse_markdown(data: bytes) -> list[Section]:
@@ -107,16 +116,27 @@ def _parse_markdown(data: bytes) -> list[Section]:
     trail = HeadingTrail()
     lines: list[str] = []
     in_fence = False
-    for line in _decode_text(data).splitlines():
+    source = _decode_text(data).splitlines()
+    index = 0
+    while index < len(source):
+        line = source[index]
         if line.lstrip().startswith(("```", "~~~")):
             in_fence = not in_fence
         match = None if in_fence else _MD_HEADING.match(line)
-        if match:
+        # A setext heading: a line after a blank one, underlined with === or --- (CommonMark).
+        following = source[index + 1] if index + 1 < len(source) else ""
+        underline = 0 if in_fence or (lines and lines[-1].strip()) else setext_level(following, line)
+        if match or underline:
             sections.append(trail.section("\n".join(lines).strip()))
-            trail.enter(len(match.group(1)), match.group(2))
+            if match:
+                trail.enter(len(match.group(1)), match.group(2))
+            else:
+                trail.enter(underline, line.strip())
+                index += 1
             lines = []
         else:
             lines.append(line)
+        index += 1
     sections.append(trail.section("\n".join(lines).strip()))
     return sections
 
@@ -158,13 +178,34 @@ def _parse_pdf(data: bytes) -> list[Section]:
         reader = PdfReader(io.BytesIO(data), strict=False)
         if reader.is_encrypted:
             raise InvalidArgument("data", "PDF is encrypted")
-        pages = [page.extract_text() or "" for page in reader.pages]
+        pages = [page_lines(page) for page in reader.pages]
     except InvalidArgument:
         raise
     except (PyPdfError, ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
         # pypdf reports damage through many exception types; all of them mean the same to a client.
         raise InvalidArgument("data", f"not a readable PDF: {exc}") from exc
-    return [Section(text.strip(), page=number) for number, text in enumerate(pages, start=1)]
+    sections: list[Section] = []
+    trail = HeadingTrail()
+    # Paragraphs of one section on one page, joined as a blank-line separated text.
+    paragraphs: list[str] = []
+    page = 1
+
+    def close() -> None:
+        if paragraphs:
+            sections.append(replace(trail.section("\n\n".join(paragraphs)), page=page))
+            paragraphs.clear()
+
+    for block in pdf_blocks(pages):
+        if block.page != page:
+            close()
+            page = block.page
+        if block.level:
+            close()
+            trail.enter(block.level, block.text)
+        else:
+            paragraphs.append(block.text)
+    close()
+    return sections
 
 
 def _parse_docx(data: bytes) -> list[Section]:

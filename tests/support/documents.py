@@ -20,6 +20,8 @@ def _pdf_string(text: str) -> str:
 def text_pdf(pages: Sequence[Sequence[str]], title: str = "") -> bytes:
     """A valid PDF with one Helvetica text line per string, one page per list.
 
+    A line starting with ``"# "`` is set as a heading, 14 pt Helvetica-Bold, as a
+    word processor sets one; an empty string is an empty line (a paragraph gap).
     pypdf reads text but cannot write it, and reportlab is not a dependency, so
     the few objects a text PDF needs are written out directly.
     """
@@ -32,14 +34,18 @@ def text_pdf(pages: Sequence[Sequence[str]], title: str = "") -> bytes:
     for pid, lines in zip(page_ids, pages, strict=True):
         body = ["BT", "/F1 11 Tf", "14 TL", "50 760 Td"]
         for line in lines:
-            body.append(f"{_pdf_string(line)} Tj T*")
+            if line.startswith("# "):
+                body.append(f"/F2 14 Tf {_pdf_string(line[2:])} Tj T* /F1 11 Tf")
+            else:
+                body.append(f"{_pdf_string(line)} Tj T*" if line else "T*")
         body.append("ET")
         stream = "\n".join(body).encode("latin-1")
         objects.append(
-            f"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 3 0 R >> >> "
-            f"/Contents {pid + 1} 0 R >>".encode()
+            f"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 3 0 R "
+            f"/F2 {len(page_ids) * 2 + 4} 0 R >> >> /Contents {pid + 1} 0 R >>".encode()
         )
         objects.append(b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream")
+    objects.append(b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica-Bold /Encoding /WinAnsiEncoding >>")
     info_id = len(objects) + 1
     objects.append(f"<< /Title {_pdf_string(title)} >>".encode("latin-1"))
     out = io.BytesIO()

@@ -46,11 +46,19 @@ def parsed(eval_set: EvalSet) -> dict[str, list[Section]]:
 
 @pytest.fixture(scope="module")
 def parsed_text(parsed: dict[str, list[Section]]) -> dict[str, str]:
-    """Each document's parsed text, headings included, whitespace collapsed."""
-    return {
-        document_id: " ".join(" ".join(f"{s.heading} {s.text}" for s in sections).split())
-        for document_id, sections in parsed.items()
-    }
+    """Each document's parsed text, headings included, whitespace collapsed.
+
+    A section that goes on over a page break keeps its heading on the next page;
+    the heading is written once, where the section starts, as a reader sees it.
+    """
+    out = {}
+    for document_id, sections in parsed.items():
+        parts, path = [], None
+        for section in sections:
+            parts.append(section.text if section.path == path else f"{section.heading} {section.text}")
+            path = section.path
+        out[document_id] = " ".join(" ".join(parts).split())
+    return out
 
 
 def _words(text: str) -> set[str]:

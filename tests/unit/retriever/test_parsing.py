@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from services.common.errors import InvalidArgument
+from services.retriever.chunking import TokenChunker
 from services.retriever.parsing import (
     DOCX,
     HTML,
@@ -116,4 +119,85 @@ def test_html_sections_carry_their_heading_path() -> None:
         ("Planet Ostra",),
         ("Planet Ostra", "Climate"),
         ("Planet Ostra", "Moons"),
+    ]
+
+
+def test_plain_text_underlined_lines_become_headings_under_the_title() -> None:
+    text = (
+        b"Gravel Pits of Hesk\n===================\n\nThe pits were dug from 1890.\n\n"
+        b"Flooding\n--------\n\nThe lowest pit flooded in 1931\nand became a lake.\n\n"
+        b"Birds\n-----\n\nGrebes nest on the lake.\n"
+    )
+    sections = parse_document(text, PLAIN_TEXT)
+    assert [(s.path, s.text) for s in sections] == [
+        (("Gravel Pits of Hesk",), "The pits were dug from 1890."),
+        (("Gravel Pits of Hesk", "Flooding"), "The lowest pit flooded in 1931\nand became a lake."),
+        (("Gravel Pits of Hesk", "Birds"), "Grebes nest on the lake."),
+    ]
+
+
+def test_plain_text_lone_title_lines_are_headings_but_sentences_and_lists_are_not() -> None:
+    text = (
+        b"Harbour Rules\n\nBoats must be moored bow-in.\n\n"
+        b"Fees\n\nA berth costs 12 crowns a night.\n\n"
+        b"Thanks for reading.\n\n"
+        b"Opening times\n\nMonday\nTuesday\nWednesday\n"
+    )
+    sections = parse_document(text, PLAIN_TEXT)
+    assert [(s.path, s.text) for s in sections] == [
+        (("Harbour Rules",), "Boats must be moored bow-in."),
+        # "Thanks for reading." ends like a sentence: text of the section it is in.
+        (("Harbour Rules", "Fees"), "A berth costs 12 crowns a night.\n\nThanks for reading."),
+        # The list's lines are not lone lines: body text, not headings.
+        (("Harbour Rules", "Opening times"), "Monday\nTuesday\nWednesday"),
+    ]
+
+
+def test_plain_text_without_headings_is_one_section() -> None:
+    text = b"first paragraph, all lower case\n\nsecond paragraph.\n"
+    assert [(s.path, s.text) for s in parse_document(text, PLAIN_TEXT)] == [
+        ((), "first paragraph, all lower case\n\nsecond paragraph.")
+    ]
+
+
+def test_markdown_setext_headings_are_headings_and_a_rule_after_a_blank_line_is_not() -> None:
+    text = b"Ferries\n=======\n\nTwo boats.\n\nTimetable\n---------\nHourly.\n\n---\n\nLast line.\n"
+    sections = parse_document(text, MARKDOWN)
+    assert [(s.path, s.text) for s in sections if s.text] == [
+        (("Ferries",), "Two boats."),
+        (("Ferries", "Timetable"), "Hourly.\n\n---\n\nLast line."),
+    ]
+
+
+def test_pdf_headings_come_from_bold_larger_lines_and_paragraphs_from_wide_gaps() -> None:
+    pdf = text_pdf(
+        [
+            ["# Salt Marsh Survey", "The survey counted birds on the", "marsh in May.", "",
+             "It ran for six weeks and", "covered the whole shore.", "# Methods", "Counts were made at dawn",
+             "from four hides."],
+            ["at low tide.", "# Results", "Redshank were commonest."],
+        ]
+    )  # fmt: skip
+    sections = parse_document(pdf, PDF)
+    assert [(s.path, s.page, s.text) for s in sections] == [
+        (
+            ("Salt Marsh Survey",),
+            1,
+            "The survey counted birds on the\nmarsh in May.\n\nIt ran for six weeks and\ncovered the whole shore.",
+        ),
+        (("Salt Marsh Survey", "Methods"), 1, "Counts were made at dawn\nfrom four hides."),
+        # The section goes on over the page break under the same heading.
+        (("Salt Marsh Survey", "Methods"), 2, "at low tide."),
+        (("Salt Marsh Survey", "Results"), 2, "Redshank were commonest."),
+    ]
+
+
+def test_pdf_chunks_follow_its_sections() -> None:
+    pdf = text_pdf([["# Quarry Report", "Stone was cut here.", "# Closure", "The quarry shut in 1961."]])
+    chunks = TokenChunker(lambda text: [(m.start(), m.end()) for m in re.finditer(r"\S+", text)]).chunk(
+        parse_document(pdf, PDF)
+    )
+    assert [(c.heading_path, c.text) for c in chunks] == [
+        (("Quarry Report",), "Stone was cut here."),
+        (("Quarry Report", "Closure"), "The quarry shut in 1961."),
     ]
