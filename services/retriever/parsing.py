@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import io
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import PurePath
 
 from services.common.errors import InvalidArgument
-from services.retriever.pdf_layout import page_lines, pdf_blocks
+from services.retriever.pdf_layout import PdfBlock, layout_kept_the_text, page_lines, pdf_blocks
 from services.retriever.text_layout import plain_text_blocks, setext_level
+
+log = logging.getLogger("llmmesh.retriever.parsing")
 
 PLAIN_TEXT = "text/plain"
 MARKDOWN = "text/markdown"
@@ -65,6 +68,50 @@ class HeadingTrail:
         return Section(text, path[-1] if path else "", path=path)
 
 
+class SectionBuilder:
+    """Sections from headings and paragraphs read in order (plain text and PDF layouts).
+
+    Paragraphs under one heading on one page make one section, blank-line
+    separated. A heading with nothing under it (no text before a heading at its
+    level or above, or the end) becomes a section of its own words, so no text
+    of the document is lost.
+    """
+
+    def __init__(self) -> None:
+        self._trail = HeadingTrail()
+        self._sections: list[Section] = []
+        self._paragraphs: list[str] = []
+        self._page = 0
+        # The last heading while nothing has been written under it.
+        self._bare: tuple[int, str] | None = None
+
+    def _close(self) -> None:
+        if self._paragraphs:
+            section = self._trail.section("\n\n".join(self._paragraphs))
+            self._sections.append(replace(section, page=self._page))
+            self._paragraphs = []
+
+    def heading(self, level: int, text: str, page: int = 0) -> None:
+        self._close()
+        if self._bare is not None and level <= self._bare[0]:
+            self._sections.append(replace(self._trail.section(self._bare[1]), page=self._page))
+        self._trail.enter(level, text)
+        self._bare, self._page = (level, text), page
+
+    def paragraph(self, text: str, page: int = 0) -> None:
+        if page != self._page:
+            self._close()
+            self._page = page
+        self._paragraphs.append(text)
+        self._bare = None
+
+    def finish(self) -> list[Section]:
+        self._close()
+        if self._bare is not None:
+            self._sections.append(replace(self._trail.section(self._bare[1]), page=self._page))
+        return self._sections
+
+
 def mime_type_for(path: str | PurePath) -> str | None:
     """The MIME type a file name implies, or None when the extension is unknown."""
     return MIME_BY_EXTENSION.get(PurePath(path).suffix.lower())
@@ -101,14 +148,13 @@ def _decode_text(data: bytes) -> str:
 
 
 def _parse_plain(data: bytes) -> list[Section]:
-    sections: list[Section] = []
-    trail = HeadingTrail()
+    builder = SectionBuilder()
     for block in plain_text_blocks(_decode_text(data)):
         if block.level:
-            trail.enter(block.level, block.text)
+            builder.heading(block.level, block.text)
         else:
-            sections.append(trail.section(block.text))
-    return sections
+            builder.paragraph(block.text)
+    return builder.finish()
 
 
 def _parse_markdown(data: bytes) -> list[Section]:
@@ -184,28 +230,24 @@ def _parse_pdf(data: bytes) -> list[Section]:
     except (PyPdfError, ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
         # pypdf reports damage through many exception types; all of them mean the same to a client.
         raise InvalidArgument("data", f"not a readable PDF: {exc}") from exc
-    sections: list[Section] = []
-    trail = HeadingTrail()
-    # Paragraphs of one section on one page, joined as a blank-line separated text.
-    paragraphs: list[str] = []
-    page = 1
+    try:
+        if layout_kept_the_text(pages):
+            return _pdf_sections(pdf_blocks([page.lines for page in pages]))
+        log.info("PDF layout lost text; reading its pages as plain text")
+    except Exception:  # the layout is a refinement: a PDF it cannot read is still ingested
+        log.warning("PDF layout analysis failed; reading its pages as plain text", exc_info=True)
+    return [Section(page.text.strip(), page=number) for number, page in enumerate(pages, start=1)]
 
-    def close() -> None:
-        if paragraphs:
-            sections.append(replace(trail.section("\n\n".join(paragraphs)), page=page))
-            paragraphs.clear()
 
-    for block in pdf_blocks(pages):
-        if block.page != page:
-            close()
-            page = block.page
+def _pdf_sections(blocks: list[PdfBlock]) -> list[Section]:
+    """Sections from a PDF's headings and paragraphs: one per heading per page."""
+    builder = SectionBuilder()
+    for block in blocks:
         if block.level:
-            close()
-            trail.enter(block.level, block.text)
+            builder.heading(block.level, block.text, block.page)
         else:
-            paragraphs.append(block.text)
-    close()
-    return sections
+            builder.paragraph(block.text, block.page)
+    return builder.finish()
 
 
 def _parse_docx(data: bytes) -> list[Section]:

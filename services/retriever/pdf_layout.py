@@ -14,6 +14,7 @@ way layout-aware PDF readers do.
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 from collections import Counter
 from collections.abc import Sequence
@@ -52,20 +53,43 @@ class PdfBlock:
 
 
 def _is_bold(font: Any) -> bool:
-    name = str(font.get("/BaseFont", "")) if hasattr(font, "get") else ""
+    try:
+        name = str(font.get("/BaseFont", "")) if hasattr(font, "get") else ""
+    except Exception:  # a damaged font dictionary only costs the bold hint
+        return False
     return any(marker in name.lower() for marker in _BOLD_MARKERS)
 
 
-def page_lines(page: Any) -> list[PdfLine]:
+@dataclass(frozen=True)
+class PageText:
+    """One page: its styled lines, and pypdf's plain text of it (the fallback)."""
+
+    lines: list[PdfLine]
+    text: str
+
+
+def _position(cm: Sequence[float], tm: Sequence[float], size: float) -> tuple[float | None, float]:
+    """A run's height on the page and its size in points; (None, 0) when the matrices are unusable."""
+    try:
+        scale = abs(float(tm[3]) * float(cm[3])) or 1.0
+        y = float(tm[4]) * float(cm[1]) + float(tm[5]) * float(cm[3]) + float(cm[5])
+        height = round(float(size) * scale / _SIZE_QUANTUM) * _SIZE_QUANTUM
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None, 0.0
+    if not (math.isfinite(y) and math.isfinite(height)):
+        return None, 0.0
+    return y, height
+
+
+def page_lines(page: Any) -> PageText:
     """The page's text lines with their style and position, in reading order (pypdf's)."""
     lines: list[PdfLine] = []
 
     def visit(text: str, cm: Sequence[float], tm: Sequence[float], font: Any, size: float) -> None:
         if not text:
             return
-        scale = abs(float(tm[3]) * float(cm[3])) or 1.0
-        y = float(tm[4]) * float(cm[1]) + float(tm[5]) * float(cm[3]) + float(cm[5])
-        height = round(float(size) * scale / _SIZE_QUANTUM) * _SIZE_QUANTUM
+        # Never raise here: an exception would lose the page's text, not just its layout.
+        y, height = _position(cm, tm, size)
         bold = _is_bold(font)
         pieces = text.split("\n")
         for number, piece in enumerate(pieces):
@@ -75,6 +99,7 @@ def page_lines(page: Any) -> list[PdfLine]:
                 and current is not None
                 and not current.closed
                 and current.y is not None
+                and y is not None
                 and abs(current.y - y) < max(height, 1.0) * 0.5
             ):
                 current.text += piece
@@ -86,13 +111,20 @@ def page_lines(page: Any) -> list[PdfLine]:
             if number < len(pieces) - 1 and lines:
                 lines[-1].closed = True
 
-    page.extract_text(visitor_text=visit)
+    text = page.extract_text(visitor_text=visit) or ""
     out = []
     for line in lines:
         line.text = " ".join(line.text.split())
         if line.text:
             out.append(line)
-    return out
+    return PageText(out, text)
+
+
+def layout_kept_the_text(pages: Sequence[PageText]) -> bool:
+    """Whether the styled lines hold the words of pypdf's plain text (else use that text as it is)."""
+    plain = sum(len(page.text.split()) for page in pages)
+    styled = sum(len(line.text.split()) for page in pages for line in page.lines)
+    return styled >= plain * 0.98
 
 
 def pdf_blocks(pages: Sequence[Sequence[PdfLine]]) -> list[PdfBlock]:

@@ -97,3 +97,29 @@ def build_corpus(dest: Path) -> Path:
 def corpus_questions() -> list[tuple[str, str]]:
     """``(question, file name of the document that answers it)`` pairs written for the corpus."""
     return [(q["question"], q["document"]) for q in json.loads((CORPUS_DIR / "questions.json").read_text())]
+
+
+def content_stream_pdf(stream: bytes) -> bytes:
+    """A one-page PDF drawing ``stream`` (PDF content operators) with /F1 Helvetica and /F2 Helvetica-Bold."""
+    from pypdf import PdfWriter
+    from pypdf.generic import DecodedStreamObject, DictionaryObject, NameObject
+
+    writer = PdfWriter()
+    page = writer.add_blank_page(612, 792)
+    fonts = DictionaryObject()
+    for name, base in (("/F1", "/Helvetica"), ("/F2", "/Helvetica-Bold")):
+        font = DictionaryObject(
+            {
+                NameObject("/Type"): NameObject("/Font"),
+                NameObject("/Subtype"): NameObject("/Type1"),
+                NameObject("/BaseFont"): NameObject(base),
+            }
+        )
+        fonts[NameObject(name)] = writer._add_object(font)
+    page[NameObject("/Resources")] = DictionaryObject({NameObject("/Font"): fonts})
+    contents = DecodedStreamObject()
+    contents.set_data(stream)
+    page[NameObject("/Contents")] = writer._add_object(contents)
+    out = io.BytesIO()
+    writer.write(out)
+    return out.getvalue()

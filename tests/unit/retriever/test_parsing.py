@@ -5,8 +5,11 @@ from __future__ import annotations
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.common.errors import InvalidArgument
+from services.retriever import parsing
 from services.retriever.chunking import TokenChunker
 from services.retriever.parsing import (
     DOCX,
@@ -17,7 +20,7 @@ from services.retriever.parsing import (
     normalize_mime_type,
     parse_document,
 )
-from tests.support.documents import docx_document, text_pdf
+from tests.support.documents import content_stream_pdf, docx_document, text_pdf
 
 
 def test_markdown_sections_follow_headings_and_ignore_hashes_in_code() -> None:
@@ -201,3 +204,53 @@ def test_pdf_chunks_follow_its_sections() -> None:
         (("Quarry Report",), "Stone was cut here."),
         (("Quarry Report", "Closure"), "The quarry shut in 1961."),
     ]
+
+
+def test_pdf_bold_words_inside_a_body_line_do_not_make_it_a_heading() -> None:
+    pdf = content_stream_pdf(
+        b"BT /F2 14 Tf 14 TL 50 760 Td (Tide Tables) Tj T* T* /F1 11 Tf "
+        b"(High water is ) Tj /F2 11 Tf (twice) Tj /F1 11 Tf ( a day at Hesk.) Tj T* "
+        b"(Low water follows six hours later.) Tj T* ET"
+    )
+    sections = parse_document(pdf, PDF)
+    assert [(s.path, s.text) for s in sections] == [
+        (("Tide Tables",), "High water is twice a day at Hesk.\nLow water follows six hours later.")
+    ]
+
+
+def test_a_pdf_whose_layout_cannot_be_read_is_still_ingested_page_by_page(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(*args: object) -> None:
+        raise ZeroDivisionError("layout bug")
+
+    monkeypatch.setattr(parsing, "pdf_blocks", broken)
+    pdf = text_pdf([["# Report", "First page text."], ["Second page text."]])
+    sections = parse_document(pdf, PDF)
+    assert [(s.page, s.text) for s in sections] == [(1, "Report\nFirst page text."), (2, "Second page text.")]
+    assert "PDF layout analysis failed" in caplog.text
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.sampled_from(["", "===", "---", "Heading", "A sentence.", "x" * 90, "  ", "- item", "1. One"]),
+            st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40),
+        ),
+        max_size=30,
+    )
+)
+def test_plain_text_headings_never_lose_or_invent_text(lines: list[str]) -> None:
+    text = "\n".join(lines)
+    if not text.strip():
+        return
+    words = [w for w in text.split() if set(w) - {"=", "-"}]
+    try:
+        sections = parse_document(text.encode(), PLAIN_TEXT)
+    except InvalidArgument:
+        return  # nothing but underlines: no extractable text, refused as such
+    parsed = " ".join(" ".join((*s.path, s.text)) for s in sections).split()
+    # Every word is kept (in a heading or in body text); only underlines may go.
+    for word in words:
+        assert word in parsed
