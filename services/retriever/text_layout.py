@@ -53,20 +53,17 @@ def plain_text_blocks(text: str) -> list[TextBlock]:
     """``text`` as headings and body text, in order; body text keeps its lines and blank lines.
 
     Headings: a setext-underlined line, or a lone title line (blank lines, or the
-    start, before and after it) followed by body text. The first lone title
-    line of a document, before any body text, is its title (level 1).
+    start, before and after it) followed by body text. A lone title line that
+    opens the document is its title (level 1); later ones are sections (level 2).
     """
     lines = text.splitlines()
     blocks: list[TextBlock] = []
     body: list[str] = []
-    seen_body = False
 
     def flush() -> None:
-        nonlocal seen_body
         joined = "\n".join(body).strip()
         if joined:
             blocks.append(TextBlock(0, joined))
-            seen_body = True
         body.clear()
 
     index = 0
@@ -83,7 +80,7 @@ def plain_text_blocks(text: str) -> list[TextBlock]:
         after_blank = not following.strip()
         if before_blank and after_blank and looks_like_title(line) and _body_follows(lines, index + 1):
             flush()
-            blocks.append(TextBlock(2 if seen_body else 1, line.strip()))
+            blocks.append(TextBlock(2 if blocks or any(b.strip() for b in body) else 1, line.strip()))
             index += 1
             continue
         body.append(line)

@@ -254,3 +254,11 @@ def test_plain_text_headings_never_lose_or_invent_text(lines: list[str]) -> None
     # Every word is kept (in a heading or in body text); only underlines may go.
     for word in words:
         assert word in parsed
+
+
+def test_plain_text_lone_title_lines_under_an_underlined_title_are_its_sections() -> None:
+    text = b"Hesk Quarry\n===========\n\nSummary\n\nStone was cut here.\n\nClosure\n\nIt shut in 1961.\n"
+    assert [(s.path, s.text) for s in parse_document(text, PLAIN_TEXT)] == [
+        (("Hesk Quarry", "Summary"), "Stone was cut here."),
+        (("Hesk Quarry", "Closure"), "It shut in 1961."),
+    ]
