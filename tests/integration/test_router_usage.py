@@ -116,23 +116,27 @@ def test_a_task_cancelled_mid_answer_records_the_tokens_it_streamed(
     stub = router_stub(router)
     turn = user_turn("a long task to cancel", 4000, cache=BYPASS)
     task = stub.SubmitTask(router_pb2.SubmitTaskRequest(request=turn), timeout=10)
-    watched: list[int] = []
+    # What the watcher saw: the first event's text so far (a task may have started before
+    # the watch did), then every delta's tokens (the synthetic source writes token t as " t<t>").
+    seen = ""
     streamed_by: str | None = None
     last = task
     for event in stub.WatchTask(router_pb2.WatchTaskRequest(task_id=task.task_id), timeout=30):
         if event.HasField("delta"):
-            watched.extend(event.delta.token_ids)
-            if streamed_by is None and len(watched) >= CANCEL_AFTER:
+            seen += "".join(f" t{t}" for t in event.delta.token_ids)
+            if streamed_by is None and len(seen.split()) >= CANCEL_AFTER:
                 streamed_by = serving_replica(stub)
                 stub.CancelTask(router_pb2.CancelTaskRequest(task_id=task.task_id), timeout=10)
         else:
+            if last is task:
+                seen = event.task.text
             last = event.task
     assert last.state == router_pb2.TASK_STATE_CANCELLED
     final = stub.GetTask(router_pb2.GetTaskRequest(task_id=task.task_id), timeout=10)
     assert final.end.finish_reason == common_pb2.FINISH_REASON_CANCELLED
-    assert final.end.usage.completion_tokens == len(watched) >= CANCEL_AFTER
+    assert final.end.usage.completion_tokens == len(seen.split()) >= CANCEL_AFTER
     assert streamed_by is not None and final.end.replica == streamed_by
-    assert final.text == "".join(f" t{t}" for t in watched)  # the same tokens as the watcher saw
+    assert final.text == seen  # the same tokens as the watcher saw, none lost, none repeated
 
 
 def test_a_cached_answer_replays_the_usage_of_the_original(

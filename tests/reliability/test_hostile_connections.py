@@ -54,6 +54,8 @@ def p99_latency(address: str, calls: int = 300) -> float:
     return samples[int(0.99 * (len(samples) - 1))]
 
 
+# A p99 bound of a few milliseconds: another worker's load on a 2-core machine would break it.
+@pytest.mark.serial
 def test_dribbling_connections_are_dropped_and_do_not_hurt_healthy_clients(service: ServiceProcess) -> None:
     assert service.proc is not None and service.port is not None
     server = psutil.Process(service.proc.pid)
