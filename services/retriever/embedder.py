@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -13,6 +15,11 @@ DEFAULT_EMBEDDING_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 _PACKAGED_ALIASES = {DEFAULT_EMBEDDING_MODEL, "all-MiniLM-L6-v2", "all-minilm-l6-v2"}
 
 Vectors = npt.NDArray[np.float32]
+
+# Recent single texts (queries and prompts; ingest embeds chunks in batches, which are not
+# kept) and their vectors: at most this many, each text at most this long.
+_MEMO_ENTRIES = 1024
+_MEMO_MAX_CHARS = 4096
 
 
 def packaged_model_path() -> Path:
@@ -78,15 +85,42 @@ class Embedder:
         self.batch_size = batch_size
         self.max_tokens = int(self._model.max_seq_length or 512)
         self._tokenizer = self._model.tokenizer
+        self._memo: OrderedDict[str, Vectors] = OrderedDict()
+        self._memo_lock = threading.Lock()
 
     def embed(self, texts: Sequence[str]) -> Vectors:
         """One unit vector per text, shape ``(len(texts), dimension)``."""
         if not texts:
             return np.zeros((0, self.dimension), dtype=np.float32)
+        if len(texts) == 1 and len(texts[0]) <= _MEMO_MAX_CHARS:
+            return self._embed_one(texts[0])
+        return self._encode(texts)
+
+    def _encode(self, texts: Sequence[str]) -> Vectors:
         raw = self._model.encode(
             list(texts), batch_size=self.batch_size, convert_to_numpy=True, show_progress_bar=False
         )
         return normalize_rows(np.asarray(raw)[:, : self.dimension])
+
+    def _embed_one(self, text: str) -> Vectors:
+        """A query's vector, from the memo when the same text was embedded lately.
+
+        One turn embeds its prompt twice (the semantic cache's lookup, then its
+        store once the answer is made), and retries and popular questions repeat;
+        each embedding is ~13 ms of CPU here (docs/benchmarks.md).
+        """
+        with self._memo_lock:
+            vector = self._memo.get(text)
+            if vector is not None:
+                self._memo.move_to_end(text)
+        if vector is None:
+            vector = self._encode([text])
+            vector.setflags(write=False)  # shared by every caller that asks for this text
+            with self._memo_lock:
+                self._memo[text] = vector
+                while len(self._memo) > _MEMO_ENTRIES:
+                    self._memo.popitem(last=False)
+        return vector
 
     def token_spans(self, text: str) -> list[tuple[int, int]]:
         """Character spans of the model's tokens in ``text`` (special tokens excluded)."""
