@@ -8,10 +8,17 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import PurePath
+from typing import Any
 
 from services.common.errors import InvalidArgument
 from services.retriever.pdf_layout import PdfBlock, layout_kept_the_text, page_lines, pdf_blocks
-from services.retriever.text_layout import plain_text_blocks, setext_level
+from services.retriever.text_layout import (
+    BOLD_HEADING_LEVEL,
+    looks_like_title,
+    markdown_bold_title,
+    plain_text_blocks,
+    setext_level,
+)
 
 log = logging.getLogger("llmmesh.retriever.parsing")
 
@@ -158,33 +165,43 @@ def _parse_plain(data: bytes) -> list[Section]:
 
 
 def _parse_markdown(data: bytes) -> list[Section]:
-    sections: list[Section] = []
-    trail = HeadingTrail()
+    builder = SectionBuilder()
     lines: list[str] = []
     in_fence = False
     source = _decode_text(data).splitlines()
+
+    def heading(level: int, text: str) -> None:
+        nonlocal lines
+        if "\n".join(lines).strip():
+            builder.paragraph("\n".join(lines).strip())
+        builder.heading(level, text)
+        lines = []
+
     index = 0
     while index < len(source):
         line = source[index]
         if line.lstrip().startswith(("```", "~~~")):
             in_fence = not in_fence
+        after_blank = not (lines and lines[-1].strip())
         match = None if in_fence else _MD_HEADING.match(line)
         # A setext heading: a line after a blank one, underlined with === or --- (CommonMark).
         following = source[index + 1] if index + 1 < len(source) else ""
-        underline = 0 if in_fence or (lines and lines[-1].strip()) else setext_level(following, line)
-        if match or underline:
-            sections.append(trail.section("\n".join(lines).strip()))
-            if match:
-                trail.enter(len(match.group(1)), match.group(2))
-            else:
-                trail.enter(underline, line.strip())
-                index += 1
-            lines = []
+        underline = setext_level(following, line) if not in_fence and after_blank else 0
+        # A line that is one bold phrase, on its own after a blank line: a heading shown in bold.
+        bold = markdown_bold_title(line) if not in_fence and after_blank and not following.strip() else ""
+        if match:
+            heading(len(match.group(1)), match.group(2))
+        elif underline:
+            heading(underline, line.strip())
+            index += 1
+        elif bold:
+            heading(BOLD_HEADING_LEVEL, bold)
         else:
             lines.append(line)
         index += 1
-    sections.append(trail.section("\n".join(lines).strip()))
-    return sections
+    if "\n".join(lines).strip():
+        builder.paragraph("\n".join(lines).strip())
+    return builder.finish()
 
 
 def _parse_html(data: bytes) -> list[Section]:
@@ -193,8 +210,7 @@ def _parse_html(data: bytes) -> list[Section]:
     soup = BeautifulSoup(data, "html.parser")
     for tag in soup(["script", "style", "noscript", "template", "head"]):
         tag.decompose()
-    sections: list[Section] = []
-    trail = HeadingTrail()
+    builder = SectionBuilder()
     parts: list[str] = []
     # Walk the block-level elements in document order; a heading closes the section before it.
     for element in soup.find_all(
@@ -203,17 +219,31 @@ def _parse_html(data: bytes) -> list[Section]:
         if element.find_parent(["p", "li", "pre", "td", "th", "blockquote", "dt", "dd"]) is not None:
             continue  # already counted as part of its enclosing block
         text = _SPACE_BEFORE_PUNCTUATION.sub(r"\1", " ".join(element.get_text(" ").split()))
-        if element.name in {"h1", "h2", "h3", "h4", "h5", "h6"}:
-            sections.append(trail.section("\n".join(parts)))
-            trail.enter(int(element.name[1]), text)
+        level = int(element.name[1]) if element.name in {"h1", "h2", "h3", "h4", "h5", "h6"} else 0
+        if not level and element.name == "p" and _html_bold_only(element) and looks_like_title(text):
+            level = BOLD_HEADING_LEVEL
+        if level:
+            if parts:
+                builder.paragraph("\n".join(parts))
+            builder.heading(level, text)
             parts = []
         elif text:
             parts.append(text)
-    sections.append(trail.section("\n".join(parts)))
+    if parts:
+        builder.paragraph("\n".join(parts))
+    sections = builder.finish()
     if not any(s.text for s in sections) and soup.body is not None:
         # No block elements at all: fall back to the body's bare text.
         sections = [Section(" ".join(soup.body.get_text(" ").split()))]
     return sections
+
+
+def _html_bold_only(element: Any) -> bool:
+    """Whether all of a block's text sits inside <strong> or <b>: a heading shown in bold."""
+    bold = "".join(
+        b.get_text() for b in element.find_all(["strong", "b"]) if b.find_parent(["strong", "b"]) is None
+    )
+    return bool(bold.strip()) and " ".join(bold.split()) == " ".join(element.get_text().split())
 
 
 def _parse_pdf(data: bytes) -> list[Section]:
@@ -260,24 +290,38 @@ def _parse_docx(data: bytes) -> list[Section]:
         document = Document(io.BytesIO(data))
     except (PackageNotFoundError, zipfile.BadZipFile, KeyError, ValueError) as exc:
         raise InvalidArgument("data", f"not a readable DOCX file: {exc}") from exc
-    sections: list[Section] = []
-    trail = HeadingTrail()
+    builder = SectionBuilder()
     lines: list[str] = []
     for paragraph in document.paragraphs:
+        text = paragraph.text.strip()
+        if not text:
+            continue
         style = paragraph.style.name if paragraph.style is not None and paragraph.style.name else ""
-        if _DOCX_HEADING.match(style) and paragraph.text.strip():
-            sections.append(trail.section("\n".join(lines).strip()))
+        level = -1
+        if _DOCX_HEADING.match(style):
             # "Title" is the outermost level; "Heading N" nests under it.
             level = int(style.split()[-1]) if style.lower().startswith("heading") else 0
-            trail.enter(level, paragraph.text.strip())
+        elif _docx_bold_only(paragraph) and looks_like_title(text):
+            level = BOLD_HEADING_LEVEL  # a heading typed as a bold line, not given a heading style
+        if level >= 0:
+            if lines:
+                builder.paragraph("\n".join(lines))
+            builder.heading(level, text)
             lines = []
-        elif paragraph.text.strip():
-            lines.append(paragraph.text.strip())
+        else:
+            lines.append(text)
     for table in document.tables:
         for row in table.rows:
             lines.append(" | ".join(cell.text.strip() for cell in row.cells))
-    sections.append(trail.section("\n".join(lines).strip()))
-    return sections
+    if lines:
+        builder.paragraph("\n".join(lines))
+    return builder.finish()
+
+
+def _docx_bold_only(paragraph: Any) -> bool:
+    """Whether every run of a paragraph that has text is bold (directly or by its character style)."""
+    runs = [run for run in paragraph.runs if run.text.strip()]
+    return bool(runs) and all(run.bold or (run.style is not None and run.style.font.bold) for run in runs)
 
 
 _PARSERS: dict[str, Callable[[bytes], list[Section]]] = {

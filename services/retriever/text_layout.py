@@ -13,6 +13,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+# A whole line in bold, Markdown's way: **Title** or __Title__.
+_MD_BOLD_LINE = re.compile(r"^\s{0,3}(\*\*|__)(?P<text>[^*_].*?)\1\s*$")
+#: The level of a heading only shown in bold (a bold-only line, paragraph or HTML block): deeper
+#: than any real heading level (Markdown and HTML stop at 6, DOCX at 9), so it nests under them.
+BOLD_HEADING_LEVEL = 10
+
 # An underline of at least three '=' (level 1) or '-' (level 2) and nothing else.
 _SETEXT = re.compile(r"^\s{0,3}(=+|-+)\s*$")
 # A title line ends without sentence punctuation; a sentence or a list item ends with one of these.
@@ -36,6 +42,15 @@ def setext_level(underline: str, above: str) -> int:
     if not match or len(match.group(1)) < 3 or not above.strip() or _SETEXT.match(above):
         return 0
     return 1 if match.group(1)[0] == "=" else 2
+
+
+def markdown_bold_title(line: str) -> str:
+    """The title of a Markdown line that is one bold phrase and looks like a heading, else ""."""
+    match = _MD_BOLD_LINE.match(line)
+    if match is None or "**" in match.group("text") or "__" in match.group("text"):
+        return ""
+    text = match.group("text").strip()
+    return text if looks_like_title(text) else ""
 
 
 def looks_like_title(line: str) -> bool:

@@ -65,12 +65,19 @@ def text_pdf(pages: Sequence[Sequence[str]], title: str = "") -> bytes:
 
 
 def docx_document(paragraphs: Sequence[tuple[str, str]]) -> bytes:
-    """A DOCX with ``(style, text)`` paragraphs; styles like "Heading 1" become chunk headings."""
+    """A DOCX with ``(style, text)`` paragraphs; styles like "Heading 1" become chunk headings.
+
+    The style ``"bold"`` is a Normal paragraph whose one run is bold: a heading typed as a
+    bold line, as many documents have instead of a heading style.
+    """
     from docx import Document
 
     document = Document()
     for style, text in paragraphs:
-        document.add_paragraph(text, style=style)
+        if style == "bold":
+            document.add_paragraph().add_run(text).bold = True
+        else:
+            document.add_paragraph(text, style=style)
     buffer = io.BytesIO()
     document.save(buffer)
     return buffer.getvalue()

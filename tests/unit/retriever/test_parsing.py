@@ -68,7 +68,11 @@ def test_docx_heading_styles_become_headings() -> None:
             ("Normal", "King safety."),
         ]
     )
-    assert [(s.heading, s.text) for s in parse_document(data, DOCX)] == [("Openings", "Control the centre.")]
+    # A last heading with nothing under it is kept as its own words, not dropped.
+    assert [(s.heading, s.text) for s in parse_document(data, DOCX)] == [
+        ("Openings", "Control the centre."),
+        ("Castling", "Castling"),
+    ]
     assert [(s.heading, s.text) for s in parse_document(data_with_body, DOCX)] == [
         ("Openings", "Control the centre."),
         ("Castling", "King safety."),
@@ -261,4 +265,48 @@ def test_plain_text_lone_title_lines_under_an_underlined_title_are_its_sections(
     assert [(s.path, s.text) for s in parse_document(text, PLAIN_TEXT)] == [
         (("Hesk Quarry", "Summary"), "Stone was cut here."),
         (("Hesk Quarry", "Closure"), "It shut in 1961."),
+    ]
+
+
+def test_markdown_bold_lines_on_their_own_are_headings_under_the_real_ones() -> None:
+    text = (
+        b"# Hesk Ferry\n\nRuns all year.\n\n**Timetable**\n\nHourly from six.\n\n"
+        b"**Fares are cash only.**\n\nA **bold** word in a line.\n"
+    )
+    sections = parse_document(text, MARKDOWN)
+    assert [(s.path, s.text) for s in sections] == [
+        (("Hesk Ferry",), "Runs all year."),
+        # A bold sentence and a bold word inside a line stay body text.
+        (
+            ("Hesk Ferry", "Timetable"),
+            "Hourly from six.\n\n**Fares are cash only.**\n\nA **bold** word in a line.",
+        ),
+    ]
+
+
+def test_html_paragraphs_all_in_bold_are_headings_but_a_bold_lead_in_is_not() -> None:
+    html = (
+        b"<h1>Hesk Ferry</h1><p>Runs all year.</p><p><strong>Opening hours</strong></p>"
+        b"<p>Daily from six.</p><p><b>Note:</b> cash only.</p>"
+    )
+    sections = parse_document(html, HTML)
+    assert [(s.path, s.text) for s in sections] == [
+        (("Hesk Ferry",), "Runs all year."),
+        (("Hesk Ferry", "Opening hours"), "Daily from six.\nNote: cash only."),
+    ]
+
+
+def test_docx_bold_short_paragraphs_are_headings_but_bold_sentences_are_not() -> None:
+    data = docx_document(
+        [
+            ("Heading 1", "Hesk Ferry"),
+            ("Normal", "Runs all year."),
+            ("bold", "Timetable"),
+            ("Normal", "Hourly from six."),
+            ("bold", "Fares are cash only."),
+        ]
+    )
+    assert [(s.path, s.text) for s in parse_document(data, DOCX)] == [
+        (("Hesk Ferry",), "Runs all year."),
+        (("Hesk Ferry", "Timetable"), "Hourly from six.\nFares are cash only."),
     ]
