@@ -76,7 +76,7 @@ class HeadingTrail:
 
 
 class SectionBuilder:
-    """Sections from headings and paragraphs read in order (plain text and PDF layouts).
+    """Sections from headings and paragraphs read in order, for every format.
 
     Paragraphs under one heading on one page make one section, blank-line
     separated. A heading with nothing under it (no text before a heading at its
