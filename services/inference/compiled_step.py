@@ -15,6 +15,15 @@ bucket (``BATCH_BUCKETS`` up to the batch cap) with ``mode="reduce-overhead"``,
 so each bucket runs as a captured CUDA graph; a step whose row count is not a
 bucket runs those calls eagerly.
 
+Calibration (CPU). A compiled kernel is not faster at every size: on a 2-vCPU
+AVX-512 VM the four kernels compiled ran 0.5× eager at one row and 0.6× at 64
+(per-call guards and launch cost on inputs this small), and about even from 1,024
+rows (docs/benchmarks.md). So at warm-up each kernel is timed both ways at every
+power of two up to the step's largest row count, interleaved, and a bucket uses
+the compiled kernel only where it won by ``_MIN_GAIN``; every other bucket runs
+eagerly: ``--compile`` never makes a step slower than eager by the warm-up's own
+measure.
+
 Everything is compiled here, before the replica reports SERVING. Steps then run
 under ``torch.compiler.set_stance("eager_on_recompile")``: a shape the warm-up
 did not cover runs eagerly instead of compiling on a live request.
@@ -39,16 +48,39 @@ log = logging.getLogger("llmmesh.inference.compile")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+#: CPU: a compiled kernel must beat eager by this share at warm-up to be used for a bucket.
+_MIN_GAIN = 0.05
+#: CPU calibration: interleaved timing rounds per size (the median counts).
+_CALIBRATION_ROUNDS = 7
+
+
+def row_bucket(rows: int) -> int:
+    """The power of two at or above ``rows``: the CPU calibration's bucket for a call."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
+def faster_buckets(timings: dict[int, tuple[float, float]], min_gain: float = _MIN_GAIN) -> set[int]:
+    """The buckets whose compiled time (second) beat the eager one (first) by ``min_gain``."""
+    return {bucket for bucket, (eager, compiled) in timings.items() if compiled < eager * (1.0 - min_gain)}
+
+
 class _Bucketed:
     """Calls the compiled function for warmed row counts, the eager one for any other."""
 
     def __init__(self, compiled: Callable[..., Any], eager: Callable[..., Any]) -> None:
         self.compiled = compiled
         self.eager = eager
-        self.rows: set[int] | None = None  # None: every row count (a dynamic graph)
+        self.rows: set[int] | None = None  # CUDA: the captured row counts; None: every row count
+        #: CPU: the row buckets (``row_bucket``) where the compiled kernel measured faster.
+        self.buckets: set[int] | None = None
+
+    def use_compiled(self, rows: int) -> bool:
+        if self.buckets is not None:
+            return row_bucket(rows) in self.buckets
+        return self.rows is None or rows in self.rows
 
     def __call__(self, first: torch.Tensor, *args: Any) -> Any:
-        fn = self.compiled if self.rows is None or first.shape[0] in self.rows else self.eager
+        fn = self.compiled if self.use_compiled(first.shape[0]) else self.eager
         return fn(first, *args)
 
 
@@ -116,6 +148,13 @@ def compile_kernels(
     if cuda:
         for fn in fns.values():
             fn.rows = set(rows_to_warm)
+    else:
+        inputs = _kernel_inputs(hidden, intermediate, heads, kv_heads, head_dim, eps, dtype, device)
+        sizes = [1 << k for k in range(max(1, max_rows - 1).bit_length() + 1)]
+        with torch.inference_mode(), _eager_on_recompile():
+            for name, fn in fns.items():
+                fn.buckets = faster_buckets({rows: _time_both(fn, inputs[name](rows)) for rows in sizes})
+                log.info("compiled %s used for row buckets %s of %s", name, sorted(fn.buckets), sizes)
     log.info("compiled the layer kernels for %s rows in %.1fs", rows_to_warm, time.perf_counter() - started)
     return Kernels(
         rms_norm=fns["rms_norm"],
@@ -124,3 +163,49 @@ def compile_kernels(
         silu_mul=fns["silu_mul"],
         step_scope=_graph_step if cuda else _eager_on_recompile,
     )
+
+
+def _kernel_inputs(
+    hidden: int,
+    intermediate: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    eps: float,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> dict[str, Callable[[int], tuple[Any, ...]]]:
+    """Per kernel: the arguments of one call at a given row count, as the forward passes them."""
+    weight = torch.ones(hidden, dtype=dtype, device=device)
+    qkv_width = (heads + 2 * kv_heads) * head_dim
+
+    def rand(rows: int, *shape: int) -> torch.Tensor:
+        return torch.randn(rows, *shape, dtype=dtype, device=device)
+
+    return {
+        "rms_norm": lambda rows: (rand(rows, hidden), weight, eps),
+        "add_rms_norm": lambda rows: (rand(rows, hidden), rand(rows, hidden), weight, eps),
+        "rotary": lambda rows: (
+            rand(rows, qkv_width),
+            rand(rows, 1, head_dim),
+            rand(rows, 1, head_dim),
+            heads,
+            kv_heads,
+            head_dim,
+        ),
+        "silu_mul": lambda rows: (rand(rows, 2 * intermediate),),
+    }
+
+
+def _time_both(fn: _Bucketed, args: tuple[Any, ...]) -> tuple[float, float]:
+    """Median seconds of one eager and one compiled call on ``args``, interleaved so drift hits both."""
+    eager: list[float] = []
+    compiled: list[float] = []
+    fn.eager(*args)
+    fn.compiled(*args)
+    for _ in range(_CALIBRATION_ROUNDS):
+        for variant, out in ((fn.eager, eager), (fn.compiled, compiled)):
+            started = time.perf_counter()
+            variant(*args)
+            out.append(time.perf_counter() - started)
+    return sorted(eager)[len(eager) // 2], sorted(compiled)[len(compiled) // 2]
