@@ -16,9 +16,9 @@ so each bucket runs as a captured CUDA graph; a step whose row count is not a
 bucket runs those calls eagerly.
 
 Calibration (CPU). A compiled kernel is not faster at every size: on a 2-vCPU
-AVX-512 VM the four kernels compiled ran 0.5× eager at one row and 0.6× at 64
-(per-call guards and launch cost on inputs this small), and about even from 1,024
-rows (docs/benchmarks.md). So at warm-up each kernel is timed both ways at every
+AVX-512 VM each compiled kernel took 1.1–3.1× eager's time at 1–16 rows (per-call
+guards and launch cost on inputs this small) and 0.3–0.7× at 1,024–2,048 rows
+(docs/inference.md). So at warm-up each kernel is timed both ways at every
 power of two up to the step's largest row count, interleaved, and a bucket uses
 the compiled kernel only where it won by ``_MIN_GAIN``; every other bucket runs
 eagerly: ``--compile`` never makes a step slower than eager by the warm-up's own
