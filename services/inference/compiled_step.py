@@ -124,29 +124,14 @@ def compile_kernels(
     }
     # CPU: a single row, and one dynamic graph (traced at 64 rows) for every count >= 2.
     rows_to_warm = [b for b in BATCH_BUCKETS if b <= max_rows] if cuda else [1, 64]
-    qkv_width = (heads + 2 * kv_heads) * head_dim
-
-    def sample(rows: int, *shape: int) -> torch.Tensor:
-        t = torch.randn(rows, *shape, dtype=dtype, device=device)
-        if not cuda and rows > 1:
-            torch._dynamo.mark_dynamic(t, 0)  # one graph for every row count >= 2
-        return t
-
-    weight = torch.ones(hidden, dtype=dtype, device=device)
+    warm_inputs = _kernel_inputs(
+        hidden, intermediate, heads, kv_heads, head_dim, eps, dtype, device, dynamic_rows=not cuda
+    )
     with torch.inference_mode():
         for rows in rows_to_warm:
             for _ in range(3 if cuda else 1):  # reduce-overhead records its graph on a later call
-                fns["rms_norm"](sample(rows, hidden), weight, eps)
-                fns["add_rms_norm"](sample(rows, hidden), sample(rows, hidden), weight, eps)
-                fns["rotary"](
-                    sample(rows, qkv_width),
-                    sample(rows, 1, head_dim),
-                    sample(rows, 1, head_dim),
-                    heads,
-                    kv_heads,
-                    head_dim,
-                )
-                fns["silu_mul"](sample(rows, 2 * intermediate))
+                for name, fn in fns.items():
+                    fn(*warm_inputs[name](rows))
     if cuda:
         for fn in fns.values():
             fn.rows = set(rows_to_warm)
@@ -176,13 +161,21 @@ def _kernel_inputs(
     eps: float,
     dtype: torch.dtype,
     device: torch.device,
+    dynamic_rows: bool = False,
 ) -> dict[str, Callable[[int], tuple[Any, ...]]]:
-    """Per kernel: the arguments of one call at a given row count, as the forward passes them."""
+    """Per kernel: the arguments of one call at a given row count, as the forward passes them.
+
+    ``dynamic_rows`` marks the row dimension dynamic when there are 2 or more rows: what
+    the CPU warm-up traces, so that one graph serves every row count >= 2.
+    """
     weight = torch.ones(hidden, dtype=dtype, device=device)
     qkv_width = (heads + 2 * kv_heads) * head_dim
 
     def rand(rows: int, *shape: int) -> torch.Tensor:
-        return torch.randn(rows, *shape, dtype=dtype, device=device)
+        t = torch.randn(rows, *shape, dtype=dtype, device=device)
+        if dynamic_rows and rows > 1:
+            torch._dynamo.mark_dynamic(t, 0)
+        return t
 
     return {
         "rms_norm": lambda rows: (rand(rows, hidden), weight, eps),

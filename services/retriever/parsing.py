@@ -170,12 +170,15 @@ def _parse_markdown(data: bytes) -> list[Section]:
     in_fence = False
     source = _decode_text(data).splitlines()
 
+    def flush() -> None:
+        body = "\n".join(lines).strip()
+        if body:
+            builder.paragraph(body)
+        lines.clear()
+
     def heading(level: int, text: str) -> None:
-        nonlocal lines
-        if "\n".join(lines).strip():
-            builder.paragraph("\n".join(lines).strip())
+        flush()
         builder.heading(level, text)
-        lines = []
 
     index = 0
     while index < len(source):
@@ -199,8 +202,7 @@ def _parse_markdown(data: bytes) -> list[Section]:
         else:
             lines.append(line)
         index += 1
-    if "\n".join(lines).strip():
-        builder.paragraph("\n".join(lines).strip())
+    flush()
     return builder.finish()
 
 

@@ -95,7 +95,7 @@ def plain_text_blocks(text: str) -> list[TextBlock]:
         after_blank = not following.strip()
         if before_blank and after_blank and looks_like_title(line) and _body_follows(lines, index + 1):
             flush()
-            blocks.append(TextBlock(2 if blocks or any(b.strip() for b in body) else 1, line.strip()))
+            blocks.append(TextBlock(2 if blocks else 1, line.strip()))  # flush() emptied body
             index += 1
             continue
         body.append(line)
