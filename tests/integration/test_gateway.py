@@ -56,15 +56,10 @@ def api_keys(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
 
 
 @pytest.fixture(scope="module")
-def replica(model_path: Path) -> Iterator[ServiceProcess]:
-    """Its own replica, not the session's shared one: with the shared replica the disconnect
-    test once saw its generation cancelled before it could be seen held (clean-clone CI,
-    2026-12-02 07:07, not reproduced alone; see docs/architecture.md's test section)."""
-    proc = ServiceProcess(
-        "services.inference", ["--model", str(model_path), "--device", "cpu", "--metrics-port", "0"]
-    ).start()
-    yield proc
-    proc.stop()
+def replica(shared_replica: ServiceProcess) -> ServiceProcess:
+    """The session's shared replica: its cancel counter is read before and after, and no other
+    file uses it while this one runs (``tests/conftest.py``)."""
+    return shared_replica
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +218,12 @@ def test_client_disconnect_cancels_generation_on_replica(
         c.stream("POST", "/v1/chat:stream", json=chat_body(2000, ignore_eos=True)) as response,
     ):
         assert response.status_code == 200
-        first = json.loads(next(response.iter_lines()))
+        # Kept referenced until the block ends: a line iterator dropped after its first line is
+        # finalised at once, and httpcore closes the connection when its stream is closed early,
+        # so the client would hang up here, before the replica could be seen holding the
+        # generation (how this test failed under load in CI, 2026-12-02 and 2026-12-04).
+        lines = response.iter_lines()
+        first = json.loads(next(lines))
         assert "delta" in first["result"]
         # This client reads no further, so the stream backs up to the replica, which parks the
         # sequence once its reader is 64 tokens behind: parked still counts as held there.
@@ -235,7 +235,7 @@ def test_client_disconnect_cancels_generation_on_replica(
                 f"generation held by the replica ({len(seen)} readings, first {seen[:3]}, last {seen[-3:]})"
             ),
         )
-    # Leaving the block closed the connection mid-stream.
+        # Leaving the block closes the connection mid-stream.
 
     wait_for(lambda: replica_cancelled(replica) == cancelled_before + 1, 15, "generation cancelled")
     wait_replica_idle(replica, 5)
