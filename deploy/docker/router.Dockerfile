@@ -17,10 +17,18 @@ COPY services ./services
 RUN pip install grpcio-tools googleapis-common-protos \
     && python -m services.common.protogen \
     && pip install .
+# The default model's tokenizer and chat template (never its weights): with `--policy prefix`
+# the router hashes prompts into the replicas' KV blocks with them (docs/router.md, "Prompt
+# hashes"). A pool serving another model mounts its tokenizer and sets LLMMESH_TOKENIZER.
+RUN python -m services.inference.fetch_model --out /models/SmolLM2-135M-Instruct
 
 FROM ${PYTHON_IMAGE} AS runtime
 RUN useradd --system --uid 10001 --user-group --home-dir /home/llmmesh --create-home llmmesh
 COPY --from=build /opt/venv /opt/venv
+COPY --from=build /models/SmolLM2-135M-Instruct/tokenizer.json \
+    /models/SmolLM2-135M-Instruct/tokenizer_config.json \
+    /models/SmolLM2-135M-Instruct/chat_template.jinja \
+    /models/SmolLM2-135M-Instruct/
 COPY deploy/docker/grpc_health_check.py /usr/local/bin/grpc_health_check.py
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
@@ -29,7 +37,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     LLMMESH_HOST=0.0.0.0 \
     LLMMESH_PORT=50051 \
     LLMMESH_HTTP_PORT=8000 \
-    LLMMESH_METRICS_PORT=9090
+    LLMMESH_METRICS_PORT=9090 \
+    LLMMESH_TOKENIZER=/models/SmolLM2-135M-Instruct
 USER 10001:10001
 WORKDIR /home/llmmesh
 # 8000: the OpenAI-compatible HTTP front (docs/openai.md).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -109,3 +110,38 @@ def test_readme_deploy_section_names_the_commands() -> None:
         "helm install milvus",
     ):
         assert command in section, f"README deploy section lacks `{command}`"
+
+
+def test_the_router_image_carries_a_tokenizer_that_hashes_as_the_model_dir_does(tmp_path: Path) -> None:
+    """The router image copies only the tokenizer files out of the model the build stage fetched,
+    and points LLMMESH_TOKENIZER at them: those files alone must tokenize a chat exactly as the
+    whole model directory does, or `--policy prefix` would hash blocks no replica holds."""
+    from services.router.placement.prompt_hashes import load_tokenizer
+
+    parsed = instructions(DOCKER / "router.Dockerfile")
+    runs = " ".join(args for word, args in parsed if word == "RUN")
+    assert "services.inference.fetch_model --out /models/SmolLM2-135M-Instruct" in runs
+    (copy,) = [args for word, args in parsed if word == "COPY" and "/models/" in args]
+    *sources, destination = [a for a in copy.split() if not a.startswith("--")]
+    env = " ".join(args for word, args in parsed if word == "ENV")
+    assert f"LLMMESH_TOKENIZER={destination.rstrip('/')}" in env
+    assert not any(name.endswith((".safetensors", ".gguf")) for name in sources), "weights in the router"
+
+    model = ROOT / "models" / "SmolLM2-135M-Instruct"
+    image_dir = tmp_path / "tokenizer"
+    image_dir.mkdir()
+    for source in sources:
+        (image_dir / Path(source).name).write_bytes((model / Path(source).name).read_bytes())
+    chat = [
+        {"role": "system", "content": "Answer in one line."},
+        {"role": "user", "content": "Wie spät ist es in Tōkyō? 🙂"},
+    ]
+    full, copied = load_tokenizer(str(model)), load_tokenizer(str(image_dir))
+
+    def token_ids(tokenizer: Any) -> list[int]:
+        text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    expected = token_ids(full)
+    assert token_ids(copied) == expected
+    assert len(expected) > 20
