@@ -9,6 +9,7 @@ bootstrap, turns one into a gRPC status, so the engine and the stores need no gR
 from __future__ import annotations
 
 import enum
+import re
 
 
 class Code(enum.Enum):
@@ -47,6 +48,24 @@ class InvalidArgument(MeshError, ValueError):
     def __init__(self, field: str, problem: str) -> None:
         super().__init__(f"{field}: {problem}")
         self.field = field
+
+
+#: How every refusal of a request too long for its model's context ends its message. The
+#: status crosses the gRPC hop as text, so this is how the router's OpenAI front knows to say
+#: ``context_length_exceeded`` (the code OpenAI's clients look for to trim a conversation).
+_CONTEXT_TOO_LONG = re.compile(r"the \d+-token context$")
+
+
+class ContextTooLong(InvalidArgument):
+    """The prompt, or the prompt with ``max_tokens``, does not fit the model's context."""
+
+    def __init__(self, field: str, problem: str, context_tokens: int) -> None:
+        super().__init__(field, f"{problem} the {context_tokens}-token context")
+
+
+def is_context_too_long(message: str) -> bool:
+    """``message`` is a ``ContextTooLong``'s, possibly passed on as a status by another service."""
+    return _CONTEXT_TOO_LONG.search(message) is not None
 
 
 class NotFound(MeshError):

@@ -94,20 +94,20 @@ class LLMEngine:
         if not prompt_token_ids:
             raise errors.InvalidArgument("prompt", "is empty after tokenization")
         if total >= self.max_model_len:
-            raise errors.InvalidArgument(
+            raise errors.ContextTooLong(
                 "prompt",
-                f"{len(prompt_token_ids)} prompt tokens (+{len(resume_token_ids)} resumed) leave no room "
-                f"in the {self.max_model_len}-token context",
+                f"{len(prompt_token_ids)} prompt tokens (+{len(resume_token_ids)} resumed) leave no room in",
+                self.max_model_len,
             )
         if len(resume_token_ids) >= params.max_tokens:
             raise errors.InvalidArgument(
                 "resume_token_ids", f"{len(resume_token_ids)} resumed tokens already reach max_tokens"
             )
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
-            raise errors.InvalidArgument(
+            raise errors.ContextTooLong(
                 "max_tokens",
-                f"{params.max_tokens} plus {len(prompt_token_ids)} prompt tokens exceed the "
-                f"{self.max_model_len}-token context",
+                f"{params.max_tokens} plus {len(prompt_token_ids)} prompt tokens exceed",
+                self.max_model_len,
             )
         vocab = self.runner.vocab_size
         if any(not 0 <= t < vocab for t in (*prompt_token_ids, *resume_token_ids)):

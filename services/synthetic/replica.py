@@ -109,8 +109,8 @@ class SyntheticInference(inference_pb2_grpc.InferenceServicer):
         context = self.config.max_context_tokens
         if (prompt := prompt_tokens(start)) + max_tokens > context:
             # Without this a huge max_tokens streams until the client's deadline (the fuzzer found it).
-            raise errors.InvalidArgument(
-                "max_tokens", f"{max_tokens} plus {prompt} prompt tokens exceed the {context}-token context"
+            raise errors.ContextTooLong(
+                "max_tokens", f"{max_tokens} plus {prompt} prompt tokens exceed", context
             )
         return max_tokens
 

@@ -428,6 +428,31 @@ def test_400_names_the_field(front: Front) -> None:
         front.client().chat.completions.create(model=front.model, messages=HELLO, top_logprobs=2)  # type: ignore[arg-type]
 
 
+def test_a_conversation_over_the_context_is_context_length_exceeded_naming_what_to_shorten(
+    front: Front,
+) -> None:
+    # ~9,000 tokens in under the front's 64 KiB body limit: more than the model's 8,192.
+    long_text = " ".join(f"w{i % 97}" for i in range(9000))
+    chat = front.post(
+        "/v1/chat/completions", {"model": front.model, "messages": [{"role": "user", "content": long_text}]}
+    )
+    text = front.post("/v1/completions", {"model": front.model, "prompt": long_text, "max_tokens": 4})
+    # A prompt that fits, with room asked for that the context does not have.
+    room = front.post("/v1/chat/completions", {"model": front.model, "messages": HELLO, "max_tokens": 8190})
+
+    # A chat request has no `prompt`: the error names its messages, as OpenAI's does.
+    error = assert_error(chat, 400, "messages", "context_length_exceeded")
+    assert error["message"].startswith("messages: ") and "8192-token context" in error["message"]
+    assert_error(text, 400, "prompt", "context_length_exceeded")
+    assert_error(room, 400, "max_tokens", "context_length_exceeded")
+    # What the SDK raises for it, with the code a client trims the conversation by.
+    with pytest.raises(openai.BadRequestError) as raised:
+        front.client().chat.completions.create(
+            model=front.model, messages=[{"role": "user", "content": long_text}]
+        )
+    assert raised.value.code == "context_length_exceeded" and raised.value.param == "messages"
+
+
 PERSON = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0}},

@@ -85,6 +85,9 @@ def api_error(exc: BaseException, route: str = "") -> ApiError:
         # A replica's refusal passed on as a status ("json_schema: does not compile: …"): its field.
         named = _NAMED_FIELD.match(message)
         param = named.group(1) if named else None
+    if code == grpc.StatusCode.INVALID_ARGUMENT and errors.is_context_too_long(message):
+        # OpenAI's code for it: the clients that trim a conversation to fit look for this one.
+        error_code = "context_length_exceeded"
     if param == "model" and "unknown model" in message:
         # The catalog names the models it serves in the message: OpenAI says 404 for a model it lacks.
         return ApiError(404, message, "invalid_request_error", "model_not_found", "model")
@@ -95,6 +98,16 @@ def api_error(exc: BaseException, route: str = "") -> ApiError:
         log.error("%s failed", route or "HTTP request", exc_info=exc)
         message = f"internal error: {type(exc).__name__}"
     return ApiError(status, message, kind, error_code, param, retry_after)
+
+
+def renamed(error: ApiError, engine: str, request: str) -> ApiError:
+    """``error`` naming the request's field ``request`` where the engine named its own ``engine``."""
+    if error.param != engine:
+        return error
+    message = error.message
+    if message.startswith(f"{engine}:"):
+        message = request + message[len(engine) :]
+    return dataclasses.replace(error, param=request, message=message)
 
 
 @dataclass(frozen=True)
@@ -112,9 +125,4 @@ class ConstraintParam:
     request: str
 
     def rename(self, error: ApiError) -> ApiError:
-        if error.param != self.engine:
-            return error
-        message = error.message
-        if message.startswith(f"{self.engine}:"):
-            message = self.request + message[len(self.engine) :]
-        return dataclasses.replace(error, param=self.request, message=message)
+        return renamed(error, self.engine, self.request)

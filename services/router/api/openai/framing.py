@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from services.gen.llmmesh.v1 import common_pb2
 from services.router.api.openai.choices import ChoiceAnswer
-from services.router.api.openai.errors import ApiError, ConstraintParam, api_error
+from services.router.api.openai.errors import ApiError, ConstraintParam, api_error, renamed
 from services.router.api.openai.structured import ToolMode, chat_logprobs, text_logprobs
 
 SYSTEM_FINGERPRINT = "llm-mesh"
@@ -74,6 +74,9 @@ class Framer:
     def error(self, exc: BaseException, route: str) -> ApiError:
         """What the client is told of ``exc``, a field named as this request named it."""
         error = api_error(exc, route)
+        if self.kind == "chat":
+            # A chat request has no `prompt`: the replica's prompt is its rendered messages.
+            error = renamed(error, "prompt", "messages")
         return self.constraint.rename(error) if self.constraint is not None else error
 
     def _head(self, object_name: str, model: str | None = None) -> dict[str, Any]:
