@@ -43,9 +43,7 @@ _HARMLESS = frozenset(
         "safety_identifier",
         "stream_options",
         "ignore_eos",
-        "skip_special_tokens",
         "spaces_between_special_tokens",
-        "include_stop_str_in_output",
     }
 )
 _CHAT_KNOWN = frozenset(
@@ -158,6 +156,8 @@ def completion_generation(body: Any, request_id: str) -> Generation:
         raise bad_request("prompt", "prompt: required, a string or a non-empty list of strings")
     if len(prompts) > MAX_CHOICES:
         raise bad_request("prompt", f"prompt: at most {MAX_CHOICES} prompts per request")
+    if not all(prompts):
+        raise bad_request("prompt", "prompt: must not be empty")
     max_tokens = _int(body, "max_tokens", 1, INT32_MAX)
     sampling = _sampling(body, COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
     source = apply_output_options(body, sampling, chat=False)
@@ -193,6 +193,9 @@ def _generation(
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad_request("stream_options", "stream_options: must be an object")
+    for option in ("include_usage", "continuous_usage_stats"):
+        if options and options.get(option) is not None and not isinstance(options[option], bool):
+            raise bad_request(f"stream_options.{option}", f"stream_options.{option}: must be true or false")
     include_usage = bool(options and options.get("include_usage"))
     wanted = extras(body, len(conversations) * n)
     turns: list[router_pb2.ChatRequest] = []
@@ -269,6 +272,23 @@ def _refuse_unsupported(body: Mapping[str, Any], known: frozenset[str]) -> None:
         "prediction": (),
         "web_search_options": (),
         "use_beam_search": (False,),
+        # vLLM's extras that change the prompt or the answer: accepted at their defaults only.
+        "echo": (False,),
+        "add_generation_prompt": (True,),
+        "continue_final_message": (False,),
+        "include_stop_str_in_output": (False,),
+        "skip_special_tokens": (True,),
+        "min_p": (0, 0.0),
+        "length_penalty": (1, 1.0),
+        "truncate_prompt_tokens": (),
+        "prompt_logprobs": (),
+        "allowed_token_ids": (),
+        "bad_words": ([],),
+        "chat_template": (),
+        "chat_template_kwargs": ({},),
+        "documents": (),
+        "logits_processors": (),
+        "structured_outputs": (),
     }
     for name, allowed in neutral.items():
         value = body.get(name)

@@ -92,6 +92,15 @@ def test_nulls_and_load_tool_extras_are_accepted() -> None:
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
             "user": "u",
             "some_future_field": {"x": 1},
+            # vLLM's answer-changing extras at their defaults, as vLLM's clients send them.
+            "echo": False,
+            "add_generation_prompt": True,
+            "continue_final_message": False,
+            "skip_special_tokens": True,
+            "include_stop_str_in_output": False,
+            "min_p": 0.0,
+            "chat_template_kwargs": {},
+            "bad_words": [],
         },
         "x",
     )
@@ -144,6 +153,20 @@ def test_nulls_and_load_tool_extras_are_accepted() -> None:
         ({"messages": USER, "logit_bias": {"1": 5}}, "logit_bias"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
+        # vLLM's extras that would change the prompt or the answer, away from their defaults.
+        ({"messages": USER, "echo": True}, "echo"),
+        ({"messages": USER, "add_generation_prompt": False}, "add_generation_prompt"),
+        ({"messages": USER, "continue_final_message": True}, "continue_final_message"),
+        ({"messages": USER, "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        ({"messages": USER, "skip_special_tokens": False}, "skip_special_tokens"),
+        ({"messages": USER, "min_p": 0.1}, "min_p"),
+        ({"messages": USER, "chat_template": "{{ messages }}"}, "chat_template"),
+        ({"messages": USER, "chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
+        ({"messages": USER, "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+        (
+            {"messages": USER, "stream": True, "stream_options": {"include_usage": "yes"}},
+            "stream_options.include_usage",
+        ),
     ],
 )
 def test_bad_or_unsupported_fields_are_refused_by_name(body: dict[str, Any], param: str) -> None:
@@ -154,6 +177,7 @@ def test_completions_refuse_echo_and_token_prompts() -> None:
     assert refused({"prompt": "a", "echo": True}, completions=True).param == "echo"
     assert refused({"prompt": [[1, 2]]}, completions=True).param == "prompt"
     assert refused({"prompt": 5}, completions=True).param == "prompt"
+    assert refused({"prompt": ["a", ""]}, completions=True).param == "prompt"
 
 
 def test_a_body_that_is_not_an_object_is_refused() -> None:
