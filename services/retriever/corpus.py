@@ -23,12 +23,13 @@ from services.common.errors import InvalidArgument, NotFound
 from services.retriever.chunking import Chunk, TokenChunker
 from services.retriever.document_locks import DocumentLocks, LocalLocks
 from services.retriever.embedder import Vectors
-from services.retriever.parsing import normalize_mime_type, parse_document
+from services.retriever.parsing import base_type, normalize_mime_type, parse_document
 from services.retriever.records import ChunkHit, ChunkRow, DocumentRecord
 from services.retriever.rerank import Reranker
 from services.retriever.schema import MAX_TEXT_BYTES, contextual_text, fit_bytes
 from services.retriever.search import Searcher, SearchQuery, SearchResult, check_metadata
 from services.retriever.store import MilvusStore
+from services.retriever.text_encoding import declared_charset
 
 __all__ = ["Corpus", "DocumentUpload", "IngestResult", "SearchQuery", "SearchResult"]
 
@@ -122,7 +123,11 @@ class Corpus:
         check_metadata(upload.metadata, "header.metadata")
         if len(upload.title) > MAX_TITLE_CHARS:
             raise InvalidArgument("header.title", f"must be at most {MAX_TITLE_CHARS} characters")
-        mime_type = normalize_mime_type(upload.mime_type, upload.source)
+        charset = declared_charset(upload.mime_type)
+        # Stored with its charset: the same bytes sent again declaring another one are a new version.
+        mime_type = normalize_mime_type(upload.mime_type, upload.source) + (
+            f"; charset={charset}" if charset else ""
+        )
         content_hash = hashlib.sha256(upload.data).hexdigest()
         title = (
             upload.title or (upload.source.rsplit("/", 1)[-1] if upload.source else "") or upload.document_id
@@ -142,7 +147,7 @@ class Corpus:
                 )
 
             # Everything that can reject the input happens before the first write.
-            chunks = self._chunker.chunk(parse_document(upload.data, mime_type))
+            chunks = self._chunker.chunk(parse_document(upload.data, base_type(mime_type), charset))
             if not chunks:
                 raise InvalidArgument("data", "document has no text to index")
             contexts = [embedding_text(title, c) for c in chunks]

@@ -12,6 +12,7 @@ from typing import Any
 
 from services.common.errors import InvalidArgument
 from services.retriever.pdf_layout import PdfBlock, layout_kept_the_text, page_lines, pdf_blocks
+from services.retriever.text_encoding import decode_text
 from services.retriever.text_layout import (
     BOLD_HEADING_LEVEL,
     looks_like_title,
@@ -137,26 +138,28 @@ def normalize_mime_type(mime_type: str, source: str = "") -> str:
     return raw
 
 
-def parse_document(data: bytes, mime_type: str) -> list[Section]:
-    """Sections of non-empty text; raises InvalidArgument for unreadable or empty documents."""
+def base_type(mime_type: str) -> str:
+    """``mime_type`` without its parameters (``text/plain; charset=…`` → ``text/plain``)."""
+    return mime_type.split(";", 1)[0].strip()
+
+
+def parse_document(data: bytes, mime_type: str, charset: str | None = None) -> list[Section]:
+    """Sections of non-empty text; raises InvalidArgument for unreadable or empty documents.
+
+    ``charset`` is the encoding the upload declared (``text_encoding.declared_charset``), for
+    the text formats; a byte-order mark overrides it, as browsers do.
+    """
     if not data:
         raise InvalidArgument("data", "document is empty (0 bytes)")
-    sections = [s for s in _PARSERS[mime_type](data) if s.text.strip()]
+    sections = [s for s in _PARSERS[mime_type](data, charset) if s.text.strip()]
     if not sections:
         raise InvalidArgument("data", f"document has no extractable text ({mime_type})")
     return sections
 
 
-def _decode_text(data: bytes) -> str:
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise InvalidArgument("data", f"text is not valid UTF-8 (byte {exc.start})") from exc
-
-
-def _parse_plain(data: bytes) -> list[Section]:
+def _parse_plain(data: bytes, charset: str | None) -> list[Section]:
     builder = SectionBuilder()
-    for block in plain_text_blocks(_decode_text(data)):
+    for block in plain_text_blocks(decode_text(data, charset)):
         if block.level:
             builder.heading(block.level, block.text)
         else:
@@ -164,11 +167,11 @@ def _parse_plain(data: bytes) -> list[Section]:
     return builder.finish()
 
 
-def _parse_markdown(data: bytes) -> list[Section]:
+def _parse_markdown(data: bytes, charset: str | None) -> list[Section]:
     builder = SectionBuilder()
     lines: list[str] = []
     in_fence = False
-    source = _decode_text(data).splitlines()
+    source = decode_text(data, charset).splitlines()
 
     def flush() -> None:
         body = "\n".join(lines).strip()
@@ -206,10 +209,11 @@ def _parse_markdown(data: bytes) -> list[Section]:
     return builder.finish()
 
 
-def _parse_html(data: bytes) -> list[Section]:
+def _parse_html(data: bytes, charset: str | None) -> list[Section]:
     from bs4 import BeautifulSoup
 
-    soup = BeautifulSoup(data, "html.parser")
+    # Without a declared charset BeautifulSoup reads the BOM or <meta charset>, else detects it.
+    soup = BeautifulSoup(data, "html.parser", from_encoding=charset)
     for tag in soup(["script", "style", "noscript", "template", "head"]):
         tag.decompose()
     builder = SectionBuilder()
@@ -326,10 +330,11 @@ def _docx_bold_only(paragraph: Any) -> bool:
     return bool(runs) and all(run.bold or (run.style is not None and run.style.font.bold) for run in runs)
 
 
-_PARSERS: dict[str, Callable[[bytes], list[Section]]] = {
+# Each takes the bytes and the declared charset; PDF and DOCX say their own encodings.
+_PARSERS: dict[str, Callable[[bytes, str | None], list[Section]]] = {
     PLAIN_TEXT: _parse_plain,
     MARKDOWN: _parse_markdown,
     HTML: _parse_html,
-    PDF: _parse_pdf,
-    DOCX: _parse_docx,
+    PDF: lambda data, _charset: _parse_pdf(data),
+    DOCX: lambda data, _charset: _parse_docx(data),
 }

@@ -427,3 +427,31 @@ def test_metrics_count_chunks_searches_and_cache_lookups(
     assert values["llmmesh_retriever_search_seconds_count"] >= 1
     assert values["llmmesh_retriever_ingest_seconds_count"] >= 7
     assert values['llmmesh_semantic_cache_lookups_total{result="miss"}'] >= 1
+
+
+def test_a_legacy_encoded_file_is_ingested_by_its_declared_charset_and_refused_without_it(
+    router: DocumentRouter, stub: retriever_pb2_grpc.RetrieverStub, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    folder = tmp_path_factory.mktemp("legacy")
+    text = "Pâtisserie\n\nA crème brûlée needs its custard set and the sugar crust torched just before serving.\n"
+    (folder / "dessert.txt").write_bytes(text.encode("windows-1252"))
+
+    undeclared = router.ingest(str(folder), "--id-prefix", "undeclared/", tenant=TENANT)
+    declared = router.ingest(
+        str(folder), "--id-prefix", "cp1252/", "--charset", "windows-1252", tenant=TENANT
+    )
+
+    # Without the charset nothing is guessed: the file is refused, saying how to declare it.
+    assert undeclared.returncode == 1
+    assert "not valid UTF-8" in undeclared.stdout and "charset=" in undeclared.stdout
+    assert "undeclared/dessert.txt" not in listed(stub)
+    assert declared.returncode == 0, declared.stdout + declared.stderr
+    document = listed(stub)["cp1252/dessert.txt"]
+    assert document.mime_type == "text/plain; charset=windows-1252"
+    (best,) = search(stub, "How is a crème brûlée finished?", top_k=1)
+    assert best.document_id == "cp1252/dessert.txt" and best.heading == "Pâtisserie"
+    assert "crème brûlée" in best.text
+    # Gone again: the module's other tests count this tenant's documents and their types.
+    stub.DeleteDocument(
+        pb.DeleteDocumentRequest(document_id="cp1252/dessert.txt"), metadata=meta(), timeout=30
+    )

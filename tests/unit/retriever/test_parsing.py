@@ -310,3 +310,45 @@ def test_docx_bold_short_paragraphs_are_headings_but_bold_sentences_are_not() ->
         (("Hesk Ferry",), "Runs all year."),
         (("Hesk Ferry", "Timetable"), "Hourly from six.\nFares are cash only."),
     ]
+
+
+WESTERN = "Crème brûlée\n\nThe café’s naïve façade — “quoted” — by señor Muñoz.\n"
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        WESTERN.encode("utf-16"),  # Windows Notepad's "Unicode": a UTF-16 LE byte-order mark
+        b"\xfe\xff" + WESTERN.encode("utf-16-be"),
+        WESTERN.encode("utf-32"),
+        b"\xef\xbb\xbf" + WESTERN.encode("utf-8"),
+        WESTERN.encode("utf-8"),
+    ],
+    ids=["utf-16-le-bom", "utf-16-be-bom", "utf-32-bom", "utf-8-bom", "utf-8"],
+)
+def test_text_in_a_unicode_encoding_is_read_by_its_byte_order_mark(data: bytes) -> None:
+    sections = parse_document(data, PLAIN_TEXT)
+    assert [(s.heading, s.text) for s in sections] == [
+        ("Crème brûlée", "The café’s naïve façade — “quoted” — by señor Muñoz.")
+    ]
+
+
+def test_a_declared_charset_is_how_a_legacy_encoding_is_read_and_an_undeclared_one_says_how() -> None:
+    from services.retriever.text_encoding import declared_charset
+
+    legacy = WESTERN.encode("cp1252")
+    charset = declared_charset("text/markdown; charset=windows-1252")
+    assert charset == "windows-1252"
+    assert "The café’s naïve façade" in parse_document(legacy, MARKDOWN, charset)[0].text
+    assert "café’s" in parse_document(legacy.replace(b"\n\n", b"\n\n<p>") + b"</p>", HTML, charset)[0].text
+    # Undeclared, it is refused with the way to declare it, never guessed into mojibake.
+    with pytest.raises(InvalidArgument, match="charset=windows-1252") as caught:
+        parse_document(legacy, PLAIN_TEXT)
+    assert caught.value.field == "data"
+    # Bytes the declared charset cannot decode, and a charset nobody knows, are refused by name.
+    with pytest.raises(InvalidArgument, match="not valid utf-8"):
+        parse_document(legacy, PLAIN_TEXT, "utf-8")
+    with pytest.raises(InvalidArgument, match="unknown charset 'klingon'") as unknown:
+        declared_charset('text/plain; charset="klingon"')
+    assert unknown.value.field == "header.mime_type"
+    assert declared_charset("text/plain") is None
