@@ -15,6 +15,25 @@ _BLANK_LINE = re.compile(r"\n[ \t]*\n\s*")
 _LINE_BREAK = re.compile(r"\n\s*")
 
 
+#: Characters one token may count for when sizing chunks. The embedding model's WordPiece
+#: tokenizer makes a "word" of over 100 characters one [UNK] token, so without this a base64
+#: image in Markdown or a minified line would be a "one-token" paragraph of megabytes: one
+#: chunk that search then hands whole to a prompt. Real tokens are shorter than this.
+MAX_TOKEN_CHARS = 16
+
+
+def bounded(token_spans: TokenSpans) -> TokenSpans:
+    """``token_spans`` with every span longer than ``MAX_TOKEN_CHARS`` cut into spans that are not."""
+
+    def spans(text: str) -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = []
+        for start, end in token_spans(text):
+            out.extend((s, min(s + MAX_TOKEN_CHARS, end)) for s in range(start, end, MAX_TOKEN_CHARS))
+        return out
+
+    return spans
+
+
 @dataclass(frozen=True)
 class Chunk:
     """One piece of a document: what gets embedded and returned by search."""
@@ -58,12 +77,13 @@ class TokenChunker:
     A chunk never crosses a section boundary, so it keeps its heading path and
     page, and never splits a paragraph that fits in one chunk: a chunk is about
     what its paragraphs are about. A paragraph longer than a chunk is cut into
-    windows overlapping by ``overlap_tokens``. Chunk text is a slice of the
+    windows overlapping by ``overlap_tokens``; a token counts once per ``MAX_TOKEN_CHARS``
+    characters, so no chunk is longer than ``max_tokens × MAX_TOKEN_CHARS``. Chunk text is a slice of the
     original text (not detokenized), so case, punctuation and spacing survive.
     """
 
     def __init__(self, token_spans: TokenSpans, policy: ChunkingPolicy | None = None) -> None:
-        self._token_spans = token_spans
+        self._token_spans = bounded(token_spans)
         self._policy = policy or ChunkingPolicy()
 
     def chunk(self, sections: Iterable[Section]) -> list[Chunk]:

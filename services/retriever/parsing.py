@@ -60,6 +60,35 @@ class Section:
     path: tuple[str, ...] = ()
 
 
+# Terminal escape sequences (CSI: colours, cursor moves) and the C0/C1 control characters but
+# tab and line breaks: a document's NUL or ESC would otherwise reach prompts, search results
+# and the terminal `llm-mesh ask --rag` prints citations to. Vertical tab and form feed (a page
+# break in plain text) separate what they sit between, so they become line breaks; the other
+# controls Python counts as whitespace (the separators \x1c-\x1f, NEL) become spaces, so no
+# two words run together.
+_CONTROLS = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def _printable(text: str) -> str:
+    return _CONTROLS.sub(_control_replacement, text)
+
+
+def _control_replacement(match: re.Match[str]) -> str:
+    control = match.group()
+    if control in "\x0b\x0c":
+        return "\n"
+    return " " if control.isspace() else ""
+
+
+def _printable_section(section: Section) -> Section:
+    return replace(
+        section,
+        text=_printable(section.text),
+        heading=_printable(section.heading),
+        path=tuple(_printable(h) for h in section.path),
+    )
+
+
 class HeadingTrail:
     """The open headings while a document is read in order: a level-n heading closes those at n and deeper."""
 
@@ -151,7 +180,8 @@ def parse_document(data: bytes, mime_type: str, charset: str | None = None) -> l
     """
     if not data:
         raise InvalidArgument("data", "document is empty (0 bytes)")
-    sections = [s for s in _PARSERS[mime_type](data, charset) if s.text.strip()]
+    parsed = (_printable_section(s) for s in _PARSERS[mime_type](data, charset))
+    sections = [s for s in parsed if s.text.strip()]
     if not sections:
         raise InvalidArgument("data", f"document has no extractable text ({mime_type})")
     return sections

@@ -67,3 +67,24 @@ def test_lines_are_paragraphs_when_a_text_has_no_blank_lines() -> None:
     chunker = TokenChunker(whitespace_token_spans, ChunkingPolicy(max_tokens=8, overlap_tokens=1))
     chunks = chunker.chunk([Section("\n".join([words(5, 0), words(5, 10)]))])
     assert [c.text for c in chunks] == [words(5, 0), words(5, 10)]
+
+
+def test_a_giant_word_is_cut_so_no_chunk_grows_past_its_character_bound() -> None:
+    from services.retriever.chunking import MAX_TOKEN_CHARS
+
+    # A Markdown image inlined as base64: one "word" the embedding tokenizer makes one [UNK].
+    blob = "data:image/png;base64," + "iVBORw0KGgo" * 3000
+    text = f"Intro words here.\n\n![diagram]({blob})\n\nClosing words."
+
+    def one_token_per_word(t: str) -> list[tuple[int, int]]:
+        return [m.span() for m in re.finditer(r"\S+", t)]
+
+    chunks = TokenChunker(one_token_per_word, ChunkingPolicy(max_tokens=50, overlap_tokens=5)).chunk(
+        [Section(text)]
+    )
+
+    assert max(len(c.text) for c in chunks) <= 50 * MAX_TOKEN_CHARS
+    assert chunks[0].text.startswith("Intro words here.") and chunks[-1].text.endswith("Closing words.")
+    # Nothing lost: windows overlap by 5 × 16 characters, so every 64 characters sit whole in one.
+    pieces = [blob[i : i + 64] for i in range(0, len(blob), 64)]
+    assert all(any(piece in c.text for c in chunks) for piece in pieces)
