@@ -24,6 +24,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from services.common import errors
+from services.common.model_names import served_model_name
 from services.inference.block_manager import BlockManager
 from services.inference.config import EngineConfig
 from services.inference.detokenizer import IncrementalDetokenizer
@@ -65,7 +66,7 @@ class LLMEngine:
         with gguf_read_once(config.model):  # a .gguf model: one parse for the weights and the tokenizer
             self.runner = ModelRunner(config)
             self.tokenizer = load_tokenizer(config.model)
-        self.model_id = config.model_id or _model_name(config.model)
+        self.model_id = config.model_id or served_model_name(config.model)
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -360,13 +361,6 @@ class LLMEngine:
                 if out.request_id in results:
                     results[out.request_id].extend(out.new_token_ids)
         return [results[rid] for rid in ids]
-
-
-def _model_name(path: str) -> str:
-    from pathlib import Path
-
-    p = Path(path)
-    return p.stem if p.suffix == ".gguf" else p.name
 
 
 def _eos_ids(model: object, tokenizer: object) -> frozenset[int]:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from services.common.model_names import served_model_name
 from services.common.settings import ROUTER_HTTP_PORT, ROUTER_PORT
 from services.launcher.children import ChildFailed
 from services.launcher.gateway import attach, find_router
@@ -169,7 +170,8 @@ def ready_block(mesh: LocalMesh, config: MeshConfig) -> str:
         *(
             [
                 f"  curl {base}/chat/completions -H 'content-type: application/json'{http_auth} "
-                f'-d \'{{"model":"","messages":[{{"role":"user","content":"What is llm-mesh?"}}]}}\''
+                f'-d \'{{"model":"{served_model_name(config.model)}",'
+                f'"messages":[{{"role":"user","content":"What is llm-mesh?"}}],"max_tokens":64}}\''
             ]
             if base is not None
             else []

