@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -264,6 +266,78 @@ def test_legacy_completions_continue_the_raw_prompt_without_a_chat_template(fron
         "/v1/completions", {"model": front.model, "prompt": text, "max_tokens": 2, "session_id": "s-raw"}
     )
     assert with_session.status_code == 400 and with_session.json()["error"]["param"] == "session_id"
+
+
+JAVA_CLIENT = Path(__file__).resolve().parents[1] / "support" / "java" / "OpenAiJdkClient.java"
+
+
+def test_javas_http_client_proposing_h2c_gets_its_answers_whole_and_streamed(front: Front) -> None:
+    """LangChain4j's and Spring's default HTTP client: every new connection proposes h2c, and
+    uvicorn's httptools parser used to drop such a request's body (a 400 for every request)."""
+    java = shutil.which("java")
+    assert java, (
+        "needs a JDK (Debian's openjdk-17-jdk-headless): the client of the Spring AI and LangChain4j apps"
+    )
+    ran = subprocess.run(
+        [java, str(JAVA_CLIENT), front.v1, front.model],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "OPENAI_API_KEY": KEY},
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    first, second, streamed = ran.stdout.splitlines()
+    answers = []
+    for line in (first, second):
+        version, status, body = line.split(" ", 2)
+        assert (version, status) == ("HTTP_1_1", "200"), line
+        answers.append(json.loads(body)["choices"][0]["message"]["content"])
+    # Greedy, the same request twice (the second on the connection the first proposed h2c on).
+    assert answers[0] and answers[0] == answers[1]
+    version, status, events = streamed.split(" ", 2)
+    assert (version, status) == ("HTTP_1_1", "200"), streamed
+    data = [e.removeprefix("data: ") for e in events.split("\\n") if e.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    assert "".join(
+        c["choices"][0]["delta"].get("content") or "" for c in map(json.loads, data[:-1]) if c["choices"]
+    )
+
+
+def test_curl_http2_proposing_h2c_is_answered_in_http_1_1(front: Front) -> None:
+    body = json.dumps({"model": front.model, "messages": HELLO, "max_tokens": 4, "temperature": 0})
+    ran = subprocess.run(
+        ["curl", "-s", "--http2", "-w", "\\n%{http_code} %{http_version}", f"{front.v1}/chat/completions",
+         "-H", f"authorization: Bearer {KEY}", "-H", "content-type: application/json", "-d", body],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    answer, status = ran.stdout.rsplit("\n", 1)
+    assert status == "200 1.1", ran.stdout
+    assert json.loads(answer)["choices"][0]["message"]["content"]
+
+
+def test_an_h2c_proposal_whose_body_comes_in_pieces_is_read_whole_and_the_connection_serves_on(
+    front: Front,
+) -> None:
+    """The body after an ignored upgrade's headers may arrive in later packets, and a next request
+    may follow it on the same connection: both reach the app whole."""
+    body = json.dumps({"model": front.model, "messages": HELLO, "temperature": 9}).encode()
+    host, port = front.base.removeprefix("http://").rsplit(":", 1)
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+        "Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    following = f"GET /v1/models HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        for piece in (head, body[:10], body[10:] + following):
+            sock.sendall(piece)
+            time.sleep(0.2)
+        received = b""
+        while received.count(b"HTTP/1.1 ") < 2 or not received.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            assert chunk, received
+            received += chunk
+    first, second = received.split(b"HTTP/1.1 ")[1:]
+    # The body was read: the error names its field, not "not valid JSON".
+    assert first.startswith(b"400 ") and b'"param":"temperature"' in first, first
+    assert second.startswith(b"200 ") and front.model.encode() in second, second
 
 
 def test_models_list_and_get(front: Front) -> None:

@@ -14,6 +14,7 @@ import uvicorn
 
 from services.common.settings import ROUTER_HTTP_PORT
 from services.router.api.openai.app import FrontLimits, OpenAiFront
+from services.router.api.openai.http_protocol import UpgradeTolerantHttpToolsProtocol
 
 log = logging.getLogger("llmmesh.router.openai")
 #: --http-port that turns the listener off.
@@ -52,8 +53,9 @@ class HttpListener:
         self.front = front
         config = uvicorn.Config(
             front.app(),
-            # httptools when installed (a dependency): half h11's cost per request (bench/http_stack.py).
-            http="auto",
+            # httptools (a dependency): half h11's cost per request (bench/http_stack.py); the
+            # subclass keeps the body of a request that proposes h2c, as Java's HttpClient does.
+            http=UpgradeTolerantHttpToolsProtocol,
             lifespan="off",
             log_config=None,  # keep the router's logging as configured
             access_log=False,
