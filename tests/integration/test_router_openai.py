@@ -300,6 +300,47 @@ def test_javas_http_client_proposing_h2c_gets_its_answers_whole_and_streamed(fro
     )
 
 
+NODE_CLIENT = Path(__file__).resolve().parents[1] / "support" / "node"
+
+
+@pytest.fixture(scope="module")
+def node_sdk(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The official OpenAI Node SDK at the version the lock file pins, installed once (~3 s)."""
+    node, npm = shutil.which("node"), shutil.which("npm")
+    assert node and npm, "needs Node.js and npm (Debian's nodejs, npm): the client of JavaScript apps"
+    folder = tmp_path_factory.mktemp("node-client")
+    for name in ("package.json", "package-lock.json", "openai_client.mjs"):
+        shutil.copy(NODE_CLIENT / name, folder / name)
+    done = subprocess.run(
+        [npm, "ci", "--no-audit", "--no-fund", "--silent"],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    return folder
+
+
+def test_the_openai_node_sdk_answers_streams_and_reads_errors(front: Front, node_sdk: Path) -> None:
+    ran = subprocess.run(
+        ["node", "openai_client.mjs", front.v1, front.model],
+        cwd=node_sdk, capture_output=True, text=True, timeout=180, env={**os.environ, "OPENAI_API_KEY": KEY},
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    got = json.loads(ran.stdout)
+    assert got["whole"] and got["finish"] == "length" and got["usage"]["completion_tokens"] == 12
+    # Greedy: the stream spells the whole answer, and its last chunk carries its usage (the
+    # prompt now comes from the prefix cache: cached_tokens may differ).
+    assert got["streamed"] == got["whole"]
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [got["streamUsage"][k] for k in counts] == [got["usage"][k] for k in counts]
+    assert [index for index, _ in got["choices"]] == [0, 1] and all(text for _, text in got["choices"])
+    assert got["refused"] == {
+        "name": "BadRequestError", "status": 400, "param": "temperature", "code": "invalid_value"
+    }  # fmt: skip
+
+
 def test_curl_http2_proposing_h2c_is_answered_in_http_1_1(front: Front) -> None:
     body = json.dumps({"model": front.model, "messages": HELLO, "max_tokens": 4, "temperature": 0})
     ran = subprocess.run(
