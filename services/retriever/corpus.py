@@ -123,11 +123,12 @@ class Corpus:
         check_metadata(upload.metadata, "header.metadata")
         if len(upload.title) > MAX_TITLE_CHARS:
             raise InvalidArgument("header.title", f"must be at most {MAX_TITLE_CHARS} characters")
-        charset = declared_charset(upload.mime_type)
-        # Stored with its charset: the same bytes sent again declaring another one are a new version.
-        mime_type = normalize_mime_type(upload.mime_type, upload.source) + (
-            f"; charset={charset}" if charset else ""
-        )
+        mime_type = normalize_mime_type(upload.mime_type, upload.source)
+        # The text formats' declared encoding (PDF and DOCX say their own), stored with the type:
+        # the same bytes sent again declaring another charset are a new version, not "unchanged".
+        charset = declared_charset(upload.mime_type) if mime_type.startswith("text/") else None
+        if charset:
+            mime_type += f"; charset={charset}"
         content_hash = hashlib.sha256(upload.data).hexdigest()
         title = (
             upload.title or (upload.source.rsplit("/", 1)[-1] if upload.source else "") or upload.document_id
