@@ -41,8 +41,11 @@ class UpgradeTolerantHttpToolsProtocol(HttpToolsProtocol):
         self._received = b""
 
     def on_headers_complete(self) -> None:
-        if self.parser.should_upgrade() and not self._should_upgrade():
-            # httptools would start the app now with a body it will never parse; h11 serves it instead.
+        idle = self.cycle is None or self.cycle.response_complete
+        if self.parser.should_upgrade() and not self._should_upgrade() and idle:
+            # httptools would start the app now with a body it will never parse; h11 serves it
+            # instead. (Pipelined behind a response still being written, it is left to uvicorn:
+            # two protocols must not write to one connection at once. No client we know does that.)
             self._ignored_upgrade = True
             return
         super().on_headers_complete()
@@ -85,6 +88,7 @@ class UpgradeTolerantHttpToolsProtocol(HttpToolsProtocol):
                     continue
             head.append(b"%s: %s\r\n" % (name, value))
         head.append(b"\r\n")
+        log.debug("ignoring an upgrade to %r: the connection goes on in HTTP/1.1 (h11)", self._get_upgrade())
         successor = H11Protocol(self.config, self.server_state, self.app_state, self.loop)
         self.connections.discard(self)
         self._unset_keepalive_if_required()
