@@ -953,7 +953,9 @@ def test_embeddings_come_from_the_retrievers_model(front: Front, tmp_path: Path)
             assert_error(
                 httpx.post(f"{v1}/embeddings", json={"input": "x", "dimensions": 64}), 400, "dimensions"
             )
-            assert_error(httpx.post(f"{v1}/embeddings", json={"input": [[1, 2]]}), 400, "input")
+            token_ids = assert_error(httpx.post(f"{v1}/embeddings", json={"input": [[1, 2]]}), 400, "input")
+            # What LangChain's OpenAIEmbeddings sends by default: the message says how to stop it.
+            assert "check_embedding_ctx_length=False" in token_ids["message"]
     finally:
         retriever.stop()
 

@@ -34,7 +34,11 @@ def embedding_request(body: Any) -> EmbeddingRequest:
         texts = list(raw)
     elif isinstance(raw, list) and raw and all(isinstance(t, (int, list)) for t in raw):
         # Token ids are a tokenizer's (tiktoken's, for OpenAI's clients): not the retriever model's.
-        raise unsupported("input", "token-id input is not supported; send text")
+        raise unsupported(
+            "input",
+            "token-id input is not supported; send text (LangChain's OpenAIEmbeddings sends "
+            "tiktoken ids unless check_embedding_ctx_length=False)",
+        )
     else:
         raise bad_request("input", "input: required, a string or a non-empty list of strings")
     if len(texts) > MAX_INPUTS:
