@@ -283,13 +283,15 @@ def _html_bold_only(element: Any) -> bool:
 
 
 def _parse_pdf(data: bytes) -> list[Section]:
-    from pypdf import PdfReader
+    from pypdf import PasswordType, PdfReader
     from pypdf.errors import PyPdfError
 
     try:
         reader = PdfReader(io.BytesIO(data), strict=False)
-        if reader.is_encrypted:
-            raise InvalidArgument("data", "PDF is encrypted")
+        # Most "encrypted" PDFs only restrict printing or copying (an owner password): every
+        # viewer opens them with the empty user password, and so does this.
+        if reader.is_encrypted and reader.decrypt("") == PasswordType.NOT_DECRYPTED:
+            raise InvalidArgument("data", "PDF is encrypted: it needs a password to open")
         pages = [page_lines(page) for page in reader.pages]
     except InvalidArgument:
         raise

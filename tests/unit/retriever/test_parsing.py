@@ -362,3 +362,28 @@ def test_control_characters_and_terminal_escapes_never_reach_the_index() -> None
     assert section.text == "NUL here, a bell and a page\nbreak."
     html = parse_document(b"<h1>T\x1b]0;title\x07</h1><p>a\x00b</p>", HTML)
     assert all(not re.search(r"[\x00-\x08\x0b-\x1f\x7f]", s.text + s.heading) for s in html)
+
+
+def _encrypted(pdf: bytes, user_password: str, algorithm: str) -> bytes:
+    import io
+
+    from pypdf import PdfReader, PdfWriter
+
+    writer = PdfWriter(clone_from=PdfReader(io.BytesIO(pdf)))
+    writer.encrypt(user_password=user_password, owner_password="owner-secret", algorithm=algorithm)
+    out = io.BytesIO()
+    writer.write(out)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("algorithm", ["RC4-128", "AES-128", "AES-256"])
+def test_a_pdf_locked_only_against_printing_is_read_and_one_needing_a_password_is_refused(
+    algorithm: str,
+) -> None:
+    pdf = text_pdf([["# Owls", "Owls nest in hollow trees and hunt at night."]])
+
+    opened = parse_document(_encrypted(pdf, "", algorithm), PDF)
+    assert [(s.heading, s.text) for s in opened] == [(s.heading, s.text) for s in parse_document(pdf, PDF)]
+    with pytest.raises(InvalidArgument, match="needs a password") as caught:
+        parse_document(_encrypted(pdf, "open-sesame", algorithm), PDF)
+    assert caught.value.field == "data"
