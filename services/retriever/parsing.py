@@ -183,7 +183,9 @@ def parse_document(data: bytes, mime_type: str, charset: str | None = None) -> l
     parsed = (_printable_section(s) for s in _PARSERS[mime_type](data, charset))
     sections = [s for s in parsed if s.text.strip()]
     if not sections:
-        raise InvalidArgument("data", f"document has no extractable text ({mime_type})")
+        # A PDF without a text layer is a scan: its pages are pictures of text.
+        hint = "; a scanned PDF needs OCR (e.g. ocrmypdf) before it is ingested" if mime_type == PDF else ""
+        raise InvalidArgument("data", f"document has no extractable text ({mime_type}){hint}")
     return sections
 
 

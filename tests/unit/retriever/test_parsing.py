@@ -387,3 +387,10 @@ def test_a_pdf_locked_only_against_printing_is_read_and_one_needing_a_password_i
     with pytest.raises(InvalidArgument, match="needs a password") as caught:
         parse_document(_encrypted(pdf, "open-sesame", algorithm), PDF)
     assert caught.value.field == "data"
+
+
+def test_a_pdf_with_no_text_layer_is_refused_as_a_scan_needing_ocr() -> None:
+    # Only drawing operators: what a scanned page is to a text extractor (a picture).
+    with pytest.raises(InvalidArgument, match="scanned PDF needs OCR") as caught:
+        parse_document(content_stream_pdf(b"0.5 g 72 72 468 648 re f"), PDF)
+    assert caught.value.field == "data"
