@@ -486,7 +486,16 @@ def test_a_queued_stream_gets_keepalives_and_leaving_frees_the_replica(front: Fr
     assert time.monotonic() - left_at < 1.0
 
 
-def test_a_client_that_leaves_a_whole_answer_cancels_it(front: Front) -> None:
+@pytest.mark.parametrize(
+    "upgrade",
+    [
+        b"",
+        b"connection: Upgrade, HTTP2-Settings\r\nupgrade: h2c\r\nhttp2-settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n",
+    ],
+    ids=["http1.1", "proposing-h2c"],
+)
+def test_a_client_that_leaves_a_whole_answer_cancels_it(front: Front, upgrade: bytes) -> None:
+    # Proposing h2c, the connection is served by h11 (http_protocol.py): leaving must cancel there too.
     body = json.dumps(
         {"model": front.model, "messages": HELLO, "max_tokens": 400, "ignore_eos": True}
     ).encode()
@@ -494,6 +503,7 @@ def test_a_client_that_leaves_a_whole_answer_cancels_it(front: Front) -> None:
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(
             b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            + upgrade
             + f"authorization: Bearer {KEY}\r\ncontent-length: {len(body)}\r\n\r\n".encode()
             + body
         )
