@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from services.common.errors import InvalidArgument
+from services.common.sampling_limits import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 #: Temperatures below this sample as greedy (argmax), as vLLM's ``_SAMPLING_EPS`` does: dividing
 #: logits by a temperature like 1e-40 overflows float32 to inf, and the softmax of inf is NaN.
@@ -98,6 +99,10 @@ class SamplingParams:
             raise InvalidArgument("seed", f"must fit in 64 unsigned bits, got {self.seed}")
         if any(not s for s in self.stop):
             raise InvalidArgument("stop", "stop strings must not be empty")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidArgument("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise InvalidArgument("stop", f"a stop string may be at most {MAX_STOP_CHARS} characters")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidArgument(
                 "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"

@@ -8,7 +8,10 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
+from services.common.errors import InvalidArgument
+from services.common.sampling_limits import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from services.inference.detokenizer import IncrementalDetokenizer
+from services.inference.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +72,17 @@ def test_primed_tokens_are_not_re_emitted_and_spacing_continues(tokenizer: Any) 
     detok = IncrementalDetokenizer(tokenizer, prime=ids[:4])
     pieces, _ = stream(detok, ids[4:])
     assert "".join(pieces) == tokenizer.decode(ids[4:])
+
+
+def test_stop_strings_are_bounded_in_number_and_length() -> None:
+    """Each new token is searched for every stop string on the engine thread all sequences share:
+    300,000 of them once slowed another client's answer by 67 %."""
+    at_the_bounds = SamplingParams(stop=tuple(f"{i:0{MAX_STOP_CHARS}d}" for i in range(MAX_STOP_STRINGS)))
+    assert len(at_the_bounds.stop) == MAX_STOP_STRINGS
+    for too_many in (
+        tuple(f"s{i}" for i in range(MAX_STOP_STRINGS + 1)),
+        ("x" * (MAX_STOP_CHARS + 1),),
+    ):
+        with pytest.raises(InvalidArgument) as caught:
+            SamplingParams(stop=too_many)
+        assert caught.value.field == "stop"

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.sampling_limits import MAX_STOP_CHARS
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from services.router.api.openai.errors import ConstraintParam, bad_request, unsupported
 from services.router.api.openai.extras import FIELDS as EXTRA_FIELDS
@@ -355,6 +356,8 @@ def _stop(raw: Any) -> list[str]:
         raise bad_request("stop", "stop: must be a string or a list of strings")
     if len(stops) > MAX_STOP_STRINGS:
         raise bad_request("stop", f"stop: at most {MAX_STOP_STRINGS} strings")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad_request("stop", f"stop: a stop string may be at most {MAX_STOP_CHARS} characters")
     # An empty stop string would end every answer at once.
     return [_utf8(s, f"stop[{i}]") for i, s in enumerate(stops) if s]
 

@@ -122,6 +122,7 @@ def test_nulls_and_load_tool_extras_are_accepted() -> None:
         ({"messages": USER, "n": 9}, "n"),
         ({"messages": USER, "seed": -1}, "seed"),
         ({"messages": USER, "stop": [1]}, "stop"),
+        ({"messages": USER, "stop": "x" * 513}, "stop"),
         ({"messages": USER, "presence_penalty": 0.5}, "presence_penalty"),
         ({"messages": USER, "frequency_penalty": -1}, "frequency_penalty"),
         ({"messages": USER, "min_tokens": 4}, "min_tokens"),

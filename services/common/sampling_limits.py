@@ -1,0 +1,9 @@
+"""Bounds on a request's sampling settings that the engine enforces and the fronts say first."""
+
+from __future__ import annotations
+
+#: Stop strings a request may set, and their length. Every new token is searched for each of
+#: them on the engine thread that steps every sequence: 300,000 short stop strings (2.4 MB, under
+#: gRPC's message limit) made another client's 32-token answer 67 % slower. OpenAI allows 4.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 512
