@@ -74,6 +74,10 @@ class ServiceRuntime(Protocol):
         """Release resources after the server stopped."""
 
 
+#: The longest status message sent: room for any error's own words, never for an echoed input.
+MAX_STATUS_MESSAGE_CHARS = 1024
+
+
 def rich_status_trailers(
     code: grpc.StatusCode, message: str, retry_after_s: float | None
 ) -> tuple[tuple[str, bytes], ...]:
@@ -103,6 +107,10 @@ async def abort_for(exc: BaseException, context: grpc.aio.ServicerContext[Any, A
         # Logged once, here; the client only sees a short message.
         log.error("%s failed", method, exc_info=exc)
         message = f"internal error: {type(exc).__name__}: {exc}"
+    if len(message) > MAX_STATUS_MESSAGE_CHARS:
+        # A message echoing a huge input would overflow gRPC's metadata limit (8 KiB by default,
+        # and escaped): the client would get RESOURCE_EXHAUSTED instead of this status.
+        message = message[:MAX_STATUS_MESSAGE_CHARS] + "… (message cut)"
     await context.abort(code, message, trailing_metadata=trailing)
 
 

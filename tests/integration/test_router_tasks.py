@@ -276,3 +276,47 @@ def test_resume_after_a_dropped_connection_returns_the_missing_messages_once(
     finally:
         for router in routers:
             router.stop()
+
+
+@pytest.mark.parametrize(
+    "bad_id",
+    ["x" * 10_000, "two words", "line\nforged: INFO all good", ""],
+    ids=["10k", "space", "newline", "empty"],
+)
+def test_client_chosen_ids_that_could_forge_logs_or_overflow_a_status_are_invalid_argument(
+    mesh: tuple[RedisServer, ServiceProcess], bad_id: str
+) -> None:
+    """Request and task ids go into logs, Redis keys and error messages. A 10 KB id echoed in a
+    NOT_FOUND made the status too big for gRPC's metadata limit (RESOURCE_EXHAUSTED reached the
+    client instead); a newline would forge a log line."""
+    redis, replica = mesh
+    router = start_router(replica, redis)
+    try:
+        channel, stub = stub_for(router)
+        with channel:
+            calls = {
+                "task_id": [
+                    lambda: stub.GetTask(router_pb2.GetTaskRequest(task_id=bad_id), timeout=10),
+                    lambda: list(stub.WatchTask(router_pb2.WatchTaskRequest(task_id=bad_id), timeout=10)),
+                    lambda: stub.CancelTask(router_pb2.CancelTaskRequest(task_id=bad_id), timeout=10),
+                ],
+                "request_id": [
+                    lambda: list(stub.Resume(router_pb2.ResumeRequest(request_id=bad_id), timeout=10)),
+                ],
+            }
+            if bad_id:  # an empty request id on a turn means "mint one"
+                calls["request_id"].append(
+                    lambda: stub.Complete(chat_request("Hi.", max_tokens=2, request_id=bad_id), timeout=30)
+                )
+            for field, field_calls in calls.items():
+                for call in field_calls:
+                    with pytest.raises(grpc.RpcError) as refused:
+                        call()
+                    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+                    assert (refused.value.details() or "").startswith(f"{field}: "), refused.value.details()
+            # A well-formed id that nobody used is still NOT_FOUND.
+            with pytest.raises(grpc.RpcError) as unknown:
+                stub.GetTask(router_pb2.GetTaskRequest(task_id="no-such-task"), timeout=10)
+            assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        router.stop()

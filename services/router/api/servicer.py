@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 
 from services.common import errors
+from services.common.ids import check_client_id
 from services.gen.llmmesh.v1 import common_pb2, retriever_pb2, router_pb2, router_pb2_grpc
 from services.router.admission.auth import Authenticator, Principal, downstream_metadata
 from services.router.api.downstream import forward_stream, passed_on
@@ -188,8 +189,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         principal = self._principal(context)
         if self.replay is None:
             raise errors.FailedPrecondition(f"Resume {NEEDS_REDIS}")
-        if not request.request_id:
-            raise errors.InvalidArgument("request_id", "is required")
+        check_client_id(request.request_id, "request_id")
         async for payload in self.replay.read_after(request.request_id, principal.tenant, request.last_seq):
             yield router_pb2.ChatResponse.FromString(payload)
 

@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 
 from services.common import errors
+from services.common.ids import check_client_id
 from services.gen.llmmesh.v1 import router_pb2
 from services.router.admission.auth import Principal
 from services.router.tasks.counters import TASKS_FINISHED, TASKS_REFUSED
@@ -148,9 +149,7 @@ class TaskApi:
         return record.to_proto()
 
     async def _owned(self, principal: Principal, task_id: str) -> TaskRecord:
-        if not task_id:
-            raise errors.InvalidArgument("task_id", "must not be empty")
-        record = await self.store.get(task_id)
+        record = await self.store.get(check_client_id(task_id, "task_id"))
         if record is None:
             raise errors.NotFound(f"task_id: no task {task_id!r} (unknown or expired)")
         if record.tenant != principal.tenant:

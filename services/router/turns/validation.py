@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 
 from services.common import errors
+from services.common.ids import check_client_id
 from services.gen.llmmesh.v1 import router_pb2
 
 ROLES = frozenset({"system", "user", "assistant"})
@@ -36,8 +37,8 @@ def validate(request: router_pb2.ChatRequest, field_prefix: str = "") -> None:
                 f"{field_prefix}messages[{i}].role",
                 f"must be one of system, user, assistant; got {message.role!r}",
             )
-    if len(request.request_id) > 128:
-        raise errors.InvalidArgument(f"{field_prefix}request_id", "must be at most 128 characters")
+    if request.request_id:  # empty: the router mints one
+        check_client_id(request.request_id, f"{field_prefix}request_id")
     if len(request.cache.user) > MAX_CACHE_USER_CHARS:
         raise errors.InvalidArgument(
             f"{field_prefix}cache.user", f"must be at most {MAX_CACHE_USER_CHARS} characters"

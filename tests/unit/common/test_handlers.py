@@ -26,6 +26,8 @@ class Echo(router_pb2_grpc.RouterServicer):
         words = request.messages[-1].content.split()
         if not words:
             raise errors.InvalidArgument("messages[0].content", "must not be empty")
+        if words[0] == "lookup":  # an error that echoes the client's input, as NOT_FOUND ones do
+            raise errors.NotFound(f"messages[0].content: no thing {request.messages[-1].content!r}")
         for seq, word in enumerate(words, 1):
             yield router_pb2.ChatResponse(seq=seq, delta=router_pb2.TokenDelta(text=word))
 
@@ -74,5 +76,26 @@ async def test_each_method_is_wrapped_once_and_errors_still_become_statuses() ->
             reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())  # type: ignore[no-untyped-call]
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
             assert REQUESTS.labels("handlers-test", "Check", "OK")._value.get() == checks + 1
+    finally:
+        await server.stop(None)
+
+
+async def test_a_status_echoing_a_huge_input_is_cut_and_still_reaches_the_client() -> None:
+    """Echoed whole, a 20 KB input made the status larger than gRPC's 8 KiB metadata limit: the
+    client got RESOURCE_EXHAUSTED ("metadata size exceeds soft limit") instead of NOT_FOUND."""
+    server = HandlerWrappingServer(grpc.aio.server(), error_mapping("handlers-test"))
+    router_pb2_grpc.add_RouterServicer_to_server(Echo(), server)  # type: ignore[abstract]
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            router = router_pb2_grpc.RouterStub(channel)  # type: ignore[no-untyped-call]
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in router.ChatStream(chat("lookup " + "x" * 20_000)):
+                    pass
+            assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+            details = refused.value.details() or ""
+            assert details.startswith("messages[0].content: no thing 'lookup xxx")
+            assert details.endswith("(message cut)") and len(details) < 1100
     finally:
         await server.stop(None)
