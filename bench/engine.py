@@ -5,7 +5,8 @@
 
 Methods run in the same process on the same model, dtype and prompts, interleaved round
 by round (the order rotates each round) because this machine's speed drifts up to 2×
-within minutes; the table and JSON give per-method medians over rounds.
+within minutes; the table and JSON give per-method medians over rounds. ``--isolate``
+runs each method's round in a fresh process instead (``bench/isolation.py``).
 """
 
 from __future__ import annotations
@@ -87,6 +88,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="off-the-clock warm-up per method: two 2-token requests, or the whole workload once "
         "(lets a compiled engine see every shape before it is timed)",
     )
+    parser.add_argument(
+        "--isolate",
+        action="store_true",
+        help="run each method's warm-up and round in a fresh process of its own, rounds interleaved "
+        "as usual: engines sharing a process were measured to slow each other (docs/benchmarks.md)",
+    )
+    # Internal: the process --isolate starts for one method and one round (bench/isolation.py).
+    parser.add_argument("--child-args", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--cb-page-size", type=int, default=256, help="transformers CB tokens per KV page")
     parser.add_argument(
         "--cb-num-blocks",
@@ -179,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
     import transformers
     from rich.console import Console
 
-    from bench import hf_peers, mesh_method, report
+    from bench import report
 
     # Piped into a file or CI log, rich would wrap the table at 80 columns.
     console = Console(width=None if sys.stdout.isatty() else 120)
@@ -200,6 +210,98 @@ def run(args: argparse.Namespace) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
 
     cb_sizes = continuous_batching_sizes(args.cb_num_blocks, device)
+    if args.isolate and args.child_out is None:
+        from bench import isolation
+
+        per_round, last_runs, notes = isolation.run_isolated(args, methods, console)
+        model_impl = None
+    else:
+        per_round, last_runs, notes, model_impl = _measure_in_process(
+            args, methods, workload, device, cb_sizes, pad_token_id, console
+        )
+    if args.child_out is not None:
+        from bench import isolation
+
+        (method,) = methods
+        isolation.write_child_result(args.child_out, per_round[0][method], last_runs[method], notes)
+        return 0
+
+    results = {m: median_summary([r[m] for r in per_round]) for m in methods}
+    # The ceiling of this machine and dtype, now, at the batch's rows: "close to the limit" measured.
+    from bench.matmul_ceiling import ceiling_tok_s
+
+    ceiling: dict[str, Any] = dict(ceiling_tok_s(args.max_num_seqs, getattr(torch, args.dtype), device))
+    ceiling["share"] = {m: results[m].tok_s / ceiling["tok_s"] for m in methods}
+    check = report.check_tokens({m: last_runs[m] for m in methods})
+    ratio_table = report.ratios(results)
+    if args.dtype != "float32" and check.total_mismatches:
+        notes.append(
+            "bf16 greedy tokens drift between methods after a few dozen tokens; compare tokens in fp32"
+        )
+    document: dict[str, Any] = {
+        "workload": workload.name,
+        "model": args.model,
+        "device": device,
+        "dtype": args.dtype,
+        "results": {m: results[m].as_dict() for m in methods},
+        "ratios": ratio_table,
+        "targets": report.targets(workload.name, ratio_table),
+        "token_check": check.as_dict(),
+        "ceiling": ceiling,
+        "rounds": args.rounds,
+        "per_round": [{m: s.as_dict() for m, s in r.items()} for r in per_round],
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine_description(device),
+        "threads": args.threads,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "settings": {
+            "num_requests": len(workload.requests),
+            "total_tokens": workload.total_tokens,
+            "compile": args.compile,
+            "model_impl": model_impl,
+            "isolated": args.isolate,
+            "max_num_seqs": args.max_num_seqs,
+            "naive_requests": args.naive_requests,
+            "warmup": args.warmup,
+            "arrival_rate": args.arrival_rate if workload.name == "mixed" else None,
+            "seed": args.seed if workload.name == "mixed" else None,
+            "cb_num_blocks": cb_sizes[0],
+            "cb_max_batch_tokens": cb_sizes[1],
+            "cb_page_size": args.cb_page_size,
+        },
+        "notes": notes,
+    }
+    report.print_report(console, document, results, check, notes)
+    console.print(
+        f"matmul ceiling ({args.dtype}, {ceiling['rows']} rows, this machine, this run): "
+        f"{ceiling['gflops']:.1f} GFLOP/s ≈ {ceiling['tok_s']:,.0f} tok/s; share: "
+        + ", ".join(f"{m} {share:.0%}" for m, share in ceiling["share"].items())
+    )
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(document, indent=2) + "\n")
+        console.print(f"wrote {args.json}")
+    if args.dtype == "float32" and check.total_mismatches:
+        console.print("[red]fp32 greedy tokens differ between methods: a correctness bug, not noise[/red]")
+        return 1
+    return 0
+
+
+def _measure_in_process(
+    args: argparse.Namespace,
+    methods: list[str],
+    workload: Workload,
+    device: str,
+    cb_sizes: tuple[int | None, int | None],
+    pad_token_id: int,
+    console: Any,
+) -> tuple[list[dict[str, Summary]], dict[str, MethodRun], list[str], str | None]:
+    """Every method built in this process, warmed, then timed round by round (order rotating)."""
+    import torch
+    import transformers
+
+    from bench import hf_peers, mesh_method
+
     runners: dict[str, Callable[[Workload], MethodRun]] = {}
     engine: Any = None
     if any(not m.startswith("llm_mesh") for m in methods):
@@ -261,71 +363,18 @@ def run(args: argparse.Namespace) -> int:
                 notes.append(method_run.note)
             console.print(f"  {method}: {summaries[method].tok_s:.1f} tok/s")
         per_round.append(summaries)
-
-    results = {m: median_summary([r[m] for r in per_round]) for m in methods}
-    # The ceiling of this machine and dtype, now, at the batch's rows: "close to the limit" measured.
-    from bench.matmul_ceiling import ceiling_tok_s
-
-    ceiling: dict[str, Any] = dict(ceiling_tok_s(args.max_num_seqs, getattr(torch, args.dtype), device))
-    ceiling["share"] = {m: results[m].tok_s / ceiling["tok_s"] for m in methods}
-    check = report.check_tokens({m: last_runs[m] for m in methods})
-    ratio_table = report.ratios(results)
-    if args.dtype != "float32" and check.total_mismatches:
-        notes.append(
-            "bf16 greedy tokens drift between methods after a few dozen tokens; compare tokens in fp32"
-        )
-    document: dict[str, Any] = {
-        "workload": workload.name,
-        "model": args.model,
-        "device": device,
-        "dtype": args.dtype,
-        "results": {m: results[m].as_dict() for m in methods},
-        "ratios": ratio_table,
-        "targets": report.targets(workload.name, ratio_table),
-        "token_check": check.as_dict(),
-        "ceiling": ceiling,
-        "rounds": args.rounds,
-        "per_round": [{m: s.as_dict() for m, s in r.items()} for r in per_round],
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine_description(device),
-        "threads": args.threads,
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "settings": {
-            "num_requests": len(workload.requests),
-            "total_tokens": workload.total_tokens,
-            "compile": args.compile,
-            "model_impl": engine.runner.model_impl if engine is not None else None,
-            "max_num_seqs": args.max_num_seqs,
-            "naive_requests": args.naive_requests,
-            "warmup": args.warmup,
-            "arrival_rate": args.arrival_rate if workload.name == "mixed" else None,
-            "seed": args.seed if workload.name == "mixed" else None,
-            "cb_num_blocks": cb_sizes[0],
-            "cb_max_batch_tokens": cb_sizes[1],
-            "cb_page_size": args.cb_page_size,
-        },
-        "notes": notes,
-    }
-    report.print_report(console, document, results, check, notes)
-    console.print(
-        f"matmul ceiling ({args.dtype}, {ceiling['rows']} rows, this machine, this run): "
-        f"{ceiling['gflops']:.1f} GFLOP/s ≈ {ceiling['tok_s']:,.0f} tok/s; share: "
-        + ", ".join(f"{m} {share:.0%}" for m, share in ceiling["share"].items())
-    )
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(document, indent=2) + "\n")
-        console.print(f"wrote {args.json}")
-    if args.dtype == "float32" and check.total_mismatches:
-        console.print("[red]fp32 greedy tokens differ between methods: a correctness bug, not noise[/red]")
-        return 1
-    return 0
+    return per_round, last_runs, notes, engine.runner.model_impl if engine is not None else None
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    if args.child_args is not None:  # one method and round of an --isolate run
+        from bench import isolation
+
+        return run(isolation.child_namespace(args.child_args, args.child_out))
+    return run(args)
 
 
 if __name__ == "__main__":

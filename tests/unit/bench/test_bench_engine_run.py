@@ -63,3 +63,34 @@ def test_tiny_uniform_run_writes_comparable_json_with_identical_fp32_tokens(
     assert [set(r) for r in doc["per_round"]] == [{"llm_mesh", "hf_static"}] * 2
     assert doc["ratios"]["hf_static"]["tok_s"] > 0
     assert set(doc["targets"]) == {"tok_s_vs_hf_static"}
+
+
+def test_isolate_times_each_method_in_its_own_process_and_still_compares_tokens(
+    model_path: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "engine.json"
+    argv = ["bench", "engine", "--workload", "uniform", "--model", str(model_path), "--num-requests", "4"]
+    code = cli.main(
+        [
+            *argv,
+            "--max-tokens",
+            "4",
+            "--only",
+            "llm_mesh,hf_static",
+            "--isolate",
+            "--threads",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
+
+    assert code == 0
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["isolated"] is True
+    assert set(doc["results"]) == {"llm_mesh", "hf_static"} and all(
+        s["tok_s"] > 0 for s in doc["results"].values()
+    )
+    # The children's tokens came back whole: compared request by request, and equal in fp32.
+    assert doc["token_check"]["compared"] == {"hf_static": 4}
+    assert doc["token_check"]["mismatches"] == {"hf_static": 0}
