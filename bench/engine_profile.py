@@ -91,6 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--model-impl", choices=("auto", "native", "transformers"), default="auto")
     parser.add_argument("--trace-steps", type=int, default=5, help="decode steps under torch.profiler")
+    parser.add_argument(
+        "--trace-after",
+        type=int,
+        default=10,
+        help="full-batch decode steps to run before tracing: the first ones allocate the decode "
+        "slab and fault in fresh KV-cache pages, which a long-running replica has paid already",
+    )
     parser.add_argument("--top", type=int, default=15, help="operators to list")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -126,13 +133,15 @@ def main(argv: list[str] | None = None) -> int:
         engine.add_request(req.request_id, list(req.prompt_token_ids), params)
     tokens = 0
     traced = False
+    full_decode_steps = 0
     started = time.perf_counter()
     while engine.has_unfinished_requests():
         prefilling = any(
             s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running
         ) or bool(engine.scheduler.waiting)
         full_decode = not prefilling and len(engine.scheduler.running) == len(work.requests)
-        if full_decode and not traced and args.trace_steps > 0:
+        full_decode_steps += int(full_decode)
+        if full_decode and not traced and args.trace_steps > 0 and full_decode_steps > args.trace_after:
             traced = True
             activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]
             with profile(activities=activities) as prof:

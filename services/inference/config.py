@@ -31,10 +31,13 @@ class EngineConfig:
     max_queued_requests: int = flag(256, help="waiting-queue bound")
     # None: the model's own context length, capped (see model_runner.MAX_MODEL_LEN_CAP).
     max_model_len: int | None = flag(None, type=int, help="context cap (default: the model's)")
-    # Off by default: on this project's 2-vCPU CPU it did not pay (docs/benchmarks.md, issue 26).
-    # Native forward: its per-layer kernels (compiled_step.py); transformers: its decode step.
+    # Off by default: minutes of start-up and ~2x the weights in memory (docs/inference.md).
+    # Native forward: the whole decode step on CPU (compiled_decode.py) and its per-layer
+    # kernels (compiled_step.py); transformers: its decode step.
     compile: bool = flag(
-        False, help="torch.compile the forward at start-up (native: per-layer kernels; slow start)"
+        False,
+        help="torch.compile the forward at start-up (native: the decode step and per-layer kernels; "
+        "minutes of start-up)",
     )
     model_impl: str = flag(
         "auto",

@@ -144,6 +144,11 @@ class DecodeSlab:
             self._fill(r, k_caches, v_caches)
         return [self._row_of[r.request_id] for r in rows]
 
+    def reset(self, rows: int, length: int) -> None:
+        """Drop every row and hold ``rows`` x ``length`` positions (the compiled step's warm-up)."""
+        self.release_all()
+        self._resize(rows, length)
+
     def _release(self, request_id: str) -> None:
         row = self._row_of.pop(request_id)
         self._filled.pop(request_id)

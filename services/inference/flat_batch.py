@@ -36,7 +36,7 @@ class FlatBatchBuilder:
         #: Decode attention over the slab reads every allocated position (see _slab_decode_rows):
         #: on CPU in reduced precision only. fp32's batched matmul reads strided rows in place, so
         #: the masked tail would be work for nothing there (and fp32 keeps HF's exact arithmetic).
-        self._whole_slab_rows = device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+        self.whole_slab_rows = device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
 
     def _slab_order(self, decodes: list[ScheduledSequence]) -> list[decode_slab.SlabRow] | None:
         """Put the decode rows in slab-row order; None (gather instead) when the slab cannot hold them."""
@@ -105,7 +105,7 @@ class FlatBatchBuilder:
         self, decodes: list[ScheduledSequence], positions: torch.Tensor
     ) -> llama.DecodeRows:
         span = max(s.start for s in decodes) + 1
-        if self._whole_slab_rows and self.slab is not None and 2 * span >= self.slab.length:
+        if self.whole_slab_rows and self.slab is not None and 2 * span >= self.slab.length:
             # The rows' whole allocated length (the positions past each row's own are masked as
             # before): then slab[:n] is contiguous and oneDNN's bf16/fp16 batched matmul reads
             # it in place. Over a shorter span the rows are strided by the slab's length, and

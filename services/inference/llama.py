@@ -17,13 +17,16 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from services.inference import layer_kernels
 from services.inference.decode_slab import DecodeSlab
+
+if TYPE_CHECKING:
+    from services.inference.compiled_decode import CompiledDecode
 
 log = logging.getLogger("llmmesh.inference.llama")
 
@@ -58,20 +61,28 @@ def supports(model: Any) -> bool:
 
 
 class Linear:
-    """``x @ W.T``; on CPU through oneDNN with the weight pre-packed once (≈ 1.2× faster here)."""
+    """``x @ W.T``; on CPU through oneDNN with the weight pre-packed once (≈ 1.2× faster here).
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    ``keep_weight``: hold the plain weight beside the packed one, for a compiled graph that
+    packs its own copy (compiled_decode.py); otherwise the packed copy is all there is.
+    """
+
+    def __init__(self, weight: torch.Tensor, keep_weight: bool = False) -> None:
         weight = weight.detach().contiguous()
-        self.weight: torch.Tensor | None = weight
         self.packed: torch.Tensor | None = None
         if weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
-                self.weight = None  # the packed copy is all we need
             except RuntimeError as exc:  # e.g. a dtype oneDNN does not pack: plain matmul
                 log.info("weight not packed for oneDNN (%s); using F.linear", exc)
-                # Its own storage, not a view into the checkpoint's (see LlamaForward).
-                self.weight = weight.clone()
+        # Its own storage, not a view into the checkpoint's (see LlamaForward).
+        self.weight: torch.Tensor | None = weight.clone() if self.packed is None or keep_weight else None
+
+    @property
+    def plain(self) -> torch.Tensor:
+        """The unpacked weight (kept only with ``keep_weight`` when packed)."""
+        assert self.weight is not None, "Linear built without keep_weight"
+        return self.weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -159,11 +170,38 @@ def gather_slots(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) ->
     return torch.index_select(cache, 1, slots, out=out)
 
 
+def slab_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask_bias: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Decode attention of ``q`` [b, heads, D] over slab rows ``keys``/``values`` [b, kv_heads, span, D].
+
+    One query per row: the heads sharing a KV head form a [group, D] matrix, so two
+    batched matmuls do the work SDPA's kernel spends most of its time setting up.
+    """
+    b, heads, dim = q.shape
+    kv_heads = keys.shape[1]
+    queries = q.view(b, kv_heads, heads // kv_heads, dim)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale + mask_bias
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values).reshape(b, heads, dim)
+
+
+def write_slab_rows(
+    slab_k: torch.Tensor, slab_v: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Row i of the decode batch writes its new K/V [kv_heads, D] at ``positions[i]`` of slab row i."""
+    rows = torch.arange(positions.shape[0], device=positions.device)
+    slab_k[rows, :, positions] = k
+    slab_v[rows, :, positions] = v
+
+
 class LlamaForward:
     """Runs steps of a Llama-family model whose weights it took from ``model``."""
 
-    def __init__(self, model: Any, max_positions: int) -> None:
+    def __init__(self, model: Any, max_positions: int, keep_weights: bool = False) -> None:
+        """``keep_weights``: keep the unpacked linear weights too (for compiled_decode.py)."""
         config = model.config
+        self.keep_weights = keep_weights
         self.num_heads: int = config.num_attention_heads
         self.num_kv_heads: int = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -181,17 +219,18 @@ class LlamaForward:
         self.scratch = Scratch()
         # The work around the matmuls and attention: eager, or compiled (compiled_step.py).
         self.kernels: layer_kernels.Kernels = layer_kernels.EAGER
+        # --compile on CPU: whole pure-decode steps as one graph (compiled_decode.py).
+        self.decode_graph: CompiledDecode | None = None
 
-    @staticmethod
-    def _layer(layer: Any) -> LayerWeights:
-        attn, mlp = layer.self_attn, layer.mlp
+    def _layer(self, layer: Any) -> LayerWeights:
+        attn, mlp, keep = layer.self_attn, layer.mlp, self.keep_weights
         return LayerWeights(
             input_norm=layer.input_layernorm.weight.detach().clone(),
             post_attention_norm=layer.post_attention_layernorm.weight.detach().clone(),
-            qkv=Linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),
-            o=Linear(attn.o_proj.weight),
-            gate_up=Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-            down=Linear(mlp.down_proj.weight),
+            qkv=Linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), keep),
+            o=Linear(attn.o_proj.weight, keep),
+            gate_up=Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), keep),
+            down=Linear(mlp.down_proj.weight, keep),
         )
 
     def _rotary_tables(self, rotary: Any, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,15 +243,35 @@ class LlamaForward:
         dtype = self.embed.dtype
         return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
+    def rotary_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary cos and sin rows of ``positions``: [N, 1, D] each."""
+        return (
+            self.cos.index_select(0, positions)[:, None, :],
+            self.sin.index_select(0, positions)[:, None, :],
+        )
+
     def hidden_states(
         self, step: StepInputs, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
     ) -> torch.Tensor:
         """The final-normed hidden state of every token in ``step.sample_index``: [S, hidden]."""
-        x = self.embed.index_select(0, step.input_ids)
-        cos = self.cos.index_select(0, step.positions)[:, None, :]
-        sin = self.sin.index_select(0, step.positions)[:, None, :]
+        cos, sin = self.rotary_rows(step.positions)
         with self.kernels.step_scope():
-            return self._layers(step, x, cos, sin, k_caches, v_caches)
+            graph = self.decode_graph
+            if graph is not None and graph.usable(step):
+                return graph(step, cos, sin, k_caches, v_caches).index_select(0, step.sample_index)
+            return self.eager_hidden_states(step, cos, sin, k_caches, v_caches)
+
+    def eager_hidden_states(
+        self,
+        step: StepInputs,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """``hidden_states`` through the layer-by-layer forward (the compiled decode step's alternative)."""
+        x = self.embed.index_select(0, step.input_ids)
+        return self._layers(step, x, cos, sin, k_caches, v_caches)
 
     def _layers(
         self,
@@ -235,9 +294,11 @@ class LlamaForward:
             v_cache.index_copy_(1, step.slot_mapping, v.transpose(0, 1))
             decode = step.decode
             if decode is not None and decode.slab is not None:
-                rows = torch.arange(decode.count, device=x.device)
-                decode.slab.k[index][rows, :, decode.positions] = k[: decode.count]
-                decode.slab.v[index][rows, :, decode.positions] = v[: decode.count]
+                assert decode.positions is not None
+                count = decode.count
+                write_slab_rows(
+                    decode.slab.k[index], decode.slab.v[index], decode.positions, k[:count], v[:count]
+                )
             attn = self._attention(q, index, k_cache, v_cache, step)
             # reshape, not view: SDPA's output layout depends on the kernel that ran (CUDA's
             # and CPU's math kernels leave [rows, heads, steps, D] strides), so one prefill
@@ -279,10 +340,7 @@ class LlamaForward:
             # Slab rows [b, kv_heads, span, D] are a view: nothing is copied.
             keys = rows.slab.k[layer][:b, :, :span]
             values = rows.slab.v[layer][:b, :, :span]
-            queries = q.view(b, kv_heads, self.group, dim)
-            scores = torch.matmul(queries, keys.transpose(-1, -2)) * self.scale + rows.mask_bias
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            return torch.matmul(probs, values).reshape(b, self.num_heads, dim)
+            return slab_attention(q, keys, values, rows.mask_bias, self.scale)
         # Gathered from the [kv_heads, slots, D] cache the keys are already
         # [kv_heads, rows, span, D] and feed the matmuls without a further copy.
         assert rows.gather_slots is not None

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from services.inference import compiled_step, decode_slab, llama
+from services.inference import compiled_decode, compiled_step, decode_slab, llama
 from services.inference.config import EngineConfig
 from services.inference.flat_batch import FlatBatchBuilder
 from services.inference.grammar import Guide
@@ -85,7 +85,9 @@ class ModelRunner:
         if config.model_impl == "native" and not llama.supports(self.model):
             raise ValueError(f"--model-impl native supports Llama-family models, not {mc.model_type!r}")
         if config.model_impl != "transformers" and llama.supports(self.model):
-            self.native = llama.LlamaForward(self.model, self.max_model_len)
+            # The compiled decode step (CPU) packs its own copy of the linear weights.
+            compile_decode = config.compile and self.device.type == "cpu"
+            self.native = llama.LlamaForward(self.model, self.max_model_len, keep_weights=compile_decode)
             if config.compile:
                 # Here, before the replica reports SERVING: never on a live request.
                 self.native.kernels = compiled_step.compile_kernels(
@@ -146,6 +148,17 @@ class ModelRunner:
         self.flat_batch = FlatBatchBuilder(
             self.block_size, self.device, self.dtype, self.k_caches, self.v_caches, self.slab
         )
+        if self.native is not None and self.native.keep_weights and self.slab is not None:
+            # Here too before SERVING: whole decode steps over the slab as one graph.
+            self.native.decode_graph = compiled_decode.compile_decode(
+                self.native,
+                self.slab,
+                self.k_caches,
+                self.v_caches,
+                self.num_slots,
+                config.max_num_seqs,
+                whole_length=self.flat_batch.whole_slab_rows,
+            )
         self.model_impl = "native" if self.native is not None else "transformers"
         log.info(
             "model implementation: %s; decode slab: %s",

@@ -29,6 +29,7 @@ from services.retriever.rerank import Reranker
 from services.retriever.schema import MAX_TEXT_BYTES, contextual_text, fit_bytes
 from services.retriever.search import Searcher, SearchQuery, SearchResult, check_metadata
 from services.retriever.store import MilvusStore
+from services.retriever.terms import keyword_text
 from services.retriever.text_encoding import declared_charset
 
 __all__ = ["Corpus", "DocumentUpload", "IngestResult", "SearchQuery", "SearchResult"]
@@ -174,7 +175,9 @@ class Corpus:
                 keep_version=current.version if current and not current.deleted else None,
             )
             rows = [
-                ChunkRow(c.position, c.text, c.heading, c.page, fit_bytes(context, MAX_TEXT_BYTES))
+                ChunkRow(
+                    c.position, c.text, c.heading, c.page, fit_bytes(keyword_text(context), MAX_TEXT_BYTES)
+                )
                 for c, context in zip(chunks, contexts, strict=True)
             ]
             self._store.write_chunks(record, rows, vectors)

@@ -12,6 +12,7 @@ from typing import Any
 
 from services.common.errors import InvalidArgument
 from services.retriever.pdf_layout import PdfBlock, layout_kept_the_text, page_lines, pdf_blocks
+from services.retriever.terms import normalized
 from services.retriever.text_encoding import decode_text
 from services.retriever.text_layout import (
     BOLD_HEADING_LEVEL,
@@ -44,8 +45,7 @@ MIME_BY_EXTENSION: dict[str, str] = {
 _MIME_ALIASES = {"text/x-markdown": MARKDOWN, "application/xhtml+xml": HTML}
 
 _MD_HEADING = re.compile(r"^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
-# get_text(" ") separates inline tags with spaces; undo the ones it puts before punctuation.
-_SPACE_BEFORE_PUNCTUATION = re.compile(r"\s+([.,;:!?)])")
+_MD_FENCE = re.compile(r"^\s{0,3}(`{3,}|~{3,})(.*)$")
 _DOCX_HEADING = re.compile(r"^(heading \d|title)$", re.IGNORECASE)
 
 
@@ -181,7 +181,8 @@ def parse_document(data: bytes, mime_type: str, charset: str | None = None) -> l
     if not data:
         raise InvalidArgument("data", "document is empty (0 bytes)")
     parsed = (_printable_section(s) for s in _PARSERS[mime_type](data, charset))
-    sections = [s for s in parsed if s.text.strip()]
+    # Only zero-width characters, soft hyphens or BOMs is no text a reader or a search could find.
+    sections = [s for s in parsed if normalized(s.text).strip()]
     if not sections:
         # A PDF without a text layer is a scan: its pages are pictures of text.
         hint = "; a scanned PDF needs OCR (e.g. ocrmypdf) before it is ingested" if mime_type == PDF else ""
@@ -202,6 +203,8 @@ def _parse_plain(data: bytes, charset: str | None) -> list[Section]:
 def _parse_markdown(data: bytes, charset: str | None) -> list[Section]:
     builder = SectionBuilder()
     lines: list[str] = []
+    # The open code fence (``` or ~~~, three or more), or "" outside one.
+    fence = ""
     in_fence = False
     source = decode_text(data, charset).splitlines()
 
@@ -218,8 +221,17 @@ def _parse_markdown(data: bytes, charset: str | None) -> list[Section]:
     index = 0
     while index < len(source):
         line = source[index]
-        if line.lstrip().startswith(("```", "~~~")):
-            in_fence = not in_fence
+        fence_line = _MD_FENCE.match(line)
+        if fence_line is not None:
+            marker, rest = fence_line.groups()
+            # CommonMark: a fence is closed only by the same character, at least as many, nothing after.
+            opens = not fence and not (marker[0] == "`" and "`" in rest)
+            if opens or (fence and marker.startswith(fence) and not rest.strip()):
+                fence = "" if fence else marker
+                lines.append(line)
+                index += 1
+                continue
+        in_fence = bool(fence)
         after_blank = not (lines and lines[-1].strip())
         match = None if in_fence else _MD_HEADING.match(line)
         # A setext heading: a line after a blank one, underlined with === or --- (CommonMark).
@@ -248,32 +260,143 @@ def _parse_html(data: bytes, charset: str | None) -> list[Section]:
     soup = BeautifulSoup(data, "html.parser", from_encoding=charset)
     for tag in soup(["script", "style", "noscript", "template", "head"]):
         tag.decompose()
-    builder = SectionBuilder()
+    reader = _HtmlReader()
+    reader.walk(soup)
+    return reader.finish()
+
+
+# Elements a browser lays out as blocks: each starts a line. Every other element is inline and
+# adds its text where it stands, so "H<sub>2</sub>O" stays one word, as a reader sees it.
+_HTML_BLOCKS = frozenset(
+    [
+        "address",
+        "article",
+        "aside",
+        "blockquote",
+        "body",
+        "caption",
+        "center",
+        "dd",
+        "details",
+        "dialog",
+        "dir",
+        "div",
+        "dl",
+        "dt",
+        "fieldset",
+        "figcaption",
+        "figure",
+        "footer",
+        "form",
+        "header",
+        "hgroup",
+        "hr",
+        "html",
+        "legend",
+        "li",
+        "main",
+        "menu",
+        "nav",
+        "ol",
+        "p",
+        "section",
+        "summary",
+        "table",
+        "tbody",
+        "td",
+        "tfoot",
+        "th",
+        "thead",
+        "ul",
+    ]
+)
+_HTML_HEADINGS = {f"h{level}": level for level in range(1, 7)}
+
+
+class _HtmlReader:
+    """An HTML tree as headings and lines of text, in document order, like a browser shows it.
+
+    Every piece of text counts, wherever it sits (a bare ``<div>``, ``<section>`` or the
+    body itself); ``<br>`` breaks a line; a table row is one line of its cells joined by
+    `` | ``; ``<pre>`` keeps its lines. A heading's own text is the heading: blocks that an
+    unclosed ``<h2>`` swallowed are body text under it, not part of its name.
+    """
+
+    def __init__(self) -> None:
+        self._builder = SectionBuilder()
+        self._lines: list[str] = []
+        self._inline: list[str] = []
+
+    def walk(self, node: Any, heading: int = 0) -> None:
+        from bs4 import NavigableString, Tag
+
+        for child in node.children:
+            if isinstance(child, NavigableString):
+                if type(child) is NavigableString:  # not a comment, doctype or processing instruction
+                    self._inline.append(str(child))
+                continue
+            if not isinstance(child, Tag):
+                continue
+            name = child.name
+            if name == "br":
+                self._inline.append("\n")
+            elif name in _HTML_HEADINGS:
+                self._flush(heading)
+                self.walk(child, _HTML_HEADINGS[name])
+                self._flush(_HTML_HEADINGS[name])
+            elif name == "tr":
+                self._flush(heading)
+                cells = [_html_inline_text(c) for c in child.find_all(["td", "th"], recursive=False)]
+                if any(cells):
+                    self._lines.append(" | ".join(cells))
+            elif name == "pre":
+                self._flush(heading)
+                self._lines.extend(line.rstrip() for line in child.get_text().splitlines() if line.strip())
+            elif name in _HTML_BLOCKS:
+                self._flush(heading)
+                text = _html_inline_text(child) if name == "p" else ""
+                if text and _html_bold_only(child) and looks_like_title(text):
+                    self._heading(BOLD_HEADING_LEVEL, text)
+                else:
+                    self.walk(child)  # blocks inside a heading are its body, not its name
+                    self._flush()
+            else:
+                self.walk(child, heading)
+
+    def _flush(self, heading: int = 0) -> None:
+        """Ends the text collected since the last block boundary: a heading, or lines of body text."""
+        lines = [" ".join(line.split()) for line in "".join(self._inline).split("\n")]
+        self._inline.clear()
+        lines = [line for line in lines if line]
+        if heading and lines:
+            self._heading(heading, " ".join(lines))
+        else:
+            self._lines.extend(lines)
+
+    def _heading(self, level: int, text: str) -> None:
+        if self._lines:
+            self._builder.paragraph("\n".join(self._lines))
+            self._lines = []
+        self._builder.heading(level, text)
+
+    def finish(self) -> list[Section]:
+        self._flush()
+        if self._lines:
+            self._builder.paragraph("\n".join(self._lines))
+        return self._builder.finish()
+
+
+def _html_inline_text(element: Any) -> str:
+    """An element's text on one line, as shown: inline tags add nothing between words, blocks a space."""
+    from bs4 import NavigableString, Tag
+
     parts: list[str] = []
-    # Walk the block-level elements in document order; a heading closes the section before it.
-    for element in soup.find_all(
-        ["h1", "h2", "h3", "h4", "h5", "h6", "p", "li", "pre", "td", "th", "blockquote", "dt", "dd"]
-    ):
-        if element.find_parent(["p", "li", "pre", "td", "th", "blockquote", "dt", "dd"]) is not None:
-            continue  # already counted as part of its enclosing block
-        text = _SPACE_BEFORE_PUNCTUATION.sub(r"\1", " ".join(element.get_text(" ").split()))
-        level = int(element.name[1]) if element.name in {"h1", "h2", "h3", "h4", "h5", "h6"} else 0
-        if not level and element.name == "p" and _html_bold_only(element) and looks_like_title(text):
-            level = BOLD_HEADING_LEVEL
-        if level:
-            if parts:
-                builder.paragraph("\n".join(parts))
-            builder.heading(level, text)
-            parts = []
-        elif text:
-            parts.append(text)
-    if parts:
-        builder.paragraph("\n".join(parts))
-    sections = builder.finish()
-    if not any(s.text for s in sections) and soup.body is not None:
-        # No block elements at all: fall back to the body's bare text.
-        sections = [Section(" ".join(soup.body.get_text(" ").split()))]
-    return sections
+    for piece in element.descendants:
+        if isinstance(piece, Tag) and (piece.name in _HTML_BLOCKS or piece.name == "br"):
+            parts.append(" ")
+        elif type(piece) is NavigableString:
+            parts.append(str(piece))
+    return " ".join("".join(parts).split())
 
 
 def _html_bold_only(element: Any) -> bool:

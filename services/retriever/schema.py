@@ -8,6 +8,8 @@ from typing import Any
 
 from pymilvus import DataType, Function, FunctionType, MilvusClient
 
+from services.retriever.terms import keyword_text
+
 # Recorded on the vector collections so a server with another model refuses them.
 MODEL_PROPERTY = "llmmesh.embedding_model"
 DIMENSION_PROPERTY = "llmmesh.embedding_dimension"
@@ -157,7 +159,7 @@ def legacy_chunk_row(row: Mapping[str, Any]) -> dict[str, Any]:
     moved = {key: value for key, value in row.items() if key in _LEGACY_CHUNK_FIELDS}
     moved["vector"] = [float(x) for x in row["vector"]]
     moved["search_text"] = fit_bytes(
-        contextual_text(row["title"], (row["heading"],), row["text"]), MAX_TEXT_BYTES
+        keyword_text(contextual_text(row["title"], (row["heading"],), row["text"])), MAX_TEXT_BYTES
     )
     return moved
 

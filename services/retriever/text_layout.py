@@ -21,8 +21,9 @@ BOLD_HEADING_LEVEL = 10
 
 # An underline of at least three '=' (level 1) or '-' (level 2) and nothing else.
 _SETEXT = re.compile(r"^\s{0,3}(=+|-+)\s*$")
-# A title line ends without sentence punctuation; a sentence or a list item ends with one of these.
-_SENTENCE_END = (".", ",", ";", ":", "!", "?")
+# A title line ends without sentence punctuation; a sentence or a list item ends with one of these
+# (the full-width forms are Chinese and Japanese, the others Arabic and Urdu).
+_SENTENCE_END = tuple(".,;:!?" + "。，；：！？、．" + "؟،؛۔")
 # Longer than this, a lone line is a one-line paragraph rather than a heading.
 _TITLE_MAX_CHARS = 80
 _TITLE_MAX_WORDS = 10
@@ -59,9 +60,15 @@ def looks_like_title(line: str) -> bool:
     return (
         0 < len(text) <= _TITLE_MAX_CHARS
         and len(text.split()) <= _TITLE_MAX_WORDS
-        and (text[0].isupper() or text[0].isdigit())
+        and (text[0].isupper() or text[0].isdigit() or _uncased_letter(text[0]))
         and not text.endswith(_SENTENCE_END)
     )
+
+
+def _uncased_letter(char: str) -> bool:
+    """A letter of a script without capitals (Chinese, Japanese, Arabic, …): any of its lines may
+    start a heading, as a capital does in English."""
+    return char.isalpha() and char.lower() == char.upper()
 
 
 def plain_text_blocks(text: str) -> list[TextBlock]:

@@ -184,6 +184,44 @@ def test_metadata_filter_matches_values_with_quotes_and_backslashes(corpus: Corp
         SearchQuery("quarterly plan", metadata_filter={'team"] or 1 == 1 or metadata["x': "y"})
 
 
+def keyword_hits(corpus: Corpus, tenant: str, query: str) -> list[str]:
+    hits = corpus.search(tenant, SearchQuery(query, mode=SearchMode.KEYWORD.value, top_k=10))
+    return [h.document_id for h in hits]
+
+
+def test_keyword_search_finds_chinese_and_japanese_words_inside_unspaced_text(corpus: Corpus) -> None:
+    # Milvus Lite's analyzer splits on \w+: a whole run of Chinese up to its punctuation was one
+    # "word", so no query but that exact run found it.
+    tenant = "cjk"
+    corpus.ingest(tenant, upload("zh-retriever", "检索服务把文档切分成块，然后写入向量数据库。"))
+    corpus.ingest(tenant, upload("zh-install", "请先安装依赖，再启动路由服务。"))
+    corpus.ingest(tenant, upload("ja", "東京は日本の首都です。カタカナの説明もあります。"))
+    corpus.ingest(tenant, upload("en", "The router forwards prompts to replicas."))
+    assert keyword_hits(corpus, tenant, "数据库") == ["zh-retriever"]
+    assert keyword_hits(corpus, tenant, "如何安装依赖") == ["zh-install"]
+    assert keyword_hits(corpus, tenant, "首都") == ["ja"]
+    assert keyword_hits(corpus, tenant, "カタカナ") == ["ja"]
+    # The stored text is the document's own, not the index's segmented form.
+    hit = corpus.search(tenant, SearchQuery("数据库", mode=SearchMode.KEYWORD.value, top_k=1))[0]
+    assert hit.text == "检索服务把文档切分成块，然后写入向量数据库。"
+
+
+def test_keyword_search_matches_a_word_however_its_characters_are_encoded(corpus: Corpus) -> None:
+    tenant = "unicode-forms"
+    corpus.ingest(tenant, upload("nfd", "The cafe\u0301 sells re\u0301sume\u0301 pastries."))  # decomposed
+    corpus.ingest(tenant, upload("zwsp", "Rotate the pass\u200bword every quarter."))  # zero-width space
+    corpus.ingest(tenant, upload("shy", "See the config\u00aduration manual."))  # soft hyphen
+    corpus.ingest(tenant, upload("ligature", "The \ufb01rewall blocks port 25."))  # a PDF's "fi"
+    assert keyword_hits(corpus, tenant, "caf\u00e9") == ["nfd"]  # typed precomposed
+    assert keyword_hits(corpus, tenant, "r\u00e9sum\u00e9") == ["nfd"]
+    assert keyword_hits(corpus, tenant, "password") == ["zwsp"]
+    assert keyword_hits(corpus, tenant, "configuration") == ["shy"]
+    assert keyword_hits(corpus, tenant, "firewall") == ["ligature"]
+    # And the other way round: a decomposed query finds precomposed text.
+    corpus.ingest(tenant, upload("nfc", "Na\u00efve Bayes spam filters."))
+    assert keyword_hits(corpus, tenant, "nai\u0308ve") == ["nfc"]
+
+
 @pytest.mark.parametrize("query_window", [16_384, 4], ids=["one-query", "window-smaller-than-tenant"])
 def test_documents_are_listed_in_pages_in_id_order(
     corpus: Corpus, monkeypatch: pytest.MonkeyPatch, query_window: int

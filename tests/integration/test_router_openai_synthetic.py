@@ -1,9 +1,13 @@
-"""SSE framing under slow tokens: pure router logic, so the token source is the synthetic replica
-(a paced load-test fake), not the engine."""
+"""SSE framing under slow tokens, and hostile or unusual request bodies: pure router logic, so the
+token source is the synthetic replica (a paced load-test fake), not the engine."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import gzip
+import json
+import zlib
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -61,3 +65,157 @@ def test_the_http_front_can_be_turned_off(off: list[str]) -> None:
     finally:
         router.stop()
         replica.stop()
+
+
+# -- hostile and unusual bodies: refused before any token, so the slow token source costs nothing
+
+
+def _error(
+    response: httpx.Response, status: int, param: str | None, code: str | None = None
+) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+def _raw(base: str, path: str, body: bytes, **headers: str) -> httpx.Response:
+    return httpx.post(f"{base}{path}", content=body, headers=headers, timeout=30)
+
+
+USER_X = b'"max_tokens": 1, "messages": [{"role": "user", "content": "x"}]'
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        # Was a 500 with no JSON body (the error message echoed the key, which UTF-8 cannot hold).
+        ("/v1/chat/completions", b'{"rag": {"\\ud800": 1}, ' + USER_X + b"}", "rag.\\ud800"),
+        ("/v1/chat/completions", b'{"cache": {"mode\\udfff": 1}, ' + USER_X + b"}", "cache.mode\\udfff"),
+        # Were 400s with no param and Python's codec message.
+        ("/v1/completions", b'{"prompt": ["ok", "a\\ud800"]}', "prompt[1]"),
+        ("/v1/chat/completions", b'{"guided_choice": ["\\ud800"], ' + USER_X + b"}", "guided_choice[0]"),
+        ("/v1/chat/completions", b'{"guided_regex": "\\udc00+", ' + USER_X + b"}", "guided_regex"),
+        ("/v1/chat/completions", b'{"rag": {"filter": {"k": "\\ud800"}}, ' + USER_X + b"}", "rag.filter.k"),
+        (
+            "/v1/chat/completions",
+            b'{"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "\\ud800"}}], '
+            + USER_X
+            + b"}",
+            "tools[0].function.name",
+        ),
+        # Raw surrogate bytes (json.loads decodes bodies with surrogatepass) are caught the same way.
+        ("/v1/embeddings", b'{"input": "a", "model": "\xed\xa0\x80"}', "model"),
+        # A field that is otherwise ignored still may not carry text no UTF-8 log line can hold.
+        ("/v1/chat/completions", b'{"user": "\\ud800", ' + USER_X + b"}", "user"),
+    ],
+)
+def test_a_lone_surrogate_anywhere_is_a_400_naming_where(
+    base: str, path: str, body: bytes, param: str
+) -> None:
+    error = _error(_raw(base, path, body), 400, param, "invalid_value")
+    assert "surrogate" in error["message"] and "codec" not in error["message"]
+
+
+def _nested(depth: int) -> bytes:
+    return b'{"a": ' * depth + b"1" + b"}" * depth
+
+
+@pytest.mark.parametrize(
+    ("field", "depth"),
+    [
+        # 967 levels parsed, then json.dumps of the schema ran out of stack: a 500 RecursionError.
+        ("guided_json", 967),
+        ("guided_json", 500),  # was accepted and sent on to the replica's grammar compiler
+        ("metadata", 200),
+    ],
+)
+def test_json_nested_deeper_than_any_client_needs_is_a_400_naming_the_field(
+    base: str, field: str, depth: int
+) -> None:
+    body = b'{"%s": ' % field.encode() + _nested(depth) + b", " + USER_X + b"}"
+    response = _raw(base, "/v1/chat/completions", body)
+    assert response.status_code != 500, response.text
+    if response.json()["error"]["code"] == "invalid_json":
+        return  # deeper than json.loads itself takes on this stack: refused while parsing, also a 400
+    error = _error(response, 400, field, "invalid_value")
+    assert "nested" in error["message"]
+
+
+def test_a_tool_schema_nested_past_the_stack_is_a_400_not_a_500(base: str) -> None:
+    for depth in range(955, 972):  # where json.loads still succeeds but json.dumps did not
+        tools = b'[{"type": "function", "function": {"name": "f", "parameters": ' + _nested(depth) + b"}}]"
+        body = b'{"tool_choice": "required", "tools": ' + tools + b", " + USER_X + b"}"
+        response = _raw(base, "/v1/chat/completions", body)
+        assert response.status_code == 400, (depth, response.text)
+        assert response.json()["error"]["param"] in ("tools", None), response.text
+
+
+GZIP_BODY = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
+
+
+@pytest.mark.parametrize(
+    ("encoding", "compress"),
+    [
+        ("gzip", gzip.compress),
+        ("x-gzip", gzip.compress),
+        ("deflate", zlib.compress),
+        ("deflate", lambda b: zlib.compress(b)[2:-4]),  # raw deflate, as some clients send it
+        ("GZIP", gzip.compress),
+    ],
+)
+def test_a_compressed_body_is_read_as_its_content_encoding_says(
+    base: str, encoding: str, compress: Callable[[bytes], bytes]
+) -> None:
+    # Was a 400 "not valid JSON: 'utf-8' codec can't decode byte 0x8b": OpenAI's API takes compressed bodies.
+    response = _raw(base, "/v1/chat/completions", compress(GZIP_BODY), **{"content-encoding": encoding})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 1
+
+
+def test_an_unknown_or_broken_content_encoding_is_refused_naming_the_header(base: str) -> None:
+    # "br" was ignored: the bytes parsed as JSON only because they were not compressed at all.
+    _error(
+        _raw(base, "/v1/chat/completions", GZIP_BODY, **{"content-encoding": "br"}), 415, "Content-Encoding"
+    )
+    broken = gzip.compress(GZIP_BODY)[:-8]  # cut short
+    _error(
+        _raw(base, "/v1/chat/completions", broken, **{"content-encoding": "gzip"}),
+        400,
+        "Content-Encoding",
+        "invalid_body_encoding",
+    )
+
+
+def test_a_compressed_body_over_the_limit_once_inflated_is_a_413(base: str) -> None:
+    bomb = gzip.compress(b'{"messages": "' + b" " * (5 * 1024 * 1024) + b'"}')  # 5 MiB in ~5 KiB
+    assert len(bomb) < 64 * 1024
+    _error(_raw(base, "/v1/embeddings", bomb, **{"content-encoding": "gzip"}), 413, None, "request_too_large")
+
+
+def test_405_says_which_method_the_route_allows(base: str) -> None:
+    for method in ("GET", "PUT", "DELETE", "OPTIONS"):
+        response = httpx.request(method, f"{base}/v1/chat/completions", timeout=10)
+        error = _error(response, 405, None, "method_not_allowed")
+        assert response.headers.get("allow") == "POST", (method, response.headers, error)
+    allowed = httpx.post(f"{base}/v1/models", timeout=10).headers.get("allow", "")
+    assert {m.strip() for m in allowed.split(",")} == {"GET", "HEAD"}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        # Each was sent on to the retriever (here: a 400 that it is missing, param null) before a check.
+        ({"input": ""}, "input"),
+        ({"input": ["a", ""]}, "input"),
+        ({"input": "a", "dimensions": 0}, "dimensions"),
+        ({"input": "a", "dimensions": -3}, "dimensions"),
+    ],
+)
+def test_embedding_inputs_openai_refuses_are_refused_before_the_retriever(
+    base: str, body: dict[str, object], param: str
+) -> None:
+    _error(httpx.post(f"{base}/v1/embeddings", json=body, timeout=10), 400, param, "invalid_value")

@@ -394,3 +394,62 @@ def test_a_pdf_with_no_text_layer_is_refused_as_a_scan_needing_ocr() -> None:
     with pytest.raises(InvalidArgument, match="scanned PDF needs OCR") as caught:
         parse_document(content_stream_pdf(b"0.5 g 72 72 468 648 re f"), PDF)
     assert caught.value.field == "data"
+
+
+def test_html_text_outside_paragraphs_is_kept_as_a_reader_sees_it() -> None:
+    # Text straight in a <div>, <section> or the body was dropped whenever the page also had a <p>;
+    # inline tags split words ("H 2 O"); <br> and table rows ran together.
+    html = (
+        b"<body><div>Opening hours are posted at the gate.</div>"
+        b"<section>Dogs must stay on a lead.</section><p>H<sub>2</sub>O and CO<sub>2</sub> levels: the "
+        b"<b>API</b>s report both.</p><p>12 Harbour Road<br>Hesk<br/>HK1 2AB</p>"
+        b"<table><tr><th>Boat</th><th>Seats</th></tr><tr><td>Osprey</td><td>40</td></tr></table>"
+        b"Last ferry at <i>nine</i>.</body>"
+    )
+    [section] = parse_document(html, HTML)
+    assert section.text.splitlines() == [
+        "Opening hours are posted at the gate.",
+        "Dogs must stay on a lead.",
+        "H2O and CO2 levels: the APIs report both.",
+        "12 Harbour Road",
+        "Hesk",
+        "HK1 2AB",
+        "Boat | Seats",
+        "Osprey | 40",
+        "Last ferry at nine.",
+    ]
+
+
+def test_an_unclosed_html_heading_is_named_by_its_own_words_only() -> None:
+    # html.parser nests everything after an unclosed <h2> inside it: the whole rest of the page
+    # became the heading (and so the heading path of every chunk under it).
+    html = b"<h1>Hesk Ferry</h1><h2>Timetable<p>Boats leave hourly.</p><p>No boats on Sunday.</p>"
+    sections = parse_document(html, HTML)
+    assert [(s.path, s.text) for s in sections] == [
+        (("Hesk Ferry", "Timetable"), "Boats leave hourly.\nNo boats on Sunday."),
+    ]
+
+
+def test_a_markdown_code_fence_is_closed_only_by_its_own_marker() -> None:
+    # A ~~~ line inside a ``` block closed it, so "# comment" lines in the code became headings.
+    text = b"# Setup\n\n```sh\n~~~\n# install the tools\nmake setup\n```\n\n# Usage\n\nRun it.\n"
+    sections = parse_document(text, MARKDOWN)
+    assert [s.heading for s in sections] == ["Setup", "Usage"]
+    assert "# install the tools\nmake setup" in sections[0].text
+
+
+def test_plain_text_chinese_title_lines_are_headings_but_sentences_are_not() -> None:
+    text = (
+        "检索服务说明\n\n本文介绍检索服务。\n\n安装步骤\n\n先安装依赖，再启动服务。\n\n"
+        "这一行是一个完整的句子。\n\n最后一段。\n"
+    ).encode()
+    sections = parse_document(text, PLAIN_TEXT)
+    assert [(s.path, s.text) for s in sections] == [
+        (("检索服务说明",), "本文介绍检索服务。"),
+        (("检索服务说明", "安装步骤"), "先安装依赖，再启动服务。\n\n这一行是一个完整的句子。\n\n最后一段。"),
+    ]
+
+
+def test_a_document_of_only_invisible_characters_is_refused() -> None:
+    with pytest.raises(InvalidArgument, match="data: document has no extractable text"):
+        parse_document("\u200b\ufeff\u2060 \u00ad\n".encode(), PLAIN_TEXT)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -20,6 +19,7 @@ from starlette.routing import Route
 from services.common import errors
 from services.gen.llmmesh.v1 import retriever_pb2, router_pb2
 from services.router.admission.auth import Authenticator, Principal, downstream_metadata
+from services.router.api.openai.body import decoded, parsed, too_large
 from services.router.api.openai.choices import ChoiceEvent, ChoiceStreams
 from services.router.api.openai.embeddings import check_model, embedding_body, embedding_request
 from services.router.api.openai.errors import ApiError, api_error, bad_request
@@ -314,17 +314,14 @@ class OpenAiFront:
         limit = self.limits.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise _too_large(limit)
+            raise too_large(limit)
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:  # a chunked body has no length to check up front
-                raise _too_large(limit)
+                raise too_large(limit)
             chunks.append(chunk)
-        try:
-            return json.loads(b"".join(chunks))
-        except (ValueError, RecursionError) as exc:
-            raise bad_request(None, f"the request body is not valid JSON: {exc}", "invalid_json") from None
+        return parsed(decoded(b"".join(chunks), request.headers.get("content-encoding"), limit))
 
     def _known(self) -> set[str]:
         return self.pipeline.s.pool.models()
@@ -375,16 +372,13 @@ def error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
 
 
-def _too_large(limit: int) -> ApiError:
-    return ApiError(
-        413, f"the request body is larger than {limit} bytes", "invalid_request_error", "request_too_large"
-    )
-
-
 async def _http_exception(request: Request, exc: Exception) -> Response:
     """Unknown paths and wrong methods, in the same error shape as everything else."""
     status = exc.status_code if isinstance(exc, HTTPException) else 500
     kinds = {404: ("not_found_error", "unknown_url"), 405: ("invalid_request_error", "method_not_allowed")}
     kind, code = kinds.get(status, ("invalid_request_error", "bad_request"))
     message = f"{request.method} {request.url.path}: {exc.detail if isinstance(exc, HTTPException) else exc}"
-    return error_response(ApiError(status, message, kind, code))
+    response = error_response(ApiError(status, message, kind, code))
+    if isinstance(exc, HTTPException) and exc.headers:
+        response.headers.update(exc.headers)  # a 405's Allow: which methods the route takes (RFC 9110)
+    return response

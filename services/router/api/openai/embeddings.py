@@ -44,6 +44,10 @@ def embedding_request(body: Any) -> EmbeddingRequest:
     if len(texts) > MAX_INPUTS:
         raise bad_request("input", f"input: at most {MAX_INPUTS} texts per request")
     for i, text in enumerate(texts):
+        if not text:
+            # OpenAI refuses it too: an empty text has no meaning to embed (the model would embed
+            # only its special tokens).
+            raise bad_request("input", f"input[{i}]: must not be empty")
         try:
             text.encode()
         except UnicodeEncodeError:
@@ -58,6 +62,9 @@ def embedding_request(body: Any) -> EmbeddingRequest:
     dimensions = body.get("dimensions")
     if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int)):
         raise bad_request("dimensions", "dimensions: must be an integer")
+    if dimensions is not None and dimensions < 1:
+        # Refused before the retriever embeds anything, as OpenAI refuses it.
+        raise bad_request("dimensions", f"dimensions: must be at least 1, got {dimensions}")
     return EmbeddingRequest(tuple(texts), model or "", encoding, dimensions)
 
 

@@ -316,15 +316,22 @@ def _messages(raw: Any) -> list[common_pb2.ChatMessage]:
         if not isinstance(message, dict):
             raise bad_request(where, f"{where}: must be an object")
         role = message.get("role")
-        if role in ("tool", "function") or message.get("tool_calls") or message.get("function_call"):
+        if role in ("tool", "function"):
             raise unsupported(f"{where}.role", "tool and function messages are not supported")
+        for calls in ("tool_calls", "function_call"):
+            if message.get(calls):
+                # The call an assistant made is in this field, not its role: name what to drop.
+                raise unsupported(
+                    f"{where}.{calls}", "an assistant's tool and function calls are not supported"
+                )
         if not isinstance(role, str) or role not in ROLE_NAMES:
             raise bad_request(
                 f"{where}.role", f"{where}.role: must be one of system, developer, user, assistant"
             )
-        out.append(
-            common_pb2.ChatMessage(role=ROLE_NAMES[role], content=_content(message.get("content"), where))
-        )
+        content = message.get("content")
+        if content is None and role == "assistant":
+            content = ""  # OpenAI's schema lets an assistant's content be null (or absent), as vLLM reads it
+        out.append(common_pb2.ChatMessage(role=ROLE_NAMES[role], content=_content(content, where)))
     return out
 
 

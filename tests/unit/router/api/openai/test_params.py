@@ -153,6 +153,24 @@ def test_nulls_and_load_tool_extras_are_accepted() -> None:
         ({"messages": USER, "tool_choice": "auto"}, "tool_choice"),
         ({"messages": USER, "logit_bias": {"1": 5}}, "logit_bias"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        # An assistant's earlier call: the field to drop is tool_calls (was named as the role).
+        (
+            {
+                "messages": [
+                    *USER,
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f"}}],
+                    },
+                ]
+            },
+            "messages[1].tool_calls",
+        ),
+        (
+            {"messages": [*USER, {"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}]},
+            "messages[1].function_call",
+        ),
         ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
         # vLLM's extras that would change the prompt or the answer, away from their defaults.
         ({"messages": USER, "echo": True}, "echo"),
@@ -172,6 +190,18 @@ def test_nulls_and_load_tool_extras_are_accepted() -> None:
 )
 def test_bad_or_unsupported_fields_are_refused_by_name(body: dict[str, Any], param: str) -> None:
     assert refused(body).param == param
+
+
+def test_an_assistant_message_with_null_or_no_content_is_an_empty_turn() -> None:
+    # OpenAI's schema has an assistant's content nullable; it was a 400 on messages[1].content.
+    for assistant in ({"role": "assistant", "content": None}, {"role": "assistant"}):
+        g = chat_generation({"messages": [*USER, assistant, {"role": "user", "content": "and?"}]}, "x")
+        messages = g.turns[0].messages
+        assert [(m.role, m.content) for m in messages] == [
+            ("user", "hi"),
+            ("assistant", ""),
+            ("user", "and?"),
+        ]
 
 
 def test_completions_refuse_echo_and_token_prompts() -> None:
