@@ -30,7 +30,7 @@ from tests.reliability.mesh_support import Mesh, chat, mesh, sized
 pytestmark = pytest.mark.serial
 
 SLOW_READERS = sized(100, 500)
-#: Each slow reader's answer: were it relayed into the router, 100 of them would be ~240 MiB.
+#: Each slow reader's answer: were it relayed into the router, 100 of them would be ~130 MiB.
 ANSWER_TOKENS = 64_000
 #: How long the router may take to pause every slow reader's generation (0.5 s for 100 here, 2.3 s
 #: for 500; a CI machine once took over 3 s for 100).
@@ -54,7 +54,7 @@ def settle(process: psutil.Process, quiet_cpu_s: float, window_s: float, limit_s
 
 @pytest.fixture(scope="module")
 def unpaced_mesh() -> Iterator[Mesh]:
-    # Answers longer than the synthetic replica's default 8,192-token context: it advertises 64k.
+    # Answers longer than the synthetic replica's default 8,192-token context: it advertises 128k.
     replica = ("--tokens-per-chunk", "4", "--max-context-tokens", "131072")
     with mesh(None, [replica] * 2, "--max-in-flight", "4096") as m:
         yield m
@@ -144,7 +144,8 @@ def test_slow_readers_keep_router_memory_bounded_and_healthy_clients_fast(unpace
     assert grown < 8 * 2**20, f"router memory grew by {grown / 2**20:.1f} MiB while the readers sat paused"
     assert in_flight >= SLOW_READERS // 2, "the slow readers' streams never reached a replica"
     # 120-180 KiB a reader held paused (its last ~1,000 tokens, the streams' buffers); 1 MiB is the
-    # limit: relaying the answers into memory instead holds ~2.4 MiB a reader (64,000 tokens).
+    # limit. Relaying the answers into memory instead grew the router by 64 MiB for 100 readers at
+    # 32,000 tokens (docs/reliability.md, finding 7), ~1.3 MiB a reader at 64,000, and never goes quiet.
     limit = SLOW_READERS * 1024 * 1024
     assert rss_after - rss_before < limit, f"router memory grew by more than {limit / 2**20:.0f} MiB"
     assert under_load <= max(2 * baseline, baseline + 0.01), (baseline, under_load)
