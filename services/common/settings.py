@@ -48,6 +48,8 @@ class EnvArgumentParser(argparse.ArgumentParser):
                 action = kwargs.get("action")
                 if action == "store_true":
                     kwargs["default"] = raw.lower() in ("1", "true", "yes", "on")
+                elif action == "append":  # a repeatable flag: comma-separated values
+                    kwargs["default"] = [v.strip() for v in raw.split(",") if v.strip()]
                 elif "type" in kwargs and callable(kwargs["type"]):
                     kwargs["default"] = kwargs["type"](raw)
                 else:

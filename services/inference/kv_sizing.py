@@ -54,15 +54,23 @@ def auto_cuda_blocks(kv: KVGeometry, device: torch.device) -> int:
 
 
 def fit_host_memory(
-    kv: KVGeometry, num_kv_blocks: int | None, memory_limit_mib: int | None, slab_wanted: int
+    kv: KVGeometry,
+    num_kv_blocks: int | None,
+    memory_limit_mib: int | None,
+    slab_wanted: int,
+    to_come: int = 0,
 ) -> tuple[int, int]:
-    """KV blocks and slab bytes that fit in the memory this replica may use (memory_budget.py)."""
+    """KV blocks and slab bytes that fit in the memory this replica may use (memory_budget.py).
+
+    ``to_come``: bytes the replica will hold beside what is resident now, once the cache is sized
+    (the compiled decode step's own packed weights): counted as resident already.
+    """
     release_freed_heap()
     per_block = kv.bytes_per_block()
     explicit = num_kv_blocks
     wanted = explicit or min(kv.full_context_blocks(), CPU_KV_MEMORY_CAP // per_block)
     limit = memory_budget.memory_limit(memory_limit_mib)
-    resident = psutil.Process().memory_info().rss
+    resident = psutil.Process().memory_info().rss + to_come
     plan = memory_budget.plan_cpu_memory(limit.bytes, resident, wanted * per_block, slab_wanted)
     blocks = explicit or plan.kv_cache_bytes // per_block
     one_context = kv.context_blocks()
@@ -75,11 +83,13 @@ def fit_host_memory(
             "Raise the memory limit, or lower --max-model-len"
         )
     log.info(
-        "memory: %d MiB may be used (%s), %d MiB resident with the weights ready; KV cache %d MiB "
+        "memory: %d MiB may be used (%s), %d MiB resident with the weights ready (%d MiB of it "
+        "still to come: the compiled decode step's weights); KV cache %d MiB "
         "(%d blocks, %d tokens), decode slab up to %d MiB",
         limit.bytes >> 20,
         limit.source,
         resident >> 20,
+        to_come >> 20,
         blocks * per_block >> 20,
         blocks,
         blocks * kv.block_size,

@@ -222,6 +222,14 @@ class LlamaForward:
         # --compile on CPU: whole pure-decode steps as one graph (compiled_decode.py).
         self.decode_graph: CompiledDecode | None = None
 
+    def decode_graph_bytes(self) -> int:
+        """What compiling the decode step will add: the graph's own packed copy of the layers'
+        linear weights (0 unless built with ``keep_weights``)."""
+        if not self.keep_weights:
+            return 0
+        linears = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return sum(w.plain.numel() * w.plain.element_size() for w in linears)
+
     def _layer(self, layer: Any) -> LayerWeights:
         attn, mlp, keep = layer.self_attn, layer.mlp, self.keep_weights
         return LayerWeights(

@@ -117,7 +117,12 @@ class ModelRunner:
         slab_budget = config.decode_slab_mib << 20
         if self.device.type == "cpu":
             self.num_blocks, slab_budget = fit_host_memory(
-                self.kv, config.num_kv_blocks, config.memory_limit_mib, slab_budget
+                self.kv,
+                config.num_kv_blocks,
+                config.memory_limit_mib,
+                slab_budget,
+                # Compiled after the cache is sized (its warm-up needs the slab): counted now.
+                to_come=self.native.decode_graph_bytes() if self.native is not None else 0,
             )
         else:
             self.num_blocks = config.num_kv_blocks or auto_cuda_blocks(self.kv, self.device)

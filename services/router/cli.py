@@ -90,6 +90,12 @@ def main(argv: list[str] | None = None) -> None:
         help="largest HTTP request body",
     )
     add(
+        "--http-cors-origin",
+        action="append",
+        default=[],
+        help="a browser origin (https://app.example, or *) whose pages may call the HTTP front; repeatable",
+    )
+    add(
         "--http-keepalive-s",
         type=float,
         default=FrontLimits.keepalive_s,
@@ -129,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
                     port=args.http_port,
                     limits=FrontLimits(args.http_max_body_bytes, args.http_keepalive_s),
                     grace_s=args.grace_seconds,
+                    cors_origins=tuple(args.http_cors_origin),
                 ),
             )
         runtime = RouterRuntime(settings)

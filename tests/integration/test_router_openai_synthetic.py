@@ -17,12 +17,16 @@ from tests.support.openai_front import http_base
 from tests.support.processes import ServiceProcess
 from tests.support.router_mesh import router_process, synthetic_replica
 
+APP_ORIGIN = "http://app.example:3000"
+
 
 @pytest.fixture(scope="module")
 def base() -> Iterator[str]:
     # Two tokens a second and a keep-alive every 0.2 s: keep-alives fall between the tokens.
     replica = synthetic_replica("--tokens-per-second", "2").start()
-    router: ServiceProcess = router_process([replica], "--http-port", "0", "--http-keepalive-s", "0.2")
+    router: ServiceProcess = router_process(
+        [replica], "--http-port", "0", "--http-keepalive-s", "0.2", "--http-cors-origin", APP_ORIGIN
+    )
     try:
         router.start()
         yield http_base(router)
@@ -53,6 +57,53 @@ def test_the_openai_sdk_reads_a_stream_with_keepalives_between_tokens(base: str)
     contents = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert len(contents) == 3
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def _preflight(base: str, origin: str) -> httpx.Response:
+    return httpx.options(
+        f"{base}/v1/chat/completions",
+        headers={
+            "Origin": origin,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type, x-stainless-lang",
+        },
+        timeout=10,
+    )
+
+
+def test_a_browser_page_on_an_allowed_origin_may_call_the_front(base: str) -> None:
+    preflight = _preflight(base, APP_ORIGIN)
+    assert preflight.status_code == 200, preflight.text
+    assert preflight.headers["access-control-allow-origin"] == APP_ORIGIN
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    allowed = preflight.headers["access-control-allow-headers"].lower()
+    assert {"authorization", "content-type", "x-stainless-lang"} <= {h.strip() for h in allowed.split(",")}
+    body = {**BODY, "stream": False, "max_tokens": 1}
+    answer = httpx.post(
+        f"{base}/v1/chat/completions",
+        json=body,
+        headers={"Origin": APP_ORIGIN, "x-request-id": "cors-check-1"},
+        timeout=30,
+    )
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["access-control-allow-origin"] == APP_ORIGIN
+    # The page's script may read the id it can quote in a bug report.
+    assert "x-request-id" in answer.headers["access-control-expose-headers"].lower()
+
+
+def test_a_page_on_another_origin_is_refused_its_preflight(base: str) -> None:
+    refused = _preflight(base, "http://evil.example")
+    assert refused.status_code == 400
+    assert "access-control-allow-origin" not in refused.headers
+
+
+def test_cors_origins_are_checked_when_the_router_starts() -> None:
+    from services.router.api.openai.listener import HttpSettings
+
+    assert HttpSettings(cors_origins=("*", "https://a.example:8443")).cors_origins[0] == "*"
+    for bad in ("app.example", "https://app.example/", "https://app.example/path"):
+        with pytest.raises(ValueError, match="--http-cors-origin"):
+            HttpSettings(cors_origins=(bad,))
 
 
 @pytest.mark.parametrize("off", [["--no-http"], ["--http-port", "-1"]])
@@ -213,6 +264,9 @@ def test_405_says_which_method_the_route_allows(base: str) -> None:
         ({"input": ["a", ""]}, "input"),
         ({"input": "a", "dimensions": 0}, "dimensions"),
         ({"input": "a", "dimensions": -3}, "dimensions"),
+        # `user` is a string on every endpoint, as on chat (where it keys personal cache entries).
+        ({"input": "a", "user": 7}, "user"),
+        ({"input": "a", "user": "u" * 100_000}, "user"),
     ],
 )
 def test_embedding_inputs_openai_refuses_are_refused_before_the_retriever(

@@ -90,3 +90,28 @@ def test_a_small_cache_leaves_the_slab_what_it_does_not_use() -> None:
 def test_no_room_at_all_plans_nothing_rather_than_a_negative_size(resident: int) -> None:
     plan = plan_cpu_memory(4 * GIB, resident=resident, kv_cache_wanted=4 * GIB, slab_wanted=1 * GIB)
     assert (plan.kv_cache_bytes, plan.slab_bytes, plan.available_bytes) == (0, 0, 0)
+
+
+def test_memory_still_to_come_is_taken_from_the_kv_cache_before_it_is_sized(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The compiled decode step packs its own copy of the weights after the cache is sized: a
+    # cache sized on today's RSS alone would take the memory that copy needs and pass the limit.
+    import torch
+
+    from services.inference import kv_sizing
+
+    class Rss:
+        rss = 1 * GIB
+
+    monkeypatch.setattr(
+        kv_sizing.psutil, "Process", lambda: type("P", (), {"memory_info": lambda self: Rss})()
+    )
+    monkeypatch.setattr(kv_sizing, "release_freed_heap", lambda: None)
+    kv = kv_sizing.KVGeometry(30, 3, 64, 16, torch.bfloat16, 8192, 256)
+    per_block = kv.bytes_per_block()
+    blocks_now, slab_now = kv_sizing.fit_host_memory(kv, None, 4096, 256 * MIB)
+    blocks_later, slab_later = kv_sizing.fit_host_memory(kv, None, 4096, 256 * MIB, to_come=512 * MIB)
+    # Everything the compiled copy takes comes out of the cache and the slab, none from the limit.
+    assert (blocks_now - blocks_later) * per_block + (slab_now - slab_later) >= 512 * MIB - per_block
+    assert blocks_later * per_block + slab_later + 1 * GIB + 512 * MIB + ACTIVATION_RESERVE_BYTES <= 4 * GIB

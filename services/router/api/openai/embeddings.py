@@ -11,6 +11,7 @@ import numpy as np
 
 from services.gen.llmmesh.v1 import retriever_pb2
 from services.router.api.openai.errors import ApiError, bad_request, unsupported
+from services.router.api.openai.extras import MAX_USER_CHARS
 
 MAX_INPUTS = 256
 
@@ -65,6 +66,10 @@ def embedding_request(body: Any) -> EmbeddingRequest:
     if dimensions is not None and dimensions < 1:
         # Refused before the retriever embeds anything, as OpenAI refuses it.
         raise bad_request("dimensions", f"dimensions: must be at least 1, got {dimensions}")
+    user = body.get("user")
+    if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
+        # Unused here, but checked as on chat: a client sending a number means something else.
+        raise bad_request("user", f"user: a string of at most {MAX_USER_CHARS} characters")
     return EmbeddingRequest(tuple(texts), model or "", encoding, dimensions)
 
 

@@ -15,6 +15,20 @@ from services.common.grpc_status import status_for
 
 log = logging.getLogger("llmmesh.router.openai")
 
+#: The most characters of an error message (and of the field it names) a client is sent: a
+#: message quoting what the client sent (a model name, a header, a key) would otherwise echo a
+#: megabyte back, and a log line quoting it would write one.
+MAX_MESSAGE_CHARS = 1024
+
+
+def clipped(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``text``, or its start and end around a note of how much was left out when it is longer than ``limit``."""
+    if len(text) <= limit:
+        return text
+    tail = limit // 4
+    note = f" … [{len(text) - limit} characters left out] … "
+    return text[: limit - tail - len(note)] + note + text[-tail:]
+
 
 @dataclass(frozen=True)
 class ApiError(Exception):
@@ -29,7 +43,10 @@ class ApiError(Exception):
     retry_after_s: float | None = None
 
     def body(self) -> dict[str, object]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        param = clipped(self.param) if self.param is not None else None
+        return {
+            "error": {"message": clipped(self.message), "type": self.type, "param": param, "code": self.code}
+        }
 
     def headers(self) -> dict[str, str]:
         if self.retry_after_s is None:

@@ -9,8 +9,11 @@ import math
 import socket
 from collections.abc import Generator
 from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
 
 import uvicorn
+from starlette.middleware.cors import CORSMiddleware
 
 from services.common.settings import ROUTER_HTTP_PORT
 from services.router.api.openai.app import FrontLimits, OpenAiFront
@@ -31,10 +34,44 @@ class HttpSettings:
     limits: FrontLimits = field(default_factory=FrontLimits)
     #: Seconds a shutdown waits for open responses (streams included) before cutting them.
     grace_s: float = 30.0
+    #: Browser origins (``https://app.example``, or ``*``) whose pages may call the front
+    #: directly; none by default, as a browser then refuses a page on another origin.
+    cors_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--http-port must be in 0..65535 (or {HTTP_OFF} for off), got {self.port}")
+        for origin in self.cors_origins:
+            if origin != "*" and not _is_origin(origin):
+                raise ValueError(
+                    f"--http-cors-origin must be * or scheme://host[:port] with no path, got {origin!r}"
+                )
+
+
+def _is_origin(text: str) -> bool:
+    """``scheme://host[:port]`` and nothing more: what a browser sends as ``Origin``."""
+    parts = urlsplit(text)
+    return (
+        parts.scheme in ("http", "https")
+        and bool(parts.netloc)
+        and text == f"{parts.scheme}://{parts.netloc}"
+    )
+
+
+def with_cors(app: Any, origins: tuple[str, ...]) -> Any:
+    """``app`` answering browsers' CORS preflights for ``origins`` (Starlette's middleware)."""
+    if not origins:
+        return app
+    return CORSMiddleware(
+        app,
+        allow_origins=list(origins),
+        allow_methods=["GET", "POST"],
+        # Authorization, Content-Type, the SDKs' X-Stainless-* and ours (x-request-id, Last-Event-ID).
+        allow_headers=["*"],
+        # What a page's script may read from an answer: its id and when to retry.
+        expose_headers=["x-request-id", "Retry-After"],
+        max_age=600,
+    )
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -52,7 +89,7 @@ class HttpListener:
         self.settings = settings
         self.front = front
         config = uvicorn.Config(
-            front.app(),
+            with_cors(front.app(), settings.cors_origins),
             # httptools (a dependency): half h11's cost per request (bench/http_stack.py); the
             # subclass keeps the body of a request that proposes h2c, as Java's HttpClient does.
             http=UpgradeTolerantHttpToolsProtocol,

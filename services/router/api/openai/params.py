@@ -16,7 +16,7 @@ from typing import Any
 
 from services.common.sampling_limits import MAX_STOP_CHARS
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
-from services.router.api.openai.errors import ConstraintParam, bad_request, unsupported
+from services.router.api.openai.errors import ConstraintParam, bad_request, clipped, unsupported
 from services.router.api.openai.extras import FIELDS as EXTRA_FIELDS
 from services.router.api.openai.extras import Extras, extras
 from services.router.api.openai.structured import ToolMode, apply_output_options, tool_mode
@@ -304,7 +304,7 @@ def _refuse_unsupported(body: Mapping[str, Any], known: frozenset[str]) -> None:
             continue
         if len(_logged_unknown) < MAX_LOGGED_UNKNOWN:
             _logged_unknown.add(name)
-            log.info("ignoring unknown request field %r (logged once)", name)
+            log.info("ignoring unknown request field %r (logged once)", clipped(name, 200))
 
 
 def _messages(raw: Any) -> list[common_pb2.ChatMessage]:

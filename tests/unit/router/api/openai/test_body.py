@@ -36,6 +36,37 @@ def test_nesting_up_to_the_limit_is_read_and_one_level_more_is_refused_naming_th
     assert whole.param is None and "nested" in whole.message
 
 
+def test_brackets_inside_strings_are_text_not_nesting() -> None:
+    # Strings full of brackets (and escaped quotes before them) nest nothing: read as sent.
+    text = '\\"[' * (2 * MAX_DEPTH) + "{" * MAX_DEPTH
+    body = {"messages": [{"role": "user", "content": text}], "stop": ["]]", "[[" * MAX_DEPTH]}
+    assert parsed(json.dumps(body).encode()) == body
+    # ...and a bracket-laden string does not hide real nesting next to it.
+    deep = {"stop": ["]" * (4 * MAX_DEPTH)], "guided_json": _nested(MAX_DEPTH)}
+    assert refused(parsed, json.dumps(deep).encode()).param == "guided_json"
+
+
+def test_a_wide_body_is_not_deep_and_a_deep_field_among_wide_ones_is_named() -> None:
+    wide = {"model": "m", "logit_bias_like": [[] for _ in range(50_000)], "x": [{"a": [1]}] * 1_000}
+    assert parsed(json.dumps(wide).encode()) == wide
+    wide["grammar"] = {"k": _nested(MAX_DEPTH - 1)}  # MAX_DEPTH - 1 levels under one more: too deep
+    error = refused(parsed, json.dumps(wide).encode())
+    assert (error.status, error.param) == (400, "grammar") and f"{MAX_DEPTH} levels" in error.message
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32-le"])
+def test_nesting_is_counted_in_characters_whatever_the_unicode_encoding(encoding: str) -> None:
+    # json.loads reads UTF-16/32 bodies too; there every character is 2 or 4 bytes.
+    # U+5C22 is the bytes '"' and '\\' in UTF-16-LE and UTF-32-LE: read as bytes, it ends the
+    # string early and turns its brackets into nesting (or hides real nesting behind them).
+    text = "\u5c22" + "[[[[" * MAX_DEPTH
+    fits = json.dumps({"guided_json": _nested(MAX_DEPTH - 1), "s": text}, ensure_ascii=False)
+    assert parsed(fits.encode(encoding))["guided_json"] == _nested(MAX_DEPTH - 1)
+    hiding = "\u5c22" + "]]]]" * MAX_DEPTH
+    deep = json.dumps({"s": hiding, "guided_json": _nested(MAX_DEPTH)}, ensure_ascii=False)
+    assert refused(parsed, deep.encode(encoding)).param == "guided_json"
+
+
 def test_escaped_surrogate_pairs_are_whole_characters_and_a_lone_half_is_named_by_path() -> None:
     # What json.dumps (ensure_ascii, the default of Python's requests) writes for an emoji.
     body = json.dumps({"messages": [{"role": "user", "content": "hi 😀"}]}).encode()

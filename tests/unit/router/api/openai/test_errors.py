@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from services.common import errors
-from services.router.api.openai.errors import api_error
+from services.router.api.openai.errors import MAX_MESSAGE_CHARS, api_error, bad_request
 
 
 @pytest.mark.parametrize(
@@ -63,3 +63,14 @@ def test_a_bug_is_a_logged_500_without_its_details(caplog: pytest.LogCaptureFixt
     assert error.status == 500 and error.type == "server_error"
     assert "secret internals" not in error.message
     assert "secret internals" in caplog.text  # once, in the log, with its traceback
+
+
+def test_a_huge_value_quoted_in_a_message_is_clipped_and_says_how_much_was_left_out() -> None:
+    name = "m" * 1_000_000
+    error = api_error(errors.InvalidArgument("model", f"unknown model {name!r}; served: a, b"))
+    message = error.body()["error"]["message"]  # type: ignore[index]
+    assert len(message) <= MAX_MESSAGE_CHARS
+    assert message.startswith("model: unknown model 'mmm") and message.endswith("served: a, b")
+    assert f"[{len(error.message) - MAX_MESSAGE_CHARS} characters left out]" in message
+    short = bad_request("stop", "stop: at most 4 sequences")
+    assert short.body()["error"]["message"] == "stop: at most 4 sequences"  # type: ignore[index]
