@@ -84,7 +84,7 @@ def fit_host_memory(
         )
     log.info(
         "memory: %d MiB may be used (%s), %d MiB resident with the weights ready (%d MiB of it "
-        "still to come: the compiled decode step's weights); KV cache %d MiB "
+        "still to come: the compiled decode step); KV cache %d MiB "
         "(%d blocks, %d tokens), decode slab up to %d MiB",
         limit.bytes >> 20,
         limit.source,

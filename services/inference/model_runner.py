@@ -122,7 +122,7 @@ class ModelRunner:
                 config.memory_limit_mib,
                 slab_budget,
                 # Compiled after the cache is sized (its warm-up needs the slab): counted now.
-                to_come=self.native.decode_graph_bytes() if self.native is not None else 0,
+                to_come=compiled_decode.memory_to_come(self.native) if self.native is not None else 0,
             )
         else:
             self.num_blocks = config.num_kv_blocks or auto_cuda_blocks(self.kv, self.device)
