@@ -175,4 +175,24 @@ class FlatBatchBuilder:
             gather_slots=(tables[:, :, None] * bs + self._block_offsets).reshape(-1),
             span=span,
             mask=mask,
+            chunks=_row_chunks(prefills, steps, span),
         )
+
+
+#: Attend prefill rows one by one once padding them to the longest would do this many times the
+#: attention work they need (query tokens × keys seen, summed over rows).
+PER_ROW_PADDING_WASTE = 1.5
+
+
+def _row_chunks(
+    prefills: Seq[ScheduledSequence], steps: int, span: int
+) -> tuple[tuple[int, int, int], ...] | None:
+    """Each row's (first flat token, tokens, keys seen) when attending row by row is the cheaper."""
+    needed = sum(s.num_tokens * (s.start + s.num_tokens) for s in prefills)
+    if len(prefills) < 2 or len(prefills) * steps * span < PER_ROW_PADDING_WASTE * needed:
+        return None
+    chunks, first = [], 0
+    for s in prefills:
+        chunks.append((first, s.num_tokens, s.start + s.num_tokens))
+        first += s.num_tokens
+    return tuple(chunks)

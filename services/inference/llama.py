@@ -130,6 +130,9 @@ class PrefillRows:
     gather_slots: torch.Tensor  # [rows * span]
     span: int
     mask: torch.Tensor  # [rows, 1, steps, span] True where the query may see the key
+    # Set when padding every row to the longest would waste most of the attention (prompts of
+    # mixed lengths): each row's (first flat token, tokens, keys it sees), attended one by one.
+    chunks: tuple[tuple[int, int, int], ...] | None = None
 
 
 @dataclass
@@ -368,15 +371,17 @@ class LlamaForward:
     ) -> torch.Tensor:
         r, t, span = rows.rows, rows.steps, rows.span
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        if rows.pad_index is not None:
-            padded = q.new_zeros(r * t, heads, dim).index_copy_(0, rows.pad_index, q)
-        else:
-            padded = q
         shape = (kv_heads, r * span, dim)
         keys = gather_slots(k_cache, rows.gather_slots, self.scratch.get("prefill_k", shape, k_cache))
         values = gather_slots(v_cache, rows.gather_slots, self.scratch.get("prefill_v", shape, v_cache))
         keys = keys.view(kv_heads, r, span, dim).transpose(0, 1)
         values = values.view(kv_heads, r, span, dim).transpose(0, 1)
+        if rows.chunks is not None:
+            return self._prefill_attention_by_row(q, keys, values, rows.mask, rows.chunks)
+        if rows.pad_index is not None:
+            padded = q.new_zeros(r * t, heads, dim).index_copy_(0, rows.pad_index, q)
+        else:
+            padded = q
         out = F.scaled_dot_product_attention(
             padded.view(r, t, heads, dim).transpose(1, 2),
             keys,
@@ -388,4 +393,33 @@ class LlamaForward:
         out = out.transpose(1, 2).reshape(r * t, heads, dim)
         if rows.pad_index is not None:
             out = out.index_select(0, rows.pad_index)
+        return out
+
+    def _prefill_attention_by_row(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor,
+        chunks: tuple[tuple[int, int, int], ...],
+    ) -> torch.Tensor:
+        """Each row over its own tokens and keys: no padded queries or keys to attend for nothing.
+
+        A step prefilling prompts of 40 and 300 tokens pads both to 300 × 300 in the batched
+        call; one call per row did the same work 2.3× faster (docs/inference.md). The mask
+        slices keep each row's causal view, cached prefix included.
+        """
+        heads, dim = self.num_heads, self.head_dim
+        out = torch.empty_like(q)
+        for i, (first, tokens, seen) in enumerate(chunks):
+            query = q[first : first + tokens].view(1, tokens, heads, dim).transpose(1, 2)
+            attended = F.scaled_dot_product_attention(
+                query,
+                keys[i : i + 1, :, :seen],
+                values[i : i + 1, :, :seen],
+                attn_mask=mask[i : i + 1, :, :tokens, :seen],
+                scale=self.scale,
+                enable_gqa=True,
+            )
+            out[first : first + tokens] = attended.transpose(1, 2).reshape(tokens, heads, dim)
         return out

@@ -85,3 +85,43 @@ def test_the_forward_keeps_no_view_into_the_loaded_checkpoint(model_path: Path) 
         kept += [linear.weight for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     shared = [t for t in kept if t is not None and t.untyped_storage().data_ptr() in loaded]
     assert shared == []
+
+
+LONG = (
+    "In the old harbour town the painters gathered every morning by the water, arguing about light, "
+    "colour and the shapes of boats, while the fishermen mended their nets and laughed at them. "
+    "One of them, a quiet engineer who had built machines all his life, decided to learn to paint"
+)
+
+
+def test_prompts_of_mixed_lengths_and_a_cached_prefix_attend_row_by_row_with_transformers_tokens(
+    engine: LLMEngine, model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Padding a four-word prompt to a long prompt's length would attend mostly padding: those steps attend
+    # each row alone, over its own keys (the cached prefix included), and must change nothing.
+    forward = engine.runner.native
+    assert forward is not None
+    by_row = forward._prefill_attention_by_row
+    calls: list[int] = []
+    monkeypatch.setattr(
+        forward, "_prefill_attention_by_row", lambda *a: calls.append(len(a[3])) or by_row(*a)
+    )
+    tok = engine.tokenizer
+    long, continued, short = tok.encode(LONG), tok.encode(LONG + " the sea at dawn."), tok.encode("Hi there, my friend")
+    model: Any = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).to(TEST_DEVICE)
+
+    def hf(ids: list[int]) -> list[int]:
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([ids], device=model.device),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=-1,
+            )
+        return out[0, len(ids) :].tolist()  # type: ignore[no-any-return]
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    assert engine.generate([long, short], params) == [hf(long), hf(short)]
+    # `continued` starts with `long`'s blocks, now cached: its row sees keys before its first token.
+    assert engine.generate([continued, short], params) == [hf(continued), hf(short)]
+    assert calls and all(rows == 2 for rows in calls), calls
