@@ -11,6 +11,7 @@ from pathlib import PurePath
 from typing import Any
 
 from services.common.errors import InvalidArgument
+from services.retriever import tabular
 from services.retriever.pdf_layout import PdfBlock, layout_kept_the_text, page_lines, pdf_blocks
 from services.retriever.terms import normalized
 from services.retriever.text_encoding import decode_text
@@ -40,9 +41,23 @@ MIME_BY_EXTENSION: dict[str, str] = {
     ".htm": HTML,
     ".pdf": PDF,
     ".docx": DOCX,
+    ".csv": tabular.CSV,
+    ".tsv": tabular.TSV,
+    ".json": tabular.JSON,
+    ".jsonl": tabular.JSON_LINES,
+    ".ndjson": tabular.JSON_LINES,
 }
 # Aliases clients commonly send for the same formats.
-_MIME_ALIASES = {"text/x-markdown": MARKDOWN, "application/xhtml+xml": HTML}
+_MIME_ALIASES = {
+    "text/x-markdown": MARKDOWN,
+    "application/xhtml+xml": HTML,
+    "application/csv": tabular.CSV,
+    "text/comma-separated-values": tabular.CSV,
+    "text/json": tabular.JSON,
+    "application/jsonl": tabular.JSON_LINES,
+    "application/x-jsonlines": tabular.JSON_LINES,
+    "application/jsonlines": tabular.JSON_LINES,
+}
 
 _MD_HEADING = re.compile(r"^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
 _MD_FENCE = re.compile(r"^\s{0,3}(`{3,}|~{3,})(.*)$")
@@ -487,6 +502,20 @@ def _docx_bold_only(paragraph: Any) -> bool:
     return bool(runs) and all(run.bold or (run.style is not None and run.style.font.bold) for run in runs)
 
 
+def _parse_csv(data: bytes, charset: str | None, delimiter: str | None = None) -> list[Section]:
+    # One section of records, a paragraph each: the chunker packs them into chunks, never splitting one.
+    records = tabular.csv_records(data, charset, delimiter)
+    return [Section("\n\n".join(records))] if records else []
+
+
+def _parse_json(data: bytes, charset: str | None, lines: bool = False) -> list[Section]:
+    return [
+        Section("\n\n".join(records), heading, path=(heading,) if heading else ())
+        for heading, records in tabular.json_sections(data, charset, lines)
+        if records
+    ]
+
+
 # Each takes the bytes and the declared charset; PDF and DOCX say their own encodings.
 _PARSERS: dict[str, Callable[[bytes, str | None], list[Section]]] = {
     PLAIN_TEXT: _parse_plain,
@@ -494,4 +523,8 @@ _PARSERS: dict[str, Callable[[bytes, str | None], list[Section]]] = {
     HTML: _parse_html,
     PDF: lambda data, _charset: _parse_pdf(data),
     DOCX: lambda data, _charset: _parse_docx(data),
+    tabular.CSV: _parse_csv,
+    tabular.TSV: lambda data, charset: _parse_csv(data, charset, "\t"),
+    tabular.JSON: _parse_json,
+    tabular.JSON_LINES: lambda data, charset: _parse_json(data, charset, lines=True),
 }

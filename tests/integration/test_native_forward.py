@@ -107,7 +107,11 @@ def test_prompts_of_mixed_lengths_and_a_cached_prefix_attend_row_by_row_with_tra
         forward, "_prefill_attention_by_row", lambda *a: calls.append(len(a[3])) or by_row(*a)
     )
     tok = engine.tokenizer
-    long, continued, short = tok.encode(LONG), tok.encode(LONG + " the sea at dawn."), tok.encode("Hi there, my friend")
+    long, continued, short = (
+        tok.encode(LONG),
+        tok.encode(LONG + " the sea at dawn."),
+        tok.encode("Hi there, my friend"),
+    )
     model: Any = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).to(TEST_DEVICE)
 
     def hf(ids: list[int]) -> list[int]:

@@ -8,6 +8,7 @@ use their own ids or tenants, and call the retriever directly.
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -455,3 +456,28 @@ def test_a_legacy_encoded_file_is_ingested_by_its_declared_charset_and_refused_w
     stub.DeleteDocument(
         pb.DeleteDocumentRequest(document_id="cp1252/dessert.txt"), metadata=meta(), timeout=30
     )
+
+
+def test_csv_and_json_documents_are_searchable_with_each_value_beside_its_name(
+    stub: retriever_pb2_grpc.RetrieverStub,
+) -> None:
+    tenant = "tabular"
+    # A spreadsheet export (semicolons, as European Excel writes it) and an API dump.
+    rows = "office;city;opening hours;phone\nNorth;Tromsø;08:00–16:00;+47 111\nSouth;Seville;09:00–14:00;+34 222\n"
+    ingest(stub, "offices.csv", rows.encode(), "text/csv", tenant=tenant)
+    api = {
+        "product": "Kettle K2",
+        "specs": {"power_watts": 2200, "capacity_litres": 1.7},
+        "colours": ["red", "grey"],
+    }
+    ingest(stub, "kettle.json", json.dumps(api).encode(), "application/json", tenant=tenant)
+    best = search(stub, "When does the Seville office open?", tenant=tenant, top_k=1)[0]
+    assert best.document_id == "offices.csv"
+    assert "office: South; city: Seville; opening hours: 09:00–14:00; phone: +34 222" in best.text
+    ranked = search(stub, "How many watts is the kettle?", tenant=tenant, top_k=3)
+    specs = [c for c in ranked if c.document_id == "kettle.json" and c.heading == "specs"]
+    assert specs and "specs.power_watts: 2200" in specs[0].text, [(c.heading, c.text) for c in ranked]
+    # Bytes that are not the JSON they claim to be are refused, naming the field.
+    error = rpc_error(ingest, stub, "broken.json", b'{"a": ', "application/json", tenant=tenant)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "data: not valid JSON" in error.details()
+    assert set(listed(stub, tenant)) == {"offices.csv", "kettle.json"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -453,3 +454,70 @@ def test_plain_text_chinese_title_lines_are_headings_but_sentences_are_not() -> 
 def test_a_document_of_only_invisible_characters_is_refused() -> None:
     with pytest.raises(InvalidArgument, match="data: document has no extractable text"):
         parse_document("\u200b\ufeff\u2060 \u00ad\n".encode(), PLAIN_TEXT)
+
+
+def _texts(data: bytes, mime_type: str) -> list[tuple[str, str]]:
+    return [(s.heading, s.text) for s in parsing.parse_document(data, mime_type)]
+
+
+@pytest.mark.parametrize(
+    ("data", "mime_type"),
+    [
+        (b"name,age,city\nAlice,31,Paris\nBob,,Lyon\n", "text/csv"),
+        (b"name;age;city\r\nAlice;31;Paris\r\n\r\nBob;;Lyon\r\n", "text/csv"),  # European Excel
+        (b"name\tage\tcity\nAlice\t31\tParis\nBob\t\tLyon\n", "text/tab-separated-values"),
+        (b'\xef\xbb\xbfname,age,city\n"Alice",31,"Paris"\nBob,,Lyon\n', "text/csv"),  # BOM, quotes
+    ],
+)
+def test_csv_records_name_each_value_by_its_column(data: bytes, mime_type: str) -> None:
+    # An empty cell says nothing (no "age: " with nothing after it); each record is a paragraph.
+    assert _texts(data, mime_type) == [("", "name: Alice; age: 31; city: Paris\n\nname: Bob; city: Lyon")]
+
+
+def test_csv_without_a_header_row_keeps_its_cells_and_extra_cells_are_numbered() -> None:
+    assert _texts(b"1,2,3\n4,5,6\n", "text/csv") == [("", "1, 2, 3\n\n4, 5, 6")]
+    ragged = b"question,answer\nWhere is it?,Oslo,see map\n"
+    assert _texts(ragged, "text/csv") == [("", "question: Where is it?; answer: Oslo; column 3: see map")]
+
+
+def test_json_objects_give_a_section_per_key_and_a_paragraph_per_record() -> None:
+    data = {
+        "title": "Handbook",
+        "version": 3,
+        "leave": [{"kind": "annual", "days": 25}, {"kind": "sick", "paid": True, "note": ""}],
+        "owner": {"team": "HR", "contact": {"email": "hr@example.com"}},
+    }
+    assert _texts(json.dumps(data).encode(), "application/json") == [
+        ("", "title: Handbook\nversion: 3"),
+        ("leave", "kind: annual\ndays: 25\n\nkind: sick\npaid: true"),
+        # An object's lines keep their whole path: a chunk of it still says whose value it is.
+        ("owner", "owner.team: HR\nowner.contact.email: hr@example.com"),
+    ]
+    records = [{"q": "Where?", "a": ["Oslo", "Bergen"]}, {"q": "When?", "a": None}]
+    assert _texts(json.dumps(records).encode(), "application/json") == [
+        ("", "q: Where?\na: Oslo, Bergen\n\nq: When?\na: null")
+    ]
+    lines = b'{"q": "Where?"}\n\n{"q": "When?"}\n'
+    assert _texts(lines, "application/x-ndjson") == [("", "q: Where?\n\nq: When?")]
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b'{"a": ', "not valid JSON"),
+        (b"[" * 100 + b"]" * 100, "nested more than 64 levels"),
+        (b"[" * 5000 + b"]" * 5000, "nested more than 64 levels"),  # past Python's own stack
+        (b"{}", "no extractable text"),
+    ],
+)
+def test_json_that_cannot_be_read_is_refused_naming_the_data(data: bytes, message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message) as caught:
+        parsing.parse_document(data, "application/json")
+    assert caught.value.field == "data"
+
+
+def test_tabular_formats_are_known_by_extension_and_common_aliases() -> None:
+    assert parsing.normalize_mime_type("", "people.CSV") == "text/csv"
+    assert parsing.normalize_mime_type("", "dump.jsonl") == "application/x-ndjson"
+    assert parsing.normalize_mime_type("application/csv") == "text/csv"
+    assert parsing.normalize_mime_type("text/json; charset=utf-8") == "application/json"
