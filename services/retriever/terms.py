@@ -13,7 +13,12 @@ before any text reaches either it is made comparable here, the same way for chun
   would be one "word" that only the identical run matches ("数据库" never found "…嵌入向量数据库");
   each run is indexed as its characters and overlapping pairs of characters (the bigrams of
   Lucene's CJK analyzer), so any word of two or more characters matches where it occurs, and a
-  one-character query still matches.
+  one-character query still matches;
+- Thai, Lao, Khmer and Myanmar are written without spaces between words too (a space ends a
+  phrase), and no segmenting dictionary ships with the retriever: each run is indexed as its
+  overlapping pairs of code points, so a query word of two or more code points matches where it
+  occurs inside a run. Single code points are left out: many are vowel signs and tone marks,
+  which alone match nearly every run.
 """
 
 from __future__ import annotations
@@ -103,6 +108,12 @@ _CJK_RUN = re.compile(
 )
 
 
+# Thai, Lao, Myanmar (with extensions A and B) and Khmer (with its symbols).
+_SOUTHEAST_ASIAN_RUN = re.compile(
+    "[\u0e00-\u0e7f\u0e80-\u0eff\u1000-\u109f\ua9e0-\ua9ff\uaa60-\uaa7f\u1780-\u17ff\u19e0-\u19ff]+"
+)
+
+
 def normalized(text: str) -> str:
     """``text`` as keyword search compares it: NFKC, invisible characters removed."""
     return _INVISIBLE.sub("", unicodedata.normalize("NFKC", text))
@@ -114,9 +125,17 @@ def _cjk_terms(match: re.Match[str]) -> str:
     return " " + " ".join(grams) + " "
 
 
+def _pair_terms(match: re.Match[str]) -> str:
+    run = match.group()
+    if len(run) < 2:
+        return f" {run} "
+    return " " + " ".join(run[i : i + 2] for i in range(len(run) - 1)) + " "
+
+
 def keyword_text(text: str) -> str:
-    """``text`` as it is keyword-indexed: normalized, each CJK run as its characters and bigrams."""
-    return _CJK_RUN.sub(_cjk_terms, normalized(text))
+    """``text`` as it is keyword-indexed: normalized, each CJK run as its characters and bigrams,
+    each Thai, Lao, Khmer or Myanmar run as its bigrams."""
+    return _SOUTHEAST_ASIAN_RUN.sub(_pair_terms, _CJK_RUN.sub(_cjk_terms, normalized(text)))
 
 
 def content_words(text: str) -> list[str]:

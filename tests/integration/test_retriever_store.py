@@ -206,6 +206,25 @@ def test_keyword_search_finds_chinese_and_japanese_words_inside_unspaced_text(co
     assert hit.text == "检索服务把文档切分成块，然后写入向量数据库。"
 
 
+def test_keyword_search_finds_words_inside_thai_lao_khmer_and_myanmar_runs(corpus: Corpus) -> None:
+    # Written without spaces between words: a run up to the next space was one "word" to the
+    # analyzer, found only by a query of that exact run.
+    tenant = "southeast-asian"
+    corpus.ingest(tenant, upload("th-db", "บริการค้นหาแบ่งเอกสารเป็นชิ้นแล้วเขียนลงฐานข้อมูลเวกเตอร์"))
+    corpus.ingest(tenant, upload("th-install", "กรุณาติดตั้งซอฟต์แวร์ก่อนเริ่มบริการ"))
+    corpus.ingest(tenant, upload("km", "ទីក្រុងភ្នំពេញជារាជធានីនៃប្រទេសកម្ពុជា"))
+    corpus.ingest(tenant, upload("lo", "ວຽງຈັນແມ່ນນະຄອນຫຼວງຂອງລາວ"))
+    corpus.ingest(tenant, upload("my", "ရန်ကုန်မြို့သည်မြန်မာနိုင်ငံ၏အကြီးဆုံးမြို့ဖြစ်သည်"))
+    corpus.ingest(tenant, upload("en", "The router forwards prompts to replicas."))
+    assert keyword_hits(corpus, tenant, "ฐานข้อมูล")[0] == "th-db"  # "database"
+    assert keyword_hits(corpus, tenant, "ติดตั้ง")[0] == "th-install"  # "install"
+    assert keyword_hits(corpus, tenant, "រាជធានី") == ["km"]  # "capital"
+    assert keyword_hits(corpus, tenant, "ນະຄອນຫຼວງ") == ["lo"]  # "capital"
+    assert keyword_hits(corpus, tenant, "မြန်မာ") == ["my"]  # "Myanmar"
+    hit = corpus.search(tenant, SearchQuery("ฐานข้อมูล", mode=SearchMode.KEYWORD.value, top_k=1))[0]
+    assert hit.text == "บริการค้นหาแบ่งเอกสารเป็นชิ้นแล้วเขียนลงฐานข้อมูลเวกเตอร์"
+
+
 def test_keyword_search_matches_a_word_however_its_characters_are_encoded(corpus: Corpus) -> None:
     tenant = "unicode-forms"
     corpus.ingest(tenant, upload("nfd", "The cafe\u0301 sells re\u0301sume\u0301 pastries."))  # decomposed
