@@ -82,14 +82,14 @@ def fit_host_memory(
             f"{kv.max_model_len}-token context ({one_context * per_block >> 20} MiB). "
             "Raise the memory limit, or lower --max-model-len"
         )
+    coming = f" ({to_come >> 20} MiB of it still to come: the compiled decode step)" if to_come else ""
     log.info(
-        "memory: %d MiB may be used (%s), %d MiB resident with the weights ready (%d MiB of it "
-        "still to come: the compiled decode step); KV cache %d MiB "
+        "memory: %d MiB may be used (%s), %d MiB resident with the weights ready%s; KV cache %d MiB "
         "(%d blocks, %d tokens), decode slab up to %d MiB",
         limit.bytes >> 20,
         limit.source,
         resident >> 20,
-        to_come >> 20,
+        coming,
         blocks * per_block >> 20,
         blocks,
         blocks * kv.block_size,

@@ -157,7 +157,8 @@ async def test_sigterm_finishes_in_flight_work_then_exits(
 
 
 MEMORY_LINE = re.compile(
-    r"memory: (\d+) MiB may be used \(--memory-limit-mib\), (\d+) MiB resident with the weights ready; "
+    r"memory: (\d+) MiB may be used \(--memory-limit-mib\), (\d+) MiB resident with the weights ready"
+    r"(?: \(\d+ MiB of it still to come: the compiled decode step\))?; "
     r"KV cache (\d+) MiB \((\d+) blocks, \d+ tokens\), decode slab up to (\d+) MiB"
 )
 
@@ -182,6 +183,31 @@ async def test_a_replica_given_little_memory_sizes_its_cache_and_slab_to_fit(mod
             assert blocks * info.kv_block_size >= info.max_context_tokens
             start = inference_pb2.GenerateStart(prompt="The capital of France is", sampling=greedy(4))
             assert len((await generate(stub, start)).token_ids) == 4
+
+
+@pytest.mark.full
+def test_a_compiled_replica_counts_its_compiled_step_before_sizing_its_cache(model_path: Path) -> None:
+    # --compile builds the decode graph after the cache is sized: a plan on the RSS of that moment
+    # alone would leave the graph's packed weights and the compiler's state outside the limit.
+    import psutil
+
+    args = ["--model", str(model_path), "--memory-limit-mib", "4096", "--dtype", "bfloat16", "--compile"]
+    proc = ServiceProcess("services.inference", args)
+    try:
+        proc.start(timeout=600)  # compiling the decode step takes ≈ 100 s here
+        assert proc.proc is not None
+        match = MEMORY_LINE.search(proc.output())
+        assert match, proc.output()
+        limit, resident, kv_mib, _, slab_mib = map(int, match.groups())
+        coming = re.search(r"\((\d+) MiB of it still to come", proc.output())
+        assert coming and int(coming.group(1)) >= 200, proc.output()
+        assert resident + 1024 + kv_mib + slab_mib <= 0.9 * limit
+        # Serving now: what the compile added is within what the plan counted (the KV cache is
+        # still untouched; the warm-up's slab rows are the slab's own budget).
+        rss_mib = psutil.Process(proc.proc.pid).memory_info().rss >> 20
+        assert rss_mib <= resident + slab_mib, (rss_mib, resident, slab_mib)
+    finally:
+        proc.stop()
 
 
 def test_a_replica_whose_memory_cannot_hold_one_context_refuses_to_start(model_path: Path) -> None:
