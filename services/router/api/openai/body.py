@@ -12,7 +12,8 @@ Three things every endpoint needs before it looks at a field:
   the replica's grammar compiler (llguidance reads JSON with serde_json's 128-level limit) serves
   needs more. The depth is read from the bytes (strings blanked by a regex, then a running count
   of brackets in numpy), not by walking the parsed values: a walk in Python held the event loop
-  for about a second on a 4 MiB body of a million empty arrays, and every other request with it.
+  for about a second on a 4 MiB body of a million empty arrays, and every other request with it
+  (now ≈ 0.09 s, most of it ``json.loads``).
 * Text: JSON may escape a lone surrogate (``"\\ud800"``), and ``json.loads`` decodes raw surrogate
   bytes too (``surrogatepass``); no UTF-8 text holds one, so no proto string, no log line and no
   error message quoting it can either (a key echoed in an error message made the answer a 500).
