@@ -128,7 +128,8 @@ def _record(value: Any) -> str:
     """``path: value`` lines; a list of scalars is one line (``colours: red, grey``)."""
     lines: dict[str, list[str]] = {}
     for path, text in _leaves(value):
-        lines.setdefault(path.split("[", 1)[0] if path.endswith("]") else path, []).append(text)
+        # A list's items share their list's line: "a[0].b[1]" and "a[0].b[2]" are "a[0].b".
+        lines.setdefault(path[: path.rindex("[")] if path.endswith("]") else path, []).append(text)
     return "\n".join(
         f"{path}: {', '.join(texts)}" if path else ", ".join(texts) for path, texts in lines.items()
     )
