@@ -412,7 +412,7 @@ class LlamaForward:
         heads, dim = self.num_heads, self.head_dim
         out = torch.empty_like(q)
         for i, (first, tokens, seen) in enumerate(chunks):
-            query = q[first : first + tokens].view(1, tokens, heads, dim).transpose(1, 2)
+            query = q[first : first + tokens].reshape(1, tokens, heads, dim).transpose(1, 2)
             attended = F.scaled_dot_product_attention(
                 query,
                 keys[i : i + 1, :, :seen],
