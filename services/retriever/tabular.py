@@ -33,6 +33,8 @@ _DELIMITERS = ",;\t|"
 def csv_records(data: bytes, charset: str | None, delimiter: str | None = None) -> list[str]:
     """One paragraph per non-empty row: ``name: value; …`` under a header row, else the cells."""
     text = decode_text(data, charset)
+    # A cell may hold a whole text (a product description, an article): as long as the upload.
+    csv.field_size_limit(max(csv.field_size_limit(), len(text) + 1))
     try:
         delimiter = delimiter or _delimiter(text)
         rows = [
@@ -89,10 +91,7 @@ def json_sections(data: bytes, charset: str | None, lines: bool = False) -> list
     """(heading, paragraphs) of a JSON document (``lines``: JSON Lines, one value a line)."""
     text = decode_text(data, charset)
     try:
-        if lines:
-            values: Any = [json.loads(line) for line in text.splitlines() if line.strip()]
-        else:
-            values = json.loads(text)
+        values: Any = _json_lines(text) if lines else json.loads(text)
     except RecursionError:
         raise InvalidArgument("data", f"JSON nested more than {MAX_JSON_DEPTH} levels deep") from None
     except ValueError as exc:
@@ -116,6 +115,17 @@ def _holds_objects(value: Any) -> bool:
     return isinstance(value, dict) or (
         isinstance(value, list) and any(isinstance(item, (dict, list)) for item in value)
     )
+
+
+def _json_lines(text: str) -> list[Any]:
+    values = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                values.append(json.loads(line))
+            except ValueError as exc:
+                raise ValueError(f"line {number}: {exc}") from None
+    return values
 
 
 def _paragraphs(value: Any) -> list[str]:

@@ -516,6 +516,14 @@ def test_json_that_cannot_be_read_is_refused_naming_the_data(data: bytes, messag
     assert caught.value.field == "data"
 
 
+def test_a_bad_json_line_is_named_by_its_number_and_a_long_csv_cell_is_read_whole() -> None:
+    with pytest.raises(InvalidArgument, match="not valid JSON: line 3: Expecting value"):
+        parsing.parse_document(b'{"q": 1}\n\nnot json\n', "application/x-ndjson")
+    article = "word " * 60_000  # 300 KB in one cell: past csv's default 128 KiB field limit
+    sections = parsing.parse_document(f"title,body\nOn rivers,{article}\n".encode(), "text/csv")
+    assert sections[0].text == f"title: On rivers; body: {article.strip()}"
+
+
 def test_tabular_formats_are_known_by_extension_and_common_aliases() -> None:
     assert parsing.normalize_mime_type("", "people.CSV") == "text/csv"
     assert parsing.normalize_mime_type("", "dump.jsonl") == "application/x-ndjson"
