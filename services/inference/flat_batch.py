@@ -14,6 +14,14 @@ from services.inference import decode_slab, llama
 from services.inference.scheduler import ScheduledSequence
 
 
+def reads_whole_slab_rows(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decode attention over the slab reads every allocated position of its rows (see
+    ``FlatBatchBuilder._slab_decode_rows``): on CPU in reduced precision only. fp32's batched
+    matmul reads strided rows in place, so the masked tail would be work for nothing there
+    (and fp32 keeps HF's exact arithmetic)."""
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+
+
 class FlatBatchBuilder:
     """Builds each step's inputs over one replica's paged KV cache (and decode slab, if any)."""
 
@@ -33,10 +41,7 @@ class FlatBatchBuilder:
         self.v_caches = v_caches
         self.slab = slab
         self._block_offsets = torch.arange(block_size, device=device)
-        #: Decode attention over the slab reads every allocated position (see _slab_decode_rows):
-        #: on CPU in reduced precision only. fp32's batched matmul reads strided rows in place, so
-        #: the masked tail would be work for nothing there (and fp32 keeps HF's exact arithmetic).
-        self.whole_slab_rows = device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+        self.whole_slab_rows = reads_whole_slab_rows(device, dtype)
 
     def _slab_order(self, decodes: list[ScheduledSequence]) -> list[decode_slab.SlabRow] | None:
         """Put the decode rows in slab-row order; None (gather instead) when the slab cannot hold them."""
@@ -112,8 +117,9 @@ class FlatBatchBuilder:
             # that matmul copies both operands on every call: decode attention over 30 layers at
             # 48 rows took 108 ms a step at span 460 that way, 34 ms over the whole 512, and the
             # whole length was the faster down to span = length / 2, as far as measured
-            # (docs/benchmarks.md, "bf16 `uniform` on an AVX512_BF16 host"). A slab kept long by
-            # an earlier, longer batch (it only grows) is read over the span alone.
+            # (docs/benchmarks.md, "bf16 `uniform` on an AVX512_BF16 host"). Such a slab follows
+            # the batch's length down as well as up (decode_slab.py), so a shorter span is the
+            # exception: a slab the budget could not shrink, or rows under 32 positions.
             span = self.slab.length
         return llama.DecodeRows(
             count=len(decodes),

@@ -29,7 +29,7 @@ import torch
 
 from services.inference import compiled_decode, compiled_step, decode_slab, llama
 from services.inference.config import EngineConfig
-from services.inference.flat_batch import FlatBatchBuilder
+from services.inference.flat_batch import FlatBatchBuilder, reads_whole_slab_rows
 from services.inference.grammar import Guide
 from services.inference.host_memory import keep_large_allocations_mapped, zeroed
 from services.inference.kv_sizing import KVGeometry, auto_cuda_blocks, fit_host_memory
@@ -149,6 +149,7 @@ class ModelRunner:
                 self.dtype,
                 self.device,
                 budget_bytes=slab_budget,
+                whole_rows=reads_whole_slab_rows(self.device, self.dtype),
             )
         self.flat_batch = FlatBatchBuilder(
             self.block_size, self.device, self.dtype, self.k_caches, self.v_caches, self.slab

@@ -17,11 +17,13 @@ POSITIONS = (5, 13, 40)  # each row's new token; [0, position) is in the cache
 TABLE = 16  # blocks per row: 64 positions
 
 
-def slab_and_caches(dtype: torch.dtype) -> tuple[DecodeSlab, list[torch.Tensor], list[torch.Tensor]]:
+def slab_and_caches(
+    dtype: torch.dtype, whole_rows: bool = False
+) -> tuple[DecodeSlab, list[torch.Tensor], list[torch.Tensor]]:
     torch.manual_seed(0)
     k = [torch.randn(KV_HEADS, BLOCKS * BLOCK + 1, DIM).to(dtype)]
     v = [torch.randn(KV_HEADS, BLOCKS * BLOCK + 1, DIM).to(dtype)]
-    slab = DecodeSlab(1, 4, BLOCK, KV_HEADS, DIM, dtype, torch.device("cpu"), 1 << 30)
+    slab = DecodeSlab(1, 4, BLOCK, KV_HEADS, DIM, dtype, torch.device("cpu"), 1 << 30, whole_rows)
     rows = [SlabRow(f"r{i}", p, list(range(i * TABLE, (i + 1) * TABLE))) for i, p in enumerate(POSITIONS)]
     assert slab.prepare(rows, k, v) == [0, 1, 2]
     for i, p in enumerate(POSITIONS):  # the step's own token, as the forward writes it
@@ -75,8 +77,24 @@ def test_fp32_keeps_the_batchs_own_span() -> None:
     torch.testing.assert_close(attention(rows, q), reference(slab, q), atol=1e-5, rtol=1e-5)
 
 
+def test_a_slab_left_long_by_an_earlier_batch_shrinks_and_is_read_whole() -> None:
+    # As the model runner builds it in bf16 on CPU: its length follows the batch down too.
+    slab, k, v = slab_and_caches(torch.bfloat16, whole_rows=True)
+    slab._resize(slab.rows, 256)  # as an earlier batch of 200-odd positions left it
+    rows = [SlabRow(f"r{i}", p, list(range(i * TABLE, (i + 1) * TABLE))) for i, p in enumerate(POSITIONS)]
+    assert slab.prepare(rows, k, v) == [0, 1, 2] and slab.length == 64
+    for i, p in enumerate(POSITIONS):  # the step's own token, as the forward writes it
+        slab.k[0][i, :, p] = torch.randn(KV_HEADS, DIM).to(torch.bfloat16)
+        slab.v[0][i, :, p] = torch.randn(KV_HEADS, DIM).to(torch.bfloat16)
+    decode = decode_rows(torch.bfloat16, slab, k, v)
+    assert decode.span == slab.length == 64  # whole rows: contiguous, and the compiled graph's case
+    q = torch.randn(len(POSITIONS), HEADS, DIM).to(torch.bfloat16)
+    torch.testing.assert_close(attention(decode, q).float(), reference(slab, q), atol=3e-2, rtol=3e-2)
+
+
 def test_a_slab_more_than_twice_the_batchs_span_is_read_over_the_span_alone() -> None:
-    # The slab only grows: after a longer batch it may be far longer than this one's rows.
+    # A slab that keeps its length (here one not built to shrink; in the runner, a batch of
+    # rows under 32 positions in a 64-position slab) is read over the span, strided.
     slab, k, v = slab_and_caches(torch.bfloat16)
     slab._resize(slab.rows, 256)  # as an earlier batch of 200-odd positions left it
     rows = [SlabRow(f"r{i}", p, list(range(i * TABLE, (i + 1) * TABLE))) for i, p in enumerate(POSITIONS)]

@@ -142,3 +142,57 @@ def test_past_128_positions_the_length_grows_by_128_not_by_doubling() -> None:
     assert s.length == 384
     for layer in range(LAYERS):
         assert torch.equal(s.k[layer][0, :, :259], paged(k[layer], table, 259))
+
+
+def whole_row_slab(budget: int = 1 << 30, rows: int = 8) -> DecodeSlab:
+    """A slab whose steps read every allocated position (bf16/fp16 on CPU)."""
+    return DecodeSlab(
+        LAYERS, rows, BLOCK, KV_HEADS, DIM, torch.float32, torch.device("cpu"), budget, whole_rows=True
+    )
+
+
+def test_a_slab_read_whole_grows_in_steps_of_64() -> None:
+    assert [length_cover(n, 64) for n in (1, 64, 65, 128, 129, 200, 500)] == [64, 64, 128, 128, 192, 256, 512]
+    k, v = caches()
+    s = whole_row_slab()
+    table = list(range(0, 60))
+    s.prepare([SlabRow("a", 140, table)], k, v)
+    assert s.length == 192  # not 256: each of its positions is read by every step
+    for layer in range(LAYERS):
+        assert torch.equal(s.k[layer][0, :, :140], paged(k[layer], table, 140))
+
+
+def test_a_slab_read_whole_shrinks_to_a_shorter_batch_and_holds_its_rows() -> None:
+    k, v = caches()
+    s = whole_row_slab()
+    long_table, short_tables = list(range(0, 60)), {rid: [40 + i, 50 + i] for i, rid in enumerate("bcd")}
+    rows = [SlabRow(rid, 6, table) for rid, table in short_tables.items()]
+    s.prepare([SlabRow("a", 230, long_table), *rows], k, v)
+    assert s.length == 256
+    # The long conversation ends: the short rows would read 256 positions a step for 7.
+    index = s.prepare(rows, k, v)
+    assert index is not None and s.length == 64
+    for layer in range(LAYERS):
+        for row, table in zip(index, short_tables.values(), strict=True):
+            assert torch.equal(s.k[layer][row, :, :6], paged(k[layer], table, 6))
+            assert torch.equal(s.v[layer][row, :, :6], paged(v[layer], table, 6))
+
+
+def test_a_slab_read_whole_keeps_its_length_while_the_batch_is_near_it() -> None:
+    k, v = caches()
+    s = whole_row_slab()
+    table = list(range(0, 60))
+    s.prepare([SlabRow("a", 150, table), SlabRow("b", 100, table)], k, v)
+    assert s.length == 192
+    # "a" leaves; "b" (101 positions) fits 128, only 64 fewer: not worth refilling its row.
+    s.prepare([SlabRow("b", 100, table)], k, v)
+    assert s.length == 192
+
+
+def test_a_slab_not_read_whole_keeps_its_length_for_shorter_batches() -> None:
+    # fp32 reads strided rows over the batch's span: a long slab costs memory, not reads.
+    k, v = caches()
+    s = slab()
+    s.prepare([SlabRow("a", 230, list(range(0, 60)))], k, v)
+    s.prepare([SlabRow("b", 6, [1, 2])], k, v)
+    assert s.length == 256
