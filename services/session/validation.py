@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 
+from services.common import ids
 from services.common.errors import InvalidArgument
 from services.common.metadata import TENANT_KEY
 from services.session.limits import SessionLimits
 from services.session.model import ROLES, TurnRecord
 
-# No braces: the id is embedded in a Redis Cluster hash tag `{id}`, which a brace would end early.
-SESSION_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 MAX_OWNER_CHARS = 256
 OWNER_FIELD = f"{TENANT_KEY} metadata"
 
 
 def check_session_id(session_id: str) -> str:
-    if not SESSION_ID_RE.fullmatch(session_id):
-        raise InvalidArgument(
-            "session_id", f"must be 1-128 characters of [A-Za-z0-9_.:-], got {session_id[:64]!r}"
-        )
-    return session_id
+    return ids.check_session_id(session_id)
 
 
 def check_owner(owner: str | None) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 
 from services.common import errors
-from services.common.ids import check_client_id
+from services.common.ids import check_client_id, check_session_id
 from services.gen.llmmesh.v1 import router_pb2
 
 ROLES = frozenset({"system", "user", "assistant"})
@@ -37,6 +37,8 @@ def validate(request: router_pb2.ChatRequest, field_prefix: str = "") -> None:
                 f"{field_prefix}messages[{i}].role",
                 f"must be one of system, user, assistant; got {message.role!r}",
             )
+    if request.session_id:  # empty: no conversation kept
+        check_session_id(request.session_id, f"{field_prefix}session_id")
     if request.request_id:  # empty: the router mints one
         check_client_id(request.request_id, f"{field_prefix}request_id")
     if len(request.cache.user) > MAX_CACHE_USER_CHARS:

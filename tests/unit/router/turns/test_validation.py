@@ -32,3 +32,18 @@ def test_a_turn_that_is_neither_or_both_is_refused_naming_the_field(
     with pytest.raises(errors.InvalidArgument) as refused:
         validate(request_, "request.")
     assert refused.value.field == f"request.{field}"
+
+
+@pytest.mark.parametrize("session_id", ["s" * 200_000, "a{b}", "with space", "line\nbreak", "x" * 129])
+def test_a_malformed_session_id_is_refused_by_the_router_itself(session_id: str) -> None:
+    # Before any call to the session service: refused alike when it is down and the turn
+    # would otherwise go on without history; the message stays short whatever was sent.
+    with pytest.raises(errors.InvalidArgument) as refused:
+        validate(router_pb2.ChatRequest(messages=USER, session_id=session_id))
+    assert refused.value.field == "session_id"
+    assert len(str(refused.value)) < 200
+
+
+def test_a_well_formed_session_id_passes() -> None:
+    validate(router_pb2.ChatRequest(messages=USER, session_id="user:42.chat_7-b"))
+    validate(router_pb2.ChatRequest(messages=USER, session_id="x" * 128))
