@@ -97,7 +97,6 @@ class DecodeSlab:
         """``whole_rows``: decode steps read every allocated position of a row (see the module)."""
         self.num_layers = num_layers
         self.whole_rows = whole_rows
-        self.length_step = WHOLE_ROW_LENGTH_STEP if whole_rows else LENGTH_STEP
         self.max_rows = max_rows
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
@@ -146,7 +145,7 @@ class DecodeSlab:
         longest = max(r.position for r in rows) + 1
         fitted = (
             min(power_of_two_cover(len(rows), MIN_ROWS), self.max_rows),
-            length_cover(longest, self.length_step),
+            length_cover(longest, WHOLE_ROW_LENGTH_STEP if self.whole_rows else LENGTH_STEP),
         )
         # Keep what is allocated when it still serves (no reallocation as the batch
         # breathes); shrink to the batch's own size only when growing would pass the budget,

@@ -4,18 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from services.common import ids
 from services.common.errors import InvalidArgument
+from services.common.ids import check_session_id as check_session_id  # one rule with the router
 from services.common.metadata import TENANT_KEY
 from services.session.limits import SessionLimits
 from services.session.model import ROLES, TurnRecord
 
 MAX_OWNER_CHARS = 256
 OWNER_FIELD = f"{TENANT_KEY} metadata"
-
-
-def check_session_id(session_id: str) -> str:
-    return ids.check_session_id(session_id)
 
 
 def check_owner(owner: str | None) -> str:
