@@ -16,17 +16,20 @@ it beyond, so a few long conversations fit where a full batch of them would not
 (8 rows of 1,500 tokens take 0.53 GiB in fp32 SmolLM2, 64 would take 4.2); it only
 grows, unless growing would pass the budget while the batch's own size fits. When
 even that is over budget the step gathers from the paged cache. Past the step the
-length grows linearly, not by doubling: bf16 decode attention reads each row's
-whole allocated length (flat_batch.py), so a slab twice the span would be read
-twice over; a resize refills the rows, once per ``LENGTH_STEP`` positions.
+length grows linearly, not by doubling, so memory follows the longest row.
 
 When steps read every row's whole allocated length (``whole_rows``, bf16/fp16 on
 CPU), every allocated position the batch does not use is attention work for
-nothing, so the length follows the batch both ways: it grows in steps of
-``WHOLE_ROW_LENGTH_STEP`` and shrinks once the longest row is well short of it.
-Without that a slab grown by one long conversation made every later short batch
-take the strided path (flat_batch.py) and, under ``--compile``, the eager forward:
-measured 2026-12-05 in bf16 at 64 rows, 92 ms a step instead of 68.
+nothing, so the length follows the batch both ways, in fine steps
+(``whole_row_length``): it grows as the longest row does and shrinks once that row is
+well short of it. Without that a slab grown by one long conversation made every later
+short batch take the strided path (flat_batch.py) and, under ``--compile``, the eager
+forward: measured 2026-12-05 in bf16 at 64 rows, 92 ms a step instead of 68.
+
+A resize keeps what the rows hold: each layer's new tensor takes the old one's rows
+by one copy, so only positions the slab never held come from the paged cache. A
+refill through the block tables cost 5–10× that copy (48 rows of 256 positions:
+100–230 ms against 22), which is what kept the steps coarse.
 """
 
 from __future__ import annotations
@@ -41,17 +44,19 @@ import torch
 MIN_LENGTH = 64
 MIN_ROWS = 4
 LENGTH_STEP = 128
-#: With ``whole_rows`` the length grows past MIN_LENGTH in these steps. Each unused position
-#: is read by every step (half a step of waste on average), while a growth refills every row
-#: (``_fill``): at context L a step of S costs about S/2 + 3L/S positions' reads a step, least
-#: at S = sqrt(6L): 55 at L = 500, 95 at 1,500. 64 is near that for the contexts this serves;
-#: 128 read a third more at L = 500, 32 refilled twice as often.
-WHOLE_ROW_LENGTH_STEP = 64
-#: With ``whole_rows`` the length shrinks to the batch's once that frees at least this many
-#: positions a row (two growth steps), or the batch would read less than half of each row:
-#: hysteresis, so a batch that breathes around one length does not refill its rows every
-#: few steps.
-WHOLE_ROW_SHRINK_SLACK = 2 * WHOLE_ROW_LENGTH_STEP
+#: With ``whole_rows`` the length is a multiple of a step that widens with it: each unused
+#: position is read by every step (half a step of waste on average), while a growth copies
+#: every row once, which costs about 0.6-0.8 of one step's attention over the same positions
+#: (measured 2026-12-05 in bf16, 16-64 rows, 64-512 positions). At length L a step of S then
+#: costs about S/2 + 0.7 L/S positions' reads a step, least at S = sqrt(1.4 L): 11 at L = 80,
+#: 19 at 256, 37 at 1,000. These steps sit near that.
+WHOLE_ROW_STEPS = ((256, 16), (1024, 32))
+WHOLE_ROW_LAST_STEP = 64
+#: With ``whole_rows`` the length shrinks to the batch's once that frees at least
+#: ``WHOLE_ROW_SHRINK_STEPS`` of the batch's steps a row, or the batch would read less than half
+#: of each row: hysteresis, so a batch that breathes around one length does not copy its rows
+#: every few steps.
+WHOLE_ROW_SHRINK_STEPS = 2
 
 
 def power_of_two_cover(n: int, start: int) -> int:
@@ -68,6 +73,17 @@ def length_cover(n: int, step: int = LENGTH_STEP) -> int:
     if n <= max(MIN_LENGTH, step):
         return power_of_two_cover(n, MIN_LENGTH)
     return -(-n // step) * step
+
+
+def whole_row_step(n: int) -> int:
+    """The length step of a slab read whole, around ``n`` positions (``WHOLE_ROW_STEPS``)."""
+    return next((step for limit, step in WHOLE_ROW_STEPS if n <= limit), WHOLE_ROW_LAST_STEP)
+
+
+def whole_row_length(n: int) -> int:
+    """The length of a slab read whole for ``n`` positions: the least multiple of its step >= ``n``."""
+    step = whole_row_step(n)
+    return -(-max(n, 1) // step) * step
 
 
 @dataclass(frozen=True)
@@ -145,17 +161,18 @@ class DecodeSlab:
         longest = max(r.position for r in rows) + 1
         fitted = (
             min(power_of_two_cover(len(rows), MIN_ROWS), self.max_rows),
-            length_cover(longest, WHOLE_ROW_LENGTH_STEP if self.whole_rows else LENGTH_STEP),
+            whole_row_length(longest) if self.whole_rows else length_cover(longest),
         )
         # Keep what is allocated when it still serves (no reallocation as the batch
         # breathes); shrink to the batch's own size only when growing would pass the budget,
         # or, for a slab read whole, when its length is well past what the batch reads.
         length = max(self.length, fitted[1])
-        if self.whole_rows and (
-            fitted[1] + WHOLE_ROW_SHRINK_SLACK <= self.length or 2 * longest < self.length
-        ):
+        slack = WHOLE_ROW_SHRINK_STEPS * whole_row_step(fitted[1])
+        if self.whole_rows and (fitted[1] + slack <= self.length or 2 * longest < self.length):
             length = fitted[1]
-        grown = (max(self.rows, fitted[0]), length)
+        # A length change reallocates anyway: the rows then follow the batch too (the graph reads
+        # only the rows in use, so spare rows cost memory and the copy, not reads).
+        grown = (max(self.rows, fitted[0]) if length == self.length else fitted[0], length)
         shape = next((s for s in (grown, fitted) if self.bytes_for(*s) <= self.budget_bytes), None)
         if shape is None:
             self.release_all(free_memory=True)
@@ -167,8 +184,12 @@ class DecodeSlab:
             self._resize(*shape)
         for r in rows:
             if r.request_id not in self._row_of:
-                self._row_of[r.request_id] = len(self._row_of)
+                row = self._row_of[r.request_id] = len(self._row_of)
                 self._filled[r.request_id] = 0
+                # Its positions past the ones _fill copies are read (masked) until written:
+                # zeros, as a row's memory may never have been written (``_resize``).
+                for layer in (*self.k, *self.v):
+                    layer[row, :, r.position :].zero_()
         self._fill(rows, k_caches, v_caches)
         return [self._row_of[r.request_id] for r in rows]
 
@@ -176,6 +197,8 @@ class DecodeSlab:
         """Drop every row and hold ``rows`` x ``length`` positions (the compiled step's warm-up)."""
         self.release_all()
         self._resize(rows, length)
+        for layer in (*self.k, *self.v):
+            layer.zero_()
 
     def _release(self, request_id: str) -> None:
         row = self._row_of.pop(request_id)
@@ -191,16 +214,34 @@ class DecodeSlab:
         self._row_of[moved] = row
 
     def _resize(self, rows: int, length: int) -> None:
-        # The old slab goes before the new one is allocated, so the two never take memory
-        # at once (the replica's memory plan counts one budget); the rows kept are then
-        # filled again from the paged cache, as a row joining the batch is.
-        self.k, self.v = [], []
+        """Reallocate every layer at ``rows`` x ``length``, keeping what the rows in use hold.
+
+        Only the rows in use are written here (their data copied, their new positions zeroed);
+        a row that joins later is zeroed past its data as it joins (``prepare``). So the rest
+        of the new memory is never touched until used: no time spent zeroing it, and no pages
+        resident for rows the batch does not have.
+        """
         shape = (rows, self.num_kv_heads, length, self.head_dim)
-        # Zeros, not empty: a shorter row's unused positions are read (and masked) with the
-        # batch's span, and garbage there could be NaN, which masking does not undo.
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self._filled = dict.fromkeys(self._filled, 0)
+        # The rows in use are packed at the front (``_release``) and fit the new shape
+        # (``prepare`` sizes it by them); their positions past the new length are not needed.
+        keep_rows, keep_length = min(self.rows_in_use, rows), min(length, self.length)
+        for layers in (self.k, self.v):
+            if len(layers) != self.num_layers:  # nothing allocated yet (or freed)
+                layers[:] = [torch.empty(0, dtype=self.dtype, device=self.device)] * self.num_layers
+            for i, old in enumerate(layers):
+                # Layer by layer, the old tensor going as its successor is filled: the two
+                # slabs never take memory at once beyond one layer (the replica's memory plan
+                # counts one budget).
+                new = torch.empty(shape, dtype=self.dtype, device=self.device)
+                if keep_rows:
+                    new[:keep_rows, :, :keep_length] = old[:keep_rows, :, :keep_length]
+                    # Zeros, not garbage: a shorter row's unused positions are read (and masked)
+                    # with the batch's span, and garbage there could be NaN, which masking does
+                    # not undo.
+                    new[:keep_rows, :, keep_length:].zero_()
+                layers[i] = new
+                del old
+        self._filled = {rid: min(done, keep_length) for rid, done in self._filled.items()}
         self.rows, self.length = rows, length
 
     def _fill(self, rows: Seq[SlabRow], k_caches: Seq[torch.Tensor], v_caches: Seq[torch.Tensor]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from services.inference.decode_slab import DecodeSlab, SlabRow, length_cover
+from services.inference.decode_slab import DecodeSlab, SlabRow, length_cover, whole_row_length
 
 LAYERS, KV_HEADS, DIM, BLOCK = 2, 3, 4, 4
 NUM_BLOCKS = 128
@@ -151,15 +151,56 @@ def whole_row_slab(budget: int = 1 << 30, rows: int = 8) -> DecodeSlab:
     )
 
 
-def test_a_slab_read_whole_grows_in_steps_of_64() -> None:
-    assert [length_cover(n, 64) for n in (1, 64, 65, 128, 129, 200, 500)] == [64, 64, 128, 128, 192, 256, 512]
+def test_a_slab_read_whole_grows_in_steps_that_widen_with_its_length() -> None:
+    # Every allocated position is read by every step, while a growth copies the rows once:
+    # fine steps while rows are short, wider ones as a copy gets dearer.
+    assert [whole_row_length(n) for n in (1, 16, 17, 140, 256, 257, 1000, 1025, 1500)] == [
+        16, 16, 32, 144, 256, 288, 1024, 1088, 1536,
+    ]  # fmt: skip
     k, v = caches()
     s = whole_row_slab()
     table = list(range(0, 60))
     s.prepare([SlabRow("a", 140, table)], k, v)
-    assert s.length == 192  # not 256: each of its positions is read by every step
+    assert s.length == 144  # not 256: each of its positions is read by every step
     for layer in range(LAYERS):
         assert torch.equal(s.k[layer][0, :, :140], paged(k[layer], table, 140))
+
+
+def test_a_growing_slab_copies_its_rows_and_zeroes_what_they_have_not_written() -> None:
+    k, v = caches()
+    s = whole_row_slab()
+    table = list(range(0, 60))
+    s.prepare([SlabRow("a", 30, table), SlabRow("b", 8, table)], k, v)
+    for layer in range(LAYERS):  # this step's tokens, as the forward writes them
+        s.k[layer][0, :, 30] = 7.0
+        s.k[layer][1, :, 8] = 7.0
+    s.advance([SlabRow("a", 30, table), SlabRow("b", 8, table)])
+    # "a" outgrows 32 positions; "c" joins in a row the slab has never written.
+    s.prepare([SlabRow("a", 40, table), SlabRow("b", 9, table), SlabRow("c", 5, table)], k, v)
+    assert (s.rows, s.length) == (4, 48)
+    for layer in range(LAYERS):
+        # What the slab held came over (position 30 never was in the paged cache this way) ...
+        assert torch.equal(s.k[layer][0, :, 30], torch.full((KV_HEADS, DIM), 7.0))
+        assert torch.equal(s.k[layer][0, :, 31:40], paged(k[layer], table, 40)[:, 31:])
+        assert torch.equal(s.k[layer][1, :, 8], torch.full((KV_HEADS, DIM), 7.0))
+        # ... and every position a row has not written is zero: read and masked, never NaN.
+        assert not s.k[layer][0, :, 40:].any() and not s.v[layer][1, :, 9:].any()
+        assert not s.k[layer][2, :, 5:].any() and not s.v[layer][2, :, 5:].any()
+        assert torch.equal(s.v[layer][2, :, :5], paged(v[layer], table, 5))
+
+
+def test_a_length_change_sizes_the_rows_by_the_batch_too() -> None:
+    # Spare rows are never read, but a resize would copy and hold them.
+    k, v = caches()
+    s = whole_row_slab(rows=64)
+    table = list(range(0, 60))
+    s.prepare([SlabRow(str(i), 10, table) for i in range(20)], k, v)
+    assert (s.rows, s.length) == (32, 16)
+    index = s.prepare([SlabRow(str(i), 20, table) for i in range(3)], k, v)  # 21 positions: 32
+    assert index == [0, 1, 2] and (s.rows, s.length) == (4, 32)
+    for layer in range(LAYERS):
+        for row in range(3):
+            assert torch.equal(s.v[layer][row, :, :20], paged(v[layer], table, 20))
 
 
 def test_a_slab_read_whole_shrinks_to_a_shorter_batch_and_holds_its_rows() -> None:
@@ -168,10 +209,10 @@ def test_a_slab_read_whole_shrinks_to_a_shorter_batch_and_holds_its_rows() -> No
     long_table, short_tables = list(range(0, 60)), {rid: [40 + i, 50 + i] for i, rid in enumerate("bcd")}
     rows = [SlabRow(rid, 6, table) for rid, table in short_tables.items()]
     s.prepare([SlabRow("a", 230, long_table), *rows], k, v)
-    assert s.length == 256
-    # The long conversation ends: the short rows would read 256 positions a step for 7.
+    assert s.length == 240
+    # The long conversation ends: the short rows would read 240 positions a step for 7.
     index = s.prepare(rows, k, v)
-    assert index is not None and s.length == 64
+    assert index is not None and s.length == 16
     for layer in range(LAYERS):
         for row, table in zip(index, short_tables.values(), strict=True):
             assert torch.equal(s.k[layer][row, :, :6], paged(k[layer], table, 6))
@@ -182,11 +223,14 @@ def test_a_slab_read_whole_keeps_its_length_while_the_batch_is_near_it() -> None
     k, v = caches()
     s = whole_row_slab()
     table = list(range(0, 60))
-    s.prepare([SlabRow("a", 150, table), SlabRow("b", 100, table)], k, v)
-    assert s.length == 192
-    # "a" leaves; "b" (101 positions) fits 128, only 64 fewer: not worth refilling its row.
-    s.prepare([SlabRow("b", 100, table)], k, v)
-    assert s.length == 192
+    s.prepare([SlabRow("a", 150, table), SlabRow("b", 130, table)], k, v)
+    assert s.length == 160
+    # "a" leaves; "b" (131 positions) fits 144, only one step fewer: not worth copying its row.
+    s.prepare([SlabRow("b", 130, table)], k, v)
+    assert s.length == 160
+    # Two steps fewer (112 for 101 positions) is: the slab shrinks.
+    s.prepare([SlabRow("c", 100, table)], k, v)
+    assert s.length == 112
 
 
 def test_a_slab_not_read_whole_keeps_its_length_for_shorter_batches() -> None:
