@@ -77,9 +77,15 @@ def measure(name: str, args: argparse.Namespace, count_tokens: Any) -> dict[str,
             server = start_llm_mesh(args.dtype, shlex.split(args.mesh_replica_args))
         else:
             server = STARTERS[name](args.dtype)
-    except NotAvailable as exc:
-        print(f"  {name}: not run ({exc})", flush=True)
-        return {"server": name, "not_run": str(exc)}
+    except (RuntimeError, TimeoutError) as exc:
+        # A peer that is missing or dies while starting (llama.cpp's Q4 server was killed by
+        # SIGILL on an AMX VM) is reported as not run, with why; the others' figures still
+        # count. llm-mesh itself failing to start fails the run.
+        if name == "llm_mesh" and not isinstance(exc, NotAvailable):
+            raise
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"  {name}: not run ({reason})", flush=True)
+        return {"server": name, "not_run": reason}
     try:
         asyncio.run(_warm_up(server, count_tokens))
         requests = workload(args.requests, args.rate, args.seed)

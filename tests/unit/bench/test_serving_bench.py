@@ -88,3 +88,22 @@ def test_bench_serving_rejects_an_unknown_server_naming_the_choices(
     assert cli.main(["bench", "serving", "--servers", "llm_mesh,vllm", "--no-front"]) == 2
     err = capsys.readouterr().err
     assert "vllm" in err and "transformers" in err and "llama_cpp" in err
+
+
+def test_a_peer_that_dies_while_starting_is_reported_not_run_and_llm_mesh_failing_fails_the_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import argparse
+
+    from bench import serving
+
+    def crashed(dtype: str) -> None:
+        raise RuntimeError("exited with -4 before it was healthy:\nlast log lines")
+
+    monkeypatch.setitem(serving.STARTERS, "llama_cpp_q4", crashed)
+    monkeypatch.setitem(serving.STARTERS, "llm_mesh", crashed)
+    args = argparse.Namespace(dtype="bfloat16", mesh_replica_args="")
+    row = serving.measure("llama_cpp_q4", args, count_tokens=len)
+    assert row == {"server": "llama_cpp_q4", "not_run": "exited with -4 before it was healthy:"}
+    with pytest.raises(RuntimeError, match="exited with -4"):
+        serving.measure("llm_mesh", args, count_tokens=len)

@@ -19,6 +19,13 @@ class _Done:
 
 
 _DONE = _Done()
+
+
+class _Quiet:
+    """Marks on the queue that the reader has waited its whole timeout (``next``)."""
+
+
+_QUIET = _Quiet()
 ChoiceEvent = tuple[int, router_pb2.ChatResponse]
 
 
@@ -54,7 +61,7 @@ class ChoiceStreams:
     """
 
     def __init__(self, sources: Sequence[AsyncIterator[router_pb2.ChatResponse]]) -> None:
-        self._queue: asyncio.Queue[tuple[int, router_pb2.ChatResponse | _Done | BaseException]] = (
+        self._queue: asyncio.Queue[tuple[int, router_pb2.ChatResponse | _Done | _Quiet | BaseException]] = (
             asyncio.Queue()
         )
         self._running = len(sources)
@@ -62,6 +69,11 @@ class ChoiceStreams:
         self._detached = False
         #: The choice of the last message or error ``next`` handed out.
         self.last_index = 0
+        # ``next``'s timeout: one timer for the stream, re-armed only when it fires early (see
+        # ``_quiet_check``), instead of a timer set and cancelled around every message.
+        self._quiet_due = 0.0
+        self._quiet_timer: asyncio.TimerHandle | None = None
+        self._waiting = False
         self._tasks = [asyncio.create_task(self._run(i, source)) for i, source in enumerate(sources)]
 
     @property
@@ -105,7 +117,15 @@ class ChoiceStreams:
         """The next message of any choice; None once every turn has ended. ``TimeoutError`` after ``timeout``
         seconds without one (the turns go on: only the wait is abandoned)."""
         while self._running:
-            index, item = await asyncio.wait_for(self._queue.get(), timeout)
+            if timeout is not None and self._queue.empty():
+                self._arm_quiet(timeout)
+            self._waiting = True
+            try:
+                index, item = await self._queue.get()
+            finally:
+                self._waiting = False
+            if isinstance(item, _Quiet):
+                raise TimeoutError(f"no message in {timeout} s")
             if isinstance(item, _Done):
                 self._running -= 1
                 continue
@@ -114,6 +134,29 @@ class ChoiceStreams:
                 raise item
             return index, item
         return None
+
+    def _arm_quiet(self, timeout: float) -> None:
+        """The wait starting now ends in ``_QUIET`` after ``timeout`` s without a message.
+
+        Setting and cancelling a timer around every wait (``wait_for``, or a timeout scope) cost
+        more per relayed token than the chunk's own framing (bench/serving_front.py measures the
+        front's CPU per token). Here a wait only moves the due time; the one timer, when it
+        fires, either finds the current wait overdue or sets itself for its due time.
+        """
+        loop = asyncio.get_running_loop()
+        self._quiet_due = loop.time() + timeout
+        if self._quiet_timer is None:
+            self._quiet_timer = loop.call_at(self._quiet_due, self._quiet_check)
+
+    def _quiet_check(self) -> None:
+        self._quiet_timer = None
+        if not self._waiting:
+            return  # the reader is busy, not waiting: its next wait arms the timer again
+        loop = asyncio.get_running_loop()
+        if loop.time() >= self._quiet_due:
+            self._queue.put_nowait((self.last_index, _QUIET))
+        else:
+            self._quiet_timer = loop.call_at(self._quiet_due, self._quiet_check)
 
     async def answers(self) -> list[ChoiceAnswer]:
         """Every choice, whole."""
@@ -132,14 +175,21 @@ class ChoiceStreams:
         """The reader has gone but the turns run on (their messages still reach the replay buffer):
         what finishes when they have all ended. ``close`` still cancels them."""
         self._detached = True
+        self._stop_quiet_timer()
         while not self._queue.empty():  # nobody will read what is queued: let it go
             self._queue.get_nowait()
         return asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def close(self) -> None:
         """Cancel whatever still runs, and wait until it has let go of its replicas."""
+        self._stop_quiet_timer()
         for task in self._tasks:
             task.cancel()
         # return_exceptions: the turns' own CancelledErrors are results here; a cancel of the
         # caller itself still propagates.
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _stop_quiet_timer(self) -> None:
+        if self._quiet_timer is not None:
+            self._quiet_timer.cancel()
+            self._quiet_timer = None

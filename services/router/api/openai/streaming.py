@@ -62,7 +62,7 @@ def parse_event_id(raw: str, prefix: str, choices: int) -> tuple[str, list[int]]
     return head[len(prefix) :], counts
 
 
-async def sse_body(
+def sse_body(
     streams: ChoiceStreams,
     framer: Framer,
     first: ChoiceEvent | NoEventYet,
@@ -71,8 +71,14 @@ async def sse_body(
     seen: Sequence[int] | None = None,
     with_extras: bool = False,
 ) -> AsyncIterator[bytes]:
-    """``_events`` without the events a resuming client already has."""
-    async for chunk in _events(streams, framer, first, include_usage, keepalive_s, seen, with_extras):
+    """``_events`` without the events a resuming client already has (a stream not resumed has
+    none to drop, and takes no extra generator per event)."""
+    events = _events(streams, framer, first, include_usage, keepalive_s, seen, with_extras)
+    return events if seen is None else _unseen(events)
+
+
+async def _unseen(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async for chunk in events:
         if chunk:
             yield chunk
 
@@ -140,10 +146,12 @@ async def _events(
             if framer.tool is not None:
                 # A call is sent whole once it ended: its name may come last (``required``).
                 calls[index] = calls.get(index, "") + response.delta.text
-            elif response.delta.text or response.delta.logprobs:
+            elif response.delta.logprobs:
                 yield event(
                     index, framer.delta(index, response.delta.text, include_usage, response.delta.logprobs)
                 )
+            elif response.delta.text:
+                yield event(index, framer.delta_json(index, response.delta.text, include_usage))
             continue
         end = response.end
         try:

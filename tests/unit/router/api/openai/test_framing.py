@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from services.router.api.openai.choices import ChoiceAnswer
 from services.router.api.openai.framing import DONE, KEEPALIVE, Framer, sse, total_usage
@@ -54,3 +56,21 @@ def test_keepalives_between_events_are_invisible_to_the_openai_sdks_parser() -> 
     events = list(SSEDecoder().iter_bytes(iter([stream[i : i + 7] for i in range(0, len(stream), 7)])))
     assert [e.id for e in events] == ["c-1", "c-2", "c-2"]
     assert [e.json() for e in events[:2]] == [chunk, chunk] and events[2].data == "[DONE]"
+
+
+def test_a_delta_from_its_template_is_the_chunk_openai_clients_parse() -> None:
+    # Any text a model can write: quotes, escapes, control and non-ASCII characters, even the
+    # text the template is found with.
+    texts = ["", " tok", 'say "hi"\\n', "line\nnext\t\x00", "中文 ☃ \u2028", "\x00llm-mesh delta text\x00"]
+    for kind in ("chat", "text"):
+        framer = Framer(kind, "chatcmpl-7", 1733400000, "m")
+        for index in (0, 2):
+            for with_usage in (False, True):
+                for text in texts:
+                    got = json.loads(framer.delta_json(index, text, with_usage))
+                    assert got == framer.delta(index, text, with_usage)
+                    choice = got["choices"][0]
+                    assert (choice["delta"]["content"] if kind == "chat" else choice["text"]) == text
+    assert sse("chatcmpl-7-3", framer.delta_json(0, "a", False)) == sse(
+        "chatcmpl-7-3", framer.delta(0, "a", False)
+    )
