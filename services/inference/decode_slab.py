@@ -27,9 +27,10 @@ short batch take the strided path (flat_batch.py) and, under ``--compile``, the 
 forward: measured 2026-12-05 in bf16 at 64 rows, 92 ms a step instead of 68.
 
 A resize keeps what the rows hold: each layer's new tensor takes the old one's rows
-by one copy, so only positions the slab never held come from the paged cache. A
-refill through the block tables cost 5–10× that copy (48 rows of 256 positions:
-100–230 ms against 22), which is what kept the steps coarse.
+by one copy, so only positions the slab never held come from the paged cache. With
+the refill through the block tables, a step that grew a 48-row bf16 slab took 50–190 ms
+more than its neighbours; with the copy, 20–50 (measured 2026-12-05 on the serving
+workload, in-process), and that cost is what kept the steps coarse.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ LENGTH_STEP = 128
 #: With ``whole_rows`` the length is a multiple of a step that widens with it: each unused
 #: position is read by every step (half a step of waste on average), while a growth copies
 #: every row once, which costs about 0.6-0.8 of one step's attention over the same positions
-#: (measured 2026-12-05 in bf16, 16-64 rows, 64-512 positions). At length L a step of S then
-#: costs about S/2 + 0.7 L/S positions' reads a step, least at S = sqrt(1.4 L): 11 at L = 80,
-#: 19 at 256, 37 at 1,000. These steps sit near that.
+#: alone and up to 2 inside a running batch (measured 2026-12-05 in bf16, 16-64 rows, 64-512
+#: positions). At length L a step of S then costs about S/2 + c L/S positions' reads a step,
+#: least at S = sqrt(2 c L): for c = 0.7-2, 11-18 at L = 80, 19-32 at 256, 37-63 at 1,000.
+#: These steps sit in those ranges.
 WHOLE_ROW_STEPS = ((256, 16), (1024, 32))
 WHOLE_ROW_LAST_STEP = 64
 #: With ``whole_rows`` the length shrinks to the batch's once that frees at least
