@@ -27,12 +27,12 @@ async def paced(
 
 
 async def test_messages_closer_than_the_timeout_never_time_out_however_long_the_stream() -> None:
-    # 25 messages 30 ms apart: 0.72 s in all, each wait far under the 0.4 s timeout.
-    streams = ChoiceStreams([paced([str(i) for i in range(25)], 0.03)])
+    # 45 messages 30 ms apart: 1.3 s in all, each wait far under the 1 s timeout.
+    streams = ChoiceStreams([paced([str(i) for i in range(45)], 0.03)])
     got = []
-    while (event := await streams.next(timeout=0.4)) is not None:
+    while (event := await streams.next(timeout=1.0)) is not None:
         got.append(event[1].delta.text)
-    assert got == [str(i) for i in range(25)]
+    assert got == [str(i) for i in range(45)]
     await streams.close()
 
 
