@@ -83,7 +83,8 @@ def measure(name: str, args: argparse.Namespace, count_tokens: Any) -> dict[str,
         # count. llm-mesh itself failing to start fails the run.
         if name == "llm_mesh" and not isinstance(exc, NotAvailable):
             raise
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        text = str(exc).strip()
+        reason = text.splitlines()[0] if text else type(exc).__name__
         print(f"  {name}: not run ({reason})", flush=True)
         return {"server": name, "not_run": reason}
     try:

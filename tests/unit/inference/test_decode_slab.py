@@ -18,8 +18,11 @@ def caches() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return k, v
 
 
-def slab(budget: int = 1 << 30, rows: int = 8) -> DecodeSlab:
-    return DecodeSlab(LAYERS, rows, BLOCK, KV_HEADS, DIM, torch.float32, torch.device("cpu"), budget)
+def slab(budget: int = 1 << 30, rows: int = 8, whole_rows: bool = False) -> DecodeSlab:
+    """``whole_rows``: a slab whose steps read every allocated position (bf16/fp16 on CPU)."""
+    return DecodeSlab(
+        LAYERS, rows, BLOCK, KV_HEADS, DIM, torch.float32, torch.device("cpu"), budget, whole_rows
+    )
 
 
 def paged(cache: torch.Tensor, table: list[int], length: int) -> torch.Tensor:
@@ -128,8 +131,8 @@ def test_a_step_with_no_decodes_releases_every_row() -> None:
 
 
 def test_past_128_positions_the_length_grows_by_128_not_by_doubling() -> None:
-    # bf16 attention reads a row's whole allocated length: a slab of 512 for 260 positions
-    # would be read twice over, one of 384 a third more.
+    # A slab not read whole (fp32) grows linearly past 128 too: its memory follows the
+    # longest row (512 for 260 positions would hold twice what is used).
     assert [length_cover(n) for n in (1, 64, 65, 128, 129, 256, 257, 460, 1500)] == [
         64, 64, 128, 128, 256, 256, 384, 512, 1536,
     ]  # fmt: skip
@@ -145,10 +148,7 @@ def test_past_128_positions_the_length_grows_by_128_not_by_doubling() -> None:
 
 
 def whole_row_slab(budget: int = 1 << 30, rows: int = 8) -> DecodeSlab:
-    """A slab whose steps read every allocated position (bf16/fp16 on CPU)."""
-    return DecodeSlab(
-        LAYERS, rows, BLOCK, KV_HEADS, DIM, torch.float32, torch.device("cpu"), budget, whole_rows=True
-    )
+    return slab(budget, rows, whole_rows=True)
 
 
 def test_a_slab_read_whole_grows_in_steps_that_widen_with_its_length() -> None:
