@@ -56,6 +56,42 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _MASK63 = (1 << 63) - 1
 
 
+#: Vocabulary positions per block of ``first_max``: fastest of 256–4,096 on a 49,152-token
+#: vocabulary (bf16 and fp32, 1–256 rows; 2026-12-05).
+MAX_BLOCK = 1024
+
+
+def first_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's maximum and the index of its first occurrence: ``logits.max(dim=-1)``, faster on CPU.
+
+    PyTorch's CPU max-with-index walks the row one element at a time (2.4 ms for 64 rows of a
+    49,152-token vocabulary in bf16, 5 % of a decode step), while a max without index is
+    vectorised (0.5 ms). So each block of ``MAX_BLOCK`` positions is reduced without index,
+    the first block holding the row's maximum is picked, and only that block is searched for
+    its first maximum: the index ``max`` would give, ties included (an earlier block with an
+    equal value would itself have been picked). A NaN or +inf anywhere in a row still makes
+    that row's value so. Measured 2026-12-05: 64 rows 0.95 vs 2.4 ms in bf16, 0.56 vs 2.8 in fp32.
+    """
+    n, vocab = logits.shape
+    whole = vocab // MAX_BLOCK * MAX_BLOCK
+    if logits.device.type != "cpu" or whole == 0 or n == 0:
+        # One kernel on a GPU beats five launches; a short row has nothing to block.
+        best = logits.max(dim=-1)
+        return best.values, best.indices
+    logits = logits.contiguous()
+    blocks = logits[:, :whole].view(n, whole // MAX_BLOCK, MAX_BLOCK)
+    best_block = blocks.amax(dim=-1).max(dim=-1)
+    inner = blocks[torch.arange(n), best_block.indices].max(dim=-1)
+    values, indices = inner.values, best_block.indices * MAX_BLOCK + inner.indices
+    if whole < vocab:
+        # The tail wins only if strictly greater (or NaN): on a tie the earlier index stands.
+        tail = logits[:, whole:].max(dim=-1)
+        later = (tail.values > values) | tail.values.isnan()
+        values = torch.where(later, tail.values, values)
+        indices = torch.where(later, tail.indices + whole, indices)
+    return values, indices
+
+
 def draw_key(seed: int, token_index: int) -> int:
     """The generator seed for token ``token_index`` of a request seeded with ``seed``."""
     return (seed ^ ((token_index + 1) * _GOLDEN)) & _MASK63
@@ -177,14 +213,14 @@ class Sampler:
         token_indices: Seq[int],
         histories: Seq[Seq[int]],
     ) -> list[int | RowFault]:
-        # max() is cheaper than argmax on CPU and picks the same (first) maximum. Its values
-        # check every row for free: a NaN or +inf anywhere in a row makes that row's max so.
-        best = logits.max(dim=-1)
-        greedy_ids = best.indices.tolist()
-        finite = bool(torch.isfinite(best.values).all())
+        # The first maximum, as argmax picks it. Its values check every row for free: a NaN or
+        # +inf anywhere in a row makes that row's max so.
+        best_values, best_indices = first_max(logits)
+        greedy_ids = best_indices.tolist()
+        finite = bool(torch.isfinite(best_values).all())
         if finite and all(p.greedy and p.repetition_penalty == 1.0 for p in params):
             return list(greedy_ids)
-        row_finite = torch.isfinite(best.values).tolist() if not finite else None
+        row_finite = torch.isfinite(best_values).tolist() if not finite else None
         out: list[int | RowFault] = []
         for i, p in enumerate(params):
             if row_finite is not None and not row_finite[i]:

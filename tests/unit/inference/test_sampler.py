@@ -7,7 +7,7 @@ import torch
 
 from services.common.errors import InvalidArgument
 from services.inference import sampler as sampler_module
-from services.inference.sampler import RowFault, Sampler, draw_key, sample_row
+from services.inference.sampler import MAX_BLOCK, RowFault, Sampler, draw_key, first_max, sample_row
 from services.inference.sampling import MIN_TEMPERATURE, SamplingParams
 
 VOCAB = 50
@@ -130,3 +130,28 @@ def test_an_exception_in_one_rows_draw_fails_that_row_only(monkeypatch: pytest.M
     got = Sampler()(rows, params, [1, 2, 3], [0, 0, 0], [[]] * 3)
     assert got[0] == expected[0] and got[2] == expected[2]
     assert isinstance(got[1], RowFault) and "boom" in got[1].reason and not got[1].forward_failed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [7, MAX_BLOCK, 3 * MAX_BLOCK, 3 * MAX_BLOCK + 5, 49_152])
+def test_first_max_is_max_with_the_first_index_on_ties_and_non_finite_rows(
+    dtype: torch.dtype, vocab: int
+) -> None:
+    # Few distinct values: most rows tie across blocks, inside a block, and with the vocabulary's
+    # tail; greedy must still pick the first maximum, the token argmax (and transformers) picks.
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randint(-2, 3, (9, vocab), generator=g).to(dtype)
+    logits[1] = -5.0
+    logits[1, [vocab // 2, vocab - 1]] = 4.0  # an early and a last-position tie
+    logits[2, vocab - 1] = 9.0  # the maximum in the last position alone
+    logits[3, vocab // 3] = float("nan")
+    logits[4, 0] = float("inf")
+    logits[5, vocab - 1] = float("nan")  # a NaN in the tail past the last whole block
+    values, indices = first_max(logits)
+    expected = logits.max(dim=-1)
+    finite = torch.isfinite(expected.values)
+    assert torch.equal(torch.isfinite(values), finite)  # NaN and +inf rows are still caught
+    assert finite.tolist() == [True, True, True, False, False, False, True, True, True]
+    assert torch.equal(indices[finite], expected.indices[finite])
+    assert torch.equal(values[finite], expected.values[finite])
+    assert indices[1] == vocab // 2 and indices[2] == vocab - 1
