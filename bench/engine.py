@@ -232,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
 
     ceiling: dict[str, Any] = dict(ceiling_tok_s(args.max_num_seqs, getattr(torch, args.dtype), device))
     ceiling["share"] = {m: results[m].tok_s / ceiling["tok_s"] for m in methods}
+    ceiling["step_linears_share"] = {m: results[m].tok_s / ceiling["step_linears_tok_s"] for m in methods}
     check = report.check_tokens({m: last_runs[m] for m in methods})
     ratio_table = report.ratios(results)
     if args.dtype != "float32" and check.total_mismatches:
@@ -276,6 +277,12 @@ def run(args: argparse.Namespace) -> int:
         f"matmul ceiling ({args.dtype}, {ceiling['rows']} rows, this machine, this run): "
         f"{ceiling['gflops']:.1f} GFLOP/s ≈ {ceiling['tok_s']:,.0f} tok/s; share: "
         + ", ".join(f"{m} {share:.0%}" for m, share in ceiling["share"].items())
+    )
+    console.print(
+        f"one step's linears, each layer its own weights (this run): {ceiling['step_linears_gflops']:.1f} "
+        f"GFLOP/s ≈ {ceiling['step_linears_tok_s']:,.0f} tok/s "
+        f"({ceiling['step_linears_gflops'] / ceiling['gflops']:.0%} of the ceiling); share: "
+        + ", ".join(f"{m} {share:.0%}" for m, share in ceiling["step_linears_share"].items())
     )
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

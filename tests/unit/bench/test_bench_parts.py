@@ -198,3 +198,13 @@ def test_http_stack_bench_measures_every_stack_without_losing_events() -> None:
     assert {"uvicorn(h11)+starlette", "aiohttp"} <= set(results)
     for row in results.values():
         assert row["request_us"] > 0 and row["event_us"] > 0 and row["short_stream_us"] > 0
+
+
+def test_one_steps_linears_are_the_same_flops_as_the_ceilings_token() -> None:
+    from bench.matmul_ceiling import FLOPS_PER_TOKEN, LAYERS, LM_HEAD, SHAPES, STEP_SHAPES
+
+    # The fused shapes the engine runs (q/k/v, gate/up) are the same multiply-adds as the
+    # ceiling's separate ones, so "tokens/s" means the same thing for both figures.
+    fused = 2 * (LAYERS * sum(k * n for k, n in STEP_SHAPES) + LM_HEAD[0] * LM_HEAD[1])
+    assert fused == FLOPS_PER_TOKEN
+    assert SHAPES[-1] == LM_HEAD
