@@ -208,3 +208,27 @@ def test_one_steps_linears_are_the_same_flops_as_the_ceilings_token() -> None:
     fused = 2 * (LAYERS * sum(k * n for k, n in STEP_SHAPES) + LM_HEAD[0] * LM_HEAD[1])
     assert fused == FLOPS_PER_TOKEN
     assert SHAPES[-1] == LM_HEAD
+
+
+def test_the_ceiling_is_the_best_of_its_measurements_which_are_kept() -> None:
+    from bench.matmul_ceiling import best_of
+
+    slow = {
+        "rows": 64,
+        "gflops": 639.0,
+        "tok_s": 2374.0,
+        "step_linears_gflops": 685.0,
+        "step_linears_tok_s": 2547.0,
+    }
+    fast = {
+        "rows": 64,
+        "gflops": 1104.0,
+        "tok_s": 4103.0,
+        "step_linears_gflops": 600.0,
+        "step_linears_tok_s": 2230.0,
+    }
+    best = best_of([slow, fast])
+    # A slow moment of the VM must not make the engine look closer to the limit than it is.
+    assert (best["gflops"], best["tok_s"]) == (1104.0, 4103.0)
+    assert (best["step_linears_gflops"], best["step_linears_tok_s"]) == (685.0, 2547.0)
+    assert best["measurements"] == [slow, fast]
