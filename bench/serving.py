@@ -32,7 +32,7 @@ import torch
 
 from bench.load import machine
 from bench.matmul_ceiling import gflops
-from bench.serving_client import run_load, summarize, workload
+from bench.serving_client import arrival_bound, run_load, summarize, workload
 from bench.serving_peers import CHECKPOINT, DTYPES, STARTERS, NotAvailable, RunningServer, start_llm_mesh
 
 #: Peers run at llm-mesh's precision (--dtype); the Q4_1 row is a reference, not a comparison.
@@ -111,12 +111,16 @@ def measure(name: str, args: argparse.Namespace, count_tokens: Any) -> dict[str,
         row["matmul_floor_s"] = round(floor_s, 1)
         row["ceiling_output_tokens_per_s"] = round(row["completion_tokens"] / floor_s, 1) if floor_s else 0.0
         row["share_of_ceiling"] = round(floor_s / span, 2) if span else 0.0
+        bound = arrival_bound(requests, row["completion_tokens"])
+        row["arrival_bound_output_tokens_per_s"] = round(bound, 1) if bound is not None else None
     finally:
         server.stop()
+    bound = row["arrival_bound_output_tokens_per_s"]
+    arrivals = f", arrivals allow {bound:.0f}" if bound is not None else ""
     print(
         f"  {name:14s} {row['output_tokens_per_s']:8.1f} tok/s  TTFT p50 {row['ttft_ms_p50']:8.0f} ms"
         f"  ITL p50 {row['itl_ms_p50']:6.1f} ms  {row['linear_gflop_per_s']:5.1f} GFLOP/s"
-        f"  (ceiling {row['ceiling_output_tokens_per_s']:.0f} tok/s)  failed {row['failed']}",
+        f"  (ceiling {row['ceiling_output_tokens_per_s']:.0f} tok/s{arrivals})  failed {row['failed']}",
         flush=True,
     )
     return row

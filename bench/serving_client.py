@@ -172,6 +172,18 @@ async def run_load(
     return outcomes, time.perf_counter() - t0
 
 
+def arrival_bound(requests: Sequence[ServingRequest], completion_tokens: int) -> float | None:
+    """The output tokens/s no server can pass on this workload: its tokens by the last arrival.
+
+    Under Poisson arrivals a server that keeps up is paced by its clients, not by its speed: it
+    cannot finish before the last request is sent. Beside a server's tokens/s this says how much
+    of the gap to a peer the arrivals leave open (at 48 requests at 4/s, seed 0: the last is
+    sent at 9.97 s). None when all requests come at once (no bound from arrivals).
+    """
+    last = max((r.at_s for r in requests), default=0.0)
+    return completion_tokens / last if last > 0 else None
+
+
 def summarize(outcomes: Sequence[Outcome], wall_s: float) -> dict[str, float | int | str]:
     """Percentiles in ms; output tokens/s over the whole run (first send to last token)."""
     done = [o for o in outcomes if o.ok]

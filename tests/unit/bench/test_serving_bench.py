@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from bench.serving import linear_gflop_per_token, ratios
-from bench.serving_client import OUTPUT_TOKENS, Outcome, summarize, workload
+from bench.serving_client import OUTPUT_TOKENS, Outcome, ServingRequest, arrival_bound, summarize, workload
 from services import cli
 
 
@@ -55,6 +55,15 @@ def test_summary_counts_tokens_over_the_span_to_the_last_token_and_reports_failu
     assert row["ttft_ms_p50"] == 200.0
     assert row["itl_ms_p50"] == 20.0
     assert "refused" in str(row["errors"])
+
+
+def test_under_poisson_arrivals_no_server_passes_its_tokens_by_the_last_arrival() -> None:
+    sent = [ServingRequest(at, "p", 32) for at in (0.0, 1.5, 4.0)]
+    # 80 tokens can come no faster than by the time the last request is sent.
+    assert arrival_bound(sent, 80) == 20.0
+    assert arrival_bound(workload(10, rate=float("inf"), seed=0), 80) is None  # all at once: no bound
+    last = max(r.at_s for r in workload(48, rate=4.0, seed=0))
+    assert arrival_bound(workload(48, rate=4.0, seed=0), 3672) == pytest.approx(3672 / last)
 
 
 def test_the_model_costs_two_flops_per_weight_per_token() -> None:
