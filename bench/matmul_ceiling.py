@@ -134,15 +134,14 @@ def ceiling_tok_s(
 
 
 def best_of(measurements: list[dict[str, float]]) -> dict[str, Any]:
-    """One ceiling from several ``ceiling_tok_s`` measurements of the same rows: each figure's best.
+    """One ceiling from several ``ceiling_tok_s`` measurements of the same rows: each figure's best
+    (the rows too, being the same).
 
     A ceiling is the most the hardware did, and on a shared VM noise only ever takes some away:
     on the Intel AMX VM, 2026-12-05, one measurement moved 1,104 → 639 GFLOP/s within 20
     minutes. The measurements themselves are kept beside it.
     """
-    best: dict[str, Any] = {"rows": measurements[0]["rows"]}
-    for key in ("gflops", "tok_s", "step_linears_gflops", "step_linears_tok_s"):
-        best[key] = max(m[key] for m in measurements)
+    best: dict[str, Any] = {key: max(m[key] for m in measurements) for key in measurements[0]}
     best["measurements"] = measurements
     return best
 
