@@ -13,8 +13,13 @@ step went from ≈ 98 to ≈ 63 ms in a prototype (docs/benchmarks.md).
 
 Only pure decode steps whose rows sit in the decode slab take the graph: their
 shapes are [rows] and [rows, span] with both dimensions dynamic, so one graph
-serves every row count >= 2 and every slab length. Prefill and mixed steps (and
-single-row steps, which dynamo specialises) run eagerly. The math is
+serves every row count >= 2 and every slab length. A single row (one client
+streaming alone, the end of every burst) would make dynamo specialise a second
+graph (another ~85 s of start-up), so it runs as two: a pad row beside it that
+writes only the paged cache's spare padding slot and a slab row no sequence holds
+(``_padded_to_two_rows``). Weight reads set a small step's time, so the pad row
+is nearly free: 1 row took 16.6 ms through the graph padded, 25 ms eagerly
+(bf16, AMX VM, 2026-12-06). Prefill and mixed steps run eagerly. The math is
 layer_kernels' and llama.slab_attention's, the same functions the eager forward
 calls, so fp32 greedy tokens stay transformers'.
 
@@ -140,6 +145,8 @@ class CompiledDecode:
         self.buckets: set[int] = set()
         #: What a step whose shapes the graph's guards reject does: run eagerly (tests: fail).
         self.stance = "eager_on_recompile"
+        #: The paged cache's spare slot, where a single row's pad row writes its K/V.
+        self.pad_slot = -1
 
     def usable(self, step: llama.StepInputs) -> bool:
         decode = step.decode
@@ -147,7 +154,9 @@ class CompiledDecode:
             step.prefill is None
             and decode is not None
             and decode.slab is not None
-            and decode.count >= 2
+            # One row runs padded to two: the slab must have a second row (it has MIN_ROWS
+            # unless the replica's row cap is 1).
+            and (decode.count >= 2 or (decode.count == 1 and decode.slab.rows >= 2 and self.pad_slot >= 0))
             and (decode.span == decode.slab.length) == self.whole_length
             and row_bucket(decode.count) in self.buckets
         )
@@ -177,6 +186,9 @@ class CompiledDecode:
         """Calls the graph under the caller's stance: at warm-up, where it may compile."""
         decode = step.decode
         assert decode is not None and decode.slab is not None and decode.positions is not None
+        if decode.count == 1:
+            padded, padded_cos, padded_sin = _padded_to_two_rows(step, cos, sin, self.pad_slot)
+            return self.trace(padded, padded_cos, padded_sin, k_caches, v_caches)[:1]
         return self.graph(  # type: ignore[no-any-return]
             step.input_ids,
             cos,
@@ -189,6 +201,35 @@ class CompiledDecode:
             decode.slab.k,
             decode.slab.v,
         )
+
+
+def _padded_to_two_rows(
+    step: llama.StepInputs, cos: torch.Tensor, sin: torch.Tensor, pad_slot: int
+) -> tuple[llama.StepInputs, torch.Tensor, torch.Tensor]:
+    """A one-row decode step as two rows, the second a copy of the first that writes its K/V
+    into ``pad_slot`` of the paged cache and into slab row 1, which no sequence holds (the slab's
+    rows in use are exactly the step's rows). Rows never mix in a step (row-wise matmuls and
+    norms, attention within a row), so row 0 comes out as it would alone; whatever the pad row
+    reads in its slab row stays in its own output, which the caller drops."""
+    decode = step.decode
+    assert decode is not None and decode.positions is not None and decode.slab is not None
+    assert decode.count == 1 and decode.slab.rows >= 2 and pad_slot >= 0
+    positions = decode.positions.repeat(2)
+    padded = llama.StepInputs(
+        input_ids=step.input_ids.repeat(2),
+        positions=step.positions.repeat(2),
+        slot_mapping=torch.cat([step.slot_mapping, step.slot_mapping.new_full((1,), pad_slot)]),
+        decode=llama.DecodeRows(
+            count=2,
+            span=decode.span,
+            mask_bias=decode.mask_bias.repeat(2, 1, 1, 1),
+            slab=decode.slab,
+            positions=positions,
+        ),
+        prefill=None,
+        sample_index=step.sample_index,
+    )
+    return padded, cos.repeat(2, 1, 1), sin.repeat(2, 1, 1)
 
 
 def _mark_dynamic(step: llama.StepInputs, slab: DecodeSlab, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -256,6 +297,7 @@ def compile_decode(
 
     started = time.perf_counter()
     compiled = CompiledDecode(forward, whole_length)
+    compiled.pad_slot = pad_slot
     max_rows = _rows_that_fit(slab, max_rows)
     if max_rows < 3:
         log.info("decode step not compiled: the decode slab's budget holds fewer than 3 rows")
@@ -271,13 +313,15 @@ def compile_decode(
         _mark_dynamic(step, slab, cos, sin)
         compiled.trace(step, cos, sin, k_caches, v_caches)
     compile_s = time.perf_counter() - started
-    sizes = [1 << k for k in range(1, (max_rows - 1).bit_length() + 1) if 1 << k <= max_rows]
+    # A single row is timed too: it runs the graph padded to two rows (``_padded_to_two_rows``).
+    sizes = [1 << k for k in range(0, (max_rows - 1).bit_length() + 1) if 1 << k <= max_rows]
     # Timed where a short batch sits: a 64-position slab, over all of it or its first 48.
     span = WARM_LENGTH if whole_length else WARM_LENGTH - 16
     timings: dict[int, tuple[float, float]] = {}
     with torch.inference_mode(), torch.compiler.set_stance("eager_on_recompile"):
         for rows in sizes:
-            step = warm_up_step(forward, slab, pad_slot, rows, rows, span, WARM_LENGTH)
+            # At least two slab rows: a single row's pad row takes the second.
+            step = warm_up_step(forward, slab, pad_slot, rows, max(rows, 2), span, WARM_LENGTH)
             cos, sin = forward.rotary_rows(step.positions)
             args = (step, cos, sin, k_caches, v_caches)
             timings[rows] = _time_both(forward.eager_hidden_states, compiled, args)

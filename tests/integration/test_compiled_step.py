@@ -66,3 +66,37 @@ def test_compiled_engine_gives_transformers_fp32_greedy_tokens_without_compiling
     # Every shape was compiled at start-up: requests never wait on inductor.
     assert counters["stats"]["unique_graphs"] == graphs_at_start
     assert got == _transformers_tokens(model_path, prompts)
+
+
+@pytest.mark.full
+def test_a_lone_request_decodes_through_the_padded_graph_with_transformers_fp32_tokens(
+    engine: LLMEngine, model_path: Path
+) -> None:
+    from torch._dynamo.utils import counters
+
+    native = engine.runner.native
+    assert native is not None and native.decode_graph is not None
+    graph = native.decode_graph
+    buckets = set(graph.buckets)
+    calls = 0
+    inner = graph.graph
+
+    def counted(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return inner(*args)
+
+    # Whatever the warm-up's timing chose for one row, this request's decode steps take the graph.
+    graph.buckets = buckets | {1}
+    graph.graph = counted
+    graphs_at_start = counters["stats"]["unique_graphs"]
+    try:
+        prompt = engine.tokenizer.encode(PROMPTS[1])
+        got = engine.generate(
+            [prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        )
+    finally:
+        graph.buckets, graph.graph = buckets, inner
+    assert calls == MAX_TOKENS - 1  # every step after the prefill, each one row padded to two
+    assert counters["stats"]["unique_graphs"] == graphs_at_start
+    assert got == _transformers_tokens(model_path, [prompt])

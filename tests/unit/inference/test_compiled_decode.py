@@ -2,8 +2,8 @@
 
 A tiny Llama (random weights, two layers) keeps the compile short; the graph must give
 the eager forward's hidden states and write the same K/V into the paged cache and the
-slab, at row counts and slab lengths it was not traced with, without compiling again.
-Steps it does not cover (prefill, a single row) run eagerly.
+slab, at row counts and slab lengths it was not traced with (a single row too, padded to
+two), without compiling again. Steps it does not cover (prefill, mixed) run eagerly.
 """
 
 from __future__ import annotations
@@ -117,6 +117,7 @@ class Counted:
         [5, 9, 30],  # 3 rows, slab length 32 (span 31: the whole length)
         [3, 40, 2, 17, 60],  # 5 rows, slab length 64
         [100, 7],  # 2 rows, slab length 128, a span (101) shorter than it
+        [37],  # 1 row: run as two, the second a pad row
     ],
 )
 def test_the_graph_gives_the_eager_hidden_states_and_kv_at_untraced_shapes(
@@ -126,7 +127,7 @@ def test_the_graph_gives_the_eager_hidden_states_and_kv_at_untraced_shapes(
 
     graph = replica.forward.decode_graph
     assert graph is not None
-    graph.buckets = {2, 4, 8}  # whatever the warm-up's timing said, this test takes the graph
+    graph.buckets = {1, 2, 4, 8}  # whatever the warm-up's timing said, this test takes the graph
     graphs_at_start = counters["stats"]["unique_graphs"]
 
     eager_step = replica.decode_step(positions)
@@ -148,9 +149,12 @@ def test_the_graph_gives_the_eager_hidden_states_and_kv_at_untraced_shapes(
         graph.stance = "eager_on_recompile"
     assert counted.calls == 1
     assert counters["stats"]["unique_graphs"] == graphs_at_start  # nothing compiled on a live step
+    assert got.shape == eager.shape and got.shape[0] == len(positions)
     torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
+    # Every real slot as the eager step left it (a pad row may write only the spare slot).
+    pad = replica.pad_slot
     for got_cache, eager_cache in zip((*replica.k, *replica.v), (*eager_kv[0], *eager_kv[1]), strict=True):
-        torch.testing.assert_close(got_cache, eager_cache, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_cache[:, :pad], eager_cache[:, :pad], rtol=1e-5, atol=1e-5)
     # Each row's positions up to this step's token; past them a row holds nothing it reads unmasked.
     for got_slab, eager_rows in zip(
         (*replica.slab.k, *replica.slab.v), (*eager_slab[0], *eager_slab[1]), strict=True
@@ -166,7 +170,9 @@ def test_steps_the_graph_does_not_cover_run_eagerly(replica: Replica) -> None:
     assert graph is not None
     graph.buckets = {2, 4, 8}
     assert graph.usable(replica.decode_step([5, 9]))
-    assert not graph.usable(replica.decode_step([5]))  # one row: dynamo would specialise it
+    assert not graph.usable(replica.decode_step([5]))  # one row: the warm-up did not pick bucket 1
+    graph.buckets = {1, 2, 4, 8}
+    assert graph.usable(replica.decode_step([5]))  # ...now it did: padded to two rows
     # A span that is the slab's whole length (64) is the other layout's graph: eager here.
     replica.slab.release_all(free_memory=True)  # a fresh slab: 64 positions for these rows
     assert not graph.usable(replica.decode_step([63, 9]))
@@ -176,7 +182,7 @@ def test_steps_the_graph_does_not_cover_run_eagerly(replica: Replica) -> None:
 
 def test_warm_up_writes_only_the_padding_slot_and_frees_its_slab(replica: Replica) -> None:
     # Calibrated buckets are powers of two up to the slab's row cap.
-    assert replica.warm_up["buckets"] <= {2, 4, 8}
+    assert replica.warm_up["buckets"] <= {1, 2, 4, 8}
     # The warm-up's K/V went to the spare padding slot only: no real slot was written...
     assert replica.warm_up["real_slots_untouched"]
     # ...and its slab was released: the replica starts holding no slab memory.
