@@ -18,8 +18,9 @@ streaming alone, the end of every burst) would make dynamo specialise a second
 graph (another ~85 s of start-up), so it runs as two: a pad row beside it that
 writes only the paged cache's spare padding slot and a slab row no sequence holds
 (``_padded_to_two_rows``). Weight reads set a small step's time, so the pad row
-is nearly free: 1 row took 16.6 ms through the graph padded, 25 ms eagerly
-(bf16, AMX VM, 2026-12-06). Prefill and mixed steps run eagerly. The math is
+is nearly free: at 192 positions two rows took 17.3 ms through the graph, one row
+16.4–17.0 ms through a one-row graph traced for the comparison and 25 ms eagerly
+(bf16, AMX VM, 2026-12-05). Prefill and mixed steps run eagerly. The math is
 layer_kernels' and llama.slab_attention's, the same functions the eager forward
 calls, so fp32 greedy tokens stay transformers'.
 
