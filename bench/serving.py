@@ -3,6 +3,7 @@
     bash bench/peers/build_llama_server.sh      # once: llama.cpp's server, f32 and bf16 GGUFs
     python -m bench.serving                     # every server, then the HTTP front's overhead
     python -m bench.serving --dtype bfloat16 --no-front   # every server in bf16
+    python -m bench.serving --rounds 3 --no-front         # every server 3 times, in turn
     llm-mesh bench serving --requests 24 --servers llm_mesh,transformers --no-front
 
 One seeded workload (``bench/serving_client.py``: Poisson arrivals, mixed
@@ -12,7 +13,9 @@ replica), ``transformers serve --continuous-batching``, and llama.cpp's
 ``llama-server`` with parallel slots (a GGUF of the same checkpoint at the run's
 ``--dtype``, and the packaged Q4_1 GGUF as a reference row). Prints TTFT / ITL / latency percentiles
 and output tokens/s per server, and llm-mesh's ratios to the best peer at the
-same precision. Then ``bench/serving_front.py``: the HTTP front's added
+same precision. With ``--rounds N`` every server is started once and runs the
+workload N times, the servers taking turns while the others are paused
+(SIGSTOP); ratios are then the medians of the rounds' ratios. Then ``bench/serving_front.py``: the HTTP front's added
 latency over ``Router.ChatStream`` and the router's CPU per relayed token.
 """
 
@@ -22,6 +25,7 @@ import argparse
 import asyncio
 import json
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -71,12 +75,12 @@ async def _warm_up(server: RunningServer, count_tokens: Any) -> None:
             raise RuntimeError(f"{server.name} warm-up failed: {outcomes[0].error}")
 
 
-def measure(name: str, args: argparse.Namespace, count_tokens: Any) -> dict[str, Any]:
+def start(name: str, args: argparse.Namespace) -> RunningServer | dict[str, Any]:
+    """The started server, or its "not run" row when a peer cannot start here."""
     try:
         if name == "llm_mesh" and args.mesh_replica_args:
-            server = start_llm_mesh(args.dtype, shlex.split(args.mesh_replica_args))
-        else:
-            server = STARTERS[name](args.dtype)
+            return start_llm_mesh(args.dtype, shlex.split(args.mesh_replica_args))
+        return STARTERS[name](args.dtype)
     except (RuntimeError, TimeoutError) as exc:
         # A peer that is missing or dies while starting (llama.cpp's Q4 server was killed by
         # SIGILL on an AMX VM) is reported as not run, with why; the others' figures still
@@ -87,35 +91,47 @@ def measure(name: str, args: argparse.Namespace, count_tokens: Any) -> dict[str,
         reason = text.splitlines()[0] if text else type(exc).__name__
         print(f"  {name}: not run ({reason})", flush=True)
         return {"server": name, "not_run": reason}
+
+
+def measure(name: str, args: argparse.Namespace, count_tokens: Any) -> dict[str, Any]:
+    """Start ``name``, run the workload against it, stop it."""
+    server = start(name, args)
+    if isinstance(server, dict):
+        return server
     try:
-        asyncio.run(_warm_up(server, count_tokens))
-        requests = workload(args.requests, args.rate, args.seed)
-        # This VM drifts up to 2x within minutes: the ceiling is measured just before each server.
-        dtype = getattr(torch, args.dtype)
-        ceiling = {rows: gflops(rows, 0.3, dtype) for rows in (DECODE_ROWS, PREFILL_ROWS)}
-        outcomes, wall = asyncio.run(
-            run_load(server.base_url, server.model, requests, count_tokens, args.max_concurrency)
-        )
-        row: dict[str, Any] = {"server": name, **summarize(outcomes, wall)}
-        # What the machine did for it: the weight matmuls over every prompt and output token.
-        per_token = linear_gflop_per_token()
-        row["linear_gflop_per_s"] = round(row["processed_tokens_per_s"] * per_token, 1)
-        # The least time any server needs for these tokens: prompts at the big-GEMM ceiling,
-        # outputs at the decode-batch one (attention and everything else only add to it).
-        floor_s = (
-            row["prompt_tokens"] * per_token / ceiling[PREFILL_ROWS]
-            + row["completion_tokens"] * per_token / ceiling[DECODE_ROWS]
-        )
-        span = row["completion_tokens"] / row["output_tokens_per_s"] if row["output_tokens_per_s"] else 0.0
-        row["ceiling_gflop_per_s"] = {str(k): round(v, 1) for k, v in ceiling.items()}
-        row["matmul_floor_s"] = round(floor_s, 1)
-        row["ceiling_output_tokens_per_s"] = round(row["completion_tokens"] / floor_s, 1) if floor_s else 0.0
-        row["share_of_ceiling"] = round(floor_s / span, 2) if span else 0.0
-        bound = arrival_bound(requests, row["completion_tokens"])
-        row["arrival_bound_output_tokens_per_s"] = round(bound, 1) if bound is not None else None
+        return measure_on(server, args, count_tokens)
     finally:
         server.stop()
-    bound = row["arrival_bound_output_tokens_per_s"]
+
+
+def measure_on(server: RunningServer, args: argparse.Namespace, count_tokens: Any) -> dict[str, Any]:
+    """One run of the workload against a started server, with the ceiling measured just before."""
+    name = server.name
+    asyncio.run(_warm_up(server, count_tokens))
+    requests = workload(args.requests, args.rate, args.seed)
+    # This VM drifts up to 2x within minutes: the ceiling is measured just before each server.
+    dtype = getattr(torch, args.dtype)
+    ceiling = {rows: gflops(rows, 0.3, dtype) for rows in (DECODE_ROWS, PREFILL_ROWS)}
+    outcomes, wall = asyncio.run(
+        run_load(server.base_url, server.model, requests, count_tokens, args.max_concurrency)
+    )
+    row: dict[str, Any] = {"server": name, **summarize(outcomes, wall)}
+    # What the machine did for it: the weight matmuls over every prompt and output token.
+    per_token = linear_gflop_per_token()
+    row["linear_gflop_per_s"] = round(row["processed_tokens_per_s"] * per_token, 1)
+    # The least time any server needs for these tokens: prompts at the big-GEMM ceiling,
+    # outputs at the decode-batch one (attention and everything else only add to it).
+    floor_s = (
+        row["prompt_tokens"] * per_token / ceiling[PREFILL_ROWS]
+        + row["completion_tokens"] * per_token / ceiling[DECODE_ROWS]
+    )
+    span = row["completion_tokens"] / row["output_tokens_per_s"] if row["output_tokens_per_s"] else 0.0
+    row["ceiling_gflop_per_s"] = {str(k): round(v, 1) for k, v in ceiling.items()}
+    row["matmul_floor_s"] = round(floor_s, 1)
+    row["ceiling_output_tokens_per_s"] = round(row["completion_tokens"] / floor_s, 1) if floor_s else 0.0
+    row["share_of_ceiling"] = round(floor_s / span, 2) if span else 0.0
+    bound = arrival_bound(requests, row["completion_tokens"])
+    row["arrival_bound_output_tokens_per_s"] = round(bound, 1) if bound is not None else None
     arrivals = f", arrivals allow {bound:.0f}" if bound is not None else ""
     print(
         f"  {name:14s} {row['output_tokens_per_s']:8.1f} tok/s  TTFT p50 {row['ttft_ms_p50']:8.0f} ms"
@@ -124,6 +140,83 @@ def measure(name: str, args: argparse.Namespace, count_tokens: Any) -> dict[str,
         flush=True,
     )
     return row
+
+
+def measure_rounds(
+    names: list[str], args: argparse.Namespace, count_tokens: Any
+) -> list[list[dict[str, Any]]]:
+    """Every server started once, then ``args.rounds`` rounds in which each runs the workload in
+    turn while the others are paused (SIGSTOP); each round starts one server later in the order,
+    so no server always runs first or last. Returns each round's rows, in ``names`` order.
+
+    Why: this VM drifts up to 2x within minutes, and one server measured in a slow minute skews
+    a single run's ratio (the 4/s run at 00:17 UTC 2026-12-06: llm-mesh's ceiling measured half
+    the peer's). Rounds give each pair of servers several neighbouring minutes to compare in.
+    """
+    started: dict[str, RunningServer] = {}
+    not_run: dict[str, dict[str, Any]] = {}
+    try:
+        for name in names:
+            outcome = start(name, args)
+            if isinstance(outcome, dict):
+                not_run[name] = outcome
+                continue
+            outcome.pause()  # the next server starts (llm-mesh compiles) with the CPUs to itself
+            started[name] = outcome
+        rounds: list[list[dict[str, Any]]] = []
+        for index in range(args.rounds):
+            print(f"round {index + 1}/{args.rounds}", flush=True)
+            order = names[index % len(names) :] + names[: index % len(names)]
+            rows: dict[str, dict[str, Any]] = dict(not_run)
+            for name in order:
+                server = started.get(name)
+                if server is None:
+                    continue
+                server.resume()
+                try:
+                    rows[name] = measure_on(server, args, count_tokens)
+                finally:
+                    server.pause()
+            rounds.append([rows[name] for name in names])
+        return rounds
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+def median_rows(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each server's median figures over the rounds (its per-round tokens/s kept beside them)."""
+    rows: list[dict[str, Any]] = []
+    for runs in zip(*rounds, strict=True):
+        if "not_run" in runs[0]:
+            rows.append(runs[0])
+            continue
+        row = dict(runs[0])
+        for key, value in runs[0].items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                row[key] = statistics.median(r[key] for r in runs)
+            elif isinstance(value, dict):  # the ceiling by rows
+                row[key] = {k: statistics.median(r[key][k] for r in runs) for k in value}
+        row["failed"] = max(r["failed"] for r in runs)
+        row["rounds_output_tokens_per_s"] = [r["output_tokens_per_s"] for r in runs]
+        rows.append(row)
+    return rows
+
+
+def ratios_over_rounds(rounds: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """Each round's verdict, and the verdict on the medians of its ratios."""
+    per_round = [ratios(rows) for rows in rounds]
+    judged = [r for r in per_round if r]
+    if not judged:
+        return {}
+    tok = statistics.median(r["tokens_per_s_ratio"] for r in judged)
+    ttft = statistics.median(r["ttft_p50_ratio_peer_over_mesh"] for r in judged)
+    return {
+        "tokens_per_s_ratio": round(tok, 2),
+        "ttft_p50_ratio_peer_over_mesh": round(ttft, 2),
+        "goal_met": tok >= TOKENS_RATIO_GOAL and ttft >= 1.0,
+        "per_round": per_round,
+    }
 
 
 def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -177,6 +270,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="extra flags for llm-mesh's replica, e.g. '--max-num-batched-tokens 512'",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds of every server in turn, the idle ones paused; ratios are the rounds' medians",
+    )
     parser.add_argument("--no-front", action="store_true", help="skip the HTTP-front overhead part")
     parser.add_argument("--front-only", action="store_true", help="only the HTTP-front overhead part")
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
@@ -186,6 +285,9 @@ def run(args: argparse.Namespace) -> int:
     from bench import serving_front
 
     names = [n.strip() for n in args.servers.split(",") if n.strip()]
+    if args.rounds < 1:
+        print(f"--rounds must be at least 1, got {args.rounds}", file=sys.stderr)
+        return 2
     unknown = sorted(set(names) - set(STARTERS))
     if unknown:
         print(f"unknown --servers {unknown}; choose from {sorted(STARTERS)}", file=sys.stderr)
@@ -199,9 +301,15 @@ def run(args: argparse.Namespace) -> int:
     if not args.front_only:
         count_tokens = _token_counter()
         print(f"serving: {args.requests} requests at {args.rate}/s, seed {args.seed}", flush=True)
-        rows = [measure(name, args, count_tokens) for name in names]
-        results["servers"] = rows
-        results["ratios"] = ratios(rows)
+        if args.rounds > 1:
+            rounds = measure_rounds(names, args, count_tokens)
+            results["rounds"] = rounds
+            results["servers"] = median_rows(rounds)
+            results["ratios"] = ratios_over_rounds(rounds)
+        else:
+            rows = [measure(name, args, count_tokens) for name in names]
+            results["servers"] = rows
+            results["ratios"] = ratios(rows)
         print(json.dumps(results["ratios"], indent=2), flush=True)
     if not args.no_front:
         results["front"] = serving_front.measure_front()

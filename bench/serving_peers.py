@@ -3,7 +3,9 @@
 Each is a process (or two, for llm-mesh) on a free local port, ready when its
 ``GET /health`` answers 200 and one warm-up request has been served; the
 benchmark measures one, stops it, then starts the next, so no server shares
-the two cores with another's idle threads.
+the two cores with another's idle threads. With ``--rounds`` they are all started
+once and take turns: every server but the one measured is paused with SIGSTOP
+(its whole process tree), so it takes no CPU at all while another runs.
 
 Every server but the Q4 reference runs at the benchmark's ``--dtype`` (fp32 by default,
 or bf16):
@@ -21,8 +23,10 @@ or bf16):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -31,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 
 from bench.router import Service
 from services.launcher.readiness import free_port
@@ -62,7 +67,36 @@ class RunningServer:
     services: list[Service] = field(default_factory=list)
     log: Path | None = None
 
+    def _processes(self) -> list[psutil.Process]:
+        """Every process of the server (llm-mesh: router and replica) and their children."""
+        roots = [p.pid for p in self.procs] + [s.proc.pid for s in self.services if s.proc is not None]
+        found: list[psutil.Process] = []
+        for pid in roots:
+            try:
+                root = psutil.Process(pid)
+                found += [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+        return found
+
+    def pause(self) -> None:
+        """SIGSTOP the server's processes, parents first (a router stops asking before its replica stops)."""
+        processes = self._processes()
+        for proc in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.send_signal(signal.SIGSTOP)
+        # Signals arrive asynchronously: return once every process is stopped.
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and not all(_stopped(p) for p in processes):
+            time.sleep(0.01)
+
+    def resume(self, timeout_s: float = 60.0) -> None:
+        """SIGCONT, then wait until the server answers ``/health`` again."""
+        self.resume_quietly()
+        _wait_healthy(self.base_url, None, self.log, timeout_s)
+
     def stop(self) -> None:
+        self.resume_quietly()
         for service in self.services:
             service.stop()
         for proc in self.procs:
@@ -72,6 +106,20 @@ class RunningServer:
                     proc.wait(30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+
+    def resume_quietly(self) -> None:
+        """SIGCONT without waiting (a paused process must run again to act on SIGTERM), children
+        first: a replica answers before its router asks."""
+        for proc in reversed(self._processes()):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.send_signal(signal.SIGCONT)
+
+
+def _stopped(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
 
 
 class NotAvailable(RuntimeError):

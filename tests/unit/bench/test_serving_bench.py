@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import time
+from pathlib import Path
 
 import pytest
 
@@ -116,3 +118,132 @@ def test_a_peer_that_dies_while_starting_is_reported_not_run_and_llm_mesh_failin
     assert row == {"server": "llama_cpp_q4", "not_run": "exited with -4 before it was healthy:"}
     with pytest.raises(RuntimeError, match="exited with -4"):
         serving.measure("llm_mesh", args, count_tokens=len)
+
+
+class _FakeServer:
+    """Records what the rounds do to it; ``log`` is shared by every server of a test."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log, self.paused, self.stopped = name, log, False, False
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def test_rounds_take_turns_with_every_other_server_paused_and_rotate_who_goes_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import argparse
+
+    from bench import serving
+
+    log: list[str] = []
+    servers: dict[str, _FakeServer] = {}
+
+    def start(name: str, args: argparse.Namespace) -> object:
+        if name == "llama_cpp_q4":
+            return {"server": name, "not_run": "SIGILL"}
+        servers[name] = _FakeServer(name, log)
+        return servers[name]
+
+    tok_s = {"llm_mesh": [300.0, 200.0, 240.0], "transformers": [100.0, 120.0, 150.0]}
+
+    def measure_on(server: _FakeServer, args: argparse.Namespace, count_tokens: object) -> dict[str, object]:
+        # While one runs, every other started server is paused.
+        assert not server.paused
+        assert all(s.paused for s in servers.values() if s is not server)
+        log.append(server.name)
+        return {**_row(server.name, tok_s[server.name].pop(0), 100.0), "ceiling_gflop_per_s": {"48": 1.0}}
+
+    monkeypatch.setattr(serving, "start", start)
+    monkeypatch.setattr(serving, "measure_on", measure_on)
+    args = argparse.Namespace(rounds=3)
+    rounds = serving.measure_rounds(["llm_mesh", "transformers", "llama_cpp_q4"], args, len)
+    assert log == ["llm_mesh", "transformers", "transformers", "llm_mesh", "llm_mesh", "transformers"]
+    assert all(s.stopped for s in servers.values())
+    assert [[r["server"] for r in rows] for rows in rounds] == [
+        ["llm_mesh", "transformers", "llama_cpp_q4"]
+    ] * 3
+    medians = serving.median_rows(rounds)
+    assert medians[0]["output_tokens_per_s"] == 240.0
+    assert medians[0]["rounds_output_tokens_per_s"] == [300.0, 200.0, 240.0]
+    assert medians[2] == {"server": "llama_cpp_q4", "not_run": "SIGILL"}
+    verdict = serving.ratios_over_rounds(rounds)
+    # Per round 3.0, 1.67, 1.6: the verdict is their median, not the ratio of medians (2.0).
+    assert [r["tokens_per_s_ratio"] for r in verdict["per_round"]] == [3.0, 1.67, 1.6]
+    assert verdict["tokens_per_s_ratio"] == 1.67
+    assert verdict["goal_met"] is False
+
+
+def test_a_failing_round_still_stops_every_started_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from bench import serving
+
+    servers: list[_FakeServer] = []
+
+    def start(name: str, args: argparse.Namespace) -> _FakeServer:
+        servers.append(_FakeServer(name, []))
+        return servers[-1]
+
+    def measure_on(server: _FakeServer, args: argparse.Namespace, count_tokens: object) -> dict[str, object]:
+        raise RuntimeError("warm-up failed")
+
+    monkeypatch.setattr(serving, "start", start)
+    monkeypatch.setattr(serving, "measure_on", measure_on)
+    with pytest.raises(RuntimeError, match="warm-up failed"):
+        serving.measure_rounds(["llm_mesh", "transformers"], argparse.Namespace(rounds=2), len)
+    assert [s.stopped for s in servers] == [True, True]
+
+
+def test_bench_serving_rejects_zero_rounds(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "serving", "--rounds", "0", "--no-front"]) == 2
+    assert "--rounds" in capsys.readouterr().err
+
+
+def test_a_paused_server_takes_no_cpu_and_answers_again_once_resumed(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    import httpx
+    import psutil
+
+    from bench.serving_peers import RunningServer
+    from services.launcher.readiness import free_port
+
+    port = free_port()
+    # A server that burns CPU in a thread while it serves /health.
+    script = (
+        "import http.server, threading\n"
+        "def spin():\n"
+        "    while True: pass\n"
+        "threading.Thread(target=spin, daemon=True).start()\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200); self.end_headers(); self.wfile.write(b'ok')\n"
+        "    def log_message(self, *a): pass\n"
+        f"http.server.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], text=True)
+    server = RunningServer("spinner", f"http://127.0.0.1:{port}", "m", procs=[proc])
+    try:
+        server.resume(timeout_s=30)  # not paused yet: waits until /health answers
+        server.pause()
+        process = psutil.Process(proc.pid)
+        assert process.status() == psutil.STATUS_STOPPED
+        before = sum(process.cpu_times()[:2])
+        time.sleep(0.5)
+        assert sum(process.cpu_times()[:2]) - before < 0.05  # a spinning thread, stopped
+        with pytest.raises(httpx.TimeoutException):
+            httpx.get(f"{server.base_url}/health", timeout=0.5)
+        server.resume(timeout_s=30)
+        assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200
+    finally:
+        server.stop()
+    assert proc.poll() is not None  # stop() ended it
