@@ -104,11 +104,14 @@ def measure(name: str, args: argparse.Namespace, count_tokens: Any) -> dict[str,
         server.stop()
 
 
-def measure_on(server: RunningServer, args: argparse.Namespace, count_tokens: Any) -> dict[str, Any]:
-    """One run of the workload against a started server, with the ceiling measured just before."""
+def measure_on(
+    server: RunningServer, args: argparse.Namespace, count_tokens: Any, seed: int | None = None
+) -> dict[str, Any]:
+    """One run of the workload (``seed``, else ``args.seed``) against a started server, with the
+    ceiling measured just before."""
     name = server.name
     asyncio.run(_warm_up(server, count_tokens))
-    requests = workload(args.requests, args.rate, args.seed)
+    requests = workload(args.requests, args.rate, args.seed if seed is None else seed)
     # This VM drifts up to 2x within minutes: the ceiling is measured just before each server.
     dtype = getattr(torch, args.dtype)
     ceiling = {rows: gflops(rows, 0.3, dtype) for rows in (DECODE_ROWS, PREFILL_ROWS)}
@@ -149,6 +152,11 @@ def measure_rounds(
     turn while the others are paused (SIGSTOP); each round starts one server later in the order,
     so no server always runs first or last. Returns each round's rows, in ``names`` order.
 
+    Round k sends the workload of seed ``args.seed + k`` (every server the same one within a
+    round): a server started once keeps its caches, and the same prompts again would be prefix
+    cache hits (all at once, llm-mesh's TTFT p50 fell from 2.83 s in round 1 to 0.79 s in round
+    2 when every round repeated them, 00:39 UTC 2026-12-06). Round 1 is the single run's workload.
+
     Why: this VM drifts up to 2x within minutes, and one server measured in a slow minute skews
     a single run's ratio (the 4/s run at 00:17 UTC 2026-12-06: llm-mesh's ceiling measured half
     the peer's). Rounds give each pair of servers several neighbouring minutes to compare in.
@@ -174,7 +182,7 @@ def measure_rounds(
                     continue
                 server.resume()
                 try:
-                    rows[name] = measure_on(server, args, count_tokens)
+                    rows[name] = measure_on(server, args, count_tokens, seed=args.seed + index)
                 finally:
                     server.pause()
             rounds.append([rows[name] for name in names])

@@ -70,7 +70,11 @@ def workload(num_requests: int, rate: float, seed: int) -> list[ServingRequest]:
         context = " ".join(rng.choice(CONTEXT) for _ in range(rng.choice(CONTEXT_SENTENCES)))
         question = QUESTIONS[i % len(QUESTIONS)]
         prompt = f"{context}\n\n{question}".strip() if context else question
-        requests.append(ServingRequest(at, f"[{i}] {prompt}", rng.choice(OUTPUT_TOKENS)))
+        # The label makes every prompt distinct within a workload and, with the seed in it,
+        # from every other seed's (the rounds of bench/serving.py send seed, seed + 1, ... to
+        # servers that keep their prefix caches). Seed 0 keeps the label its recorded runs had.
+        label = f"{i}" if seed == 0 else f"{seed}.{i}"
+        requests.append(ServingRequest(at, f"[{label}] {prompt}", rng.choice(OUTPUT_TOKENS)))
         if rate != float("inf"):
             at += rng.expovariate(rate)
     return requests

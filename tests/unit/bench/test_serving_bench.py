@@ -27,6 +27,16 @@ def test_every_server_gets_the_same_poisson_workload_of_distinct_prompts() -> No
     assert all(r.at_s == 0.0 for r in workload(10, rate=float("inf"), seed=0))
 
 
+def test_no_two_seeds_share_a_prompt_prefix_beyond_the_label_bracket() -> None:
+    # Rounds send seeds 0, 1, 2 to servers that keep their prefix caches: a prompt must
+    # differ from every earlier round's within its first few characters.
+    seen: set[str] = set()
+    for seed in range(4):
+        heads = {r.prompt[:8] for r in workload(48, rate=4.0, seed=seed)}
+        assert not heads & seen
+        seen |= heads
+
+
 def test_summary_counts_tokens_over_the_span_to_the_last_token_and_reports_failures() -> None:
     outcomes = [
         Outcome(
@@ -154,18 +164,26 @@ def test_rounds_take_turns_with_every_other_server_paused_and_rotate_who_goes_fi
 
     tok_s = {"llm_mesh": [300.0, 200.0, 240.0], "transformers": [100.0, 120.0, 150.0]}
 
-    def measure_on(server: _FakeServer, args: argparse.Namespace, count_tokens: object) -> dict[str, object]:
+    seeds: list[int] = []
+
+    def measure_on(
+        server: _FakeServer, args: argparse.Namespace, count_tokens: object, seed: int
+    ) -> dict[str, object]:
         # While one runs, every other started server is paused.
         assert not server.paused
         assert all(s.paused for s in servers.values() if s is not server)
         log.append(server.name)
+        seeds.append(seed)
         return {**_row(server.name, tok_s[server.name].pop(0), 100.0), "ceiling_gflop_per_s": {"48": 1.0}}
 
     monkeypatch.setattr(serving, "start", start)
     monkeypatch.setattr(serving, "measure_on", measure_on)
-    args = argparse.Namespace(rounds=3)
+    args = argparse.Namespace(rounds=3, seed=5)
     rounds = serving.measure_rounds(["llm_mesh", "transformers", "llama_cpp_q4"], args, len)
     assert log == ["llm_mesh", "transformers", "transformers", "llm_mesh", "llm_mesh", "transformers"]
+    # Within a round every server gets the same workload; a round never repeats an earlier
+    # round's prompts (a server started once would answer them from its prefix cache).
+    assert seeds == [5, 5, 6, 6, 7, 7]
     assert all(s.stopped for s in servers.values())
     assert [[r["server"] for r in rows] for rows in rounds] == [
         ["llm_mesh", "transformers", "llama_cpp_q4"]
@@ -192,13 +210,15 @@ def test_a_failing_round_still_stops_every_started_server(monkeypatch: pytest.Mo
         servers.append(_FakeServer(name, []))
         return servers[-1]
 
-    def measure_on(server: _FakeServer, args: argparse.Namespace, count_tokens: object) -> dict[str, object]:
+    def measure_on(
+        server: _FakeServer, args: argparse.Namespace, count_tokens: object, seed: int
+    ) -> dict[str, object]:
         raise RuntimeError("warm-up failed")
 
     monkeypatch.setattr(serving, "start", start)
     monkeypatch.setattr(serving, "measure_on", measure_on)
     with pytest.raises(RuntimeError, match="warm-up failed"):
-        serving.measure_rounds(["llm_mesh", "transformers"], argparse.Namespace(rounds=2), len)
+        serving.measure_rounds(["llm_mesh", "transformers"], argparse.Namespace(rounds=2, seed=0), len)
     assert [s.stopped for s in servers] == [True, True]
 
 
