@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from collections.abc import Sequence as Seq
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from services.common import errors
@@ -29,6 +30,7 @@ from services.common.generate_many.limits import PARK_AFTER_OUTPUTS
 from services.common.generate_many.merge import Span, merge
 from services.inference import metrics
 from services.inference.engine import EngineFailure, EngineLoad, LLMEngine, RequestOutput
+from services.inference.engine_thread import EngineThread
 from services.inference.grammar import Guide
 from services.inference.sampling import SamplingParams
 from services.inference.sequence import FinishReason
@@ -72,7 +74,15 @@ def merge_outputs(outputs: Seq[RequestOutput]) -> RequestOutput:
 class AsyncEngine:
     """Thread-backed front of ``LLMEngine`` for asyncio servicers."""
 
-    def __init__(self, engine: LLMEngine, on_failure: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_failure: Callable[[str], None] | None = None,
+        thread: EngineThread | None = None,
+    ) -> None:
+        """``thread``: the thread that loaded and warmed ``engine`` (engine_thread.py says why
+        its loop should run there too); a new one when not given. Either way it is this
+        object's from now on, and ``close`` ends it."""
         self.engine = engine
         #: Called (from the engine thread) once the engine itself has failed: the replica stops serving.
         self._on_failure = on_failure
@@ -85,8 +95,9 @@ class AsyncEngine:
         self.draining = False
         self._load = engine.load()
         self._preemptions_seen = 0
-        self._thread = threading.Thread(target=self._run, name="llmmesh-engine", daemon=True)
-        self._thread.start()
+        self._thread = thread or EngineThread()
+        self._loop_done = self._thread.submit(self._run)
+        self._loop_done.add_done_callback(_report_loop_end)
 
     # -- asyncio side ----------------------------------------------------------
     def load(self) -> EngineLoad:
@@ -201,7 +212,7 @@ class AsyncEngine:
         with self._cond:
             self._stopped = True
             self._cond.notify()
-        self._thread.join(timeout=30)
+        self._thread.stop(timeout_s=30)
 
     # -- engine thread ---------------------------------------------------------
     def _run(self) -> None:
@@ -298,6 +309,12 @@ class AsyncEngine:
         if preemptions > self._preemptions_seen:
             metrics.PREEMPTIONS.inc(preemptions - self._preemptions_seen)
             self._preemptions_seen = preemptions
+
+
+def _report_loop_end(done: Future[None]) -> None:
+    """The loop ends only when closed; anything else it raised is logged, not lost in its future."""
+    if not done.cancelled() and (exc := done.exception()) is not None:
+        log.error("the engine loop ended unexpectedly", exc_info=exc)
 
 
 def _record_finished(out: RequestOutput) -> None:

@@ -12,6 +12,7 @@ from services.common.server import HealthReporter
 from services.inference.async_engine import AsyncEngine
 from services.inference.config import EngineConfig
 from services.inference.engine import LLMEngine
+from services.inference.engine_thread import EngineThread
 from services.inference.sampling import SamplingParams
 from services.inference.servicer import InferenceServicer, add_to_server
 
@@ -36,9 +37,11 @@ class InferenceRuntime:
         add_to_server(self.servicer, server)
 
     async def start(self, health: HealthReporter) -> None:
-        core = await asyncio.to_thread(LLMEngine, self.config)
+        # Load, warm up and serve on one thread: one OpenMP pool (engine_thread.py says why).
+        thread = EngineThread()
+        core = await thread.run(LLMEngine, self.config)
         # Warm-up: one real generation, so the first client does not pay for lazy init.
-        warm = await asyncio.to_thread(
+        warm = await thread.run(
             core.generate, [core.tokenizer.encode("Hello")], SamplingParams(max_tokens=2, temperature=0.0)
         )
         log.info("warm-up generated %d tokens", len(warm[0]))
@@ -48,7 +51,7 @@ class InferenceRuntime:
             log.error("replica NOT_SERVING: the inference engine failed (%s)", reason)
             loop.call_soon_threadsafe(lambda: self._tasks.add(loop.create_task(health.set_serving(False))))
 
-        self.engine = AsyncEngine(core, on_failure=stop_serving)
+        self.engine = AsyncEngine(core, on_failure=stop_serving, thread=thread)
         self.servicer.engine = self.engine
         await health.set_serving(True)
 

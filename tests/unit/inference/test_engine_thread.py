@@ -1,0 +1,90 @@
+"""A replica loads, warms up and runs its engine loop on one thread (one OpenMP pool: engine_thread.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+import pytest
+
+from services.inference import runtime as runtime_module
+from services.inference.engine_thread import EngineThread
+from services.inference.outputs import EngineLoad, RequestOutput
+from services.inference.runtime import InferenceRuntime
+from services.inference.sampling import SamplingParams
+
+from .test_async_engine import FakeTokenEngine
+
+
+def test_calls_run_in_order_on_the_one_thread_and_errors_come_back() -> None:
+    thread = EngineThread()
+    try:
+        slow = thread.submit(time.sleep, 0.2)
+        after = thread.submit(threading.get_ident)
+        assert not after.done()  # queued behind the slow call, not run on a second thread
+        assert after.result(5) == thread.ident
+        assert slow.done()
+        failing = thread.submit(int, "not a number")
+        with pytest.raises(ValueError, match="not a number"):
+            failing.result(5)
+        # The thread survives a call that raised.
+        assert thread.submit(threading.get_ident).result(5) == thread.ident
+    finally:
+        thread.stop()
+    assert not any(t.ident == thread.ident for t in threading.enumerate())
+
+
+class RecordingEngine(FakeTokenEngine):
+    """LLMEngine's surface as the runtime uses it, noting the thread of each torch-bearing call."""
+
+    seen: ClassVar[list[tuple[str, int]]] = []
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(tokens=3)
+        RecordingEngine.seen.append(("load", threading.get_ident()))
+        self.tokenizer = SimpleNamespace(encode=lambda text: [1, 2])
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        RecordingEngine.seen.append(("warm-up", threading.get_ident()))
+        return [[7] * params.max_tokens]
+
+    def step(self) -> list[RequestOutput]:
+        RecordingEngine.seen.append(("step", threading.get_ident()))
+        return super().step()
+
+    def load(self) -> EngineLoad:
+        return super().load()
+
+
+class Health:
+    def __init__(self) -> None:
+        self.serving: bool | None = None
+
+    async def set_serving(self, serving: bool) -> None:
+        self.serving = serving
+
+
+async def test_the_replica_loads_warms_up_and_steps_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    RecordingEngine.seen = []
+    monkeypatch.setattr(runtime_module, "LLMEngine", RecordingEngine)
+    replica = InferenceRuntime(SimpleNamespace())  # type: ignore[arg-type]
+    health = Health()
+    await replica.start(health)  # type: ignore[arg-type]
+    try:
+        assert health.serving is True
+        assert replica.engine is not None
+        got = [out async for out in replica.engine.generate("r1", [1, 2], SamplingParams(max_tokens=3))]
+        assert [t for o in got for t in o.new_token_ids] == [100, 101, 102]
+    finally:
+        await replica.close()
+    kinds = [kind for kind, _ in RecordingEngine.seen]
+    assert kinds[:2] == ["load", "warm-up"] and "step" in kinds
+    threads = {ident for _, ident in RecordingEngine.seen}
+    assert len(threads) == 1, RecordingEngine.seen
+    assert threading.get_ident() not in threads  # never the event loop's thread
+    # close() ended the thread: nothing of the engine is left running.
+    await asyncio.sleep(0)
+    assert not any(t.ident in threads for t in threading.enumerate())
