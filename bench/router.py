@@ -78,10 +78,14 @@ TARGET_TOKENS_PER_CORE_S = 20_000
 class Service(ProcessHandle):
     """A service process on an ephemeral port (the bootstrap prints where it listens)."""
 
-    def __init__(self, module: str, args: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, module: str, args: list[str], env: dict[str, str] | None = None, root: Path = ROOT
+    ) -> None:
+        """``root``: the checkout whose ``services`` run (another one for a before/after run)."""
         self.module = module
         self.args = args
         self.env = env or {}
+        self.root = root
         super().__init__()
 
     @property
@@ -93,7 +97,7 @@ class Service(ProcessHandle):
 
     def start(self, timeout_s: float = 300.0) -> Service:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **self.env}
-        self.launch(self.command(), self.module, cwd=ROOT, env=env)
+        self.launch(self.command(), self.module, cwd=self.root, env=env)
         if not self.wait_listening_line(time.monotonic() + timeout_s):
             raise RuntimeError(f"{self.module} did not start:\n" + self.out.tail(40))
         return self

@@ -161,9 +161,15 @@ def _spawn(
     return proc, log
 
 
-def start_llm_mesh(dtype: str = "float32", extra_replica_args: list[str] | None = None) -> RunningServer:
+def start_llm_mesh(
+    dtype: str = "float32",
+    extra_replica_args: list[str] | None = None,
+    root: Path = ROOT,
+    name: str = "llm_mesh",
+) -> RunningServer:
+    """A router and one replica, both run from checkout ``root`` (this one unless a baseline's)."""
     flags = ["--model", str(CHECKPOINT), "--device", "cpu", "--dtype", dtype, *(extra_replica_args or [])]
-    replica = Service("services.inference", flags).start()
+    replica = Service("services.inference", flags, root=root).start()
     router = Service(
         "services.router",
         [
@@ -176,11 +182,10 @@ def start_llm_mesh(dtype: str = "float32", extra_replica_args: list[str] | None 
             "--max-in-flight",
             "4096",
         ],
+        root=root,
     ).start()
     port = router_http_port(router)
-    server = RunningServer(
-        "llm_mesh", f"http://127.0.0.1:{port}", CHECKPOINT.name, services=[router, replica]
-    )
+    server = RunningServer(name, f"http://127.0.0.1:{port}", CHECKPOINT.name, services=[router, replica])
     return _ready_or_stopped(server, lambda: _wait_until_model_listed(server, timeout_s=300))
 
 

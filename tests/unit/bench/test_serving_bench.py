@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -83,7 +84,7 @@ def test_the_model_costs_two_flops_per_weight_per_token() -> None:
     assert linear_gflop_per_token() == pytest.approx(0.269, abs=0.001)
 
 
-def _row(server: str, tok_s: float, ttft: float) -> dict[str, object]:
+def _row(server: str, tok_s: float, ttft: float) -> dict[str, Any]:
     return {"server": server, "output_tokens_per_s": tok_s, "ttft_ms_p50": ttft, "failed": 0}
 
 
@@ -100,7 +101,73 @@ def test_the_verdict_compares_with_the_best_peer_at_the_same_precision_only() ->
     assert verdict["tokens_per_s_ratio"] == 2.5
     assert verdict["ttft_p50_ratio_peer_over_mesh"] == 0.8
     assert verdict["goal_met"] is False  # 2.5× the tokens, but a worse TTFT p50
+    assert verdict["goal_reachable"] is True  # all at once: no arrival bound
     assert verdict["vs_each"] == {"transformers": 5.0, "llama_cpp": 2.5, "llama_cpp_q4": 1.11}
+
+
+def test_the_verdict_says_when_the_arrivals_put_the_goal_out_of_every_servers_reach() -> None:
+    from bench.serving import ratios_over_rounds
+
+    def paced(bound: float, mesh: float) -> list[dict[str, Any]]:
+        return [
+            {**_row("llm_mesh", mesh, 100.0), "arrival_bound_output_tokens_per_s": bound},
+            _row("transformers", 108.0, 400.0),
+        ]
+
+    # 2 × 108 = 216 tok/s: a workload whose last request is sent too late for that bounds everyone.
+    assert ratios(paced(212.0, 188.0))["goal_reachable"] is False
+    assert ratios(paced(364.0, 231.0))["goal_reachable"] is True
+    over = ratios_over_rounds([paced(364.0, 231.0), paced(212.0, 188.0), paced(300.0, 215.0)])
+    assert over["rounds_goal_reachable"] == 2
+    assert [r["goal_reachable"] for r in over["per_round"]] == [True, False, True]
+
+
+def test_before_and_after_compares_with_the_baseline_checkout_which_is_no_peer() -> None:
+    from bench.serving import BASELINE, versus_baseline, versus_baseline_over_rounds
+
+    rows = [
+        {**_row("llm_mesh", 120.0, 150.0), "itl_ms_p50": 40.0},
+        {**_row(BASELINE, 100.0, 300.0), "itl_ms_p50": 80.0},
+        _row("transformers", 60.0, 900.0),
+    ]
+    assert versus_baseline(rows) == {"tokens_per_s": 1.2, "ttft_p50_lower_by": 2.0, "itl_p50_lower_by": 2.0}
+    verdict = ratios(rows)  # the peers' verdict never takes the baseline for a peer
+    assert verdict["best_peer"] == "transformers" and verdict["vs_each"] == {"transformers": 2.0}
+    assert versus_baseline(rows[:1]) == {}
+    slower = [{**rows[0], "output_tokens_per_s": 90.0}, rows[1]]
+    faster = [{**rows[0], "output_tokens_per_s": 150.0}, rows[1]]
+    over = versus_baseline_over_rounds([rows, slower, faster])
+    assert over["tokens_per_s"] == 1.2  # the median round, not the mean
+    assert [r["tokens_per_s"] for r in over["per_round"]] == [1.2, 0.9, 1.5]
+
+
+def test_the_baseline_runs_from_its_own_checkout_and_failing_to_start_fails_the_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import argparse
+
+    from bench import serving
+
+    started: list[tuple[str, Path, list[str]]] = []
+
+    def start_llm_mesh(dtype: str, extra: list[str], root: Path = Path(), name: str = "llm_mesh") -> str:
+        started.append((name, root, extra))
+        raise RuntimeError("exited with 1 before it was healthy")
+
+    monkeypatch.setattr(serving, "start_llm_mesh", start_llm_mesh)
+    args = argparse.Namespace(dtype="bfloat16", mesh_replica_args="--compile", baseline=tmp_path)
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        serving.start(serving.BASELINE, args)
+    assert started == [(serving.BASELINE, tmp_path, ["--compile"])]
+
+
+def test_bench_serving_refuses_a_baseline_that_is_no_checkout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "services" / "inference").mkdir(parents=True)
+    assert cli.main(["bench", "serving", "--baseline", str(tmp_path), "--no-front"]) == 2
+    err = capsys.readouterr().err
+    assert "services/router" in err and "services/gen" in err and "protogen" in err
 
 
 def test_bench_serving_rejects_an_unknown_server_naming_the_choices(
