@@ -42,6 +42,10 @@ from services.launcher.readiness import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKPOINT = ROOT / "models" / "SmolLM2-135M-Instruct"
+#: Every server runs with the VM's CPUs to itself (the others are stopped or paused), so every
+#: one gets the setting of a deployment with dedicated CPUs: libgomp's idle workers spin before
+#: they sleep (its default for one pool; a replica alone sleeps at once: openmp_policy.py).
+DEDICATED_CPUS_ENV = {"GOMP_SPINCOUNT": "300000"}
 GGUF_Q4 = ROOT / "models" / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 PEERS_DIR = ROOT / "bench" / ".peers"
 LLAMA_SERVER = PEERS_DIR / "llama-server"
@@ -156,7 +160,13 @@ def _spawn(
 ) -> tuple[subprocess.Popen[str], Path]:
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-serving-{name}-{os.getpid()}.log"
     handle = log.open("w")
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+        **DEDICATED_CPUS_ENV,
+        **(env or {}),
+    }
     proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=handle, stderr=subprocess.STDOUT, text=True)
     return proc, log
 
@@ -169,7 +179,7 @@ def start_llm_mesh(
 ) -> RunningServer:
     """A router and one replica, both run from checkout ``root`` (this one unless a baseline's)."""
     flags = ["--model", str(CHECKPOINT), "--device", "cpu", "--dtype", dtype, *(extra_replica_args or [])]
-    replica = Service("services.inference", flags, root=root).start()
+    replica = Service("services.inference", flags, env=DEDICATED_CPUS_ENV, root=root).start()
     router = Service(
         "services.router",
         [

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from services.common.server import run
 from services.common.settings import (
     INFERENCE_PORT,
@@ -12,10 +14,14 @@ from services.common.settings import (
     server_options,
 )
 from services.inference.config import EngineConfig
-from services.inference.runtime import InferenceRuntime
+from services.inference.openmp_policy import default_wait_policy
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Before torch is imported (the runtime imports it): libgomp reads its environment once.
+    default_wait_policy(os.environ)
+    from services.inference.runtime import InferenceRuntime
+
     parser = EnvArgumentParser(prog="python -m services.inference", description="llm-mesh inference replica")
     add_server_args(parser, default_port=INFERENCE_PORT)
     add_flags(parser, EngineConfig)

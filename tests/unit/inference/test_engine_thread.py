@@ -88,3 +88,32 @@ async def test_the_replica_loads_warms_up_and_steps_on_one_thread(monkeypatch: p
     # close() ended the thread: nothing of the engine is left running.
     await asyncio.sleep(0)
     assert not any(t.ident in threads for t in threading.enumerate())
+
+
+def test_a_replicas_idle_openmp_worker_sleeps_at_once_unless_the_operator_chose() -> None:
+    from services.inference.openmp_policy import OPERATOR_KNOBS, default_wait_policy
+
+    env: dict[str, str] = {"PATH": "/bin"}
+    assert default_wait_policy(env) == "PASSIVE"
+    assert env == {"PATH": "/bin", "OMP_WAIT_POLICY": "PASSIVE"}
+    for knob in OPERATOR_KNOBS:  # a replica with dedicated CPUs: GOMP_SPINCOUNT=300000, kept as set
+        chosen = {knob: "300000"}
+        assert default_wait_policy(chosen) is None
+        assert chosen == {knob: "300000"}
+
+
+def test_the_replicas_entry_point_sets_the_policy_before_torch_loads() -> None:
+    # libgomp reads OMP_WAIT_POLICY once, when torch loads it: the entry module must not import torch.
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys\n"
+        "os.environ.pop('OMP_WAIT_POLICY', None); os.environ.pop('GOMP_SPINCOUNT', None)\n"
+        "import services.inference.__main__ as entry\n"
+        "assert 'torch' not in sys.modules, 'torch loaded before the OpenMP policy'\n"
+        "entry.default_wait_policy(os.environ)\n"
+        "print(os.environ['OMP_WAIT_POLICY'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "PASSIVE"
