@@ -9,7 +9,8 @@ spins instead of ~300,000), so between two parallel regions the loop's one worke
 asleep and every region began with a futex wake-up, which on a VM is a trip through the
 hypervisor. Measured on the 2 vCPU VM during `bench/serving.py --rate 4`: the replica
 used 1.3 of its 2 CPUs (engine thread 0.8, its worker 0.5); with every call on this
-one thread, one pool, it uses both (docs/inference.md, "One engine thread").
+one thread, one pool, and the worker allowed to spin, it uses 1.85 (docs/inference.md, "One
+engine thread"). Whether it may spin is the operator's call: openmp_policy.py.
 """
 
 from __future__ import annotations
