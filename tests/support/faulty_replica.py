@@ -8,11 +8,17 @@ that request's own. Test-only: nothing in ``services/`` knows about it.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
 from services.inference import __main__ as replica_main
-from services.inference import sampler
+from services.inference.openmp_policy import default_wait_policy
+
+# As the real replica does, before torch loads (``sampler`` imports it): openmp_policy.py.
+default_wait_policy(os.environ)
+
+from services.inference import sampler  # noqa: E402
 
 FAULT_SEED = 0xBAD5EED
 FAULT_TOKEN_INDEX = 5
