@@ -238,9 +238,14 @@ def ratios_over_rounds(rounds: list[list[dict[str, Any]]]) -> dict[str, Any]:
     }
 
 
+def _ran(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The rows of servers that ran with no failed request, by server name."""
+    return {r["server"]: r for r in rows if "not_run" not in r and not r.get("failed")}
+
+
 def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """llm-mesh against the best same-precision peer that ran (by tokens/s)."""
-    by_name = {r["server"]: r for r in rows if "not_run" not in r and not r.get("failed")}
+    by_name = _ran(rows)
     mesh = by_name.get("llm_mesh")
     peers = [by_name[p] for p in SAME_PRECISION_PEERS if p in by_name]
     if mesh is None or not peers:
@@ -268,7 +273,7 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def versus_baseline(rows: list[dict[str, Any]]) -> dict[str, float]:
     """This checkout's llm-mesh over ``--baseline``'s on the same workload; above 1 is better
     for each figure (more tokens/s, a lower TTFT or ITL p50)."""
-    by_name = {r["server"]: r for r in rows if "not_run" not in r and not r.get("failed")}
+    by_name = _ran(rows)
     mesh, base = by_name.get("llm_mesh"), by_name.get(BASELINE)
     if mesh is None or base is None:
         return {}
