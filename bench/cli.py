@@ -37,6 +37,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "bench.semantic_cache",
         "semantic-cache false hits by kind and paraphrase hits: cosine 0.92 vs the verified cache",
     ),
+    "embed-coalescing": (
+        "bench.embed_coalescing",
+        "concurrent query embeds in the retriever: coalesced model calls vs one call per text",
+    ),
     "idle-box": (
         "bench.idle_box",
         "what a thread wake-up and a gRPC write cost on this machine after idle gaps",

