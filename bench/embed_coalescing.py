@@ -75,10 +75,12 @@ class PerText:
 
     def __init__(self, embedder: Embedder) -> None:
         self._encode = embedder._encode
-        self.batch_sizes: list[int] = []
+        self.calls = 0
+        self.texts = 0
 
     def embed(self, text: str) -> Vectors:
-        self.batch_sizes.append(1)
+        self.calls += 1
+        self.texts += 1
         return self._encode([text])
 
 
@@ -96,7 +98,7 @@ def measure(
     coalescer = embedder._coalescer
     if mode == "per text":
         embedder._coalescer = PerText(embedder)  # type: ignore[assignment]
-    sizes_before = len(embedder._coalescer.batch_sizes)
+    calls_before, texts_before = embedder._coalescer.calls, embedder._coalescer.texts
     waits: list[float] = []
 
     def one(text: str) -> None:
@@ -108,7 +110,8 @@ def measure(
         start = time.perf_counter()
         list(pool.map(one, texts))
         elapsed = time.perf_counter() - start
-        sizes = embedder._coalescer.batch_sizes[sizes_before:]
+        calls = embedder._coalescer.calls - calls_before
+        encoded = embedder._coalescer.texts - texts_before
     finally:
         embedder._coalescer = coalescer
     return Figures(
@@ -117,7 +120,7 @@ def measure(
         texts_per_s=round(len(texts) / elapsed, 1),
         wait_ms_p50=round(percentile(waits, 50) * 1e3, 2),
         wait_ms_p99=round(percentile(waits, 99) * 1e3, 2),
-        mean_call_size=round(sum(sizes) / len(sizes), 2),
+        mean_call_size=round(encoded / calls, 2),
     )
 
 

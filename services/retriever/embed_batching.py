@@ -42,19 +42,24 @@ class EmbedCoalescer:
         self._encode = encode
         self.max_batch = max_batch
         self._waiting: queue.SimpleQueue[tuple[str, Future[Vectors]] | None] = queue.SimpleQueue()
-        #: Texts per model call since start, for tests and the bench: how much coalescing happened.
-        self.batch_sizes: list[int] = []
+        #: Model calls made and texts they encoded since start: how much coalescing happened.
+        self.calls = 0
+        self.texts = 0
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def embed(self, text: str) -> Vectors:
         """``text``'s vector, shape ``(1, dimension)``; blocks the calling thread until it is made."""
+        if self._closed:
+            raise RuntimeError("the embedder is closed")
         done: Future[Vectors] = Future()
         self._waiting.put((text, done))
         return done.result()
 
     def close(self) -> None:
-        """Ends the worker once the texts already waiting are done; later ``embed`` calls would hang."""
+        """Ends the worker once the texts already waiting are done; later ``embed`` calls raise."""
+        self._closed = True
         self._waiting.put(None)
         self._thread.join(timeout=30)
 
@@ -81,7 +86,8 @@ class EmbedCoalescer:
     def _answer(self, batch: list[tuple[str, Future[Vectors]]]) -> None:
         # The same text asked twice at once (a popular question) is encoded once.
         texts = list(dict.fromkeys(text for text, _ in batch))
-        self.batch_sizes.append(len(texts))
+        self.calls += 1
+        self.texts += len(texts)
         try:
             vectors = self._encode(texts)
         except Exception as exc:  # every waiter must hear back, never hang

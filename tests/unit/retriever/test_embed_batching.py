@@ -107,6 +107,15 @@ def test_a_text_the_model_rejects_fails_only_its_own_request() -> None:
     np.testing.assert_array_equal(coalescer.embed("after"), vector_of("after")[None])
 
 
+def test_a_closed_coalescer_refuses_new_texts_instead_of_leaving_them_waiting() -> None:
+    encode = GatedEncode()
+    encode.release.set()
+    coalescer = EmbedCoalescer(encode)
+    coalescer.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        coalescer.embed("too late")
+
+
 def test_the_real_model_gives_a_query_the_same_vector_coalesced_as_alone() -> None:
     """Padding to the batch's longest text must not move a query's vector (the semantic cache
     compares them at 0.92 and the dense search ranks by them)."""
