@@ -3,8 +3,8 @@
 Every chat turn with the semantic cache on embeds its prompt (the lookup), and each
 request runs on its own executor thread. One text per model call leaves most of the
 CPU's work to per-call overhead: all-MiniLM-L6-v2 took 8.7 ms a text one at a time
-and 4.9 ms a text in batches of 6 on the 2-vCPU VM (docs/benchmarks.md, "Coalesced
-query embeds"). So single texts go through one worker thread, which takes every text
+and 4.9 ms a text in batches of 6 on the 2-vCPU VM (docs/benchmarks.md, "concurrent
+query embeds coalesced"). So single texts go through one worker thread, which takes every text
 waiting when it comes free and encodes them in one call, the way continuous batching
 forms a decode step: nothing is held back to wait for company, so a lone request pays
 no added latency, and under load the batch grows by itself. One thread also means one
@@ -87,7 +87,15 @@ class EmbedCoalescer:
                     closing = True
                     break
                 batch.append(item)
-            self._answer(batch)
+            try:
+                self._answer(batch)
+            except (
+                BaseException
+            ) as exc:  # the worker must outlive any one batch: else every later embed hangs
+                log.exception("embed worker: a coalesced call failed unexpectedly")
+                for _, done in batch:
+                    if not done.done():
+                        done.set_exception(exc)
             if closing:
                 return
 
@@ -97,7 +105,10 @@ class EmbedCoalescer:
         self.calls += 1
         self.texts += len(texts)
         if self._observe is not None:
-            self._observe(len(texts))
+            try:
+                self._observe(len(texts))
+            except Exception:  # a metrics hook never costs a request its answer
+                log.exception("embed worker: observing a call's size failed")
         try:
             vectors = self._encode(texts)
         except Exception as exc:  # every waiter must hear back, never hang

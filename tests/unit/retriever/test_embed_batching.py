@@ -97,6 +97,18 @@ def test_each_model_call_reports_how_many_texts_it_took() -> None:
     assert (coalescer.calls, coalescer.texts) == (2, 4)
 
 
+def test_a_failing_metrics_hook_costs_no_request_its_answer() -> None:
+    encode = GatedEncode()
+    encode.release.set()
+
+    def broken(_: int) -> None:
+        raise RuntimeError("metrics registry gone")
+
+    coalescer = EmbedCoalescer(encode, observe=broken)
+    for text in ("first", "second"):
+        np.testing.assert_array_equal(coalescer.embed(text), vector_of(text)[None])
+
+
 def test_the_same_text_asked_at_once_is_encoded_once() -> None:
     encode = GatedEncode()
     coalescer = EmbedCoalescer(encode)
