@@ -4,6 +4,7 @@ one text the model rejects fails only its own request."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -48,13 +49,18 @@ def pile_up(coalescer: EmbedCoalescer, encode: GatedEncode, texts: list[str]) ->
     assert encode.entered.wait(10)
     waiting = [pool.submit(coalescer.embed, t) for t in texts]
     # Each submitted thread is blocked in embed() once the queue holds its text.
-    deadline = threading.Event()
-    while coalescer._waiting.qsize() < len(texts) and not deadline.wait(0.01):
-        pass
+    deadline = time.monotonic() + 10
+    while coalescer._waiting.qsize() < len(texts) and time.monotonic() < deadline:
+        time.sleep(0.01)
     encode.release.set()
     np.testing.assert_array_equal(first.result(10), vector_of("the first question")[None])
     pool.shutdown(wait=False)
     return waiting
+
+
+def assert_each_got_its_own(texts: list[str], results: list[Future[Vectors]]) -> None:
+    for text, result in zip(texts, results, strict=True):
+        np.testing.assert_array_equal(result.result(10), vector_of(text)[None])
 
 
 def test_texts_waiting_behind_a_call_go_together_in_the_next_one_each_with_its_own_vector() -> None:
@@ -62,8 +68,7 @@ def test_texts_waiting_behind_a_call_go_together_in_the_next_one_each_with_its_o
     coalescer = EmbedCoalescer(encode, max_batch=16)
     texts = [f"question number {i} about pumps" for i in range(6)]
     results = pile_up(coalescer, encode, texts)
-    for text, result in zip(texts, results, strict=True):
-        np.testing.assert_array_equal(result.result(10), vector_of(text)[None])
+    assert_each_got_its_own(texts, results)
     # Threads enqueue in any order; what matters is one call for all six.
     assert len(encode.calls) == 2 and sorted(encode.calls[1]) == sorted(texts)
     coalescer.close()
@@ -80,8 +85,7 @@ def test_a_lone_text_is_encoded_at_once_and_a_batch_never_exceeds_its_cap() -> N
     capped = EmbedCoalescer(encode2, max_batch=4)
     texts = [f"text {i}" for i in range(10)]
     results = pile_up(capped, encode2, texts)
-    for text, result in zip(texts, results, strict=True):
-        np.testing.assert_array_equal(result.result(10), vector_of(text)[None])
+    assert_each_got_its_own(texts, results)
     assert all(len(call) <= 4 for call in encode2.calls)
     assert sum(len(call) for call in encode2.calls) == 11
 
