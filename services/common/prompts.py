@@ -32,14 +32,20 @@ def prompt_token_ids(
     messages: Seq[Message],
     prompt: str,
     encode_rendered: Callable[[str], list[int]] | None = None,
+    token_ids: Seq[int] = (),
 ) -> list[int]:
-    """Chat-templated ``messages`` (generation prompt appended) or the raw ``prompt``; exactly one of them.
+    """Chat-templated ``messages`` (generation prompt appended), the raw ``prompt``, or the raw
+    prompt's ``token_ids`` as given; exactly one of them.
 
     ``encode_rendered`` tokenizes the rendered chat (default: the tokenizer, no special tokens
-    added); the router passes one that gives the same ids faster for repeated prefixes.
+    added); the router passes one that gives the same ids faster for repeated prefixes. Given
+    ids are not checked against the vocabulary here: the engine, which knows its size, does.
     """
-    if messages and prompt:
-        raise InvalidArgument("prompt", "set either messages or prompt, not both")
+    if sum(1 for given in (messages, prompt, token_ids) if given) > 1:
+        field = "prompt_token_ids" if token_ids else "prompt"
+        raise InvalidArgument(field, "set one of messages, prompt or prompt_token_ids")
+    if token_ids:
+        return list(token_ids)
     if prompt:
         return list(tokenizer.encode(prompt))
     if not messages:

@@ -111,8 +111,11 @@ class LLMEngine:
                 self.max_model_len,
             )
         vocab = self.runner.vocab_size
-        if any(not 0 <= t < vocab for t in (*prompt_token_ids, *resume_token_ids)):
-            raise errors.InvalidArgument("resume_token_ids", f"token ids must be in [0, {vocab})")
+        # A tokenized prompt is always in range: one out of it was given as ids by the client.
+        for name, ids in (("prompt_token_ids", prompt_token_ids), ("resume_token_ids", resume_token_ids)):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise errors.InvalidArgument(name, f"token ids must be in [0, {vocab}), got {bad}")
 
     def admit(
         self,

@@ -126,6 +126,7 @@ def start_generation(
         engine.engine.tokenizer,
         [Message(m.role, m.content) for m in start.messages],
         start.prompt,
+        token_ids=start.prompt_token_ids,
     )
     params = sampling_from_pb(start.sampling, len(prompt_ids), engine.engine.max_model_len)
     return engine.generate(start.request_id, prompt_ids, params, list(start.resume_token_ids))

@@ -268,6 +268,50 @@ def test_legacy_completions_continue_the_raw_prompt_without_a_chat_template(fron
     assert with_session.status_code == 400 and with_session.json()["error"]["param"] == "session_id"
 
 
+def test_a_prompt_of_token_ids_is_prefilled_as_given(front: Front, model_path: Path) -> None:
+    # lm-evaluation-harness's `local-completions` and SGLang's bench send prompts as token ids.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    client = front.client()
+    text = "The capital of France is"
+    ids = tokenizer.encode(text)
+    by_text = client.completions.create(model=front.model, prompt=text, max_tokens=6, temperature=0)
+    by_ids = client.completions.create(model=front.model, prompt=ids, max_tokens=6, temperature=0)
+    assert by_ids.usage is not None and by_ids.usage.prompt_tokens == len(ids)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    streamed = client.completions.create(
+        model=front.model, prompt=ids, max_tokens=6, temperature=0, stream=True
+    )
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == by_text.choices[0].text
+    # Not tokenized again: five "a" tokens stay five, where the text "aaaaa" is fewer tokens.
+    a = tokenizer.encode("a")
+    assert len(a) == 1 and len(tokenizer.encode("aaaaa")) < 5
+    several = client.completions.create(model=front.model, prompt=[a * 5, ids], max_tokens=6, temperature=0)
+    assert several.usage is not None and several.usage.prompt_tokens == 5 + len(ids)
+    assert [c.index for c in several.choices] == [0, 1]
+    assert several.choices[1].text == by_text.choices[0].text
+    # The same ids over gRPC (ChatRequest.prompt_token_ids) give the same continuation.
+    metadata = (("authorization", f"Bearer {KEY}"),)
+    request = router_pb2.ChatRequest(
+        prompt_token_ids=ids, sampling=common_pb2.SamplingParams(max_tokens=6, temperature=0.0)
+    )
+    reply = router_stub(front.router).Complete(request, metadata=metadata, timeout=60)
+    assert reply.text == by_text.choices[0].text and reply.end.usage.prompt_tokens == len(ids)
+    both = router_pb2.ChatRequest(prompt=text, prompt_token_ids=ids)
+    with pytest.raises(grpc.RpcError) as refused:
+        router_stub(front.router).Complete(both, metadata=metadata, timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt_token_ids" in refused.value.details()
+    # An id past the vocabulary: the replica's 400, naming the request's own field and the bound.
+    vocab = len(tokenizer)
+    outside = front.post("/v1/completions", {"model": front.model, "prompt": [[*ids], [1, vocab + 7]]})
+    error = outside.json()["error"]
+    assert outside.status_code == 400 and error["param"] == "prompt", error
+    assert str(vocab + 7) in error["message"], error
+    assert greedy(front, [{"role": "user", "content": "hi"}], 2), "the front still answers"
+
+
 JAVA_CLIENT = Path(__file__).resolve().parents[1] / "support" / "java" / "OpenAiJdkClient.java"
 
 

@@ -103,6 +103,7 @@ class PromptHasher:
                 [Message(m.role, m.content) for m in start.messages],
                 start.prompt,
                 self._encoder.encode,  # the same ids, a shared system prompt tokenized once
+                token_ids=start.prompt_token_ids,
             )
         except InvalidArgument:
             return None

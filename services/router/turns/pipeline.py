@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable, Sequence
 from typing import Any
 
 from services.common import errors
@@ -155,9 +155,8 @@ class TurnPipeline:
             # them up again could give another prompt, which the delivered tokens do not continue.
             start = resumed_start(resume, state)
             models = [resume.checkpoint.model]
-            messages = (
-                [("prompt", start.prompt)] if start.prompt else [(m.role, m.content) for m in start.messages]
-            )
+            raw = raw_prompt(start.prompt, start.prompt_token_ids)
+            messages = raw or [(m.role, m.content) for m in start.messages]
         else:
             known = s.pool.models()
             if not known and s.pool.discovering():
@@ -173,10 +172,8 @@ class TurnPipeline:
                     yield response
                 return
             prompt: Iterable[common_pb2.ChatMessage]
-            if request.prompt:
-                # A raw prompt goes to the model as is; "prompt" is not a chat role, so its cache
-                # key never meets a chat turn's with the same text (the two are answered differently).
-                messages, prompt = [("prompt", request.prompt)], ()
+            if request.prompt or request.prompt_token_ids:
+                messages, prompt = raw_prompt(request.prompt, request.prompt_token_ids), ()
             elif request.session_id or request.rag.enabled:
                 history, chunks, pinned = await sources.lookups(s, tenant, request, new_messages, state)
                 messages = sources.build_prompt(history, chunks, new_messages)
@@ -185,7 +182,11 @@ class TurnPipeline:
                 # No history, no sources: the prompt is the request's messages, copied as they are.
                 messages, prompt = new_messages, request.messages
             start = inference_pb2.GenerateStart(
-                request_id=state.request_id, messages=prompt, prompt=request.prompt, sampling=request.sampling
+                request_id=state.request_id,
+                messages=prompt,
+                prompt=request.prompt,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling=request.sampling,
             )
         plan = cache_step.cache_plan(s, request, models[0], messages, resume is not None, state.cited)
         key = plan.key
@@ -355,3 +356,14 @@ class TurnPipeline:
             principal, request, answer, layer, state, degraded_reason=f"fallback answer: {reason}"
         ):
             yield response
+
+
+def raw_prompt(text: str, token_ids: Sequence[int]) -> list[tuple[str, str]]:
+    """A raw prompt as the (role, content) pairs its cache key is made of; empty for a chat turn.
+
+    "prompt" and "prompt_token_ids" are not chat roles, so a raw prompt's key never meets a chat
+    turn's with the same text (the two are answered differently), nor a text prompt's the ids'
+    (a text and the ids it would tokenize to are different requests to the client)."""
+    if token_ids:
+        return [("prompt_token_ids", ",".join(map(str, token_ids)))]
+    return [("prompt", text)] if text else []

@@ -44,7 +44,7 @@ def semantic_plan(
     """None where the turn does not use the semantic cache (off, or a personal question with no user)."""
     if not request.cache.semantic or s.semantic_cache is None or not messages:
         return None
-    if request.prompt:
+    if request.prompt or request.prompt_token_ids:
         # The scope knows conversations: a raw prompt's text could meet a chat question's entry.
         metrics.SEMANTIC_SKIPPED.labels(reason="raw_prompt").inc()
         return None

@@ -15,10 +15,15 @@ MAX_CACHE_USER_CHARS = 256
 
 def validate(request: router_pb2.ChatRequest, field_prefix: str = "") -> None:
     """Reject bad input with a message naming the field (after ``field_prefix``), before any work is done."""
-    if request.prompt:
+    if request.prompt and request.prompt_token_ids:
+        raise errors.InvalidArgument(
+            f"{field_prefix}prompt_token_ids", "send a prompt as text or as token ids, not both"
+        )
+    if request.prompt or request.prompt_token_ids:
         # A raw prompt is a text to continue, not a conversation: nothing to add history or sources to.
         if request.messages:
-            raise errors.InvalidArgument(f"{field_prefix}prompt", "send messages or a prompt, not both")
+            field = "prompt" if request.prompt else "prompt_token_ids"
+            raise errors.InvalidArgument(f"{field_prefix}{field}", "send messages or a prompt, not both")
         if request.session_id:
             raise errors.InvalidArgument(
                 f"{field_prefix}session_id", "a raw prompt has no session (use messages)"

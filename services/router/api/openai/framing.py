@@ -89,6 +89,9 @@ class Framer:
         if self.kind == "chat":
             # A chat request has no `prompt`: the replica's prompt is its rendered messages.
             error = renamed(error, "prompt", "messages")
+        else:
+            # Token ids come in OpenAI's `prompt` field; the protos carry them apart.
+            error = renamed(error, "prompt_token_ids", "prompt")
         return self.constraint.rename(error) if self.constraint is not None else error
 
     def _head(self, object_name: str, model: str | None = None) -> dict[str, Any]:

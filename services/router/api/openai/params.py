@@ -145,35 +145,61 @@ def completion_generation(body: Any, request_id: str) -> Generation:
         raise unsupported("echo", "echoing the prompt is not supported")
     if body.get("suffix") not in (None, ""):
         raise unsupported("suffix", "insertion (suffix) is not supported")
-    prompt = body.get("prompt")
-    prompts: list[str]
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompts = list(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (int, list)) for p in prompt):
-        raise unsupported("prompt", "token-id prompts are not supported; send text")
-    else:
-        raise bad_request("prompt", "prompt: required, a string or a non-empty list of strings")
+    prompts = _completion_prompts(body.get("prompt"))
     if len(prompts) > MAX_CHOICES:
         raise bad_request("prompt", f"prompt: at most {MAX_CHOICES} prompts per request")
-    if not all(prompts):
+    if not all(p.text or p.token_ids for p in prompts):
         raise bad_request("prompt", "prompt: must not be empty")
     max_tokens = _int(body, "max_tokens", 1, INT32_MAX)
     sampling = _sampling(body, COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
     source = apply_output_options(body, sampling, chat=False)
     # Raw, as OpenAI and vLLM serve /v1/completions: the text is continued, no chat template around it.
     return dataclasses.replace(
-        _generation(body, request_id, [Prompt(p) for p in prompts], sampling),
+        _generation(body, request_id, prompts, sampling),
         constraint=_constraint_param(sampling, source),
     )
 
 
 @dataclass(frozen=True)
 class Prompt:
-    """One raw prompt of a ``/v1/completions`` body (a chat body has message lists instead)."""
+    """One raw prompt of a ``/v1/completions`` body (a chat body has message lists instead): its
+    text, or the token ids it was given as."""
 
-    text: str
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+
+
+_PROMPT_SHAPES = (
+    "prompt: required, a string, a list of strings, a list of token ids or a list of token-id lists"
+)
+
+
+def _completion_prompts(prompt: Any) -> list[Prompt]:
+    """``prompt`` as OpenAI takes it: a string, strings, token ids, or lists of token ids."""
+    if isinstance(prompt, str):
+        return [Prompt(prompt)]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_request("prompt", _PROMPT_SHAPES)
+    if all(isinstance(p, str) for p in prompt):
+        return [Prompt(p) for p in prompt]
+    if all(isinstance(p, list) for p in prompt):
+        return [Prompt(token_ids=_token_ids(p, f"prompt[{i}]")) for i, p in enumerate(prompt)]
+    if any(isinstance(p, (str, list)) for p in prompt):
+        raise bad_request("prompt", _PROMPT_SHAPES)
+    return [Prompt(token_ids=_token_ids(prompt, "prompt"))]  # one prompt's ids: each one checked
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is no token
+
+
+def _token_ids(ids: list[Any], where: str) -> tuple[int, ...]:
+    """Token ids as the replica takes them (int32, >= 0); whether each is in the model's
+    vocabulary is the replica's to say, naming the prompt too."""
+    for j, t in enumerate(ids):
+        if not _is_int(t) or not 0 <= t <= INT32_MAX:
+            raise bad_request("prompt", f"{where}[{j}]: token ids must be integers in [0, {INT32_MAX}]")
+    return tuple(ids)
 
 
 def _generation(
@@ -211,6 +237,7 @@ def _generation(
             turn = router_pb2.ChatRequest(
                 messages=() if isinstance(conversation, Prompt) else conversation,
                 prompt=conversation.text if isinstance(conversation, Prompt) else "",
+                prompt_token_ids=conversation.token_ids if isinstance(conversation, Prompt) else (),
                 model=model or "",
                 sampling=params,
                 request_id=turn_request_id(request_id, index, len(conversations) * n),

@@ -204,11 +204,34 @@ def test_an_assistant_message_with_null_or_no_content_is_an_empty_turn() -> None
         ]
 
 
-def test_completions_refuse_echo_and_token_prompts() -> None:
+def test_completions_refuse_echo_and_prompts_of_no_openai_shape() -> None:
     assert refused({"prompt": "a", "echo": True}, completions=True).param == "echo"
-    assert refused({"prompt": [[1, 2]]}, completions=True).param == "prompt"
     assert refused({"prompt": 5}, completions=True).param == "prompt"
     assert refused({"prompt": ["a", ""]}, completions=True).param == "prompt"
+    for shape in ([], [[]], [1, [2]], ["a", 1], [[1], "a"], {"ids": [1]}):
+        assert refused({"prompt": shape}, completions=True).param == "prompt", shape
+
+
+def test_token_id_prompts_go_to_the_replica_as_ids_one_turn_each() -> None:
+    # OpenAI's and vLLM's /v1/completions take a prompt as token ids, one list or several.
+    g = completion_generation({"prompt": [5, 0, 7], "n": 2}, "cmpl-2")
+    assert [list(t.prompt_token_ids) for t in g.turns] == [[5, 0, 7], [5, 0, 7]]
+    assert not any(t.prompt or t.messages for t in g.turns)
+    g = completion_generation({"prompt": [[1, 2], [3]]}, "cmpl-3")
+    assert [list(t.prompt_token_ids) for t in g.turns] == [[1, 2], [3]]
+
+
+def test_a_token_id_that_is_no_int32_is_refused_naming_where() -> None:
+    for ids, where in (
+        ([1, -1], "prompt[1]"),
+        ([True, 2], "prompt[0]"),
+        ([1, 2.5], "prompt[1]"),
+        ([2**31], "prompt[0]"),
+    ):
+        error = refused({"prompt": ids}, completions=True)
+        assert error.param == "prompt" and error.message.startswith(where), (ids, error.message)
+    error = refused({"prompt": [[1], [2, -3]]}, completions=True)
+    assert error.message.startswith("prompt[1][1]"), error.message
 
 
 def test_a_body_that_is_not_an_object_is_refused() -> None:
