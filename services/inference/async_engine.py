@@ -68,7 +68,10 @@ def merge_outputs(outputs: Seq[RequestOutput]) -> RequestOutput:
     token_ids: list[int] = []
     index, text = merge([Span(o.index, o.new_token_ids, o.text) for o in outputs], token_ids)
     logprobs = tuple(lp for o in outputs for lp in o.logprobs)
-    return dataclasses.replace(last, new_token_ids=token_ids, text=text, index=index, logprobs=logprobs)
+    scored = tuple(lp for o in outputs for lp in o.prompt_logprobs)  # the first output's, if any
+    return dataclasses.replace(
+        last, new_token_ids=token_ids, text=text, index=index, logprobs=logprobs, prompt_logprobs=scored
+    )
 
 
 class AsyncEngine:

@@ -72,16 +72,17 @@ class BlockManager:
         return self.blocks_needed(num_tokens) <= self.num_blocks
 
     # -- prefix cache ----------------------------------------------------------
-    def match_prefix(self, seq: Sequence) -> int:
+    def match_prefix(self, seq: Sequence, reuse: bool = True) -> int:
         """Attach cached blocks holding ``seq``'s prefix; returns how many tokens they cover.
 
         Only whole blocks match, and never the last token: the model must run on at
-        least one token to produce logits.
+        least one token to produce logits. ``reuse`` False: none match (the sequence needs
+        every prompt position's logits), though its own blocks are offered to others as usual.
         """
         assert not seq.block_table, "prefix matching is only for a sequence with no blocks"
         hashes: list[int] = []
         parent: int | None = None
-        limit = (seq.num_tokens - 1) // self.block_size
+        limit = (seq.num_tokens - 1) // self.block_size if reuse else 0
         for i in range(limit):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             h = chain_hash(parent, tokens)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import random
 import threading
 import time
@@ -110,6 +111,10 @@ class LLMEngine:
                 f"{params.max_tokens} plus {len(prompt_token_ids)} prompt tokens exceed",
                 self.max_model_len,
             )
+        if params.prompt_logprobs is not None and self.runner.native is None:
+            raise errors.InvalidArgument(
+                "prompt_logprobs", "not served by this replica's model implementation (transformers)"
+            )
         vocab = self.runner.vocab_size
         # A tokenized prompt is always in range: one out of it was given as ids by the client.
         for name, ids in (("prompt_token_ids", prompt_token_ids), ("resume_token_ids", resume_token_ids)):
@@ -172,6 +177,12 @@ class LLMEngine:
             params=params,
             seed=params.seed if params.seed is not None else random.getrandbits(63),
         )
+        if params.prompt_logprobs is not None and not resume_token_ids:
+            # (A resumed request's prompt logprobs went out with its first token, from the replica
+            # that produced it.)
+            # The first prompt token has nothing before it to be scored by: NaN, no alternatives.
+            seq.prompt_logprobs = [SampledToken(prompt_token_ids[0], math.nan)]
+            seq.prompt_logprobs += [None] * (len(prompt_token_ids) - 1)
         stop_ids = frozenset() if params.ignore_eos else self._eos_ids
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, prime=resume_token_ids)
         guide = guide or self.make_guide(params, resume_token_ids)  # a caller that skipped make_guide
@@ -268,6 +279,7 @@ class LLMEngine:
             generated += 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            scored = self._take_prompt_logprobs(seq)
             status = self._check_stop(req, token)
             update = req.detokenizer.add(token)
             if update.matched_stop is not None:
@@ -275,14 +287,20 @@ class LLMEngine:
             if req.guide is not None:
                 status = self._advance_guide(req, token, status)
             if status is None:
-                outputs.append(RequestOutput(seq.request_id, [token], update.text, index, logprobs=logprobs))
+                outputs.append(
+                    RequestOutput(
+                        seq.request_id, [token], update.text, index, logprobs=logprobs, prompt_logprobs=scored
+                    )
+                )
                 continue
             self.scheduler.finish(seq, status)
             del self._requests[seq.request_id]
             text = update.text + ("" if update.matched_stop else req.detokenizer.flush())
             final = final_output(req.seq, [token], text, index, update.matched_stop or "")
             refused = req.guide.field if req.guide and status is SequenceStatus.FINISHED_ERROR else ""
-            outputs.append(dataclasses.replace(final, logprobs=logprobs, invalid_field=refused))
+            outputs.append(
+                dataclasses.replace(final, logprobs=logprobs, prompt_logprobs=scored, invalid_field=refused)
+            )
         if generated:
             self._recent.append((now, generated))
         return outputs
@@ -312,6 +330,16 @@ class LLMEngine:
             else:
                 outputs.append(dataclasses.replace(final, fault=True))
         return outputs
+
+    @staticmethod
+    def _take_prompt_logprobs(seq: Sequence) -> tuple[SampledToken, ...]:
+        """The prompt's logprobs, with the request's first token (and then never again)."""
+        scored = seq.prompt_logprobs
+        if scored is None:
+            return ()
+        seq.prompt_logprobs = None
+        # Every prompt position was computed (no cached prefix) before a token could be drawn.
+        return tuple(t for t in scored if t is not None)
 
     @staticmethod
     def _advance_guide(req: _Request, token: int, status: SequenceStatus | None) -> SequenceStatus | None:

@@ -7,11 +7,23 @@ with the block slots to gather), then prefill chunks padded to the longest.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
 from services.inference import decode_slab, llama
 from services.inference.scheduler import ScheduledSequence
+from services.inference.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class PromptScoring:
+    """``count`` rows of the step's output, after the sampled ones, whose logits score a prompt:
+    the first row's predict ``seq``'s prompt token ``first_target``, the next the one after it."""
+
+    seq: Sequence
+    first_target: int
+    count: int
 
 
 def reads_whole_slab_rows(device: torch.device, dtype: torch.dtype) -> bool:
@@ -61,8 +73,11 @@ class FlatBatchBuilder:
 
     def build(
         self, scheduled: Seq[ScheduledSequence]
-    ) -> tuple[llama.StepInputs, list[decode_slab.SlabRow] | None]:
-        """The flat batch of a step: decode rows first (in slab order), then prefill chunks."""
+    ) -> tuple[llama.StepInputs, list[decode_slab.SlabRow] | None, list[PromptScoring]]:
+        """The flat batch of a step: decode rows first (in slab order), then prefill chunks.
+
+        ``sample_index`` lists the sampled chunks' last tokens, then the positions that score a
+        prompt (``PromptScoring``, for requests that asked for prompt logprobs)."""
         bs = self.block_size
         dev = self.device
         decodes = [s for s in scheduled if s.num_tokens == 1]
@@ -72,8 +87,17 @@ class FlatBatchBuilder:
         positions: list[int] = []
         slots: list[int] = []
         flat_index: dict[int, int] = {}  # id(chunk) -> flat index of its last token
+        scoring: list[PromptScoring] = []
+        score_index: list[int] = []
         for s in (*decodes, *prefills):
             start, n, table, tokens = s.start, s.num_tokens, s.seq.block_table, s.seq.token_ids
+            if s.seq.prompt_logprobs is not None:
+                # Position p's logits score prompt token p + 1; the last prompt position's draw
+                # the first output token instead.
+                end = min(start + n, s.seq.num_prompt_tokens - 1)
+                if end > start:
+                    scoring.append(PromptScoring(s.seq, start + 1, end - start))
+                    score_index.extend(range(len(ids), len(ids) + end - start))
             ids.extend(tokens[start : start + n])
             positions.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -87,7 +111,7 @@ class FlatBatchBuilder:
             else:
                 decode_rows = self._decode_rows(decodes, decode_positions)
         prefill_rows = self._prefill_rows(prefills) if prefills else None
-        sample_index = [flat_index[id(s)] for s in scheduled if s.samples]
+        sample_index = [flat_index[id(s)] for s in scheduled if s.samples] + score_index
         step = llama.StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=position_t,
@@ -96,7 +120,7 @@ class FlatBatchBuilder:
             prefill=prefill_rows,
             sample_index=torch.tensor(sample_index, dtype=torch.long, device=dev),
         )
-        return step, slab_rows
+        return step, slab_rows, scoring
 
     def _visible_bias(self, span: int, positions: torch.Tensor) -> torch.Tensor:
         """[rows, span]: 0 where key position <= the row's position, -inf after it."""

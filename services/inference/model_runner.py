@@ -29,11 +29,12 @@ import torch
 
 from services.inference import compiled_decode, compiled_step, decode_slab, llama
 from services.inference.config import EngineConfig
-from services.inference.flat_batch import FlatBatchBuilder, reads_whole_slab_rows
+from services.inference.flat_batch import FlatBatchBuilder, PromptScoring, reads_whole_slab_rows
 from services.inference.grammar import Guide
 from services.inference.host_memory import keep_large_allocations_mapped, zeroed
 from services.inference.kv_sizing import KVGeometry, auto_cuda_blocks, fit_host_memory
 from services.inference.model_loading import load_model, resolve_device, resolve_dtype
+from services.inference.outputs import SampledToken
 from services.inference.paged_attention import ForwardContext
 from services.inference.sampler import RowResult, Sampler
 from services.inference.scheduler import ScheduledSequence
@@ -41,6 +42,10 @@ from services.inference.scheduler import ScheduledSequence
 log = logging.getLogger("llmmesh.inference.runner")
 
 MAX_MODEL_LEN_CAP = 8192
+#: Prompt positions whose logits are made at once when scoring a prompt: a [rows, vocab] fp32
+#: block is 192 KiB a row for a 49,152-token vocabulary, so 256 rows hold 48 MiB where a whole
+#: 2,048-token chunk would take 384.
+SCORE_ROWS = 256
 # Decode batches are padded up to one of these sizes when compiling, so few graphs cover all.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -246,13 +251,46 @@ class ModelRunner:
 
     def _native_logits(self, scheduled: Seq[ScheduledSequence]) -> torch.Tensor | None:
         assert self.native is not None
-        step, slab_rows = self.flat_batch.build(scheduled)
+        step, slab_rows, scoring = self.flat_batch.build(scheduled)
         hidden = self.native.hidden_states(step, self.k_caches, self.v_caches)
         if self.slab is not None and slab_rows:
             self.slab.advance(slab_rows)
-        if step.sample_index.numel() == 0:
+        sampled = hidden.shape[0] - sum(r.count for r in scoring)
+        if scoring:
+            self._score_prompts(hidden[sampled:], scoring)
+        if sampled == 0:
             return None  # only mid-prompt chunks: the layers ran for their K/V
-        return self.native.logits(hidden)
+        return self.native.logits(hidden[:sampled])
+
+    def _score_prompts(self, hidden: torch.Tensor, scoring: Seq[PromptScoring]) -> None:
+        """Each scored prompt token's log probability (and its alternatives), into its sequence's
+        ``prompt_logprobs`` by position: a chunk computed again (after a preemption, or in fault
+        isolation's halves) writes the same entries again, never more of them."""
+        assert self.native is not None
+        targets: list[int] = []
+        for r in scoring:
+            targets.extend(r.seq.token_ids[r.first_target : r.first_target + r.count])
+        top = max(r.seq.params.prompt_logprobs or 0 for r in scoring)
+        target_t = torch.tensor(targets, dtype=torch.long, device=hidden.device)
+        chosen: list[float] = []
+        alternatives: list[list[tuple[int, float]]] = []
+        for first in range(0, hidden.shape[0], SCORE_ROWS):
+            rows = slice(first, first + SCORE_ROWS)
+            logprobs = torch.log_softmax(self.native.logits(hidden[rows]).float(), dim=-1)
+            chosen.extend(logprobs.gather(1, target_t[rows, None]).squeeze(1).tolist())
+            if top:
+                values, ids = torch.topk(logprobs, top)
+                alternatives.extend(
+                    list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+                )
+        row = 0
+        for r in scoring:
+            store, k = r.seq.prompt_logprobs, r.seq.params.prompt_logprobs or 0
+            assert store is not None
+            for position in range(r.first_target, r.first_target + r.count):
+                alts = tuple(alternatives[row][:k]) if k else ()
+                store[position] = SampledToken(targets[row], chosen[row], alts)
+                row += 1
 
     def _run_group(self, group: list[ScheduledSequence]) -> list[torch.Tensor]:
         """One forward over rows padded to the longest chunk; returns each row's last hidden state."""

@@ -55,6 +55,9 @@ class RequestOutput:
     fault: bool = False
     #: One per new token, in order, when the request asked for logprobs; else empty.
     logprobs: tuple[SampledToken, ...] = ()
+    #: In the request's first output, when it asked for prompt logprobs: one per prompt token, in
+    #: order (``token`` is the prompt's own; the first's logprob is NaN: nothing precedes it).
+    prompt_logprobs: tuple[SampledToken, ...] = ()
     #: The request's own input cannot go on (its output constraint dead-ended): the field to
     #: name in its INVALID_ARGUMENT, ``error`` saying why. Not a fault: the engine is fine.
     invalid_field: str = ""

@@ -74,6 +74,9 @@ class SamplingParams:
     logprobs: bool = False
     #: Also return this many most likely alternatives per token (0 to ``MAX_TOP_LOGPROBS``).
     top_logprobs: int = 0
+    #: Return every prompt token's log probability after the first, with this many alternatives
+    #: each (0 to ``MAX_TOP_LOGPROBS``); None = none. The whole prompt is then computed.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -106,6 +109,10 @@ class SamplingParams:
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidArgument(
                 "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument(
+                "prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}"
             )
 
     @property

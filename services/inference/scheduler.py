@@ -140,7 +140,8 @@ class Scheduler:
                 )
                 out.errored.append(seq)
                 continue
-            cached = self.block_manager.match_prefix(seq)
+            # A request scored over its prompt needs every position's logits: nothing cached.
+            cached = self.block_manager.match_prefix(seq, reuse=seq.prompt_logprobs is None)
             seq.num_computed_tokens = cached
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt_tokens = cached

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.inference.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from services.inference.outputs import SampledToken
 
 
 class SequenceStatus(enum.IntEnum):
@@ -68,6 +72,10 @@ class Sequence:
     prefill_done_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    #: With ``params.prompt_logprobs``: entry i is prompt token i's log probability (under the
+    #: logits of position i - 1), set when that position is computed (again, after a preemption);
+    #: entry 0's is NaN. Handed out with the first token, then dropped.
+    prompt_logprobs: list[SampledToken | None] | None = None
 
     @property
     def num_tokens(self) -> int:

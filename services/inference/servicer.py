@@ -48,6 +48,7 @@ def sampling_from_pb(pb: common_pb2.SamplingParams, prompt_len: int, max_model_l
         constraint=constraint_from_pb(pb),
         logprobs=pb.logprobs,
         top_logprobs=pb.top_logprobs,
+        prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
     )
 
 
@@ -86,6 +87,8 @@ def chunk_and_finished(
         chunk = inference_pb2.TokenChunk(text=out.text, token_ids=out.new_token_ids, index=out.index)
         if out.logprobs:
             chunk.logprobs.extend(logprobs_pb(out.logprobs, text_of))
+        if out.prompt_logprobs:
+            chunk.prompt_logprobs.extend(logprobs_pb(out.prompt_logprobs, text_of))
     if not out.finished:
         return chunk, None
     usage = out.usage

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import grpc
@@ -23,6 +24,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -312,6 +314,52 @@ def test_a_prompt_of_token_ids_is_prefilled_as_given(front: Front, model_path: P
     assert greedy(front, [{"role": "user", "content": "hi"}], 2), "the front still answers"
 
 
+def test_echo_scores_the_prompt_as_an_evaluation_harness_reads_it(front: Front, model_path: Path) -> None:
+    # lm-evaluation-harness's loglikelihood request to `local-completions`: token ids, echo,
+    # logprobs 1, max_tokens 1; it sums token_logprobs[context:-1] and checks each is the top one.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    context, continuation = tokenizer.encode("The capital of France is"), tokenizer.encode(" Paris")
+    ids = context + continuation
+    body = {
+        "model": front.model,
+        "prompt": [ids],
+        "echo": True,
+        "logprobs": 1,
+        "max_tokens": 1,
+        "temperature": 0,
+    }
+    answer = front.post("/v1/completions", body)
+    assert answer.status_code == 200, answer.text
+    choice = answer.json()["choices"][0]
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(ids) + 1 and len(logprobs["token_logprobs"]) == len(ids) + 1
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    model: Any = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+    with torch.inference_mode():
+        expected = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for position in range(1, len(ids)):
+        got = logprobs["token_logprobs"][position]
+        assert got == pytest.approx(float(expected[position - 1, ids[position]]), abs=1e-4), position
+        (best,) = logprobs["top_logprobs"][position].values()
+        assert best == pytest.approx(float(expected[position - 1].max()), abs=1e-4), position
+    assert "".join(logprobs["tokens"][: len(ids)]) == tokenizer.decode(ids)
+    assert choice["text"].startswith(tokenizer.decode(ids)) and len(choice["text"]) > len(
+        tokenizer.decode(ids)
+    )
+    assert answer.json()["usage"]["prompt_tokens"] == len(ids)
+    # A text prompt is echoed as sent; without logprobs the echo is text alone.
+    text = "The capital of France is"
+    plain = front.post(
+        "/v1/completions", {"model": front.model, "prompt": text, "echo": True, "max_tokens": 3}
+    )
+    assert plain.status_code == 200 and plain.json()["choices"][0]["logprobs"] is None
+    assert plain.json()["choices"][0]["text"].startswith(text)
+    streamed = front.post("/v1/completions", {**body, "stream": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "echo"
+
+
 JAVA_CLIENT = Path(__file__).resolve().parents[1] / "support" / "java" / "OpenAiJdkClient.java"
 
 
@@ -586,8 +634,11 @@ def test_400_names_the_field(front: Front) -> None:
     assert_error(front.post("/v1/chat/completions", {**chat, "presence_penalty": 1}), 400, "presence_penalty")
     assert_error(front.post("/v1/chat/completions", {**chat, "min_tokens": 2}), 400, "min_tokens")
     assert_error(front.post("/v1/chat/completions", {**chat, "n": 9}), 400, "n")
+    assert_error(front.post("/v1/chat/completions", {**chat, "echo": True}), 400, "echo")
     assert_error(
-        front.post("/v1/completions", {"model": front.model, "prompt": "x", "echo": True}), 400, "echo"
+        front.post("/v1/completions", {"model": front.model, "prompt": "x", "echo": True, "stream": True}),
+        400,
+        "echo",
     )
     raw = httpx.post(
         f"{front.v1}/chat/completions", content=b"{not json", headers={"authorization": f"Bearer {KEY}"}

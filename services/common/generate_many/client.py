@@ -111,6 +111,7 @@ class GenerationHandle:
         merged.index, merged.text = merge([e.chunk for e in events], merged.token_ids)
         for e in events:  # one per token id, in the same order (empty unless asked for)
             merged.logprobs.extend(e.chunk.logprobs)
+            merged.prompt_logprobs.extend(e.chunk.prompt_logprobs)  # the first chunk's, if asked for
         self._events = [inference_pb2.GenerationEvent(tag=self.tag, chunk=merged), *last]
         if len(merged.token_ids) >= PAUSE_AFTER_TOKENS and not self._paused and not last:
             self._paused = True

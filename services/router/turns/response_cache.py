@@ -94,7 +94,7 @@ def exact_cache_key(
     """The exact-cache key of a request, or None when its answer is not deterministic."""
     if not is_deterministic(sampling):
         return None
-    if sampling.logprobs or sampling.top_logprobs:
+    if sampling.logprobs or sampling.top_logprobs or sampling.HasField("prompt_logprobs"):
         return None  # a cached answer has no logprobs to give back
     for name in ("temperature", "top_p", "repetition_penalty"):
         if sampling.HasField(name) and not math.isfinite(getattr(sampling, name)):

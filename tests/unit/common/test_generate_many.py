@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from services.common.generate_many.client import ReplicaMultiplexer, StreamBroken
+from services.common.generate_many.client import GenerationHandle, ReplicaMultiplexer, StreamBroken
 from services.common.generate_many.limits import MERGE_PENDING_AFTER, MESSAGE_BUDGET_BYTES, PAUSE_AFTER_TOKENS
 from services.common.generate_many.server import serve_many
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
@@ -510,3 +510,20 @@ async def test_generate_runs_the_same_generation_on_the_shared_path_and_names_an
     logged = [r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("generate ")]
     assert re.fullmatch(r"request_id=[0-9a-f]{32}", logged[0])  # minted by the replica: none was sent
     assert logged[1] == "request_id=direct"  # the caller's, carried unchanged
+
+
+def test_chunks_merged_for_a_slow_consumer_keep_the_first_chunks_prompt_logprobs() -> None:
+    scored = [common_pb2.TokenLogprobs(logprob=-0.5, text="The"), common_pb2.TokenLogprobs(logprob=-2.0)]
+    handle = GenerationHandle(None, 1)  # type: ignore[arg-type]  # no connection: never paused here
+    handle._events = [
+        inference_pb2.GenerationEvent(
+            tag=1, chunk=inference_pb2.TokenChunk(text="a", token_ids=[7], index=0, prompt_logprobs=scored)
+        ),
+        inference_pb2.GenerationEvent(
+            tag=1, chunk=inference_pb2.TokenChunk(text="b", token_ids=[8], index=1)
+        ),
+    ]
+    handle._merge_pending()
+    (merged,) = handle._events
+    assert list(merged.chunk.token_ids) == [7, 8] and merged.chunk.text == "ab"
+    assert list(merged.chunk.prompt_logprobs) == scored

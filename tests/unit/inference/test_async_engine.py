@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from types import SimpleNamespace
 
@@ -10,7 +11,7 @@ import pytest
 
 from services.common import errors
 from services.inference.async_engine import AsyncEngine, merge_outputs
-from services.inference.outputs import EngineLoad, RequestOutput, Timings, Usage
+from services.inference.outputs import EngineLoad, RequestOutput, SampledToken, Timings, Usage
 from services.inference.sampling import SamplingParams
 from services.inference.sequence import FinishReason
 
@@ -163,3 +164,12 @@ def test_merge_keeps_the_first_index_and_the_last_outputs_end() -> None:
     assert (merged.new_token_ids, merged.text, merged.index) == ([7, 8, 9], "abc", 4)
     assert merged.finished and merged.finish_reason == FinishReason.STOP and merged.matched_stop == "c"
     assert merge_outputs(outs[:1]) is outs[0]
+
+
+def test_merge_keeps_the_first_outputs_prompt_logprobs() -> None:
+    scored = (SampledToken(3, math.nan), SampledToken(5, -1.5, ((5, -1.5),)))
+    outs = [
+        RequestOutput("r", [7], "a", 0, prompt_logprobs=scored),
+        RequestOutput("r", [8], "b", 1, finished=True, finish_reason=FinishReason.LENGTH),
+    ]
+    assert merge_outputs(outs).prompt_logprobs == scored

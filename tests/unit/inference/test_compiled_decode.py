@@ -61,12 +61,13 @@ class Replica:
                     request_id=f"r{i}",
                     block_table=list(range(40 * i, 40 * i + 40)),
                     token_ids=[(7 * i + j) % 96 for j in range(p + 1)],
+                    prompt_logprobs=None,
                 ),
             )
             for i, p in enumerate(positions)
         ]
         with torch.inference_mode():  # as ModelRunner.execute builds it (the slab's tensors too)
-            step, _ = self.builder.build(scheduled)
+            step, _, _ = self.builder.build(scheduled)
         return step
 
     def run(self, step: llama.StepInputs, compiled: bool) -> torch.Tensor:

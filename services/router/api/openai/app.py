@@ -190,6 +190,7 @@ class OpenAiFront:
             generation.per_prompt,
             generation.tool,
             generation.constraint,
+            generation.echo,
         )
         try:
             return await self._answer(

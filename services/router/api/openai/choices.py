@@ -37,6 +37,8 @@ class ChoiceAnswer:
     end: router_pb2.TurnEnd | None = None
     #: One per answer token when the request asked for logprobs.
     logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
+    #: One per prompt token when the request asked for prompt logprobs (completions' echo).
+    prompt_logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -166,6 +168,7 @@ class ChoiceStreams:
             if response.HasField("delta"):
                 answers[index].parts.append(response.delta.text)
                 answers[index].logprobs.extend(response.delta.logprobs)
+                answers[index].prompt_logprobs.extend(response.delta.prompt_logprobs)
             else:
                 check_end(response.end)
                 answers[index].end = response.end

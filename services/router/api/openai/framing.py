@@ -10,7 +10,7 @@ from typing import Any, Literal
 from services.gen.llmmesh.v1 import common_pb2
 from services.router.api.openai.choices import ChoiceAnswer
 from services.router.api.openai.errors import ApiError, ConstraintParam, api_error, renamed
-from services.router.api.openai.structured import ToolMode, chat_logprobs, text_logprobs
+from services.router.api.openai.structured import ToolMode, chat_logprobs, echo_logprobs, text_logprobs
 
 SYSTEM_FINGERPRINT = "llm-mesh"
 FINISH_REASONS: dict[int, str] = {
@@ -78,6 +78,9 @@ class Framer:
     tool: ToolMode | None = None
     #: The request field its output constraint came from (a replica names the proto field).
     constraint: ConstraintParam | None = None
+    #: Completions with ``echo``: each choice's prompt text (None: given as token ids); empty
+    #: without echo.
+    echo: tuple[str | None, ...] = ()
     #: ``delta_json``'s templates by (choice, with usage): the JSON before and after the text.
     _delta_templates: dict[tuple[int, bool], tuple[str, str]] = field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -120,9 +123,13 @@ class Framer:
                     {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
                 )
             else:
-                choices.append(
-                    {"index": index, "text": answer.text, "logprobs": logprobs, "finish_reason": reason}
-                )
+                text = answer.text
+                if self.echo:
+                    prompt = answer.prompt_logprobs
+                    given = self.echo[index]
+                    text = (given if given is not None else "".join(t.text for t in prompt)) + text
+                    logprobs = echo_logprobs(prompt, answer.logprobs) if logprobs is not None else None
+                choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason})
         body = self._head("chat.completion" if self.kind == "chat" else "text_completion", model)
         body["choices"] = choices
         body["usage"] = total_usage(

@@ -109,6 +109,9 @@ class Generation:
     tool: ToolMode | None = None
     #: The request field its output constraint came from, for a replica's refusal to name it.
     constraint: ConstraintParam | None = None
+    #: Completions with ``echo``: each choice's prompt text (None: given as token ids, whose
+    #: texts come back with them); empty without echo.
+    echo: tuple[str | None, ...] = ()
 
 
 def _constraint_param(sampling: common_pb2.SamplingParams, source: str | None) -> ConstraintParam | None:
@@ -140,9 +143,11 @@ def chat_generation(body: Any, request_id: str) -> Generation:
 def completion_generation(body: Any, request_id: str) -> Generation:
     """A ``POST /v1/completions`` body as turns: one per prompt and choice, prompt-major as OpenAI orders them."""
     body = _object(body)
-    _refuse_unsupported(body, _COMPLETIONS_KNOWN)
-    if body.get("echo"):
-        raise unsupported("echo", "echoing the prompt is not supported")
+    # Completions serve echo themselves (chat takes vLLM's echo at its default only).
+    _refuse_unsupported({k: v for k, v in body.items() if k != "echo"}, _COMPLETIONS_KNOWN)
+    echo = _bool(body, "echo")
+    if echo and body.get("stream") is True:
+        raise unsupported("echo", "echo is served whole: ask without stream")
     if body.get("suffix") not in (None, ""):
         raise unsupported("suffix", "insertion (suffix) is not supported")
     prompts = _completion_prompts(body.get("prompt"))
@@ -153,10 +158,16 @@ def completion_generation(body: Any, request_id: str) -> Generation:
     max_tokens = _int(body, "max_tokens", 1, INT32_MAX)
     sampling = _sampling(body, COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
     source = apply_output_options(body, sampling, chat=False)
+    if echo:
+        # The prompt comes back as tokens, scored when logprobs are asked for (lm-evaluation-
+        # harness's loglikelihood requests: echo, logprobs, max_tokens 1).
+        sampling.prompt_logprobs = sampling.top_logprobs
     # Raw, as OpenAI and vLLM serve /v1/completions: the text is continued, no chat template around it.
+    generation = _generation(body, request_id, prompts, sampling)
     return dataclasses.replace(
-        _generation(body, request_id, prompts, sampling),
+        generation,
         constraint=_constraint_param(sampling, source),
+        echo=tuple(t.prompt or None for t in generation.turns) if echo else (),
     )
 
 

@@ -166,6 +166,19 @@ def text_logprobs(tokens: Sequence[common_pb2.TokenLogprobs], offset: int = 0) -
     }
 
 
+def echo_logprobs(
+    prompt: Sequence[common_pb2.TokenLogprobs], answer: Sequence[common_pb2.TokenLogprobs]
+) -> dict[str, Any]:
+    """An echoed completion's ``logprobs``: the prompt's tokens, then the answer's, as OpenAI and
+    vLLM give them; the first prompt token has nothing before it, so its logprob and alternatives
+    are null."""
+    body = text_logprobs([*prompt, *answer])
+    if prompt:
+        body["token_logprobs"][0] = None
+        body["top_logprobs"][0] = None
+    return body
+
+
 def _entry(text: str, logprob: float, top: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     entry: dict[str, Any] = {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
     if top is not None:

@@ -204,8 +204,20 @@ def test_an_assistant_message_with_null_or_no_content_is_an_empty_turn() -> None
         ]
 
 
-def test_completions_refuse_echo_and_prompts_of_no_openai_shape() -> None:
-    assert refused({"prompt": "a", "echo": True}, completions=True).param == "echo"
+def test_echo_asks_for_the_prompts_logprobs_and_keeps_each_choices_prompt_text() -> None:
+    g = completion_generation({"prompt": ["a", "b"], "echo": True, "logprobs": 2}, "cmpl-4")
+    assert g.echo == ("a", "b")
+    ids = completion_generation({"prompt": [[7, 8], [9]], "echo": True, "n": 2}, "cmpl-7")
+    assert ids.echo == (None,) * 4  # a token-id prompt's text comes back with its tokens
+    assert all(t.sampling.HasField("prompt_logprobs") and t.sampling.prompt_logprobs == 2 for t in g.turns)
+    plain = completion_generation({"prompt": "a", "echo": True}, "cmpl-5")
+    assert plain.turns[0].sampling.prompt_logprobs == 0 and not plain.turns[0].sampling.logprobs
+    assert not completion_generation({"prompt": "a"}, "cmpl-6").turns[0].sampling.HasField("prompt_logprobs")
+    assert refused({"prompt": "a", "echo": True, "stream": True}, completions=True).param == "echo"
+    assert refused({"prompt": "a", "echo": "yes"}, completions=True).param == "echo"
+
+
+def test_completions_refuse_prompts_of_no_openai_shape() -> None:
     assert refused({"prompt": 5}, completions=True).param == "prompt"
     assert refused({"prompt": ["a", ""]}, completions=True).param == "prompt"
     for shape in ([], [[]], [1, [2]], ["a", 1], [[1], "a"], {"ids": [1]}):
