@@ -178,8 +178,7 @@ class LLMEngine:
             seed=params.seed if params.seed is not None else random.getrandbits(63),
         )
         if params.prompt_logprobs is not None and not resume_token_ids:
-            # (A resumed request's prompt logprobs went out with its first token, from the replica
-            # that produced it.)
+            # (A resumed request's went out with its first token, from the replica that drew it.)
             # The first prompt token has nothing before it to be scored by: NaN, no alternatives.
             seq.prompt_logprobs = [SampledToken(prompt_token_ids[0], math.nan)]
             seq.prompt_logprobs += [None] * (len(prompt_token_ids) - 1)
