@@ -74,8 +74,9 @@ class SamplingParams:
     logprobs: bool = False
     #: Also return this many most likely alternatives per token (0 to ``MAX_TOP_LOGPROBS``).
     top_logprobs: int = 0
-    #: Return every prompt token's log probability after the first, with this many alternatives
-    #: each (0 to ``MAX_TOP_LOGPROBS``); None = none. The whole prompt is then computed.
+    #: Return every prompt token's log probability (the first's NaN: nothing precedes it), with
+    #: this many alternatives each (0 to ``MAX_TOP_LOGPROBS``); None = none. The whole prompt is
+    #: then computed: no cached prefix is reused.
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
