@@ -360,6 +360,99 @@ def test_echo_scores_the_prompt_as_an_evaluation_harness_reads_it(front: Front, 
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "echo"
 
 
+LM_EVAL_TASKS = {
+    # A loglikelihood task (each choice scored with echo + logprobs over token ids) and a
+    # generation task (token-id prompts, greedy, stop strings), as lm-eval's own YAML.
+    "mesh_choice": """task: mesh_choice
+dataset_path: json
+dataset_kwargs: {data_files: {test: DATA}}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{question}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{answer}}"
+metric_list: [{metric: acc}]
+""",
+    "mesh_generate": """task: mesh_generate
+dataset_path: json
+dataset_kwargs: {data_files: {test: DATA}}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{question}}"
+doc_to_target: "{{gold}}"
+generation_kwargs: {until: ["\\n", "."], max_gen_toks: 6, do_sample: false}
+metric_list: [{metric: exact_match, aggregation: mean, higher_is_better: true}]
+""",
+}
+LM_EVAL_DOCS = [
+    {
+        "question": "The capital of France is",
+        "choices": ["Paris", "Berlin", "Madrid"],
+        "answer": 0,
+        "gold": " Paris",
+    },
+    {
+        "question": "Water freezes at zero degrees",
+        "choices": ["Celsius", "volts"],
+        "answer": 0,
+        "gold": " Celsius",
+    },
+]
+
+
+def test_lm_evaluation_harness_scores_and_generates_through_the_front(
+    front: Front, model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The harness itself, as `lm_eval --model local-completions` runs it: its requests, its parsing.
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(doc) + "\n" for doc in LM_EVAL_DOCS))
+    for name, text in LM_EVAL_TASKS.items():
+        (tmp_path / f"{name}.yaml").write_text(text.replace("DATA", str(data)))
+    args = (
+        f"model={front.model},base_url={front.v1}/completions,tokenizer={model_path},"
+        "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,max_retries=1"
+    )
+    out = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=args,
+        tasks=list(LM_EVAL_TASKS),
+        task_manager=TaskManager(include_path=str(tmp_path)),
+        log_samples=True,
+    )
+    assert out is not None
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    model: Any = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+    scored = 0
+    for sample in out["samples"]["mesh_choice"]:
+        for (context, continuation), ((loglikelihood, _greedy),) in zip(
+            sample["arguments"], sample["resps"], strict=True
+        ):
+            context_ids, continuation_ids = tokenizer.encode(context), tokenizer.encode(continuation)
+            with torch.inference_mode():
+                logits = model(torch.tensor([context_ids + continuation_ids])).logits[0].float()
+            expected = torch.log_softmax(logits, dim=-1)
+            want = sum(float(expected[len(context_ids) - 1 + j, t]) for j, t in enumerate(continuation_ids))
+            assert loglikelihood == pytest.approx(want, abs=1e-3), (context, continuation)
+            scored += 1
+    assert scored == sum(len(doc["choices"]) for doc in LM_EVAL_DOCS)
+    client = front.client()
+    for sample in out["samples"]["mesh_generate"]:
+        (generated,) = sample["resps"][0]
+        question = sample["doc"]["question"]
+        # The same greedy continuation as asked directly, cut at the task's stop strings.
+        direct = client.completions.create(
+            model=front.model, prompt=question, max_tokens=6, temperature=0, stop=["\n", "."]
+        )
+        assert generated == direct.choices[0].text, question
+
+
 JAVA_CLIENT = Path(__file__).resolve().parents[1] / "support" / "java" / "OpenAiJdkClient.java"
 
 
