@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from services.gen.llmmesh.v1 import common_pb2
+from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from services.router.api.openai.choices import ChoiceAnswer
 from services.router.api.openai.errors import ApiError, ConstraintParam, api_error, renamed
 from services.router.api.openai.structured import ToolMode, chat_logprobs, echo_logprobs, text_logprobs
@@ -125,10 +125,12 @@ class Framer:
             else:
                 text = answer.text
                 if self.echo:
-                    prompt = answer.prompt_logprobs
-                    given = self.echo[index]
-                    text = (given if given is not None else "".join(t.text for t in prompt)) + text
-                    logprobs = echo_logprobs(prompt, answer.logprobs) if logprobs is not None else None
+                    text = self.echo_text(index, answer.prompt_logprobs) + text
+                    logprobs = (
+                        echo_logprobs(answer.prompt_logprobs, answer.logprobs)
+                        if logprobs is not None
+                        else None
+                    )
                 choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason})
         body = self._head("chat.completion" if self.kind == "chat" else "text_completion", model)
         body["choices"] = choices
@@ -162,6 +164,18 @@ class Framer:
         else:
             choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": None}
         return self._chunk(choice, with_usage)
+
+    def echo_text(self, index: int, prompt: Sequence[common_pb2.TokenLogprobs]) -> str:
+        """Choice ``index``'s prompt as echoed: as sent, or its tokens' texts when sent as ids."""
+        given = self.echo[index]
+        return given if given is not None else "".join(t.text for t in prompt)
+
+    def echo_delta(self, index: int, delta: router_pb2.TokenDelta, with_usage: bool) -> dict[str, Any]:
+        """A stream's first delta of an echoed choice: its prompt, then the delta's own text, in one
+        event (so a resumed stream's event ids still count one event per relayed message)."""
+        text = self.echo_text(index, delta.prompt_logprobs) + delta.text
+        lp = echo_logprobs(delta.prompt_logprobs, delta.logprobs) if delta.logprobs else None
+        return self._chunk({"index": index, "text": text, "logprobs": lp, "finish_reason": None}, with_usage)
 
     def delta_json(self, index: int, text: str, with_usage: bool) -> str:
         """``dumps(self.delta(index, text, with_usage))`` for a delta without logprobs, made by

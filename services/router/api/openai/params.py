@@ -146,8 +146,6 @@ def completion_generation(body: Any, request_id: str) -> Generation:
     # Completions serve echo themselves (chat takes vLLM's echo at its default only).
     _refuse_unsupported({k: v for k, v in body.items() if k != "echo"}, _COMPLETIONS_KNOWN)
     echo = _bool(body, "echo")
-    if echo and body.get("stream") is True:
-        raise unsupported("echo", "echo is served whole: ask without stream")
     if body.get("suffix") not in (None, ""):
         raise unsupported("suffix", "insertion (suffix) is not supported")
     prompts = _completion_prompts(body.get("prompt"))

@@ -146,6 +146,8 @@ async def _events(
             if framer.tool is not None:
                 # A call is sent whole once it ended: its name may come last (``required``).
                 calls[index] = calls.get(index, "") + response.delta.text
+            elif framer.echo and response.delta.prompt_logprobs:
+                yield event(index, framer.echo_delta(index, response.delta, include_usage))
             elif response.delta.logprobs:
                 yield event(
                     index, framer.delta(index, response.delta.text, include_usage, response.delta.logprobs)

@@ -213,7 +213,8 @@ def test_echo_asks_for_the_prompts_logprobs_and_keeps_each_choices_prompt_text()
     plain = completion_generation({"prompt": "a", "echo": True}, "cmpl-5")
     assert plain.turns[0].sampling.prompt_logprobs == 0 and not plain.turns[0].sampling.logprobs
     assert not completion_generation({"prompt": "a"}, "cmpl-6").turns[0].sampling.HasField("prompt_logprobs")
-    assert refused({"prompt": "a", "echo": True, "stream": True}, completions=True).param == "echo"
+    streamed = completion_generation({"prompt": "a", "echo": True, "stream": True}, "cmpl-8")
+    assert streamed.stream and streamed.echo == ("a",)
     assert refused({"prompt": "a", "echo": "yes"}, completions=True).param == "echo"
 
 
