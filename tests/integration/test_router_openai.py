@@ -356,6 +356,28 @@ def test_echo_scores_the_prompt_as_an_evaluation_harness_reads_it(front: Front, 
     )
     assert plain.status_code == 200 and plain.json()["choices"][0]["logprobs"] is None
     assert plain.json()["choices"][0]["text"].startswith(text)
+    # max_tokens 0 with echo scores the prompt alone (HELM's and OpenAI's old scoring request).
+    scored = front.post("/v1/completions", {**body, "max_tokens": 0}).json()
+    only = scored["choices"][0]
+    assert only["text"] == tokenizer.decode(ids) and only["finish_reason"] == "length"
+    assert only["logprobs"]["tokens"] == logprobs["tokens"][: len(ids)]
+    assert only["logprobs"]["token_logprobs"] == logprobs["token_logprobs"][: len(ids)]
+    assert scored["usage"]["completion_tokens"] == 0 and scored["usage"]["prompt_tokens"] == len(ids)
+    stream_only = list(
+        front.client().completions.create(
+            model=front.model,
+            prompt=[ids],
+            echo=True,
+            max_tokens=0,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in stream_only if c.choices) == tokenizer.decode(ids)
+    assert stream_only[-1].usage is not None and stream_only[-1].usage.completion_tokens == 0
+    refused = front.post("/v1/completions", {"model": front.model, "prompt": "x", "max_tokens": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
     # Streamed, the prompt comes first, with the first token, in one event (the SDK reads it).
     chunks = list(
         front.client().completions.create(

@@ -191,6 +191,7 @@ class OpenAiFront:
             generation.tool,
             generation.constraint,
             generation.echo,
+            generation.score_only,
         )
         try:
             return await self._answer(

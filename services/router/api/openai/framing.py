@@ -81,6 +81,9 @@ class Framer:
     #: Completions with ``echo``: each choice's prompt text (None: given as token ids); empty
     #: without echo.
     echo: tuple[str | None, ...] = ()
+    #: Echo with ``max_tokens`` 0: the prompt scored, no answer. The replica drew one token (it
+    #: always draws one), which no body shows or counts.
+    score_only: bool = False
     #: ``delta_json``'s templates by (choice, with usage): the JSON before and after the text.
     _delta_templates: dict[tuple[int, bool], tuple[str, str]] = field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -123,21 +126,31 @@ class Framer:
                     {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
                 )
             else:
-                text = answer.text
+                text, answered = answer.text, answer.logprobs
+                if self.score_only:
+                    text, answered, reason = "", [], "length" if reason else reason
                 if self.echo:
                     text = self.echo_text(index, answer.prompt_logprobs) + text
                     logprobs = (
-                        echo_logprobs(answer.prompt_logprobs, answer.logprobs)
-                        if logprobs is not None
-                        else None
+                        echo_logprobs(answer.prompt_logprobs, answered) if logprobs is not None else None
                     )
                 choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason})
         body = self._head("chat.completion" if self.kind == "chat" else "text_completion", model)
         body["choices"] = choices
-        body["usage"] = total_usage(
-            {i: a.end.usage for i, a in enumerate(answers) if a.end is not None}, self.per_prompt
+        body["usage"] = self._total_usage(
+            {i: a.end.usage for i, a in enumerate(answers) if a.end is not None}
         )
         return body
+
+    def _total_usage(self, usages: Mapping[int, common_pb2.Usage]) -> dict[str, Any]:
+        if self.score_only:  # the token the replica drew is no answer
+            usages = {
+                i: common_pb2.Usage(
+                    prompt_tokens=u.prompt_tokens, cached_prompt_tokens=u.cached_prompt_tokens
+                )
+                for i, u in usages.items()
+            }
+        return total_usage(usages, self.per_prompt)
 
     def _chunk(self, choice: dict[str, Any], with_usage: bool) -> dict[str, Any]:
         body = self._head("chat.completion.chunk" if self.kind == "chat" else "text_completion")
@@ -173,8 +186,13 @@ class Framer:
     def echo_delta(self, index: int, delta: router_pb2.TokenDelta, with_usage: bool) -> dict[str, Any]:
         """A stream's first delta of an echoed choice: its prompt, then the delta's own text, in one
         event (so a resumed stream's event ids still count one event per relayed message)."""
-        text = self.echo_text(index, delta.prompt_logprobs) + delta.text
-        lp = echo_logprobs(delta.prompt_logprobs, delta.logprobs) if delta.logprobs else None
+        answered = not self.score_only
+        text = self.echo_text(index, delta.prompt_logprobs) + (delta.text if answered else "")
+        lp = (
+            echo_logprobs(delta.prompt_logprobs, delta.logprobs if answered else ())
+            if delta.logprobs
+            else None
+        )
         return self._chunk({"index": index, "text": text, "logprobs": lp, "finish_reason": None}, with_usage)
 
     def delta_json(self, index: int, text: str, with_usage: bool) -> str:
@@ -213,6 +231,8 @@ class Framer:
         name = FINISH_REASONS.get(reason)
         if self.tool is not None and name == "stop":
             name = "tool_calls"
+        if self.score_only and name is not None:
+            name = "length"  # max_tokens 0 reached at once
         if self.kind == "chat":
             choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": name}
         else:
@@ -223,5 +243,5 @@ class Framer:
         """The last chunk of a stream that asked for ``stream_options.include_usage``: no choices."""
         body = self._head("chat.completion.chunk" if self.kind == "chat" else "text_completion")
         body["choices"] = []
-        body["usage"] = total_usage(usages, self.per_prompt)
+        body["usage"] = self._total_usage(usages)
         return body

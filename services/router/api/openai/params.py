@@ -112,6 +112,8 @@ class Generation:
     #: Completions with ``echo``: each choice's prompt text (None: given as token ids, whose
     #: texts come back with them); empty without echo.
     echo: tuple[str | None, ...] = ()
+    #: Echo with ``max_tokens`` 0: the prompt is scored and no answer is shown.
+    score_only: bool = False
 
 
 def _constraint_param(sampling: common_pb2.SamplingParams, source: str | None) -> ConstraintParam | None:
@@ -153,7 +155,11 @@ def completion_generation(body: Any, request_id: str) -> Generation:
         raise bad_request("prompt", f"prompt: at most {MAX_CHOICES} prompts per request")
     if not all(p.text or p.token_ids for p in prompts):
         raise bad_request("prompt", "prompt: must not be empty")
-    max_tokens = _int(body, "max_tokens", 1, INT32_MAX)
+    # With echo, max_tokens 0 scores the prompt alone (HELM's and OpenAI's old scoring requests).
+    max_tokens = _int(body, "max_tokens", 0 if echo else 1, INT32_MAX)
+    score_only = max_tokens == 0
+    if score_only:
+        max_tokens = 1  # the replica always draws a token; the front shows none
     sampling = _sampling(body, COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
     source = apply_output_options(body, sampling, chat=False)
     if echo:
@@ -166,6 +172,7 @@ def completion_generation(body: Any, request_id: str) -> Generation:
         generation,
         constraint=_constraint_param(sampling, source),
         echo=tuple(t.prompt or None for t in generation.turns) if echo else (),
+        score_only=score_only,
     )
 
 

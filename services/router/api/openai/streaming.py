@@ -148,6 +148,8 @@ async def _events(
                 calls[index] = calls.get(index, "") + response.delta.text
             elif framer.echo and response.delta.prompt_logprobs:
                 yield event(index, framer.echo_delta(index, response.delta, include_usage))
+            elif framer.score_only:
+                pass  # max_tokens 0: the replica's one token is no answer
             elif response.delta.logprobs:
                 yield event(
                     index, framer.delta(index, response.delta.text, include_usage, response.delta.logprobs)
