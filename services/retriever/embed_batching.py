@@ -89,9 +89,8 @@ class EmbedCoalescer:
                 batch.append(item)
             try:
                 self._answer(batch)
-            except (
-                BaseException
-            ) as exc:  # the worker must outlive any one batch: else every later embed hangs
+            # The worker must outlive any one batch: else every later embed hangs.
+            except BaseException as exc:
                 log.exception("embed worker: a coalesced call failed unexpectedly")
                 for _, done in batch:
                     if not done.done():

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,6 +105,28 @@ def front(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterato
     finally:
         router.stop()
         replica.stop()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(model_path: Path) -> Any:
+    """The model's own tokenizer, for prompts sent as token ids."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_path))
+
+
+@pytest.fixture(scope="module")
+def reference_logprobs(model_path: Path) -> Callable[[list[int]], torch.Tensor]:
+    """transformers' fp32 log-softmaxed logits at every position of ``ids``: [len, vocab]."""
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+
+    def forward(ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+    return forward
 
 
 def greedy(front: Front, messages: list[dict[str, str]], max_tokens: int = 10) -> str:
@@ -270,11 +292,9 @@ def test_legacy_completions_continue_the_raw_prompt_without_a_chat_template(fron
     assert with_session.status_code == 400 and with_session.json()["error"]["param"] == "session_id"
 
 
-def test_a_prompt_of_token_ids_is_prefilled_as_given(front: Front, model_path: Path) -> None:
+def test_a_prompt_of_token_ids_is_prefilled_as_given(front: Front, hf_tokenizer: Any) -> None:
     # lm-evaluation-harness's `local-completions` and SGLang's bench send prompts as token ids.
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    tokenizer = hf_tokenizer
     client = front.client()
     text = "The capital of France is"
     ids = tokenizer.encode(text)
@@ -314,12 +334,12 @@ def test_a_prompt_of_token_ids_is_prefilled_as_given(front: Front, model_path: P
     assert greedy(front, [{"role": "user", "content": "hi"}], 2), "the front still answers"
 
 
-def test_echo_scores_the_prompt_as_an_evaluation_harness_reads_it(front: Front, model_path: Path) -> None:
+def test_echo_scores_the_prompt_as_an_evaluation_harness_reads_it(
+    front: Front, hf_tokenizer: Any, reference_logprobs: Callable[[list[int]], torch.Tensor]
+) -> None:
     # lm-evaluation-harness's loglikelihood request to `local-completions`: token ids, echo,
     # logprobs 1, max_tokens 1; it sums token_logprobs[context:-1] and checks each is the top one.
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    tokenizer = hf_tokenizer
     context, continuation = tokenizer.encode("The capital of France is"), tokenizer.encode(" Paris")
     ids = context + continuation
     body = {
@@ -336,9 +356,7 @@ def test_echo_scores_the_prompt_as_an_evaluation_harness_reads_it(front: Front, 
     logprobs = choice["logprobs"]
     assert len(logprobs["tokens"]) == len(ids) + 1 and len(logprobs["token_logprobs"]) == len(ids) + 1
     assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
-    model: Any = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
-    with torch.inference_mode():
-        expected = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    expected = reference_logprobs(ids)
     for position in range(1, len(ids)):
         got = logprobs["token_logprobs"][position]
         assert got == pytest.approx(float(expected[position - 1, ids[position]]), abs=1e-4), position
@@ -438,7 +456,12 @@ LM_EVAL_DOCS = [
 
 
 def test_lm_evaluation_harness_scores_and_generates_through_the_front(
-    front: Front, model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    front: Front,
+    model_path: Path,
+    hf_tokenizer: Any,
+    reference_logprobs: Callable[[list[int]], torch.Tensor],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The harness itself, as `lm_eval --model local-completions` runs it: its requests, its parsing.
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -446,7 +469,6 @@ def test_lm_evaluation_harness_scores_and_generates_through_the_front(
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
     import lm_eval
     from lm_eval.tasks import TaskManager
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps(doc) + "\n" for doc in LM_EVAL_DOCS))
@@ -464,17 +486,14 @@ def test_lm_evaluation_harness_scores_and_generates_through_the_front(
         log_samples=True,
     )
     assert out is not None
-    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-    model: Any = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+    tokenizer = hf_tokenizer
     scored = 0
     for sample in out["samples"]["mesh_choice"]:
         for (context, continuation), ((loglikelihood, _greedy),) in zip(
             sample["arguments"], sample["resps"], strict=True
         ):
             context_ids, continuation_ids = tokenizer.encode(context), tokenizer.encode(continuation)
-            with torch.inference_mode():
-                logits = model(torch.tensor([context_ids + continuation_ids])).logits[0].float()
-            expected = torch.log_softmax(logits, dim=-1)
+            expected = reference_logprobs(context_ids + continuation_ids)
             want = sum(float(expected[len(context_ids) - 1 + j, t]) for j, t in enumerate(continuation_ids))
             assert loglikelihood == pytest.approx(want, abs=1e-3), (context, continuation)
             scored += 1
