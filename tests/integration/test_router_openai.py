@@ -647,6 +647,133 @@ def test_langchain_chat_openai_invokes_and_streams(front: Front) -> None:
     assert "".join(str(c.content) for c in llm.stream(HELLO[0]["content"])) == answer.content
 
 
+# -- the Responses API (/v1/responses)
+
+BRIEF = [{"role": "system", "content": "Be brief."}, *HELLO]
+
+
+def test_the_responses_api_answers_as_chat_does_whole_and_streamed(front: Front) -> None:
+    client = front.client()
+    asked: dict[str, Any] = {
+        "model": front.model,
+        "instructions": "Be brief.",
+        "input": HELLO[0]["content"],
+        "max_output_tokens": 8,
+        "temperature": 0,
+    }
+    chat = client.chat.completions.create(model=front.model, messages=BRIEF, max_tokens=8, temperature=0)  # type: ignore[arg-type]
+    expected = chat.choices[0].message.content
+    whole = client.responses.create(**asked)
+    assert whole.id.startswith("resp_") and whole.output_text == expected
+    assert whole.status == "incomplete" and whole.incomplete_details is not None
+    assert whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.usage is not None and chat.usage is not None
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (chat.usage.prompt_tokens, 8)
+    with client.responses.stream(**asked) as stream:
+        events = list(stream)
+    assert [e.type for e in events[:4]] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert [e.type for e in events[-4:]] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")  # type: ignore[union-attr]
+    assert deltas == expected == events[-1].response.output_text  # type: ignore[union-attr]
+    # An answer that ends by itself is completed, and the SDK's stream helper hands it over.
+    said = [{"role": "user", "content": "Say OK."}]
+    with client.responses.stream(
+        model=front.model, input=said, max_output_tokens=40, temperature=0
+    ) as stream:  # type: ignore[arg-type]
+        final = stream.get_final_response()
+    assert final.status == "completed" and final.output_text == greedy(front, said, 40)
+
+
+def test_the_responses_api_parses_structured_output_and_gives_logprobs(front: Front) -> None:
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Colour(BaseModel):
+        name: Literal["red", "green", "blue"]
+        warm: bool
+
+    client = front.client()
+    parsed = client.responses.parse(
+        model=front.model, input="Pick a colour.", text_format=Colour, max_output_tokens=30, temperature=0
+    )
+    assert parsed.status == "completed" and isinstance(parsed.output_parsed, Colour)
+    scored = client.responses.create(
+        model=front.model,
+        input="Hi",
+        max_output_tokens=4,
+        temperature=0,
+        include=["message.output_text.logprobs"],
+        top_logprobs=2,
+    )
+    part = scored.output[0].content[0]  # type: ignore[union-attr]
+    assert part.logprobs and "".join(t.token for t in part.logprobs) == scored.output_text  # type: ignore[union-attr]
+    for token in part.logprobs:  # type: ignore[union-attr]
+        assert len(token.top_logprobs or []) == 2
+        # Greedy: the token drawn is the likeliest one.
+        assert token.top_logprobs is not None and token.token == token.top_logprobs[0].token
+        assert token.logprob == pytest.approx(token.top_logprobs[0].logprob)
+
+
+def test_langchain_on_the_responses_api_invokes_streams_and_sends_its_answer_back(front: Front) -> None:
+    from langchain_core.messages import HumanMessage, SystemMessage
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(
+        base_url=front.v1,
+        api_key=KEY,
+        model=front.model,
+        use_responses_api=True,
+        max_tokens=8,
+        temperature=0,
+        max_retries=0,  # type: ignore[arg-type]
+    )
+    asked = [SystemMessage("Be brief."), HumanMessage(HELLO[0]["content"])]
+    answer = llm.invoke(asked)
+    assert answer.text == greedy(front, BRIEF, 8)
+    assert "".join(c.text for c in llm.stream(asked)) == answer.text
+    # The answer goes back as LangChain sends it: a typed output message with its id.
+    follow = llm.invoke([*asked, answer, HumanMessage("And two more?")])
+    history = [
+        *BRIEF,
+        {"role": "assistant", "content": answer.text},
+        {"role": "user", "content": "And two more?"},
+    ]
+    assert follow.text == greedy(front, history, 8)
+
+
+def test_the_responses_api_refuses_what_it_cannot_honour_naming_the_field(front: Front) -> None:
+    def post(body: dict[str, Any], key: str | None = KEY) -> httpx.Response:
+        return front.post("/v1/responses", {"model": front.model, **body}, key=key)
+
+    assert_error(post({"input": ""}), 400, "input")
+    assert_error(post({"input": "x", "previous_response_id": "resp_1"}), 400, "previous_response_id")
+    assert_error(post({"input": "x", "tools": [{"type": "web_search"}]}), 400, "tools")
+    assert_error(
+        post({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}),
+        400,
+        "input[0].content[0].type",
+    )
+    assert_error(post({"input": "x " * 9000}), 400, "input", code="context_length_exceeded")
+    bad_schema = {"format": {"type": "json_schema", "name": "a", "schema": {"type": "nonsense"}}}
+    assert_error(post({"input": "x", "text": bad_schema}), 400, "text.format.schema")
+    assert_error(post({"input": "x", "model": "nope"}), 404, "model")
+    assert_error(post({"input": "x"}, key=None), 401)
+    stored = httpx.get(f"{front.v1}/responses/resp_1", headers={"authorization": f"Bearer {KEY}"})
+    assert_error(stored, 404, "response_id", code="response_not_found")
+
+
 # -- raw SSE
 
 
@@ -1063,6 +1190,11 @@ _FIELDS = st.sampled_from(
         "min_tokens",
         "ignore_eos",
         "echo",
+        "input",
+        "instructions",
+        "max_output_tokens",
+        "text",
+        "include",
     ]
 ) | st.text(max_size=10)
 _MESSAGE = st.fixed_dictionaries(
@@ -1072,6 +1204,10 @@ _BODIES = (
     st.dictionaries(_FIELDS, _JSON, max_size=8)
     | st.fixed_dictionaries({"messages": st.lists(_MESSAGE, max_size=3)}, optional={"stream": st.booleans()})
     | st.fixed_dictionaries({"prompt": _JSON}, optional={"n": _LEAVES, "stream": st.booleans()})
+    | st.fixed_dictionaries(
+        {"input": _JSON | st.lists(_MESSAGE, max_size=3)},
+        optional={"instructions": _JSON, "text": _JSON, "stream": st.booleans()},
+    )
     | _JSON
 )
 
@@ -1079,16 +1215,26 @@ _BODIES = (
 def _bounded(body: object) -> object:
     """Random bodies that happen to be valid answer in one token: the test is about input, not length."""
     if isinstance(body, dict):
-        for name in ("max_tokens", "max_completion_tokens"):
+        for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             value = body.get(name)
-            if name == "max_tokens" or (isinstance(value, int) and not isinstance(value, bool) and value > 1):
+            if name in ("max_tokens", "max_output_tokens") or (
+                isinstance(value, int) and not isinstance(value, bool) and value > 1
+            ):
                 body[name] = 1
     return body
 
 
 @given(
     route=st.sampled_from(
-        ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/health", "/v1/embed"]
+        [
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/v1/responses",
+            "/v1/embeddings",
+            "/v1/models",
+            "/health",
+            "/v1/embed",
+        ]
     ),
     body=_BODIES,
     model=st.text(max_size=12),
@@ -1108,6 +1254,9 @@ def test_random_json_gets_a_4xx_in_openai_shape_never_a_500(
         if r.status_code >= 400:
             error = r.json()["error"]
             assert set(error) == {"message", "type", "param", "code"}, r.text
+        elif r.headers["content-type"].startswith("text/event-stream") and route == "/v1/responses":
+            last = json.loads(r.text.strip().rsplit("\n", 1)[-1].removeprefix("data: "))
+            assert last["type"] in ("response.completed", "response.incomplete", "response.failed"), r.text
         elif r.headers["content-type"].startswith("text/event-stream"):
             assert r.text.endswith("data: [DONE]\n\n")
 

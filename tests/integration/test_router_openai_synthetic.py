@@ -59,6 +59,17 @@ def test_the_openai_sdk_reads_a_stream_with_keepalives_between_tokens(base: str)
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_the_sdk_reads_a_responses_stream_with_keepalives_between_tokens(base: str) -> None:
+    asked = {"model": "synthetic", "input": "hi", "max_output_tokens": 3}
+    with httpx.stream("POST", f"{base}/v1/responses", json={**asked, "stream": True}, timeout=30) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert ": keep-alive" in lines, lines
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused-on-an-open-router", max_retries=0)
+    events = list(client.responses.create(**asked, stream=True))  # type: ignore[call-overload]
+    assert len([e for e in events if e.type == "response.output_text.delta"]) == 3
+    assert events[-1].type == "response.incomplete" and events[-1].response.usage.output_tokens == 3
+
+
 def _preflight(base: str, origin: str) -> httpx.Response:
     return httpx.options(
         f"{base}/v1/chat/completions",

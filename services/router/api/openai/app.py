@@ -27,6 +27,8 @@ from services.router.api.openai.extras import REQUEST_ID_RE, request_id_header, 
 from services.router.api.openai.framing import Framer, Kind
 from services.router.api.openai.metrics import HttpMetrics
 from services.router.api.openai.params import Generation, chat_generation, completion_generation
+from services.router.api.openai.response_events import ResponseFramer
+from services.router.api.openai.responses import ResponseRequest, response_generation
 from services.router.api.openai.streaming import (
     NO_EVENT_YET,
     NoEventYet,
@@ -90,6 +92,12 @@ class OpenAiFront:
             Route("/v1/chat/completions", self._endpoint(self.chat), methods=["POST"]),
             Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
             Route("/v1/embeddings", self._endpoint(self.embeddings), methods=["POST"]),
+            Route("/v1/responses", self._endpoint(self.responses), methods=["POST"]),
+            Route(
+                "/v1/responses/{response_id:path}",
+                self._endpoint(self.stored_response),
+                methods=["GET", "DELETE"],
+            ),
         ]
         app = Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
         return HttpMetrics(app)
@@ -257,27 +265,99 @@ class OpenAiFront:
         # A resumable stream's turns outlive its connection; any other's end with it, and so does a
         # resumed one's reading of the replay buffer (the turns it reads run on their own).
         on_gone = self._detach if generation.extras.resumable and seen is None else _close
+        first = await self._first_event(streams, request, on_gone)
+        if isinstance(first, Response):
+            return first
+        body_iter = sse_body(
+            streams, framer, first, generation.include_usage, self.limits.keepalive_s, seen, with_extras
+        )
+        return SseResponse(body_iter, lambda: on_gone(streams), headers)
+
+    async def _first_event(
+        self,
+        streams: ChoiceStreams,
+        request: Request,
+        on_gone: Callable[[ChoiceStreams], Awaitable[None]],
+    ) -> ChoiceEvent | NoEventYet | Response:
+        """A stream's first message, before its response starts; a 499 if the client left first.
+
+        Admission, rate limits, an unknown model, no replica: all decided before the first token,
+        so waiting for it lets those answer with their own status, not a 200 stream. A stream
+        still queued after the keep-alive period starts without it (``NO_EVENT_YET``)."""
         first: ChoiceEvent | NoEventYet | None
         try:
-            # Admission, rate limits, an unknown model, no replica: all decided before the first
-            # token, so waiting for it lets those answer with their own status, not a 200 stream.
             first = await _unless_gone(streams.next(self.limits.keepalive_s), request)
         except TimeoutError:
             first = NO_EVENT_YET
         except BaseException:
             await streams.close()
             raise
-        if first is CLIENT_GONE or first is None:
-            # None cannot happen (every turn yields its TurnEnd) but must not hang.
-            if first is CLIENT_GONE:
-                await on_gone(streams)
-                return Response(status_code=499)
+        if first is CLIENT_GONE:
+            await on_gone(streams)
+            return Response(status_code=499)
+        if first is None:
+            # Cannot happen (every turn yields its TurnEnd) but must not hang.
             await streams.close()
             raise ApiError(500, "the turn ended without an answer", "server_error", "internal_error")
-        body_iter = sse_body(
-            streams, framer, first, generation.include_usage, self.limits.keepalive_s, seen, with_extras
+        return first
+
+    # -- the Responses API (responses.py, response_events.py)
+
+    async def responses(self, request: Request) -> Any:
+        principal = self._principal(request)
+        deadline = self._deadline(request)
+        body = await self._json(request)
+        request_id = request_id_header(request.headers.get("x-request-id")) or uuid.uuid4().hex
+        wanted = response_generation(body, request_id)
+        framer = ResponseFramer(
+            wanted, "resp_" + request_id, int(time.time()), self._model_name(wanted.generation.model)
         )
-        return SseResponse(body_iter, lambda: on_gone(streams), headers)
+        try:
+            return await self._respond(
+                request, wanted, framer, principal, deadline, {"x-request-id": request_id}
+            )
+        except Exception as exc:
+            raise framer.error(exc, request.url.path) from None
+
+    async def _respond(
+        self,
+        request: Request,
+        wanted: ResponseRequest,
+        framer: ResponseFramer,
+        principal: Principal,
+        deadline: float | None,
+        headers: dict[str, str],
+    ) -> Any:
+        generation = wanted.generation
+        streams = ChoiceStreams.of_turns(self.pipeline, principal, generation.turns, deadline)
+        if not generation.stream:
+            try:
+                answers = await _unless_gone(streams.answers(), request)
+            finally:
+                await streams.close()
+            if answers is CLIENT_GONE:
+                return Response(status_code=499)
+            whole = framer.whole(answers[0])
+            if generation.extras.any and answers[0].end is not None:
+                whole["llm_mesh"] = response_extras(answers[0].end)
+            return JSONResponse(whole, headers=headers)
+        first = await self._first_event(streams, request, _close)
+        if isinstance(first, Response):
+            return first
+        return SseResponse(
+            framer.events(streams, first, self.limits.keepalive_s), lambda: _close(streams), headers
+        )
+
+    async def stored_response(self, request: Request) -> Response:
+        self._principal(request)
+        raise ApiError(
+            404,
+            f"response {request.path_params['response_id']!r} not found: this server does not store "
+            "responses (store is accepted and ignored); keep the response you were sent",
+            "invalid_request_error",
+            "response_not_found",
+            "response_id",
+        )
 
     async def _detach(self, streams: ChoiceStreams) -> None:
         """The client left a resumable stream: its turns run to their end, held here until then."""

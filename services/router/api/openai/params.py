@@ -116,37 +116,37 @@ class Generation:
     score_only: bool = False
 
 
-def _constraint_param(sampling: common_pb2.SamplingParams, source: str | None) -> ConstraintParam | None:
+def constraint_param(sampling: common_pb2.SamplingParams, source: str | None) -> ConstraintParam | None:
     engine = sampling.WhichOneof("constraint")
     return ConstraintParam(engine, source) if engine is not None and source is not None else None
 
 
 def chat_generation(body: Any, request_id: str) -> Generation:
     """A ``POST /v1/chat/completions`` body as turns."""
-    body = _object(body)
+    body = json_object(body)
     # Chat maps tools itself (structured.tool_mode); completions have none to map.
-    _refuse_unsupported({k: v for k, v in body.items() if k not in ("tools", "tool_choice")}, _CHAT_KNOWN)
+    refuse_unsupported({k: v for k, v in body.items() if k not in ("tools", "tool_choice")}, _CHAT_KNOWN)
     messages = _messages(body.get("messages"))
-    max_tokens = _int(body, "max_completion_tokens", 1, INT32_MAX)
+    max_tokens = int_field(body, "max_completion_tokens", 1, INT32_MAX)
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1, INT32_MAX)
-    sampling = _sampling(body, max_tokens)
+        max_tokens = int_field(body, "max_tokens", 1, INT32_MAX)
+    sampling = sampling_params(body, max_tokens)
     source = apply_output_options(body, sampling, chat=True)
     tool = tool_mode(body, sampling)
     if tool is not None:
         source = "tools"  # the constraint is the called function's parameters schema
     return dataclasses.replace(
-        _generation(body, request_id, [messages], sampling),
+        turns_generation(body, request_id, [messages], sampling),
         tool=tool,
-        constraint=_constraint_param(sampling, source),
+        constraint=constraint_param(sampling, source),
     )
 
 
 def completion_generation(body: Any, request_id: str) -> Generation:
     """A ``POST /v1/completions`` body as turns: one per prompt and choice, prompt-major as OpenAI orders them."""
-    body = _object(body)
+    body = json_object(body)
     # Completions serve echo themselves (chat takes vLLM's echo at its default only).
-    _refuse_unsupported({k: v for k, v in body.items() if k != "echo"}, _COMPLETIONS_KNOWN)
+    refuse_unsupported({k: v for k, v in body.items() if k != "echo"}, _COMPLETIONS_KNOWN)
     echo = _bool(body, "echo")
     if body.get("suffix") not in (None, ""):
         raise unsupported("suffix", "insertion (suffix) is not supported")
@@ -156,21 +156,21 @@ def completion_generation(body: Any, request_id: str) -> Generation:
     if not all(p.text or p.token_ids for p in prompts):
         raise bad_request("prompt", "prompt: must not be empty")
     # With echo, max_tokens 0 scores the prompt alone (HELM's and OpenAI's old scoring requests).
-    max_tokens = _int(body, "max_tokens", 0 if echo else 1, INT32_MAX)
+    max_tokens = int_field(body, "max_tokens", 0 if echo else 1, INT32_MAX)
     score_only = max_tokens == 0
     if score_only:
         max_tokens = 1  # the replica always draws a token; the front shows none
-    sampling = _sampling(body, COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
+    sampling = sampling_params(body, COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
     source = apply_output_options(body, sampling, chat=False)
     if echo:
         # The prompt comes back as tokens, scored when logprobs are asked for (lm-evaluation-
         # harness's loglikelihood requests: echo, logprobs, max_tokens 1).
         sampling.prompt_logprobs = sampling.top_logprobs
     # Raw, as OpenAI and vLLM serve /v1/completions: the text is continued, no chat template around it.
-    generation = _generation(body, request_id, prompts, sampling)
+    generation = turns_generation(body, request_id, prompts, sampling)
     return dataclasses.replace(
         generation,
-        constraint=_constraint_param(sampling, source),
+        constraint=constraint_param(sampling, source),
         echo=tuple(t.prompt or None for t in generation.turns) if echo else (),
         score_only=score_only,
     )
@@ -218,7 +218,7 @@ def _token_ids(ids: list[Any], where: str) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _generation(
+def turns_generation(
     body: Mapping[str, Any],
     request_id: str,
     conversations: Sequence[list[common_pb2.ChatMessage] | Prompt],
@@ -228,8 +228,8 @@ def _generation(
     if model is not None and not isinstance(model, str):
         raise bad_request("model", "model: must be a string")
     if model is not None:
-        model = _utf8(model, "model")
-    n = _int(body, "n", 1, MAX_CHOICES) or 1
+        model = utf8_text(model, "model")
+    n = int_field(body, "n", 1, MAX_CHOICES) or 1
     if len(conversations) * n > MAX_CHOICES:
         raise bad_request("n", f"n: prompts × n must be at most {MAX_CHOICES}")
     stream = _bool(body, "stream")
@@ -268,7 +268,7 @@ def turn_request_id(request_id: str, index: int, choices: int) -> str:
     return f"{request_id}-{index}" if choices > 1 else request_id
 
 
-def _sampling(body: Mapping[str, Any], max_tokens: int | None) -> common_pb2.SamplingParams:
+def sampling_params(body: Mapping[str, Any], max_tokens: int | None) -> common_pb2.SamplingParams:
     sampling = common_pb2.SamplingParams()
     if max_tokens is not None:
         sampling.max_tokens = max_tokens
@@ -278,9 +278,9 @@ def _sampling(body: Mapping[str, Any], max_tokens: int | None) -> common_pb2.Sam
         if top_p <= 0:
             raise bad_request("top_p", "top_p: must be in (0, 1]")
         sampling.top_p = top_p
-    if (top_k := _int(body, "top_k", -1, INT32_MAX)) is not None and top_k > 0:
+    if (top_k := int_field(body, "top_k", -1, INT32_MAX)) is not None and top_k > 0:
         sampling.top_k = top_k  # vLLM's extra; -1 and 0 mean off there as here
-    if (seed := _int(body, "seed", 0, SEED_LIMIT - 1)) is not None:
+    if (seed := int_field(body, "seed", 0, SEED_LIMIT - 1)) is not None:
         sampling.seed = seed
     if (penalty := _number(body, "repetition_penalty", 0.01, 100.0)) is not None:
         sampling.repetition_penalty = penalty
@@ -289,7 +289,7 @@ def _sampling(body: Mapping[str, Any], max_tokens: int | None) -> common_pb2.Sam
         if value:
             # The engine has only a multiplicative repetition penalty; an additive one cannot be mapped.
             raise unsupported(name, "only 0 is supported; use repetition_penalty (vLLM's extra) instead")
-    if _int(body, "min_tokens", 0, INT32_MAX):
+    if int_field(body, "min_tokens", 0, INT32_MAX):
         raise unsupported("min_tokens", "only 0 is supported")
     sampling.ignore_eos = _bool(body, "ignore_eos")
     sampling.stop.extend(_stop(body.get("stop")))
@@ -304,7 +304,7 @@ _WHY_NOT = {
 }
 
 
-def _refuse_unsupported(body: Mapping[str, Any], known: frozenset[str]) -> None:
+def refuse_unsupported(body: Mapping[str, Any], known: frozenset[str]) -> None:
     """Fields that would change the answer get a 400 unless null or their neutral value."""
     neutral: dict[str, tuple[Any, ...]] = {
         "tools": ([],),
@@ -381,7 +381,7 @@ def _messages(raw: Any) -> list[common_pb2.ChatMessage]:
 def _content(raw: Any, where: str) -> str:
     """A message's text: a string, or a list of text parts joined as OpenAI's own models read them."""
     if isinstance(raw, str):
-        return _utf8(raw, f"{where}.content")
+        return utf8_text(raw, f"{where}.content")
     if isinstance(raw, list):
         texts = []
         for j, part in enumerate(raw):
@@ -393,7 +393,7 @@ def _content(raw: Any, where: str) -> str:
                 raise bad_request(
                     f"{where}.content[{j}].text", f"{where}.content[{j}].text: must be a string"
                 )
-            texts.append(_utf8(part["text"], f"{where}.content[{j}].text"))
+            texts.append(utf8_text(part["text"], f"{where}.content[{j}].text"))
         return "\n".join(texts)
     raise bad_request(f"{where}.content", f"{where}.content: must be a string or a list of text parts")
 
@@ -409,10 +409,10 @@ def _stop(raw: Any) -> list[str]:
     if any(len(s) > MAX_STOP_CHARS for s in stops):
         raise bad_request("stop", f"stop: a stop string may be at most {MAX_STOP_CHARS} characters")
     # An empty stop string would end every answer at once.
-    return [_utf8(s, f"stop[{i}]") for i, s in enumerate(stops) if s]
+    return [utf8_text(s, f"stop[{i}]") for i, s in enumerate(stops) if s]
 
 
-def _utf8(text: str, where: str) -> str:
+def utf8_text(text: str, where: str) -> str:
     """JSON may escape a lone surrogate, which no UTF-8 text (so no proto string) can hold."""
     try:
         text.encode()
@@ -421,7 +421,7 @@ def _utf8(text: str, where: str) -> str:
     return text
 
 
-def _object(body: Any) -> dict[str, Any]:
+def json_object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad_request(None, "the request body must be a JSON object", "invalid_request_body")
     return body
@@ -436,7 +436,7 @@ def _bool(body: Mapping[str, Any], name: str) -> bool:
     return value
 
 
-def _int(body: Mapping[str, Any], name: str, lo: int, hi: int | None = None) -> int | None:
+def int_field(body: Mapping[str, Any], name: str, lo: int, hi: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return None

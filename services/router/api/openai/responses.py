@@ -1,0 +1,264 @@
+"""``POST /v1/responses`` bodies → one chat turn: OpenAI's Responses API over the same pipeline as chat.
+
+The Responses API is what OpenAI's newer SDK helpers, the Agents SDK and LangChain's
+``ChatOpenAI(use_responses_api=True)`` send. Its ``instructions`` and ``input`` messages are a
+chat conversation (``instructions`` first, as a system message), ``max_output_tokens`` is
+``max_tokens``, and ``text.format`` is chat's ``response_format`` flattened; so a response is a
+chat turn, and the one pipeline serves both (sessions, RAG, caches, placement, failover).
+
+What a stateless router cannot honour is refused by name, never ignored: responses are not
+stored, so ``previous_response_id`` and ``conversation`` are a 400 (send the conversation as
+``input``), and so are tools, reasoning, background runs and non-text inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from services.gen.llmmesh.v1 import common_pb2
+from services.router.api.openai.errors import ApiError, bad_request, renamed, unsupported
+from services.router.api.openai.extras import FIELDS as EXTRA_FIELDS
+from services.router.api.openai.params import (
+    INT32_MAX,
+    ROLE_NAMES,
+    Generation,
+    constraint_param,
+    int_field,
+    json_object,
+    refuse_unsupported,
+    sampling_params,
+    turns_generation,
+    utf8_text,
+)
+from services.router.api.openai.structured import apply_output_options
+
+#: The ``include`` value that asks for the answer's token logprobs (with ``top_logprobs`` alternatives).
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+_KNOWN = (
+    frozenset(
+        {
+            "model",
+            "input",
+            "instructions",
+            "max_output_tokens",
+            "temperature",
+            "top_p",
+            "top_logprobs",
+            "include",
+            "stream",
+            "text",
+            "tools",
+            "tool_choice",
+            "previous_response_id",
+            "conversation",
+            "reasoning",
+            "background",
+            "truncation",
+            "prompt",
+            "max_tool_calls",
+            # vLLM's sampling extras, as its own /v1/responses takes them.
+            "top_k",
+            "seed",
+            "repetition_penalty",
+            "stop",
+        }
+    )
+    | EXTRA_FIELDS
+)
+
+# Fields the Responses API has that would change the answer, refused unless null or neutral.
+_WHY_NOT: dict[str, tuple[tuple[Any, ...], str]] = {
+    "previous_response_id": ((), "responses are not stored here; send the whole conversation as input"),
+    "conversation": ((), "conversations are not stored here; send the whole conversation as input"),
+    "prompt": ((), "stored prompt templates are not supported; send instructions and input"),
+    "background": ((False,), "background responses are not supported; use the task API (docs/tasks.md)"),
+    "truncation": (("disabled",), "only 'disabled': an input over the context is a 400, never cut"),
+    "n": ((1,), "a response has one answer"),
+    "resumable": ((False,), "only chat and completions streams resume (Last-Event-ID)"),
+}
+_INPUT_PARTS = {"input_text", "output_text", "text"}
+
+
+@dataclass(frozen=True)
+class ResponseRequest:
+    """One ``/v1/responses`` request: its turn, and what its response object echoes back."""
+
+    generation: Generation
+    instructions: str | None
+    max_output_tokens: int | None
+    temperature: float
+    top_p: float
+    #: ``text`` as the response echoes it (its ``format`` defaulted to plain text).
+    text: dict[str, Any]
+    metadata: dict[str, str]
+    user: str | None
+    #: The answer's token logprobs were asked for (``include``).
+    logprobs: bool
+
+
+def response_generation(body: Any, request_id: str) -> ResponseRequest:
+    """A ``POST /v1/responses`` body as one chat turn; a 400 naming the field otherwise."""
+    body = json_object(body)
+    _refuse_stateful(body)
+    tools = body.get("tools")
+    if tools not in (None, []):
+        raise unsupported(
+            "tools",
+            "tool calls are not supported: this model's chat template defines none; "
+            "use text.format json_schema with the function's parameters",
+        )
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise unsupported(
+            "tool_choice", "tool calls are not supported (only 'none', or 'auto' with no tools)"
+        )
+    reasoning = body.get("reasoning")
+    if reasoning is not None and (
+        not isinstance(reasoning, dict) or any(v is not None for v in reasoning.values())
+    ):
+        raise unsupported("reasoning", "this model does not reason before it answers; send null")
+    # Chat's own rules for every field the two APIs share (and the unknown ones, logged once).
+    shared = {
+        k: v for k, v in body.items() if k not in _WHY_NOT and k not in ("tools", "tool_choice", "reasoning")
+    }
+    refuse_unsupported(shared, _KNOWN)
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise bad_request("instructions", "instructions: must be a string")
+    messages = (
+        [common_pb2.ChatMessage(role="system", content=utf8_text(instructions, "instructions"))]
+        if instructions
+        else []
+    )
+    messages += _input_messages(body.get("input"))
+    max_tokens = int_field(body, "max_output_tokens", 1, INT32_MAX)
+    sampling = sampling_params(body, max_tokens)
+    logprobs = _logprobs_included(body.get("include"))
+    source = _output_options(body, sampling, logprobs)
+    generation = turns_generation(body, request_id, [messages], sampling)
+    generation = dataclasses.replace(generation, constraint=constraint_param(sampling, source))
+    metadata = body.get("metadata")
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise bad_request("metadata", "metadata: must be an object of strings")
+    user = body.get("user")
+    return ResponseRequest(
+        generation=generation,
+        instructions=instructions,
+        max_output_tokens=max_tokens,
+        temperature=sampling.temperature if sampling.HasField("temperature") else 1.0,
+        top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
+        text=_echoed_text(body.get("text")),
+        metadata=dict(metadata or {}),
+        user=user if isinstance(user, str) else None,
+        logprobs=logprobs,
+    )
+
+
+def _refuse_stateful(body: Mapping[str, Any]) -> None:
+    for name, (neutral, why) in _WHY_NOT.items():
+        value = body.get(name)
+        if value is not None and not any(value == a and type(value) is type(a) for a in neutral):
+            raise unsupported(name, why)
+
+
+def _input_messages(raw: Any) -> list[common_pb2.ChatMessage]:
+    """``input``: a user's text, or a list of messages (the easy form and the typed one)."""
+    if isinstance(raw, str):
+        if not raw:
+            raise bad_request("input", "input: must not be empty")
+        return [common_pb2.ChatMessage(role="user", content=utf8_text(raw, "input"))]
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("input", "input: required, a string or a non-empty list of messages")
+    out = []
+    for i, item in enumerate(raw):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad_request(where, f"{where}: must be an object")
+        kind = item.get("type", "message")
+        if kind != "message":
+            raise unsupported(
+                f"{where}.type", f"only message items are supported, not {str(kind)[:64]!r} (no tools here)"
+            )
+        role = item.get("role")
+        if not isinstance(role, str) or role not in ROLE_NAMES:
+            raise bad_request(
+                f"{where}.role", f"{where}.role: must be one of system, developer, user, assistant"
+            )
+        out.append(
+            common_pb2.ChatMessage(role=ROLE_NAMES[role], content=_content(item.get("content"), where))
+        )
+    return out
+
+
+def _content(raw: Any, where: str) -> str:
+    """A message's text: a string, or its text parts joined (``input_text``, and an earlier answer's
+    ``output_text``)."""
+    if isinstance(raw, str):
+        return utf8_text(raw, f"{where}.content")
+    if not isinstance(raw, list):
+        raise bad_request(f"{where}.content", f"{where}.content: must be a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(raw):
+        at = f"{where}.content[{j}]"
+        if not isinstance(part, dict):
+            raise bad_request(at, f"{at}: must be an object")
+        if part.get("type") not in _INPUT_PARTS:
+            raise unsupported(f"{at}.type", "only text parts (input_text, output_text) are supported")
+        if not isinstance(part.get("text"), str):
+            raise bad_request(f"{at}.text", f"{at}.text: must be a string")
+        texts.append(utf8_text(part["text"], f"{at}.text"))
+    return "\n".join(texts)
+
+
+def _logprobs_included(include: Any) -> bool:
+    if include is None:
+        return False
+    if not isinstance(include, list) or not all(isinstance(i, str) for i in include):
+        raise bad_request("include", "include: must be a list of strings")
+    # The other values name outputs this server never makes (tool results, encrypted reasoning).
+    return LOGPROBS_INCLUDE in include
+
+
+def _output_options(
+    body: Mapping[str, Any], sampling: common_pb2.SamplingParams, logprobs: bool
+) -> str | None:
+    """``text.format`` and logprobs through chat's own rules, errors naming this API's fields."""
+    text = body.get("text")
+    if text is not None and not isinstance(text, dict):
+        raise bad_request("text", "text: must be an object")
+    text = text or {}
+    if text.get("verbosity") not in (None, "medium"):
+        raise unsupported("text.verbosity", "only 'medium': the answer's length is max_output_tokens'")
+    fmt = text.get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise bad_request("text.format", "text.format: must be an object")
+    chat: dict[str, Any] = {"logprobs": logprobs, "top_logprobs": body.get("top_logprobs")}
+    if fmt and fmt.get("type") == "json_schema":
+        chat["response_format"] = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}}
+    elif fmt:
+        chat["response_format"] = {"type": fmt.get("type")}
+    if chat["top_logprobs"] and not logprobs:
+        raise bad_request("top_logprobs", f"top_logprobs: needs include: [{LOGPROBS_INCLUDE!r}]")
+    try:
+        source = apply_output_options(chat, sampling, chat=True)
+    except ApiError as error:
+        for chat_name, ours in (
+            ("response_format.json_schema.schema", "text.format.schema"),
+            ("response_format.type", "text.format.type"),
+            ("response_format", "text.format"),
+        ):
+            error = renamed(error, chat_name, ours)
+        raise error from None
+    return {"response_format.json_schema.schema": "text.format.schema", "response_format": "text.format"}.get(
+        source or "", source
+    )
+
+
+def _echoed_text(text: Any) -> dict[str, Any]:
+    fmt = text.get("format") if isinstance(text, dict) else None
+    return {"format": fmt if isinstance(fmt, dict) else {"type": "text"}}

@@ -1,0 +1,236 @@
+"""The Responses API: bodies become one chat turn or a 400 naming the field; a stream's typed events
+come in OpenAI's order, and a failure after it began ends it with ``error`` and ``response.failed``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from services.common import errors
+from services.gen.llmmesh.v1 import common_pb2, router_pb2
+from services.router.api.openai.choices import ChoiceStreams
+from services.router.api.openai.errors import ApiError
+from services.router.api.openai.response_events import ResponseFramer
+from services.router.api.openai.responses import response_generation
+
+
+def refused(body: Any) -> ApiError:
+    with pytest.raises(ApiError) as caught:
+        response_generation(body, "r1")
+    assert caught.value.status == 400
+    return caught.value
+
+
+def test_instructions_and_input_messages_become_one_chat_turn() -> None:
+    wanted = response_generation(
+        {
+            "model": "m",
+            "instructions": "Be brief.",
+            "input": [
+                {"role": "user", "content": "hi"},
+                # An earlier answer, as LangChain and the SDK replay one: a typed item with its id.
+                {
+                    "type": "message",
+                    "id": "msg_1",
+                    "status": "completed",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": "hello", "annotations": []}],
+                },
+                {
+                    "type": "message",
+                    "role": "developer",
+                    "content": [{"type": "input_text", "text": "terse"}],
+                },
+                {
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}],
+                },
+            ],
+            "max_output_tokens": 7,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "metadata": {"k": "v"},
+            "store": True,
+            "tool_choice": "auto",
+            "tools": [],
+            "reasoning": {"effort": None},
+            "truncation": "disabled",
+        },
+        "r1",
+    )
+    (turn,) = wanted.generation.turns
+    assert [(m.role, m.content) for m in turn.messages] == [
+        ("system", "Be brief."),
+        ("user", "hi"),
+        ("assistant", "hello"),
+        ("system", "terse"),
+        ("user", "a\nb"),
+    ]
+    assert turn.request_id == "r1" and turn.model == "m"
+    assert turn.sampling.max_tokens == 7
+    assert turn.sampling.temperature == pytest.approx(0.5) and turn.sampling.top_p == pytest.approx(0.9)
+    assert wanted.metadata == {"k": "v"} and wanted.text == {"format": {"type": "text"}}
+
+
+def test_a_string_input_is_the_users_message_and_unset_sampling_is_the_engines_default() -> None:
+    wanted = response_generation({"input": "hello"}, "r1")
+    (turn,) = wanted.generation.turns
+    assert [(m.role, m.content) for m in turn.messages] == [("user", "hello")]
+    assert not turn.sampling.HasField("temperature") and not turn.sampling.HasField("max_tokens")
+    assert (wanted.temperature, wanted.top_p) == (1.0, 1.0)  # what OpenAI's response object reports
+
+
+def test_text_format_is_the_constraint_and_logprobs_come_with_include() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    wanted = response_generation(
+        {
+            "input": "x",
+            "text": {"format": {"type": "json_schema", "name": "A", "schema": schema, "strict": True}},
+            "include": ["message.output_text.logprobs"],
+            "top_logprobs": 3,
+        },
+        "r1",
+    )
+    sampling = wanted.generation.turns[0].sampling
+    assert json.loads(sampling.json_schema) == schema
+    assert sampling.logprobs and sampling.top_logprobs == 3 and wanted.logprobs
+    assert wanted.generation.constraint is not None
+    assert wanted.generation.constraint.request == "text.format.schema"
+    assert (
+        response_generation({"input": "x", "text": {"format": {"type": "json_object"}}}, "r")
+        .generation.turns[0]
+        .sampling.json_object
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        ({}, "input", "invalid_value"),
+        ({"input": ""}, "input", "invalid_value"),
+        ({"input": []}, "input", "invalid_value"),
+        ({"input": [7]}, "input[0]", "invalid_value"),
+        ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role", "invalid_value"),
+        (
+            {"input": [{"type": "function_call_output", "output": "1"}]},
+            "input[0].type",
+            "unsupported_parameter",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+            "input[0].content[0].type",
+            "unsupported_parameter",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+            "input[0].content[0].text",
+            "invalid_value",
+        ),
+        ({"input": "x", "instructions": 3}, "instructions", "invalid_value"),
+        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "unsupported_parameter"),
+        ({"input": "x", "conversation": "conv_1"}, "conversation", "unsupported_parameter"),
+        ({"input": "x", "background": True}, "background", "unsupported_parameter"),
+        ({"input": "x", "truncation": "auto"}, "truncation", "unsupported_parameter"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "unsupported_parameter"),
+        ({"input": "x", "tool_choice": "required"}, "tool_choice", "unsupported_parameter"),
+        ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning", "unsupported_parameter"),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "invalid_value"),
+        ({"input": "x", "temperature": 3}, "temperature", "invalid_value"),
+        ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type", "unsupported_parameter"),
+        ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format.schema", "invalid_value"),
+        ({"input": "x", "text": {"verbosity": "low"}}, "text.verbosity", "unsupported_parameter"),
+        ({"input": "x", "top_logprobs": 2}, "top_logprobs", "invalid_value"),
+        ({"input": "x", "include": "all"}, "include", "invalid_value"),
+        ({"input": "x", "metadata": {"k": 1}}, "metadata", "invalid_value"),
+        ({"input": "x", "n": 2}, "n", "unsupported_parameter"),
+        ({"input": "x", "resumable": True}, "resumable", "unsupported_parameter"),
+        ({"input": "x", "presence_penalty": 1}, "presence_penalty", "unsupported_parameter"),
+    ],
+)
+def test_what_cannot_be_honoured_is_a_400_naming_the_field(
+    body: dict[str, Any], param: str, code: str
+) -> None:
+    error = refused(body)
+    assert (error.param, error.code) == (param, code), error.message
+    assert error.message.startswith(param), error.message
+
+
+def _end(reason: int, completion: int) -> router_pb2.ChatResponse:
+    usage = common_pb2.Usage(prompt_tokens=9, completion_tokens=completion, cached_prompt_tokens=4)
+    return router_pb2.ChatResponse(end=router_pb2.TurnEnd(finish_reason=reason, usage=usage, model="m"))
+
+
+def _delta(text: str) -> router_pb2.ChatResponse:
+    return router_pb2.ChatResponse(delta=router_pb2.TokenDelta(text=text))
+
+
+async def _turn(*messages: router_pb2.ChatResponse | Exception) -> AsyncIterator[router_pb2.ChatResponse]:
+    for m in messages:
+        if isinstance(m, Exception):
+            raise m
+        yield m
+
+
+async def _events(*messages: router_pb2.ChatResponse | Exception) -> list[dict[str, Any]]:
+    framer = ResponseFramer(response_generation({"input": "x"}, "r1"), "resp_r1", 1, "m")
+    streams = ChoiceStreams([_turn(*messages)])
+    first = await streams.next()
+    assert first is not None
+    out = []
+    async for chunk in framer.events(streams, first, keepalive_s=5):
+        head, data = chunk.decode().strip().split("\n")
+        payload = json.loads(data.removeprefix("data: "))
+        assert head == f"event: {payload['type']}"
+        out.append(payload)
+    await streams.close()
+    return out
+
+
+async def test_a_stream_is_openais_event_sequence_numbered_from_zero() -> None:
+    events = await _events(_delta("Hel"), _delta("lo"), _end(common_pb2.FINISH_REASON_STOP, 2))
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["delta"] for e in events if e["type"] == "response.output_text.delta"] == ["Hel", "lo"]
+    final = events[-1]["response"]
+    assert final["id"] == "resp_r1" and final["status"] == "completed"
+    assert final["output"][0]["content"][0]["text"] == "Hello"
+    assert final["output"][0]["id"] == events[2]["item"]["id"] == events[4]["item_id"]
+    assert final["usage"] == {
+        "input_tokens": 9,
+        "input_tokens_details": {"cached_tokens": 4},
+        "output_tokens": 2,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 11,
+    }
+
+
+async def test_an_answer_cut_by_max_output_tokens_ends_incomplete() -> None:
+    events = await _events(_delta("a"), _end(common_pb2.FINISH_REASON_LENGTH, 1))
+    assert events[-1]["type"] == "response.incomplete"
+    final = events[-1]["response"]
+    assert final["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert final["output"][0]["status"] == "incomplete"
+
+
+async def test_a_failure_after_the_stream_began_is_an_error_event_then_response_failed() -> None:
+    events = await _events(_delta("par"), errors.DependencyUnavailable("every replica failed"))
+    assert [e["type"] for e in events[-3:]] == ["response.output_text.delta", "error", "response.failed"]
+    assert events[-2]["code"] == "service_unavailable" and "every replica failed" in events[-2]["message"]
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "service_unavailable"
+    assert failed["output"][0]["content"][0]["text"] == "par"  # what the client had, kept
+    assert failed["output"][0]["status"] == "incomplete"
