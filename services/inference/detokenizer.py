@@ -19,6 +19,32 @@ class Decoder(Protocol):
     def decode(self, token_ids: Any, skip_special_tokens: bool = ...) -> Any: ...
 
 
+class BackendDecoder:
+    """A Hugging Face fast tokenizer's own Rust ``decode``, without transformers' wrapper.
+
+    Each new token is decoded twice (the window before it, and with it), and transformers'
+    ``decode`` spends ~3 µs of Python around a ~1 µs Rust call: 0.44 ms of a 64-row decode step
+    through the wrapper, 0.16 ms without it (SmolLM2, 2026-12-06; the same text for 4,096 tokens).
+    """
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+
+    def decode(self, token_ids: Any, skip_special_tokens: bool = False) -> str:
+        return str(self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+
+def fast_decoder(tokenizer: Any) -> Decoder:
+    """``tokenizer``'s Rust decoder when it decodes exactly as the tokenizer does, else the tokenizer.
+
+    The wrapper adds only its clean-up of spaces before punctuation, when the tokenizer asks for
+    it (``clean_up_tokenization_spaces``); such a tokenizer keeps the wrapper."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return tokenizer  # type: ignore[no-any-return]
+    return BackendDecoder(backend)
+
+
 @dataclass
 class DetokenizerUpdate:
     """What a new token adds: text safe to release now, and the stop string if one matched."""

@@ -28,7 +28,7 @@ from services.common import errors
 from services.common.model_names import served_model_name
 from services.inference.block_manager import BlockManager
 from services.inference.config import EngineConfig
-from services.inference.detokenizer import IncrementalDetokenizer
+from services.inference.detokenizer import IncrementalDetokenizer, fast_decoder
 from services.inference.fault_isolation import ChunkResult, EngineFailure, run_isolating_faults
 from services.inference.gguf_loading import gguf_read_once
 from services.inference.grammar import GrammarCompiler, Guide
@@ -67,6 +67,8 @@ class LLMEngine:
         with gguf_read_once(config.model):  # a .gguf model: one parse for the weights and the tokenizer
             self.runner = ModelRunner(config)
             self.tokenizer = load_tokenizer(config.model)
+        # Text of new tokens: the tokenizer's own Rust decoder where it decodes the same.
+        self._decoder = fast_decoder(self.tokenizer)
         self.model_id = config.model_id or served_model_name(config.model)
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
@@ -183,7 +185,7 @@ class LLMEngine:
             seq.prompt_logprobs = [SampledToken(prompt_token_ids[0], math.nan)]
             seq.prompt_logprobs += [None] * (len(prompt_token_ids) - 1)
         stop_ids = frozenset() if params.ignore_eos else self._eos_ids
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop, prime=resume_token_ids)
+        detok = IncrementalDetokenizer(self._decoder, params.stop, prime=resume_token_ids)
         guide = guide or self.make_guide(params, resume_token_ids)  # a caller that skipped make_guide
         self._requests[request_id] = _Request(seq, detok, stop_ids, guide)
         self.scheduler.add(seq)

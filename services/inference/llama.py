@@ -168,6 +168,26 @@ class Scratch:
         return buf[:numel].view(shape)
 
 
+def same_shape_runs(
+    chunks: tuple[tuple[int, int, int], ...],
+) -> list[tuple[int, int, int, int, int]]:
+    """Prefill rows ``(first flat token, tokens, keys seen)`` as runs of consecutive rows alike in
+    ``tokens`` and ``keys seen``: ``(first row, rows, first flat token, tokens, keys seen)``.
+
+    Prompts from one template (a system prompt, then a short question) prefill this way: the
+    shared opening computed once, then every row's own tail, all of one length. One attention
+    call per run instead of per row: a call costs ~30 µs of setup beside its few µs of work."""
+    runs: list[tuple[int, int, int, int, int]] = []
+    for i, (first, tokens, seen) in enumerate(chunks):
+        if runs:
+            row, count, start, run_tokens, run_seen = runs[-1]
+            if (tokens, seen) == (run_tokens, run_seen) and first == start + count * tokens:
+                runs[-1] = (row, count + 1, start, tokens, seen)
+                continue
+        runs.append((i, 1, first, tokens, seen))
+    return runs
+
+
 def gather_slots(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``cache[:, slots]`` for a [kv_heads, slots, D] cache, written into ``out``."""
     return torch.index_select(cache, 1, slots, out=out)
@@ -411,15 +431,17 @@ class LlamaForward:
         """
         heads, dim = self.num_heads, self.head_dim
         out = torch.empty_like(q)
-        for i, (first, tokens, seen) in enumerate(chunks):
-            query = q[first : first + tokens].reshape(1, tokens, heads, dim).transpose(1, 2)
+        for i, count, first, tokens, seen in same_shape_runs(chunks):
+            # ``count`` consecutive rows alike in tokens and keys seen (so in their causal mask,
+            # which depends only on those): one call for them all, their queries a view.
+            query = q[first : first + count * tokens].reshape(count, tokens, heads, dim).transpose(1, 2)
             attended = F.scaled_dot_product_attention(
                 query,
-                keys[i : i + 1, :, :seen],
-                values[i : i + 1, :, :seen],
+                keys[i : i + count, :, :seen],
+                values[i : i + count, :, :seen],
                 attn_mask=mask[i : i + 1, :, :tokens, :seen],
                 scale=self.scale,
                 enable_gqa=True,
             )
-            out[first : first + tokens] = attended.transpose(1, 2).reshape(tokens, heads, dim)
+            out[first : first + count * tokens] = attended.transpose(1, 2).reshape(count * tokens, heads, dim)
         return out

@@ -129,3 +129,32 @@ def test_prompts_of_mixed_lengths_and_a_cached_prefix_attend_row_by_row_with_tra
     # `continued` starts with `long`'s blocks, now cached: its row sees keys before its first token.
     assert engine.generate([continued, short], params) == [hf(continued), hf(short)]
     assert calls and all(rows == 2 for rows in calls), calls
+
+
+def test_prompts_from_one_template_attend_their_alike_tails_in_one_call_with_transformers_tokens(
+    engine: LLMEngine, model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One opening (computed once, by the first row), then each prompt's own tail of one length:
+    # the tails attend in one call per run of alike rows, and must change nothing.
+    from services.inference import llama
+
+    runs: list[list[tuple[int, int, int, int, int]]] = []
+    grouped = llama.same_shape_runs
+    monkeypatch.setattr(llama, "same_shape_runs", lambda chunks: runs.append(grouped(chunks)) or runs[-1])
+    tok = engine.tokenizer
+    opening = LONG + " Then, one by one, the painters named their boats:"
+    prompts = [tok.encode(f"{opening} {name}.") for name in ("Alba", "Brio", "Cora", "Dune")]
+    assert len({len(p) for p in prompts}) == 1, "the tails must be alike for this test"
+    model: Any = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).to(TEST_DEVICE)
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor(prompts, device=model.device),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            eos_token_id=-1,
+        )
+    expected = [row[len(prompts[0]) :] for row in out.tolist()]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    engine.reset_prefix_cache()  # the opening is computed in this step, by its first row
+    assert engine.generate(prompts, params) == expected
+    assert any(count >= 2 for step in runs for _, count, *_ in step), runs

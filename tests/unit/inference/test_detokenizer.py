@@ -86,3 +86,27 @@ def test_stop_strings_are_bounded_in_number_and_length() -> None:
         with pytest.raises(InvalidArgument) as caught:
             SamplingParams(stop=too_many)
         assert caught.value.field == "stop"
+
+
+def test_the_rust_decoder_streams_exactly_the_tokenizers_own_text(tokenizer: Any) -> None:
+    from services.inference.detokenizer import BackendDecoder, fast_decoder
+
+    decoder = fast_decoder(tokenizer)
+    assert isinstance(decoder, BackendDecoder)  # SmolLM2's tokenizer cleans no spaces up
+    text = 'Café 🤖 naïve 日本語 — "quotes" , spaces before punctuation ! <|im_end|> and\n\nnew lines.'
+    ids = tokenizer.encode(text)
+    for stop in ((), ("punctuation",)):
+        fast = stream(IncrementalDetokenizer(decoder, stop), ids)
+        wrapped = stream(IncrementalDetokenizer(tokenizer, stop), ids)
+        assert fast == wrapped
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_its_own_decode(tokenizer: Any) -> None:
+    from services.inference.detokenizer import fast_decoder
+
+    class CleaningUp:
+        backend_tokenizer = tokenizer.backend_tokenizer
+        clean_up_tokenization_spaces = True
+
+    cleaning = CleaningUp()
+    assert fast_decoder(cleaning) is cleaning
