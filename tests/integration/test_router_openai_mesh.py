@@ -327,6 +327,16 @@ def test_x_request_id_names_the_request_and_comes_back(mesh: Mesh) -> None:
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-request-id"
     generated = mesh.post(chat(mesh, "Hi", 2))
     assert generated.json()["id"] == "chatcmpl-" + generated.headers["x-request-id"]
+    # The Responses API names its response by the same id, and refuses a reused one the same way.
+    response = mesh.client().responses.with_raw_response.create(
+        model=mesh.model, input="Hi", max_output_tokens=2, extra_headers={"x-request-id": "sdk-resp-1"}
+    )
+    assert response.headers["x-request-id"] == "sdk-resp-1" and response.parse().id == "resp_sdk-resp-1"
+    with pytest.raises(openai.ConflictError) as reused_response:
+        mesh.client().responses.create(
+            model=mesh.model, input="Hi", max_output_tokens=2, extra_headers={"x-request-id": "sdk-resp-1"}
+        )
+    assert reused_response.value.body["param"] == "x-request-id"  # type: ignore[index]
 
 
 # -- traces

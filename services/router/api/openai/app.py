@@ -239,16 +239,7 @@ class OpenAiFront:
                 replay, principal.tenant, [t.request_id for t in generation.turns]
             )
         else:
-            if given_id is not None and replay is not None and await _buffered(replay, generation.turns[0]):
-                # Its turn's messages would not be buffered (those seqs are taken): a resume would
-                # replay the earlier answer. Refused rather than mixed.
-                raise ApiError(
-                    409,
-                    f"x-request-id {given_id!r} was used by a recent request; send a new one",
-                    "conflict_error",
-                    "request_id_reused",
-                    "x-request-id",
-                )
+            await self._refuse_reused_id(given_id, generation)
             streams = ChoiceStreams.of_turns(self.pipeline, principal, generation.turns, deadline)
         with_extras = generation.extras.any
         if not generation.stream:
@@ -272,6 +263,20 @@ class OpenAiFront:
             streams, framer, first, generation.include_usage, self.limits.keepalive_s, seen, with_extras
         )
         return SseResponse(body_iter, lambda: on_gone(streams), headers)
+
+    async def _refuse_reused_id(self, given_id: str | None, generation: Generation) -> None:
+        """A 409 for a caller's request id the replay buffer already holds a turn by: its turn's
+        messages would not be buffered (those seqs are taken), and a resume (HTTP or gRPC
+        ``Resume``) would replay the earlier answer. Refused rather than mixed."""
+        replay = self.pipeline.s.replay
+        if given_id is not None and replay is not None and await _buffered(replay, generation.turns[0]):
+            raise ApiError(
+                409,
+                f"x-request-id {given_id!r} was used by a recent request; send a new one",
+                "conflict_error",
+                "request_id_reused",
+                "x-request-id",
+            )
 
     async def _first_event(
         self,
@@ -307,11 +312,13 @@ class OpenAiFront:
         principal = self._principal(request)
         deadline = self._deadline(request)
         body = await self._json(request)
-        request_id = request_id_header(request.headers.get("x-request-id")) or uuid.uuid4().hex
+        given_id = request_id_header(request.headers.get("x-request-id"))
+        request_id = given_id or uuid.uuid4().hex
         wanted = response_generation(body, request_id)
         framer = ResponseFramer(
             wanted, "resp_" + request_id, int(time.time()), self._model_name(wanted.generation.model)
         )
+        await self._refuse_reused_id(given_id, wanted.generation)
         try:
             return await self._respond(
                 request, wanted, framer, principal, deadline, {"x-request-id": request_id}

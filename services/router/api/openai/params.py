@@ -374,26 +374,32 @@ def _messages(raw: Any) -> list[common_pb2.ChatMessage]:
         content = message.get("content")
         if content is None and role == "assistant":
             content = ""  # OpenAI's schema lets an assistant's content be null (or absent), as vLLM reads it
-        out.append(common_pb2.ChatMessage(role=ROLE_NAMES[role], content=_content(content, where)))
+        out.append(common_pb2.ChatMessage(role=ROLE_NAMES[role], content=message_text(content, where)))
     return out
 
 
-def _content(raw: Any, where: str) -> str:
-    """A message's text: a string, or a list of text parts joined as OpenAI's own models read them."""
+#: Chat's content parts that carry text (the Responses API names its own: responses.py).
+CHAT_TEXT_PARTS = frozenset({"text"})
+
+
+def message_text(raw: Any, where: str, text_parts: frozenset[str] = CHAT_TEXT_PARTS) -> str:
+    """A message's text: a string, or a list of text parts (of ``text_parts``' types) joined
+    with newlines, as OpenAI's own models read them."""
     if isinstance(raw, str):
         return utf8_text(raw, f"{where}.content")
     if isinstance(raw, list):
         texts = []
         for j, part in enumerate(raw):
+            at = f"{where}.content[{j}]"
             if not isinstance(part, dict):
-                raise bad_request(f"{where}.content[{j}]", f"{where}.content[{j}]: must be an object")
-            if part.get("type") != "text":
-                raise unsupported(f"{where}.content[{j}].type", "only text parts are supported")
-            if not isinstance(part.get("text"), str):
-                raise bad_request(
-                    f"{where}.content[{j}].text", f"{where}.content[{j}].text: must be a string"
+                raise bad_request(at, f"{at}: must be an object")
+            if part.get("type") not in text_parts:
+                raise unsupported(
+                    f"{at}.type", f"only text parts ({', '.join(sorted(text_parts))}) are supported"
                 )
-            texts.append(utf8_text(part["text"], f"{where}.content[{j}].text"))
+            if not isinstance(part.get("text"), str):
+                raise bad_request(f"{at}.text", f"{at}.text: must be a string")
+            texts.append(utf8_text(part["text"], f"{at}.text"))
         return "\n".join(texts)
     raise bad_request(f"{where}.content", f"{where}.content: must be a string or a list of text parts")
 

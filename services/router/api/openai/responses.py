@@ -28,6 +28,7 @@ from services.router.api.openai.params import (
     constraint_param,
     int_field,
     json_object,
+    message_text,
     refuse_unsupported,
     sampling_params,
     turns_generation,
@@ -80,7 +81,8 @@ _WHY_NOT: dict[str, tuple[tuple[Any, ...], str]] = {
     "n": ((1,), "a response has one answer"),
     "resumable": ((False,), "only chat and completions streams resume (Last-Event-ID)"),
 }
-_INPUT_PARTS = {"input_text", "output_text", "text"}
+#: Text parts of input messages: the user's, and an earlier answer's as a client sends it back.
+_TEXT_PARTS = frozenset({"input_text", "output_text"})
 
 
 @dataclass(frozen=True)
@@ -190,29 +192,11 @@ def _input_messages(raw: Any) -> list[common_pb2.ChatMessage]:
                 f"{where}.role", f"{where}.role: must be one of system, developer, user, assistant"
             )
         out.append(
-            common_pb2.ChatMessage(role=ROLE_NAMES[role], content=_content(item.get("content"), where))
+            common_pb2.ChatMessage(
+                role=ROLE_NAMES[role], content=message_text(item.get("content"), where, _TEXT_PARTS)
+            )
         )
     return out
-
-
-def _content(raw: Any, where: str) -> str:
-    """A message's text: a string, or its text parts joined (``input_text``, and an earlier answer's
-    ``output_text``)."""
-    if isinstance(raw, str):
-        return utf8_text(raw, f"{where}.content")
-    if not isinstance(raw, list):
-        raise bad_request(f"{where}.content", f"{where}.content: must be a string or a list of text parts")
-    texts = []
-    for j, part in enumerate(raw):
-        at = f"{where}.content[{j}]"
-        if not isinstance(part, dict):
-            raise bad_request(at, f"{at}: must be an object")
-        if part.get("type") not in _INPUT_PARTS:
-            raise unsupported(f"{at}.type", "only text parts (input_text, output_text) are supported")
-        if not isinstance(part.get("text"), str):
-            raise bad_request(f"{at}.text", f"{at}.text: must be a string")
-        texts.append(utf8_text(part["text"], f"{at}.text"))
-    return "\n".join(texts)
 
 
 def _logprobs_included(include: Any) -> bool:
