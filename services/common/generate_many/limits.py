@@ -30,6 +30,16 @@ MERGE_PENDING_AFTER = 32
 #: into memory: the shared stream's HTTP/2 flow control cannot hold back one generation alone.
 PAUSE_AFTER_TOKENS = 1024
 
+#: Events a GenerateMany stream holds for a router that takes its messages slower than its
+#: generations make them (server half) before those generations wait to put more in. The shared
+#: stream's HTTP/2 flow control holds back the writer, not the generations: without this bound a
+#: replica kept making every answer into its outbox, and a router that asked to ``pause`` a slow
+#: reader's generation got the rest of that answer anyway, queued before the pause landed
+#: (row 6's slow readers: router RSS +112–138 MiB and 16 s of relaying in 2 of ~8 runs, the whole
+#: 64,000-token answers). A waiting engine generation is parked after ``PARK_AFTER_OUTPUTS``. A
+#: step of 256 rows is 256 events: this is 16 such steps behind.
+OUTBOX_EVENTS = 4096
+
 #: The HTTP/2 window of the channel a GenerateMany stream runs on (the router's replica channels).
 #: One stream carries every generation on the replica. A small fixed window (no BDP probing to grow
 #: it) is backpressure that batches: when the router falls behind, the replica's writer waits and

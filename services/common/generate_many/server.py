@@ -30,7 +30,7 @@ from opentelemetry.trace import StatusCode as SpanStatusCode
 
 from services.common import tracing
 from services.common.errors import InvalidArgument, RequestFault
-from services.common.generate_many.limits import MESSAGE_BUDGET_BYTES
+from services.common.generate_many.limits import MESSAGE_BUDGET_BYTES, OUTBOX_EVENTS
 from services.common.grpc_status import status_for
 from services.gen.llmmesh.v1 import inference_pb2
 
@@ -112,8 +112,14 @@ async def serve_many(
     #: tag → the gate a paused generation waits at (set on resume): its consumer fell behind.
     paused: dict[int, asyncio.Event] = {}
 
+    #: Set while the outbox has room (``OUTBOX_EVENTS``): generations wait for it to put more in.
+    room = asyncio.Event()
+    room.set()
+
     def emit(event: inference_pb2.GenerationEvent) -> None:
         outbox.append(event)
+        if len(outbox) >= OUTBOX_EVENTS:
+            room.clear()
         wake.set()
 
     async def run_one(tag: int, request: inference_pb2.GenerateManyRequest) -> None:
@@ -131,6 +137,8 @@ async def serve_many(
                             gate = paused.get(tag)
                             if gate is not None:
                                 await gate.wait()  # the backend's next events wait in its own queue
+                            if not room.is_set():
+                                await room.wait()  # the router is behind on the whole stream
                     finally:
                         await events.aclose()  # stops the generation when it did not finish
             except TimeoutError:
@@ -204,7 +212,10 @@ async def serve_many(
     try:
         while True:
             if outbox:
-                yield inference_pb2.GenerateManyResponse(events=take_batch(outbox))
+                batch = take_batch(outbox)
+                if len(outbox) < OUTBOX_EVENTS:
+                    room.set()
+                yield inference_pb2.GenerateManyResponse(events=batch)
                 continue
             if stopping is not None and stopping.is_set() and not running:
                 return  # drained: the router sees the end and sends new work elsewhere

@@ -15,7 +15,12 @@ import grpc
 import pytest
 
 from services.common.generate_many.client import GenerationHandle, ReplicaMultiplexer, StreamBroken
-from services.common.generate_many.limits import MERGE_PENDING_AFTER, MESSAGE_BUDGET_BYTES, PAUSE_AFTER_TOKENS
+from services.common.generate_many.limits import (
+    MERGE_PENDING_AFTER,
+    MESSAGE_BUDGET_BYTES,
+    OUTBOX_EVENTS,
+    PAUSE_AFTER_TOKENS,
+)
 from services.common.generate_many.server import serve_many
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.synthetic.config import SyntheticConfig
@@ -372,6 +377,42 @@ async def test_pause_stops_taking_from_the_backend_until_resume_and_cancel_ends_
     inbox.put_nowait(None)  # half-close: the stream ends once the generation does
     events = [e for m in [m async for m in stream] for e in m.events]
     assert events[-1].finished.finish_reason == common_pb2.FINISH_REASON_CANCELLED
+
+
+async def test_a_router_behind_on_the_stream_holds_back_every_generation_not_just_the_writer() -> None:
+    # The stream's flow control stops the writer; without a bound the generations kept making
+    # their answers into the outbox, and a `pause` arrived after the whole answer was queued.
+    backend = Counting()
+    inbox: asyncio.Queue[inference_pb2.GenerateManyRequest | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[inference_pb2.GenerateManyRequest]:
+        while (request := await inbox.get()) is not None:
+            yield request
+
+    for tag in range(1, 5):
+        inbox.put_nowait(
+            inference_pb2.GenerateManyRequest(
+                tag=tag, start=inference_pb2.GenerateStart(request_id=f"r{tag}")
+            )
+        )
+    stream = serve_many(backend, requests())
+    first = await anext(stream)  # then the router takes nothing for a while
+    for _ in range(50):
+        await asyncio.sleep(0.005)
+    held = backend.taken - len(first.events)
+    assert OUTBOX_EVENTS <= held <= OUTBOX_EVENTS + 4, held  # one more event per generation at most
+    taken = backend.taken
+    await asyncio.sleep(0.05)
+    assert backend.taken == taken  # nothing more while the router reads nothing
+    second = await anext(stream)  # the router reads: the generations go on
+    for _ in range(5):
+        await asyncio.sleep(0.005)
+    assert backend.taken > taken and second.events
+    for tag in range(1, 5):
+        inbox.put_nowait(inference_pb2.GenerateManyRequest(tag=tag, cancel=inference_pb2.CancelGeneration()))
+    inbox.put_nowait(None)
+    ends = [e for m in [m async for m in stream] for e in m.events if e.HasField("finished")]
+    assert len(ends) == 4  # each ends (CANCELLED) once the router reads again
 
 
 async def test_a_paused_generation_still_times_out() -> None:

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.gen.llmmesh.v1 import common_pb2
+from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from services.router.api.openai.choices import ChoiceAnswer, ChoiceEvent, ChoiceStreams, check_end
 from services.router.api.openai.errors import ApiError, ConstraintParam, api_error, renamed
 from services.router.api.openai.framing import KEEPALIVE, dumps
@@ -56,7 +56,7 @@ class ResponseFramer:
         self,
         status: str,
         text: str | None = None,
-        end: Any = None,
+        end: router_pb2.TurnEnd | None = None,
         logprobs: Sequence[common_pb2.TokenLogprobs] = (),
         error: ApiError | None = None,
     ) -> dict[str, Any]:
@@ -84,7 +84,7 @@ class ResponseFramer:
             "text": r.text,
             "tool_choice": "auto",
             "tools": [],
-            "top_logprobs": None,
+            "top_logprobs": r.generation.turns[0].sampling.top_logprobs if r.logprobs else None,
             "top_p": r.top_p,
             "truncation": "disabled",
             "usage": None if end is None else usage(end.usage),
