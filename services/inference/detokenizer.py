@@ -34,14 +34,27 @@ class BackendDecoder:
         return str(self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
 
+#: Where transformers defines the two decode methods of a fast tokenizer that does nothing but call
+#: its Rust decoder (and clean spaces up, if asked): a class overriding either keeps its own.
+_PLAIN_DECODE = {
+    "decode": "transformers.tokenization_utils_base",
+    "_decode": "transformers.tokenization_utils_tokenizers",
+}
+
+
 def fast_decoder(tokenizer: Any) -> Decoder:
     """``tokenizer``'s Rust decoder when it decodes exactly as the tokenizer does, else the tokenizer.
 
-    The wrapper adds only its clean-up of spaces before punctuation, when the tokenizer asks for
-    it (``clean_up_tokenization_spaces``); such a tokenizer keeps the wrapper."""
+    transformers' fast ``decode`` adds only its clean-up of spaces before punctuation, when the
+    tokenizer asks for it (``clean_up_tokenization_spaces``). A tokenizer that asks for it, or
+    whose class decodes its own way, keeps the wrapper."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return tokenizer  # type: ignore[no-any-return]
+    for name, module in _PLAIN_DECODE.items():
+        owner = next((k for k in type(tokenizer).__mro__ if name in vars(k)), None)
+        if owner is None or owner.__module__ != module:
+            return tokenizer  # type: ignore[no-any-return]
     return BackendDecoder(backend)
 
 

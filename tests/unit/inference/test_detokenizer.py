@@ -101,7 +101,7 @@ def test_the_rust_decoder_streams_exactly_the_tokenizers_own_text(tokenizer: Any
         assert fast == wrapped
 
 
-def test_a_tokenizer_that_cleans_up_spaces_keeps_its_own_decode(tokenizer: Any) -> None:
+def test_a_tokenizer_that_cleans_up_spaces_or_decodes_its_own_way_keeps_its_decode(tokenizer: Any) -> None:
     from services.inference.detokenizer import fast_decoder
 
     class CleaningUp:
@@ -110,3 +110,11 @@ def test_a_tokenizer_that_cleans_up_spaces_keeps_its_own_decode(tokenizer: Any) 
 
     cleaning = CleaningUp()
     assert fast_decoder(cleaning) is cleaning
+
+    class OwnDecode(type(tokenizer)):  # type: ignore[misc]
+        def _decode(self, token_ids: Any, **kwargs: Any) -> str:
+            return "its own"
+
+    own = OwnDecode.__new__(OwnDecode)
+    own.__dict__.update(tokenizer.__dict__)
+    assert fast_decoder(own) is own  # a class that decodes its own way keeps it
