@@ -230,6 +230,21 @@ def test_session_id_keeps_the_conversation_and_another_tenant_is_refused_403(mes
         )
     assert refused.value.status_code == 403
     assert refused.value.body["type"] == "permission_error"  # type: ignore[index]
+    # The Responses API continues the same conversation, streamed too; its end says so.
+    third = client.responses.create(
+        model=mesh.model,
+        input="And my name again?",
+        max_output_tokens=4,
+        temperature=0,
+        extra_body={"session_id": "sdk-session-1"},
+    )
+    assert third.model_extra is not None and third.model_extra["llm_mesh"]["session_version"] == 3
+    assert third.usage is not None and third.usage.input_tokens > second.usage.prompt_tokens
+    with client.responses.stream(
+        model=mesh.model, input="Thanks.", max_output_tokens=2, extra_body={"session_id": "sdk-session-1"}
+    ) as stream:
+        last = list(stream)[-1]
+    assert last.response.model_extra["llm_mesh"]["session_version"] == 4  # type: ignore[union-attr,index]
 
 
 def test_session_must_exist_refuses_an_unknown_id_and_creates_nothing(mesh: Mesh) -> None:

@@ -344,10 +344,7 @@ class OpenAiFront:
                 await streams.close()
             if answers is CLIENT_GONE:
                 return Response(status_code=499)
-            whole = framer.whole(answers[0])
-            if generation.extras.any and answers[0].end is not None:
-                whole["llm_mesh"] = response_extras(answers[0].end)
-            return JSONResponse(whole, headers=headers)
+            return JSONResponse(framer.whole(answers[0]), headers=headers)
         first = await self._first_event(streams, request, _close)
         if isinstance(first, Response):
             return first

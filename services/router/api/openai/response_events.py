@@ -19,6 +19,7 @@ from typing import Any
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from services.router.api.openai.choices import ChoiceAnswer, ChoiceEvent, ChoiceStreams, check_end
 from services.router.api.openai.errors import ApiError, ConstraintParam, api_error, renamed
+from services.router.api.openai.extras import response_extras
 from services.router.api.openai.framing import KEEPALIVE, dumps
 from services.router.api.openai.responses import ResponseRequest
 from services.router.api.openai.streaming import NoEventYet
@@ -109,7 +110,17 @@ class ResponseFramer:
     def whole(self, answer: ChoiceAnswer) -> dict[str, Any]:
         end = answer.end
         assert end is not None
-        return self.response(_status(end.finish_reason), answer.text, end, answer.logprobs)
+        return self.finished(_status(end.finish_reason), answer.text, end, answer.logprobs)
+
+    def finished(
+        self, status: str, text: str, end: router_pb2.TurnEnd, logprobs: Sequence[common_pb2.TokenLogprobs]
+    ) -> dict[str, Any]:
+        """The response once its turn ended; with llm-mesh's extras (session, RAG, cache) when the
+        request used any, as chat's last chunk carries them."""
+        body = self.response(status, text, end, logprobs)
+        if self.request.generation.extras.any:
+            body["llm_mesh"] = response_extras(end)
+        return body
 
     # -- events
 
@@ -177,7 +188,7 @@ class ResponseFramer:
             yield self.event(
                 "response.output_item.done", output_index=0, item=self.message(text, item_status, logprobs)
             )
-            yield self.event(f"response.{status}", response=self.response(status, text, end, logprobs))
+            yield self.event(f"response.{status}", response=self.finished(status, text, end, logprobs))
             return
 
     def _failed(self, exc: BaseException, text: str) -> list[bytes]:

@@ -174,8 +174,10 @@ async def _turn(*messages: router_pb2.ChatResponse | Exception) -> AsyncIterator
         yield m
 
 
-async def _events(*messages: router_pb2.ChatResponse | Exception) -> list[dict[str, Any]]:
-    framer = ResponseFramer(response_generation({"input": "x"}, "r1"), "resp_r1", 1, "m")
+async def _events(
+    *messages: router_pb2.ChatResponse | Exception, body: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    framer = ResponseFramer(response_generation(body or {"input": "x"}, "r1"), "resp_r1", 1, "m")
     streams = ChoiceStreams([_turn(*messages)])
     first = await streams.next()
     assert first is not None
@@ -234,3 +236,13 @@ async def test_a_failure_after_the_stream_began_is_an_error_event_then_response_
     assert failed["status"] == "failed" and failed["error"]["code"] == "service_unavailable"
     assert failed["output"][0]["content"][0]["text"] == "par"  # what the client had, kept
     assert failed["output"][0]["status"] == "incomplete"
+
+
+async def test_llm_meshs_extras_come_back_on_the_finished_response_when_the_request_used_them() -> None:
+    end = _end(common_pb2.FINISH_REASON_STOP, 1)
+    end.end.session_id, end.end.session_version = "s1", 3
+    plain = await _events(_delta("a"), end)
+    assert "llm_mesh" not in plain[-1]["response"]
+    with_session = await _events(_delta("a"), end, body={"input": "x", "session_id": "s1"})
+    extras = with_session[-1]["response"]["llm_mesh"]
+    assert (extras["session_id"], extras["session_version"]) == ("s1", 3)
