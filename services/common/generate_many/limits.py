@@ -33,11 +33,15 @@ PAUSE_AFTER_TOKENS = 1024
 #: Events a GenerateMany stream holds for a router that takes its messages slower than its
 #: generations make them (server half) before those generations wait to put more in. The shared
 #: stream's HTTP/2 flow control holds back the writer, not the generations: without this bound a
-#: replica kept making every answer into its outbox, and a router that asked to ``pause`` a slow
-#: reader's generation got the rest of that answer anyway, queued before the pause landed
-#: (row 6's slow readers: router RSS +112–138 MiB and 16 s of relaying in 2 of ~8 runs, the whole
-#: 64,000-token answers). A waiting engine generation is parked after ``PARK_AFTER_OUTPUTS``. A
-#: step of 256 rows is 256 events: this is 16 such steps behind.
+#: replica kept making answers into its outbox, and a router that asked to ``pause`` a slow reader's
+#: generation could get the rest of that answer anyway. Row 6 (100 slow readers of 64,000-token
+#: answers from unpaced synthetic replicas) alone, 2026-12-06: without a bound 2 bad runs in 7
+#: (quiet after 8.5 and 19 s, router RSS +80 and +157 MiB; normally 1 s and +12-24 MiB); bounded
+#: at 65,536, 2 in 11; at 4,096, none in 20. The price is paid only when the router is behind:
+#: with unpaced sources (64 streams × 4,096 tokens, interleaved rounds) its relay made 0.83-0.96×
+#: the tokens/s of no bound by the medians of two runs (rounds 0.66-1.04×; smaller messages,
+#: less merging). An engine step of 256 rows is 256 events, so a router that keeps up never meets
+#: it; a waiting engine generation is parked after ``PARK_AFTER_OUTPUTS``.
 OUTBOX_EVENTS = 4096
 
 #: The HTTP/2 window of the channel a GenerateMany stream runs on (the router's replica channels).

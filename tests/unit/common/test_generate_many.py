@@ -15,12 +15,7 @@ import grpc
 import pytest
 
 from services.common.generate_many.client import GenerationHandle, ReplicaMultiplexer, StreamBroken
-from services.common.generate_many.limits import (
-    MERGE_PENDING_AFTER,
-    MESSAGE_BUDGET_BYTES,
-    OUTBOX_EVENTS,
-    PAUSE_AFTER_TOKENS,
-)
+from services.common.generate_many.limits import MERGE_PENDING_AFTER, MESSAGE_BUDGET_BYTES, PAUSE_AFTER_TOKENS
 from services.common.generate_many.server import serve_many
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.synthetic.config import SyntheticConfig
@@ -379,9 +374,15 @@ async def test_pause_stops_taking_from_the_backend_until_resume_and_cancel_ends_
     assert events[-1].finished.finish_reason == common_pb2.FINISH_REASON_CANCELLED
 
 
-async def test_a_router_behind_on_the_stream_holds_back_every_generation_not_just_the_writer() -> None:
+async def test_a_router_behind_on_the_stream_holds_back_every_generation_not_just_the_writer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # The stream's flow control stops the writer; without a bound the generations kept making
     # their answers into the outbox, and a `pause` arrived after the whole answer was queued.
+    from services.common.generate_many import server
+
+    bound = 512  # OUTBOX_EVENTS' behaviour at a size this test fills in milliseconds
+    monkeypatch.setattr(server, "OUTBOX_EVENTS", bound)
     backend = Counting()
     inbox: asyncio.Queue[inference_pb2.GenerateManyRequest | None] = asyncio.Queue()
 
@@ -400,7 +401,7 @@ async def test_a_router_behind_on_the_stream_holds_back_every_generation_not_jus
     for _ in range(50):
         await asyncio.sleep(0.005)
     held = backend.taken - len(first.events)
-    assert OUTBOX_EVENTS <= held <= OUTBOX_EVENTS + 4, held  # one more event per generation at most
+    assert bound <= held <= bound + 4, held  # one more event per generation at most
     taken = backend.taken
     await asyncio.sleep(0.05)
     assert backend.taken == taken  # nothing more while the router reads nothing
