@@ -20,7 +20,7 @@ from services.common import errors
 from services.gen.llmmesh.v1 import retriever_pb2, router_pb2
 from services.router.admission.auth import Authenticator, Principal, downstream_metadata
 from services.router.api.openai.body import decoded, parsed, too_large
-from services.router.api.openai.choices import ChoiceEvent, ChoiceStreams
+from services.router.api.openai.choices import ChoiceAnswer, ChoiceEvent, ChoiceStreams
 from services.router.api.openai.embeddings import check_model, embedding_body, embedding_request
 from services.router.api.openai.errors import ApiError, api_error, bad_request
 from services.router.api.openai.extras import REQUEST_ID_RE, request_id_header, response_extras
@@ -243,12 +243,9 @@ class OpenAiFront:
             streams = ChoiceStreams.of_turns(self.pipeline, principal, generation.turns, deadline)
         with_extras = generation.extras.any
         if not generation.stream:
-            try:
-                answers = await _unless_gone(streams.answers(), request)
-            finally:
-                await streams.close()
-            if answers is CLIENT_GONE:
-                return Response(status_code=499)
+            answers = await _whole_answers(streams, request)
+            if isinstance(answers, Response):
+                return answers
             whole = framer.whole(answers)
             if with_extras and answers and answers[0].end is not None:
                 whole["llm_mesh"] = response_extras(answers[0].end)
@@ -338,12 +335,9 @@ class OpenAiFront:
         generation = wanted.generation
         streams = ChoiceStreams.of_turns(self.pipeline, principal, generation.turns, deadline)
         if not generation.stream:
-            try:
-                answers = await _unless_gone(streams.answers(), request)
-            finally:
-                await streams.close()
-            if answers is CLIENT_GONE:
-                return Response(status_code=499)
+            answers = await _whole_answers(streams, request)
+            if isinstance(answers, Response):
+                return answers
             return JSONResponse(framer.whole(answers[0]), headers=headers)
         first = await self._first_event(streams, request, _close)
         if isinstance(first, Response):
@@ -433,6 +427,15 @@ async def _buffered(replay: ReplayBuffer, turn: router_pb2.ChatRequest) -> bool:
     except Exception as exc:
         log.warning("could not check request id %s against the replay buffer: %s", turn.request_id, exc)
         return False
+
+
+async def _whole_answers(streams: ChoiceStreams, request: Request) -> list[ChoiceAnswer] | Response:
+    """Every choice whole, the turns then closed; a 499 if the client left first (they are cancelled)."""
+    try:
+        answers = await _unless_gone(streams.answers(), request)
+    finally:
+        await streams.close()
+    return Response(status_code=499) if answers is CLIENT_GONE else answers
 
 
 async def _close(streams: ChoiceStreams) -> None:
