@@ -78,10 +78,13 @@ def logprobs_pb(
 
 
 def chunk_and_finished(
-    out: RequestOutput, text_of: Callable[[int], str] = str
+    out: RequestOutput,
+    text_of: Callable[[int], str] = str,
+    decode: Callable[[list[int]], str] = lambda ids: "",
 ) -> tuple[inference_pb2.TokenChunk | None, inference_pb2.GenerationFinished | None]:
     """A chunk for new tokens or text, and the final message when the request ended
-    (``text_of``: a token id's text, for the logprobs' alternatives)."""
+    (``text_of``: a token id's text, for the logprobs' alternatives; ``decode``: token ids as one
+    text, for a scored prompt's ``prompt_text``)."""
     chunk = None
     if out.new_token_ids or out.text:
         chunk = inference_pb2.TokenChunk(text=out.text, token_ids=out.new_token_ids, index=out.index)
@@ -89,6 +92,9 @@ def chunk_and_finished(
             chunk.logprobs.extend(logprobs_pb(out.logprobs, text_of))
         if out.prompt_logprobs:
             chunk.prompt_logprobs.extend(logprobs_pb(out.prompt_logprobs, text_of))
+            # Decoded as one: token by token, a character split across tokens would come out
+            # as replacement characters (and a SentencePiece tokenizer's spaces would be lost).
+            chunk.prompt_text = decode([t.token for t in out.prompt_logprobs])
     if not out.finished:
         return chunk, None
     usage = out.usage
@@ -205,9 +211,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         def text_of(token_id: int) -> str:
             return str(tokenizer.decode([token_id]))
 
+        def decode(token_ids: list[int]) -> str:
+            return str(tokenizer.decode(token_ids))
+
         try:
             async for out in stream:
-                chunk, finished = chunk_and_finished(out, text_of)
+                chunk, finished = chunk_and_finished(out, text_of, decode)
                 if chunk is not None:
                     yield inference_pb2.GenerationEvent(chunk=chunk)
                 if finished is not None:

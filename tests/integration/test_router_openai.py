@@ -396,6 +396,21 @@ def test_echo_scores_the_prompt_as_an_evaluation_harness_reads_it(
     assert stream_only[-1].usage is not None and stream_only[-1].usage.completion_tokens == 0
     refused = front.post("/v1/completions", {"model": front.model, "prompt": "x", "max_tokens": 0})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+    # Characters whose bytes span tokens (most CJK ones and emoji in this vocabulary): the echo
+    # is the ids decoded as one text, as vLLM's is, while each token's own text (logprobs' tokens)
+    # stands for its part of a character.
+    wide = tokenizer.encode("会话状态保存在 Redis 中 🌍")
+    assert "".join(tokenizer.decode([i]) for i in wide) != tokenizer.decode(wide)  # split characters
+    for streamed in (False, True):
+        reply = front.client().completions.create(
+            model=front.model, prompt=[wide], echo=True, logprobs=0, max_tokens=0, stream=streamed
+        )
+        chunks = list(reply) if streamed else [reply]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == "会话状态保存在 Redis 中 🌍"
+        tokens = [
+            t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens
+        ]
+        assert tokens == [tokenizer.decode([i]) for i in wide]
     # Streamed, the prompt comes first, with the first token, in one event (the SDK reads it).
     chunks = list(
         front.client().completions.create(

@@ -112,6 +112,7 @@ class GenerationHandle:
         for e in events:  # one per token id, in the same order (empty unless asked for)
             merged.logprobs.extend(e.chunk.logprobs)
             merged.prompt_logprobs.extend(e.chunk.prompt_logprobs)  # the first chunk's, if asked for
+            merged.prompt_text += e.chunk.prompt_text  # likewise
         self._events = [inference_pb2.GenerationEvent(tag=self.tag, chunk=merged), *last]
         if len(merged.token_ids) >= PAUSE_AFTER_TOKENS and not self._paused and not last:
             self._paused = True

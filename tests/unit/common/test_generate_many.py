@@ -559,7 +559,10 @@ def test_chunks_merged_for_a_slow_consumer_keep_the_first_chunks_prompt_logprobs
     handle = GenerationHandle(None, 1)  # type: ignore[arg-type]  # no connection: never paused here
     handle._events = [
         inference_pb2.GenerationEvent(
-            tag=1, chunk=inference_pb2.TokenChunk(text="a", token_ids=[7], index=0, prompt_logprobs=scored)
+            tag=1,
+            chunk=inference_pb2.TokenChunk(
+                text="a", token_ids=[7], index=0, prompt_logprobs=scored, prompt_text="The 世"
+            ),
         ),
         inference_pb2.GenerationEvent(
             tag=1, chunk=inference_pb2.TokenChunk(text="b", token_ids=[8], index=1)
@@ -569,3 +572,4 @@ def test_chunks_merged_for_a_slow_consumer_keep_the_first_chunks_prompt_logprobs
     (merged,) = handle._events
     assert list(merged.chunk.token_ids) == [7, 8] and merged.chunk.text == "ab"
     assert list(merged.chunk.prompt_logprobs) == scored
+    assert merged.chunk.prompt_text == "The 世"  # what an echo shows, kept whole

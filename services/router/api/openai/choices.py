@@ -39,6 +39,8 @@ class ChoiceAnswer:
     logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
     #: One per prompt token when the request asked for prompt logprobs (completions' echo).
     prompt_logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
+    #: The prompt's ids decoded as one text, with ``prompt_logprobs`` (``TokenDelta.prompt_text``).
+    prompt_text: str = ""
 
     @property
     def text(self) -> str:
@@ -169,6 +171,7 @@ class ChoiceStreams:
                 answers[index].parts.append(response.delta.text)
                 answers[index].logprobs.extend(response.delta.logprobs)
                 answers[index].prompt_logprobs.extend(response.delta.prompt_logprobs)
+                answers[index].prompt_text += response.delta.prompt_text
             else:
                 check_end(response.end)
                 answers[index].end = response.end

@@ -130,7 +130,7 @@ class Framer:
                 if self.score_only:
                     text, answered, reason = "", [], "length" if reason else reason
                 if self.echo:
-                    text = self.echo_text(index, answer.prompt_logprobs) + text
+                    text = self.echo_text(index, answer.prompt_logprobs, answer.prompt_text) + text
                     logprobs = (
                         echo_logprobs(answer.prompt_logprobs, answered) if logprobs is not None else None
                     )
@@ -178,16 +178,21 @@ class Framer:
             choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": None}
         return self._chunk(choice, with_usage)
 
-    def echo_text(self, index: int, prompt: Sequence[common_pb2.TokenLogprobs]) -> str:
-        """Choice ``index``'s prompt as echoed: as sent, or its tokens' texts when sent as ids."""
+    def echo_text(self, index: int, prompt: Sequence[common_pb2.TokenLogprobs], decoded: str) -> str:
+        """Choice ``index``'s prompt as echoed: as sent, or, sent as ids, as the replica decoded
+        them (``decoded``; a replica from before ``prompt_text`` sends none: its tokens' texts)."""
         given = self.echo[index]
-        return given if given is not None else "".join(t.text for t in prompt)
+        if given is not None:
+            return given
+        return decoded or "".join(t.text for t in prompt)
 
     def echo_delta(self, index: int, delta: router_pb2.TokenDelta, with_usage: bool) -> dict[str, Any]:
         """A stream's first delta of an echoed choice: its prompt, then the delta's own text, in one
         event (so a resumed stream's event ids still count one event per relayed message)."""
         answered = not self.score_only
-        text = self.echo_text(index, delta.prompt_logprobs) + (delta.text if answered else "")
+        text = self.echo_text(index, delta.prompt_logprobs, delta.prompt_text) + (
+            delta.text if answered else ""
+        )
         lp = (
             echo_logprobs(delta.prompt_logprobs, delta.logprobs if answered else ())
             if delta.logprobs

@@ -32,6 +32,15 @@ def test_a_batch_of_chunks_is_one_message_numbered_from_its_first_token() -> Non
     assert (single.text, list(single.token_ids), single.index) == (" t0", [0], 0)
 
 
+def test_a_scored_prompts_decoded_text_rides_with_its_logprobs_merged_or_not() -> None:
+    scored = chunk(0)
+    scored.prompt_logprobs.add(text="\ufffd")
+    scored.prompt_text = "世"  # one character, two tokens: its tokens' texts are U+FFFD each
+    assert token_message("r1", 1, [scored]).delta.prompt_text == "世"
+    merged = token_message("r1", 1, [scored, chunk(1), chunk(2)]).delta
+    assert merged.prompt_text == "世" and len(merged.prompt_logprobs) == 1
+
+
 def test_addresses_are_validated() -> None:
     assert parse_address_list("a:1, b:2\n# comment\nc:3 # trailing") == ["a:1", "b:2", "c:3"]
     assert parse_address("[::1]:50052") == "[::1]:50052"

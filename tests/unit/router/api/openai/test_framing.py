@@ -74,3 +74,20 @@ def test_a_delta_from_its_template_is_the_chunk_openai_clients_parse() -> None:
     assert sse("chatcmpl-7-3", framer.delta_json(0, "a", False)) == sse(
         "chatcmpl-7-3", framer.delta(0, "a", False)
     )
+
+
+def test_an_echoed_token_id_prompt_is_the_replicas_decoded_text_or_its_tokens_from_an_older_one() -> None:
+    # "世" is two byte-level tokens; each token's own text stands for its part as U+FFFD.
+    split = [common_pb2.TokenLogprobs(text="\ufffd"), common_pb2.TokenLogprobs(text="\ufffd")]
+    end = router_pb2.TurnEnd(finish_reason=common_pb2.FINISH_REASON_LENGTH, usage=usage(2, 1))
+    framer = Framer("completion", "cmpl-1", 1, "m", echo=("given", None))
+    answers = [
+        ChoiceAnswer(["!"], end, prompt_logprobs=split, prompt_text="ignored: sent as text"),
+        ChoiceAnswer(["!"], end, prompt_logprobs=split, prompt_text="世"),
+    ]
+    assert [c["text"] for c in framer.whole(answers)["choices"]] == ["given!", "世!"]
+    # A replica from before TokenChunk.prompt_text sends none: its tokens' texts, as before.
+    older = ChoiceAnswer(["!"], end, prompt_logprobs=split)
+    assert framer.whole([answers[0], older])["choices"][1]["text"] == "\ufffd\ufffd!"
+    delta = router_pb2.TokenDelta(text="!", token_ids=[5], prompt_logprobs=split, prompt_text="世")
+    assert framer.echo_delta(1, delta, with_usage=False)["choices"][0]["text"] == "世!"
