@@ -766,6 +766,89 @@ def test_langchain_on_the_responses_api_invokes_streams_and_sends_its_answer_bac
         {"role": "user", "content": "And two more?"},
     ]
     assert follow.text == greedy(front, history, 8)
+    # A forced tool call through bind_tools: LangChain reads the function_call item as a tool call.
+    from pydantic import BaseModel, Field
+
+    class GetWeather(BaseModel):
+        """The weather in a city."""
+
+        city: str = Field(max_length=16)
+
+    roomy = llm.model_copy(update={"max_tokens": 48})
+    caller = roomy.bind_tools([GetWeather], tool_choice="GetWeather", strict=True)
+    called = caller.invoke("What is the weather in Paris?")
+    (tool_call,) = called.tool_calls  # type: ignore[attr-defined]
+    assert tool_call["name"] == "GetWeather" and isinstance(tool_call["args"]["city"], str)
+
+
+def test_the_responses_api_makes_a_forced_function_call_as_chat_does(front: Front) -> None:
+    import openai
+    from pydantic import BaseModel, Field
+
+    class GetWeather(BaseModel):
+        city: str = Field(max_length=16)
+
+    chat_tool = openai.pydantic_function_tool(GetWeather)
+    tool = openai.pydantic_responses_function_tool(GetWeather)
+    asked = [{"role": "user", "content": "What is the weather in Paris?"}]
+    client = front.client()
+    chat = client.chat.completions.create(
+        model=front.model,
+        messages=asked,  # type: ignore[arg-type]
+        max_tokens=48,
+        temperature=0,
+        tools=[chat_tool],
+        tool_choice={"type": "function", "function": {"name": "GetWeather"}},
+    )
+    (expected,) = chat.choices[0].message.tool_calls or []
+    named = {"type": "function", "name": "GetWeather"}
+    whole = client.responses.create(
+        model=front.model,
+        input=asked,
+        max_output_tokens=48,
+        temperature=0,
+        tools=[tool],
+        tool_choice=named,  # type: ignore[arg-type, list-item]
+    )
+    (call,) = whole.output
+    assert whole.status == "completed" and call.type == "function_call"
+    assert (call.name, call.arguments) == ("GetWeather", expected.function.arguments)  # type: ignore[union-attr]
+    assert call.call_id and whole.output_text == ""
+    with client.responses.stream(
+        model=front.model,
+        input=asked,
+        max_output_tokens=48,
+        temperature=0,
+        tools=[tool],
+        tool_choice=named,  # type: ignore[arg-type, list-item]
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert [e.type for e in events[2:]] == [
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    (streamed,) = final.output
+    assert streamed.arguments == call.arguments  # type: ignore[union-attr]
+    # The SDK's parse helper reads the arguments into the tool's own model; `required` names it.
+    parsed = client.responses.parse(
+        model=front.model,
+        input=asked,
+        max_output_tokens=60,
+        temperature=0,
+        tools=[tool],
+        tool_choice="required",
+    )
+    (made,) = parsed.output
+    assert made.type == "function_call" and made.name == "GetWeather"
+    assert isinstance(made.parsed_arguments, GetWeather)  # type: ignore[union-attr]
+    # A tool's result cannot go back in: this model's chat template has no place for it.
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}  # type: ignore[union-attr]
+    refused = front.post("/v1/responses", {"model": front.model, "input": [*asked, result]})
+    assert_error(refused, 400, "input[1].type", code="unsupported_parameter")
 
 
 def test_the_responses_api_refuses_what_it_cannot_honour_naming_the_field(front: Front) -> None:
@@ -774,7 +857,9 @@ def test_the_responses_api_refuses_what_it_cannot_honour_naming_the_field(front:
 
     assert_error(post({"input": ""}), 400, "input")
     assert_error(post({"input": "x", "previous_response_id": "resp_1"}), 400, "previous_response_id")
-    assert_error(post({"input": "x", "tools": [{"type": "web_search"}]}), 400, "tools")
+    assert_error(post({"input": "x", "tools": [{"type": "web_search"}]}), 400, "tools[0].type")
+    weather = {"type": "function", "name": "weather", "parameters": {"type": "object"}}
+    assert_error(post({"input": "x", "tools": [weather]}), 400, "tool_choice", code="unsupported_parameter")
     assert_error(
         post({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}),
         400,

@@ -1,13 +1,16 @@
 """Response objects and the Responses API's typed stream events (``response.output_text.delta``, …).
 
-A response holds one output item, the assistant's message, with one ``output_text`` part. Its
-stream is the event sequence OpenAI's own sends and its SDKs' stream helpers check, in order:
-``response.created``, ``response.in_progress``, ``response.output_item.added``,
-``response.content_part.added``, one ``response.output_text.delta`` per relayed message,
-``response.output_text.done``, ``response.content_part.done``, ``response.output_item.done``,
-then ``response.completed`` (or ``response.incomplete`` when ``max_output_tokens`` cut it).
-Every event carries its ``sequence_number``. A failure after the stream began is an ``error``
-event and ``response.failed``. There is no ``[DONE]``: the Responses API ends with the stream.
+A response holds one output item: the assistant's message, with one ``output_text`` part, or,
+for a forced tool call, a ``function_call``. Its stream is the event sequence OpenAI's own sends
+and its SDKs' stream helpers check, in order: ``response.created``, ``response.in_progress``,
+``response.output_item.added``, ``response.content_part.added``, one
+``response.output_text.delta`` per relayed message, ``response.output_text.done``,
+``response.content_part.done``, ``response.output_item.done``, then ``response.completed`` (or
+``response.incomplete`` when ``max_output_tokens`` cut it). A call comes whole once the answer
+ended, as chat streams it (a ``required`` call's name is known only then): its item added, one
+``response.function_call_arguments.delta``, ``….done``, the item done. Every event carries its
+``sequence_number``. A failure after the stream began is an ``error`` event and
+``response.failed``. There is no ``[DONE]``: the Responses API ends with the stream.
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ class ResponseFramer:
     def item_id(self) -> str:
         return "msg_" + self.response_id.removeprefix("resp_")
 
+    @property
+    def call_item_id(self) -> str:
+        return "fc_" + self.response_id.removeprefix("resp_")
+
     def error(self, exc: BaseException, route: str) -> ApiError:
         """What the client is told of ``exc``: the replica's ``prompt`` is this request's ``input``."""
         error = renamed(api_error(exc, route), "prompt", "input")
@@ -76,21 +83,46 @@ class ResponseFramer:
             "max_output_tokens": r.max_output_tokens,
             "max_tool_calls": None,
             "model": (end.model if end is not None and end.model else None) or self.model,
-            "output": [] if text is None else [self.message(text, _item_status(status), logprobs)],
+            "output": [] if text is None else [self.output_item(text, _item_status(status), logprobs)],
             "parallel_tool_calls": True,
             "previous_response_id": None,
             "reasoning": {"effort": None, "summary": None},
             "store": False,
             "temperature": r.temperature,
             "text": r.text,
-            "tool_choice": "auto",
-            "tools": [],
+            "tool_choice": r.tool_choice,
+            "tools": r.tools,
             "top_logprobs": r.generation.turns[0].sampling.top_logprobs if r.logprobs else None,
             "top_p": r.top_p,
             "truncation": "disabled",
             "usage": None if end is None else usage(end.usage),
             "user": r.user,
             "metadata": r.metadata,
+        }
+
+    def output_item(
+        self, text: str, status: str, logprobs: Sequence[common_pb2.TokenLogprobs] = ()
+    ) -> dict[str, Any]:
+        """The answer as its output item: a function call when the request forced one and the text
+        is one (a ``required`` call cut short is not: it stays the text it is), else the message."""
+        call = self.function_call(text, status)
+        return call if call is not None else self.message(text, status, logprobs)
+
+    def function_call(self, text: str, status: str) -> dict[str, Any] | None:
+        tool = self.request.generation.tool
+        if tool is None:
+            return None
+        call = tool.call(text, "call_" + self.response_id.removeprefix("resp_"))
+        if call is None:
+            return None
+        function = call["function"]
+        return {
+            "id": self.call_item_id,
+            "type": "function_call",
+            "status": status,
+            "call_id": call["id"],
+            "name": function["name"],
+            "arguments": function["arguments"],
         }
 
     def message(
@@ -132,14 +164,54 @@ class ResponseFramer:
     def _text_event(self, kind: str, **fields: Any) -> bytes:
         return self.event(kind, item_id=self.item_id, output_index=0, content_index=0, **fields)
 
+    def _message_opened(self) -> list[bytes]:
+        return [
+            self.event("response.output_item.added", output_index=0, item=self.message("", "in_progress")),
+            self._text_event("response.content_part.added", part=self.part("")),
+        ]
+
+    def _delta(self, text: str, logprobs: Sequence[common_pb2.TokenLogprobs]) -> bytes:
+        return self._text_event("response.output_text.delta", delta=text, logprobs=token_logprobs(logprobs))
+
+    def _item_closed(
+        self, text: str, status: str, logprobs: Sequence[common_pb2.TokenLogprobs], opened: bool
+    ) -> list[bytes]:
+        """The output item's closing events (its opening too, unless sent while it streamed)."""
+        call = self.function_call(text, status)
+        if call is not None:
+            fields = {"item_id": call["id"], "output_index": 0}
+            return [
+                self.event("response.output_item.added", output_index=0, item={**call, "arguments": ""}),
+                self.event("response.function_call_arguments.delta", delta=call["arguments"], **fields),
+                self.event(
+                    "response.function_call_arguments.done",
+                    arguments=call["arguments"],
+                    name=call["name"],
+                    **fields,
+                ),
+                self.event("response.output_item.done", output_index=0, item=call),
+            ]
+        opening = [] if opened else [*self._message_opened(), self._delta(text, logprobs)]
+        return [
+            *opening,
+            self._text_event("response.output_text.done", text=text, logprobs=token_logprobs(logprobs)),
+            self._text_event("response.content_part.done", part=self.part(text, logprobs)),
+            self.event(
+                "response.output_item.done", output_index=0, item=self.message(text, status, logprobs)
+            ),
+        ]
+
     async def events(
         self, streams: ChoiceStreams, first: ChoiceEvent | NoEventYet, keepalive_s: float
     ) -> AsyncIterator[bytes]:
         """The whole stream of one response."""
         yield self.event("response.created", response=self.response("in_progress"))
         yield self.event("response.in_progress", response=self.response("in_progress"))
-        yield self.event("response.output_item.added", output_index=0, item=self.message("", "in_progress"))
-        yield self._text_event("response.content_part.added", part=self.part(""))
+        # A forced call is held until the answer ends (chat's rule); text streams as it comes.
+        live = self.request.generation.tool is None
+        if live:
+            for chunk in self._message_opened():
+                yield chunk
         parts: list[str] = []
         logprobs: list[common_pb2.TokenLogprobs] = []
         pending = None if isinstance(first, NoEventYet) else first
@@ -167,11 +239,8 @@ class ResponseFramer:
                 if delta.text or delta.logprobs:
                     parts.append(delta.text)
                     logprobs.extend(delta.logprobs)
-                    yield self._text_event(
-                        "response.output_text.delta",
-                        delta=delta.text,
-                        logprobs=token_logprobs(delta.logprobs),
-                    )
+                    if live:
+                        yield self._delta(delta.text, delta.logprobs)
                 continue
             end = response.end
             try:
@@ -182,12 +251,8 @@ class ResponseFramer:
                 return
             text = "".join(parts)
             status = _status(end.finish_reason)
-            item_status = _item_status(status)
-            yield self._text_event("response.output_text.done", text=text, logprobs=token_logprobs(logprobs))
-            yield self._text_event("response.content_part.done", part=self.part(text, logprobs))
-            yield self.event(
-                "response.output_item.done", output_index=0, item=self.message(text, item_status, logprobs)
-            )
+            for chunk in self._item_closed(text, _item_status(status), logprobs, opened=live):
+                yield chunk
             yield self.event(f"response.{status}", response=self.finished(status, text, end, logprobs))
             return
 

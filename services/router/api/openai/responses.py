@@ -6,9 +6,15 @@ chat conversation (``instructions`` first, as a system message), ``max_output_to
 ``max_tokens``, and ``text.format`` is chat's ``response_format`` flattened; so a response is a
 chat turn, and the one pipeline serves both (sessions, RAG, caches, placement, failover).
 
+Function tools work as chat's do: a forced call (``tool_choice`` ``required`` or a named
+function) is an answer constrained to the function's parameters, returned as a
+``function_call`` output item; ``auto`` with tools is refused, as on chat, since this model's
+chat template defines no tool calls.
+
 What a stateless router cannot honour is refused by name, never ignored: responses are not
 stored, so ``previous_response_id`` and ``conversation`` are a 400 (send the conversation as
-``input``), and so are tools, reasoning, background runs and non-text inputs.
+``input``), and so are built-in tools, tool results in ``input``, reasoning, background runs and
+non-text inputs.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from services.router.api.openai.params import (
     turns_generation,
     utf8_text,
 )
-from services.router.api.openai.structured import apply_output_options
+from services.router.api.openai.structured import ToolMode, apply_output_options, tool_mode
 
 #: The ``include`` value that asks for the answer's token logprobs (with ``top_logprobs`` alternatives).
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -100,23 +106,15 @@ class ResponseRequest:
     user: str | None
     #: The answer's token logprobs were asked for (``include``).
     logprobs: bool
+    #: ``tools`` and ``tool_choice`` as the response echoes them.
+    tools: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    tool_choice: Any = "auto"
 
 
 def response_generation(body: Any, request_id: str) -> ResponseRequest:
     """A ``POST /v1/responses`` body as one chat turn; a 400 naming the field otherwise."""
     body = json_object(body)
     _refuse_stateful(body)
-    tools = body.get("tools")
-    if tools not in (None, []):
-        raise unsupported(
-            "tools",
-            "tool calls are not supported: this model's chat template defines none; "
-            "use text.format json_schema with the function's parameters",
-        )
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise unsupported(
-            "tool_choice", "tool calls are not supported (only 'none', or 'auto' with no tools)"
-        )
     reasoning = body.get("reasoning")
     if reasoning is not None and (
         not isinstance(reasoning, dict) or any(v is not None for v in reasoning.values())
@@ -140,8 +138,11 @@ def response_generation(body: Any, request_id: str) -> ResponseRequest:
     sampling = sampling_params(body, max_tokens)
     logprobs = _logprobs_included(body.get("include"))
     source = _output_options(body, sampling, logprobs)
+    tool = _tool_mode(body, sampling)
+    if tool is not None:
+        source = "tools"  # the constraint is the called function's parameters schema
     generation = turns_generation(body, request_id, [messages], sampling)
-    generation = dataclasses.replace(generation, constraint=constraint_param(sampling, source))
+    generation = dataclasses.replace(generation, tool=tool, constraint=constraint_param(sampling, source))
     metadata = body.get("metadata")
     if metadata is not None and not (
         isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
@@ -158,7 +159,49 @@ def response_generation(body: Any, request_id: str) -> ResponseRequest:
         metadata=dict(metadata or {}),
         user=user if isinstance(user, str) else None,
         logprobs=logprobs,
+        tools=list(body.get("tools") or []),
+        tool_choice=body.get("tool_choice") or "auto",
     )
+
+
+def _tool_mode(body: Mapping[str, Any], sampling: common_pb2.SamplingParams) -> ToolMode | None:
+    """``tools`` and ``tool_choice`` through chat's rules (``structured.tool_mode``): the Responses
+    API's flat function tools in chat's nested shape, errors naming this API's fields."""
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise bad_request("tools", "tools: must be a list")
+    chat_tools = []
+    for i, tool in enumerate(tools or []):
+        if not isinstance(tool, dict):
+            raise bad_request(f"tools[{i}]", f"tools[{i}]: must be an object")
+        if tool.get("type") != "function":
+            raise unsupported(
+                f"tools[{i}].type",
+                f"only function tools: this server runs no built-in tool ({str(tool.get('type'))[:64]!r})",
+            )
+        function = {"name": tool.get("name"), "parameters": tool.get("parameters", {"type": "object"})}
+        chat_tools.append({"type": "function", "function": function})
+    choice = body.get("tool_choice")
+    if choice == "auto" and not chat_tools:
+        choice = None  # OpenAI's default, sent by clients with no tools: nothing to call
+    if isinstance(choice, dict):
+        if choice.get("type") != "function":
+            raise unsupported(
+                "tool_choice",
+                "only 'none', 'required' or {'type': 'function', 'name': …} (no built-in tools)",
+            )
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    try:
+        return tool_mode({"tools": chat_tools, "tool_choice": choice}, sampling)
+    except ApiError as error:
+        error = renamed(error, "tool_choice.function.name", "tool_choice.name")
+        for i in range(len(chat_tools)):
+            error = renamed(error, f"tools[{i}].function.parameters", f"tools[{i}].parameters")
+            if error.param == f"tools[{i}]":
+                error = dataclasses.replace(
+                    error, message=f"tools[{i}]: must be {{'type': 'function', 'name': …, 'parameters': …}}"
+                )
+        raise error from None
 
 
 def _refuse_stateful(body: Mapping[str, Any]) -> None:
@@ -184,7 +227,9 @@ def _input_messages(raw: Any) -> list[common_pb2.ChatMessage]:
         kind = item.get("type", "message")
         if kind != "message":
             raise unsupported(
-                f"{where}.type", f"only message items are supported, not {str(kind)[:64]!r} (no tools here)"
+                f"{where}.type",
+                f"only message items are supported, not {str(kind)[:64]!r}: this model's chat template "
+                "has no place for a function call or its output",
             )
         role = item.get("role")
         if not isinstance(role, str) or role not in ROLE_NAMES:

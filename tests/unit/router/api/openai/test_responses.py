@@ -11,7 +11,7 @@ import pytest
 
 from services.common import errors
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
-from services.router.api.openai.choices import ChoiceStreams
+from services.router.api.openai.choices import ChoiceAnswer, ChoiceStreams
 from services.router.api.openai.errors import ApiError
 from services.router.api.openai.response_events import ResponseFramer
 from services.router.api.openai.responses import response_generation
@@ -134,8 +134,59 @@ def test_text_format_is_the_constraint_and_logprobs_come_with_include() -> None:
         ({"input": "x", "conversation": "conv_1"}, "conversation", "unsupported_parameter"),
         ({"input": "x", "background": True}, "background", "unsupported_parameter"),
         ({"input": "x", "truncation": "auto"}, "truncation", "unsupported_parameter"),
-        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "unsupported_parameter"),
-        ({"input": "x", "tool_choice": "required"}, "tool_choice", "unsupported_parameter"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type", "unsupported_parameter"),
+        ({"input": "x", "tools": {"type": "function"}}, "tools", "invalid_value"),
+        ({"input": "x", "tools": ["f"]}, "tools[0]", "invalid_value"),
+        ({"input": "x", "tools": [{"type": "function"}]}, "tools[0]", "invalid_value"),
+        (
+            {"input": "x", "tools": [{"type": "function", "name": "f", "parameters": 3}]},
+            "tools[0].parameters",
+            "invalid_value",
+        ),
+        (
+            {"input": "x", "tools": [{"type": "function", "name": "f"}]},
+            "tool_choice",
+            "unsupported_parameter",
+        ),
+        (
+            {"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": "auto"},
+            "tool_choice",
+            "unsupported_parameter",
+        ),
+        (
+            {
+                "input": "x",
+                "tools": [{"type": "function", "name": "f"}],
+                "tool_choice": {"type": "function", "name": "g"},
+            },
+            "tool_choice.name",
+            "invalid_value",
+        ),
+        (
+            {
+                "input": "x",
+                "tools": [{"type": "function", "name": "f"}],
+                "tool_choice": {"type": "file_search"},
+            },
+            "tool_choice",
+            "unsupported_parameter",
+        ),
+        (
+            {
+                "input": "x",
+                "tools": [{"type": "function", "name": "f"}],
+                "tool_choice": "required",
+                "text": {"format": {"type": "json_object"}},
+            },
+            "tool_choice",
+            "invalid_value",
+        ),
+        ({"input": "x", "tool_choice": "required"}, "tool_choice", "invalid_value"),
+        (
+            {"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]},
+            "input[0].type",
+            "unsupported_parameter",
+        ),
         ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning", "unsupported_parameter"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "invalid_value"),
         ({"input": "x", "temperature": 3}, "temperature", "invalid_value"),
@@ -246,3 +297,93 @@ async def test_llm_meshs_extras_come_back_on_the_finished_response_when_the_requ
     with_session = await _events(_delta("a"), end, body={"input": "x", "session_id": "s1"})
     extras = with_session[-1]["response"]["llm_mesh"]
     assert (extras["session_id"], extras["session_version"]) == ("s1", 3)
+
+
+WEATHER = {
+    "type": "function",
+    "name": "weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+CLOCK = {"type": "function", "name": "clock", "parameters": {"type": "object", "properties": {}}}
+
+
+def test_a_forced_function_call_constrains_the_answer_to_the_functions_parameters() -> None:
+    named = response_generation(
+        {"input": "x", "tools": [WEATHER, CLOCK], "tool_choice": {"type": "function", "name": "weather"}},
+        "r1",
+    )
+    (turn,) = named.generation.turns
+    assert json.loads(turn.sampling.json_schema) == WEATHER["parameters"]
+    assert named.tools == [WEATHER, CLOCK] and named.tool_choice == {"type": "function", "name": "weather"}
+    required = response_generation({"input": "x", "tools": [WEATHER, CLOCK], "tool_choice": "required"}, "r1")
+    schema = json.loads(required.generation.turns[0].sampling.json_schema)
+    assert [b["properties"]["name"] for b in schema["anyOf"]] == [{"const": "weather"}, {"const": "clock"}]
+    # Offered but not to be called, or no tools at all with OpenAI's default: a plain text answer.
+    for body in ({"tools": [WEATHER], "tool_choice": "none"}, {"tools": [], "tool_choice": "auto"}):
+        plain = response_generation({"input": "x", **body}, "r1")
+        assert plain.generation.tool is None and not plain.generation.turns[0].sampling.HasField(
+            "json_schema"
+        )
+    # The replica's refusal of the schema names the tools, as the request sent them.
+    assert named.generation.constraint is not None and named.generation.constraint.request == "tools"
+
+
+async def test_a_forced_call_is_a_function_call_item_whole_and_streamed() -> None:
+    body = {"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "weather"}}
+    framer = ResponseFramer(response_generation(body, "r1"), "resp_r1", 1, "m")
+    whole = framer.whole(ChoiceAnswer(['{"city": ', '"Paris"}'], _end(common_pb2.FINISH_REASON_STOP, 5).end))
+    (call,) = whole["output"]
+    assert call == {
+        "id": "fc_r1",
+        "type": "function_call",
+        "status": "completed",
+        "call_id": "call_r1",
+        "name": "weather",
+        "arguments": '{"city": "Paris"}',
+    }
+    assert whole["tools"] == [WEATHER] and whole["tool_choice"] == body["tool_choice"]
+    events = await _events(
+        _delta('{"city": '), _delta('"Paris"}'), _end(common_pb2.FINISH_REASON_STOP, 5), body=body
+    )
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[2]["item"] == {**call, "arguments": ""}
+    assert (
+        events[3]["delta"] == events[4]["arguments"] == call["arguments"] and events[4]["name"] == "weather"
+    )
+    assert events[3]["item_id"] == events[4]["item_id"] == "fc_r1"
+    assert events[5]["item"] == call and events[-1]["response"]["output"] == [call]
+
+
+async def test_a_required_call_names_its_function_and_one_cut_short_stays_text() -> None:
+    body = {"input": "x", "tools": [WEATHER, CLOCK], "tool_choice": "required"}
+    events = await _events(
+        _delta('{"name": "clock", '),
+        _delta('"arguments": {}}'),
+        _end(common_pb2.FINISH_REASON_STOP, 9),
+        body=body,
+    )
+    (call,) = events[-1]["response"]["output"]
+    assert (call["type"], call["name"], call["arguments"]) == ("function_call", "clock", "{}")
+    # Cut by max_output_tokens before the call was whole: no call to make, so the text as a message.
+    cut = await _events(_delta('{"name": "clo'), _end(common_pb2.FINISH_REASON_LENGTH, 4), body=body)
+    assert [e["type"] for e in cut[2:]] == [
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    (message,) = cut[-1]["response"]["output"]
+    assert message["type"] == "message" and message["content"][0]["text"] == '{"name": "clo'
+    assert message["status"] == "incomplete"
