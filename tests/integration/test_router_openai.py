@@ -802,26 +802,19 @@ def test_the_responses_api_makes_a_forced_function_call_as_chat_does(front: Fron
     )
     (expected,) = chat.choices[0].message.tool_calls or []
     named = {"type": "function", "name": "GetWeather"}
-    whole = client.responses.create(
-        model=front.model,
-        input=asked,
-        max_output_tokens=48,
-        temperature=0,
-        tools=[tool],
-        tool_choice=named,  # type: ignore[arg-type, list-item]
-    )
+    call_asked: dict[str, Any] = {
+        "model": front.model,
+        "input": asked,
+        "max_output_tokens": 48,
+        "temperature": 0,
+        "tools": [tool],
+    }
+    whole = client.responses.create(**call_asked, tool_choice=named)
     (call,) = whole.output
     assert whole.status == "completed" and call.type == "function_call"
     assert (call.name, call.arguments) == ("GetWeather", expected.function.arguments)  # type: ignore[union-attr]
     assert call.call_id and whole.output_text == ""
-    with client.responses.stream(
-        model=front.model,
-        input=asked,
-        max_output_tokens=48,
-        temperature=0,
-        tools=[tool],
-        tool_choice=named,  # type: ignore[arg-type, list-item]
-    ) as stream:
+    with client.responses.stream(**call_asked, tool_choice=named) as stream:
         events = list(stream)
         final = stream.get_final_response()
     assert [e.type for e in events[2:]] == [
@@ -834,14 +827,7 @@ def test_the_responses_api_makes_a_forced_function_call_as_chat_does(front: Fron
     (streamed,) = final.output
     assert streamed.arguments == call.arguments  # type: ignore[union-attr]
     # The SDK's parse helper reads the arguments into the tool's own model; `required` names it.
-    parsed = client.responses.parse(
-        model=front.model,
-        input=asked,
-        max_output_tokens=60,
-        temperature=0,
-        tools=[tool],
-        tool_choice="required",
-    )
+    parsed = client.responses.parse(**{**call_asked, "max_output_tokens": 60}, tool_choice="required")
     (made,) = parsed.output
     assert made.type == "function_call" and made.name == "GetWeather"
     assert isinstance(made.parsed_arguments, GetWeather)  # type: ignore[union-attr]
