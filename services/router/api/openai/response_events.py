@@ -181,7 +181,11 @@ class ResponseFramer:
         if call is not None:
             fields = {"item_id": call["id"], "output_index": 0}
             return [
-                self.event("response.output_item.added", output_index=0, item={**call, "arguments": ""}),
+                self.event(
+                    "response.output_item.added",
+                    output_index=0,
+                    item={**call, "arguments": "", "status": "in_progress"},
+                ),
                 self.event("response.function_call_arguments.delta", delta=call["arguments"], **fields),
                 self.event(
                     "response.function_call_arguments.done",

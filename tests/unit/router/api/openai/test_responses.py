@@ -355,7 +355,7 @@ async def test_a_forced_call_is_a_function_call_item_whole_and_streamed() -> Non
         "response.completed",
     ]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
-    assert events[2]["item"] == {**call, "arguments": ""}
+    assert events[2]["item"] == {**call, "arguments": "", "status": "in_progress"}
     assert (
         events[3]["delta"] == events[4]["arguments"] == call["arguments"] and events[4]["name"] == "weather"
     )
