@@ -134,7 +134,7 @@ def chat_generation(body: Any, request_id: str) -> Generation:
     source = apply_output_options(body, sampling, chat=True)
     tool = tool_mode(body, sampling)
     if tool is not None:
-        source = "tools"  # the constraint is the called function's parameters schema
+        source = tool.source  # the constraint is the called function's parameters schema
     return dataclasses.replace(
         turns_generation(body, request_id, [messages], sampling),
         tool=tool,

@@ -140,7 +140,8 @@ def response_generation(body: Any, request_id: str) -> ResponseRequest:
     source = _output_options(body, sampling, logprobs)
     tool = _tool_mode(body, sampling)
     if tool is not None:
-        source = "tools"  # the constraint is the called function's parameters schema
+        # The constraint is the called function's parameters schema, named as this API has it.
+        source = tool.source.replace(".function.parameters", ".parameters")
     generation = turns_generation(body, request_id, [messages], sampling)
     generation = dataclasses.replace(generation, tool=tool, constraint=constraint_param(sampling, source))
     metadata = body.get("metadata")
@@ -197,6 +198,7 @@ def _tool_mode(body: Mapping[str, Any], sampling: common_pb2.SamplingParams) -> 
         error = renamed(error, "tool_choice.function.name", "tool_choice.name")
         for i in range(len(chat_tools)):
             error = renamed(error, f"tools[{i}].function.parameters", f"tools[{i}].parameters")
+            error = renamed(error, f"tools[{i}].function.name", f"tools[{i}].name")
             if error.param == f"tools[{i}]":
                 error = dataclasses.replace(
                     error, message=f"tools[{i}]: must be {{'type': 'function', 'name': …, 'parameters': …}}"

@@ -197,6 +197,9 @@ class ToolMode:
     function's arguments; None (``required``): the answer is ``{"name": …, "arguments": …}``."""
 
     name: str | None
+    #: The request field a replica's refusal of the constraint names: the named function's
+    #: ``parameters``, or ``tools`` when the constraint joins every function's.
+    source: str = "tools"
 
     def call(self, text: str, call_id: str) -> dict[str, Any] | None:
         """The ``tool_calls`` entry for an answer's text; None when it is not a call (cut short)."""
@@ -247,7 +250,7 @@ def tool_mode(body: Mapping[str, Any], sampling: common_pb2.SamplingParams) -> T
                     "required": ["name", "arguments"],
                     "additionalProperties": False,
                 }
-                for name, parameters in functions.items()
+                for name, (_, parameters) in functions.items()
             ]
         }
         sampling.json_schema = json.dumps(schema, ensure_ascii=False)
@@ -261,14 +264,16 @@ def tool_mode(body: Mapping[str, Any], sampling: common_pb2.SamplingParams) -> T
         raise bad_request(
             "tool_choice.function.name", f"tool_choice.function.name: no tool {named['name']!r}"
         )
-    sampling.json_schema = json.dumps(functions[named["name"]], ensure_ascii=False)
-    return ToolMode(named["name"])
+    index, parameters = functions[named["name"]]
+    sampling.json_schema = json.dumps(parameters, ensure_ascii=False)
+    return ToolMode(named["name"], f"tools[{index}].function.parameters")
 
 
-def _functions(tools: Any) -> dict[str, dict[str, Any]]:
+def _functions(tools: Any) -> dict[str, tuple[int, dict[str, Any]]]:
+    """Each function's name → its index in ``tools`` and its ``parameters`` schema."""
     if not isinstance(tools, list):
         raise bad_request("tools", "tools: must be a list")
-    functions: dict[str, dict[str, Any]] = {}
+    functions: dict[str, tuple[int, dict[str, Any]]] = {}
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
@@ -283,5 +288,11 @@ def _functions(tools: Any) -> dict[str, dict[str, Any]]:
             raise bad_request(
                 f"{where}.function.parameters", f"{where}.function.parameters: must be a JSON Schema"
             )
-        functions[function["name"]] = parameters
+        if function["name"] in functions:
+            # Which of the two a call means would be a guess: a call names only the function.
+            raise bad_request(
+                f"{where}.function.name",
+                f"{where}.function.name: {function['name'][:64]!r} names an earlier tool too",
+            )
+        functions[function["name"]] = (i, parameters)
     return functions

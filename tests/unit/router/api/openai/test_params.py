@@ -127,6 +127,8 @@ def test_nulls_and_load_tool_extras_are_accepted() -> None:
         ({"messages": USER, "frequency_penalty": -1}, "frequency_penalty"),
         ({"messages": USER, "min_tokens": 4}, "min_tokens"),
         ({"messages": USER, "tools": [{"type": "function"}]}, "tools[0]"),
+        # Two tools of one name: a call names only the function, so which one it meant is unknown.
+        ({"messages": USER, "tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools[1].function.name"),
         ({"messages": USER, "tools": [WEATHER]}, "tool_choice"),
         ({"messages": USER, "tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
         ({"messages": USER, "tool_choice": "required"}, "tool_choice"),
@@ -316,6 +318,14 @@ def test_required_tool_choice_lets_the_model_pick_one_of_the_tools() -> None:
             "response_format.json_schema.schema",
         ),
         ({"tools": [WEATHER], "tool_choice": "required"}, "tools"),
+        # A named call is constrained by that one function's parameters: the refusal names them.
+        (
+            {
+                "tools": [WEATHER, {"type": "function", "function": {"name": "time", "parameters": {}}}],
+                "tool_choice": {"type": "function", "function": {"name": "time"}},
+            },
+            "tools[1].function.parameters",
+        ),
     ],
 )
 def test_a_replicas_refusal_of_the_constraint_names_the_field_the_client_sent(

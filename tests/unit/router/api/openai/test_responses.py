@@ -139,6 +139,11 @@ def test_text_format_is_the_constraint_and_logprobs_come_with_include() -> None:
         ({"input": "x", "tools": ["f"]}, "tools[0]", "invalid_value"),
         ({"input": "x", "tools": [{"type": "function"}]}, "tools[0]", "invalid_value"),
         (
+            {"input": "x", "tools": [{"type": "function", "name": "f"}] * 2, "tool_choice": "required"},
+            "tools[1].name",
+            "invalid_value",
+        ),
+        (
             {"input": "x", "tools": [{"type": "function", "name": "f", "parameters": 3}]},
             "tools[0].parameters",
             "invalid_value",
@@ -324,8 +329,11 @@ def test_a_forced_function_call_constrains_the_answer_to_the_functions_parameter
         assert plain.generation.tool is None and not plain.generation.turns[0].sampling.HasField(
             "json_schema"
         )
-    # The replica's refusal of the schema names the tools, as the request sent them.
-    assert named.generation.constraint is not None and named.generation.constraint.request == "tools"
+    # The replica's refusal of the schema names what the request sent: the named function's
+    # parameters, or the tools when the constraint joins them all.
+    assert named.generation.constraint is not None
+    assert named.generation.constraint.request == "tools[0].parameters"
+    assert required.generation.constraint is not None and required.generation.constraint.request == "tools"
 
 
 async def test_a_forced_call_is_a_function_call_item_whole_and_streamed() -> None:
