@@ -128,7 +128,10 @@ def test_nulls_and_load_tool_extras_are_accepted() -> None:
         ({"messages": USER, "min_tokens": 4}, "min_tokens"),
         ({"messages": USER, "tools": [{"type": "function"}]}, "tools[0]"),
         # Two tools of one name: a call names only the function, so which one it meant is unknown.
-        ({"messages": USER, "tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools[1].function.name"),
+        (
+            {"messages": USER, "tools": [WEATHER, WEATHER], "tool_choice": "required"},
+            "tools[1].function.name",
+        ),
         ({"messages": USER, "tools": [WEATHER]}, "tool_choice"),
         ({"messages": USER, "tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
         ({"messages": USER, "tool_choice": "required"}, "tool_choice"),
