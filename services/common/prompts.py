@@ -16,9 +16,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+from jinja2 import TemplateError
+
 from services.common.errors import InvalidArgument
 
-ROLES = ("system", "user", "assistant")
+#: "tool": a function's result, rendered as the template renders any role (as vLLM does).
+ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
@@ -53,9 +56,16 @@ def prompt_token_ids(
     for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise InvalidArgument(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {m.role!r}")
-    text = tokenizer.apply_chat_template(
-        [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=False
-    )
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in messages],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+    except TemplateError as exc:
+        # Another model's template may refuse an order or a role (raise_exception in Jinja): a
+        # client's conversation it cannot render, not a server fault.
+        raise InvalidArgument("messages", f"this model's chat template refuses them: {exc}") from None
     assert isinstance(text, str)
     if encode_rendered is not None:
         return encode_rendered(text)

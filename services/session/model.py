@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 #: Roles a stored turn may have.
-ROLES = frozenset({"user", "assistant", "system"})
+ROLES = frozenset({"user", "assistant", "system", "tool"})
 
 
 @dataclass(frozen=True)

@@ -779,6 +779,24 @@ def test_langchain_on_the_responses_api_invokes_streams_and_sends_its_answer_bac
     called = caller.invoke("What is the weather in Paris?")
     (tool_call,) = called.tool_calls  # type: ignore[attr-defined]
     assert tool_call["name"] == "GetWeather" and isinstance(tool_call["args"]["city"], str)
+    # The tool's result goes back as LangChain sends it (function_call + function_call_output
+    # items), and the answer is the one chat gives for that history.
+    from langchain_core.messages import ToolMessage
+
+    answered = roomy.invoke(
+        ["What is the weather in Paris?", called, ToolMessage("sunny", tool_call_id=tool_call["id"])]
+    )
+    chat_call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "GetWeather", "arguments": json.dumps(tool_call["args"])},
+    }
+    history = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [chat_call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    assert answered.text and answered.text == greedy(front, history, 48)  # type: ignore[arg-type]
 
 
 def test_the_responses_api_makes_a_forced_function_call_as_chat_does(front: Front) -> None:
@@ -831,10 +849,24 @@ def test_the_responses_api_makes_a_forced_function_call_as_chat_does(front: Fron
     (made,) = parsed.output
     assert made.type == "function_call" and made.name == "GetWeather"
     assert isinstance(made.parsed_arguments, GetWeather)  # type: ignore[union-attr]
-    # A tool's result cannot go back in: this model's chat template has no place for it.
-    result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}  # type: ignore[union-attr]
-    refused = front.post("/v1/responses", {"model": front.model, "input": [*asked, result]})
-    assert_error(refused, 400, "input[1].type", code="unsupported_parameter")
+    # The call and its output given back, as the SDK has them: the answer chat gives for the same
+    # history (one rendering for both APIs).
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}  # type: ignore[union-attr]
+    answered = client.responses.create(
+        model=front.model,
+        input=[*asked, call, output],  # type: ignore[list-item]
+        max_output_tokens=12,
+        temperature=0,
+    )
+    history = [
+        *asked,
+        {"role": "assistant", "content": None, "tool_calls": [expected.model_dump()]},
+        {"role": "tool", "tool_call_id": expected.id, "content": "sunny"},
+    ]
+    assert answered.output_text and answered.output_text == greedy(front, history, 12)  # type: ignore[arg-type]
+    stray = {**output, "call_id": "call_nowhere"}
+    refused = front.post("/v1/responses", {"model": front.model, "input": [*asked, stray]})
+    assert_error(refused, 400, "input[1].call_id")
 
 
 def test_the_responses_api_refuses_what_it_cannot_honour_naming_the_field(front: Front) -> None:
@@ -1133,6 +1165,56 @@ def test_a_named_tool_choice_answers_with_a_call_whose_arguments_fit_the_schema(
     (call,) = choice.message.tool_calls or []
     assert call.type == "function" and call.function.name == "get_weather"  # type: ignore[union-attr]
     jsonschema.validate(json.loads(call.function.arguments), parameters)  # type: ignore[union-attr]
+
+
+def test_a_call_and_its_result_given_back_get_the_answer_the_model_reads_from_them(
+    front: Front, hf_tokenizer: Any
+) -> None:
+    weather = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 16}},
+        "required": ["city"],
+    }
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": weather}}
+    asked = [{"role": "user", "content": "What is the weather in Paris?"}]
+    client = front.client()
+    first = client.chat.completions.create(
+        model=front.model,
+        messages=asked,  # type: ignore[arg-type]
+        max_tokens=48,
+        temperature=0,
+        tools=[tool],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    message = first.choices[0].message
+    (call,) = message.tool_calls or []
+    result = {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 18, "sky": "clear"}'}
+    final = client.chat.completions.create(
+        model=front.model,
+        messages=[*asked, message, result],  # type: ignore[list-item]  # the SDK's message, as given
+        max_tokens=16,
+        temperature=0,
+    )
+    # What the model read: the template over the call, as the engine writes a `required` one,
+    # and the result in a tool turn; the same prompt sent as token ids gets the same answer.
+    as_written = {"name": call.function.name, "arguments": json.loads(call.function.arguments)}  # type: ignore[union-attr]
+    rendered = hf_tokenizer.apply_chat_template(
+        [
+            *asked,
+            {"role": "assistant", "content": json.dumps(as_written)},
+            {"role": "tool", "content": result["content"]},
+        ],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    ids = hf_tokenizer.encode(rendered, add_special_tokens=False)
+    expected = client.completions.create(model=front.model, prompt=ids, max_tokens=16, temperature=0)
+    assert final.usage is not None and final.usage.prompt_tokens == len(ids)
+    assert final.choices[0].message.content == expected.choices[0].text
+    # A result must answer a call made before it.
+    stray = {**result, "tool_call_id": "call_nowhere"}
+    refused = front.post("/v1/chat/completions", {"model": front.model, "messages": [*asked, stray]})
+    assert_error(refused, 400, "messages[1].tool_call_id")
 
 
 def test_nulls_and_load_tool_extras_are_served(front: Front) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from services.common.errors import InvalidArgument
 from services.common.kv_blocks import block_hashes
 from services.common.prompts import Message, prompt_token_ids
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2
@@ -45,12 +46,23 @@ def registered_hashes(token_ids: list[int], block_size: int) -> set[int]:
     return set(bm.events.snapshot().block_hashes)
 
 
+@pytest.mark.parametrize(
+    "turns",
+    [
+        (("system", SYSTEM), ("user", "Where is order 1234?"), ("assistant", "Shipped."), ("user", "When?")),
+        # A call given back and its result (a tool turn), as the OpenAI front renders them.
+        (
+            ("system", SYSTEM),
+            ("user", "Where is order 1234?"),
+            ("assistant", '{"name": "track", "arguments": {"order": 1234}}'),
+            ("tool", '{"status": "shipped"}'),
+        ),
+    ],
+)
 def test_router_hashes_equal_the_replicas_own_block_hashes_for_the_same_chat(
-    hasher: PromptHasher, model_path: Path
+    hasher: PromptHasher, model_path: Path, turns: tuple[tuple[str, str], ...]
 ) -> None:
-    start = chat(
-        ("system", SYSTEM), ("user", "Where is order 1234?"), ("assistant", "Shipped."), ("user", "When?")
-    )
+    start = chat(*turns)
     # The replica's side: its own tokenizer load and rendering, then its block manager.
     replica_ids = prompt_token_ids(
         replica_tokenizer(str(model_path)), [Message(m.role, m.content) for m in start.messages], ""
@@ -178,3 +190,21 @@ def test_only_the_prefix_policy_tokenizes_prompts(model_path: Path) -> None:
     assert prefix.pool.indexed_blocks == prefix.prefix_index.block_count  # ListReplicas reads the index
     other = RouterRuntime(RouterSettings(replicas=["127.0.0.1:1"], tokenizer=str(model_path)))
     assert other.services.prompt_prefix is no_prefix
+
+
+def test_a_chat_template_that_refuses_the_conversation_is_a_bad_request_naming_messages(
+    model_path: Path,
+) -> None:
+    # Another model's template may raise on a role or an order it does not take (Jinja's
+    # raise_exception, as Llama 2's and Gemma's do): the client's conversation, not a server fault.
+    tokenizer = replica_tokenizer(str(model_path))
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'tool' %}"
+        "{{ raise_exception('tool turns are not supported') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    assert prompt_token_ids(tokenizer, [Message("user", "Hi")], "") == tokenizer.encode(
+        "Hi", add_special_tokens=False
+    )
+    with pytest.raises(InvalidArgument) as refused:
+        prompt_token_ids(tokenizer, [Message("user", "Hi"), Message("tool", "42")], "")
+    assert refused.value.field == "messages" and "tool turns are not supported" in str(refused.value)

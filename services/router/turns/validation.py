@@ -8,7 +8,7 @@ from services.common import errors
 from services.common.ids import check_client_id, check_session_id
 from services.gen.llmmesh.v1 import router_pb2
 
-ROLES = frozenset({"system", "user", "assistant"})
+ROLES = frozenset({"system", "user", "assistant", "tool"})
 # The end user a personal semantic-cache entry belongs to: an id, not a document.
 MAX_CACHE_USER_CHARS = 256
 
@@ -40,7 +40,7 @@ def validate(request: router_pb2.ChatRequest, field_prefix: str = "") -> None:
         if message.role not in ROLES:
             raise errors.InvalidArgument(
                 f"{field_prefix}messages[{i}].role",
-                f"must be one of system, user, assistant; got {message.role!r}",
+                f"must be one of system, user, assistant, tool; got {message.role[:32]!r}",
             )
     if request.session_id:  # empty: no conversation kept
         check_session_id(request.session_id, f"{field_prefix}session_id")

@@ -61,6 +61,10 @@ def test_turn_role_count_and_owner_are_checked() -> None:
     limits = SessionLimits(max_turns_per_session=2)
     with pytest.raises(InvalidArgument, match=r"^turns\[0\]\.role"):
         validation.check_turns([TurnRecord("robot", "hi")], limits)
+    # A function's result given back after the assistant's call is a turn like the others.
+    validation.check_turns(
+        [TurnRecord("assistant", '{"name": "f", "arguments": {}}'), TurnRecord("tool", "42")], limits
+    )
     with pytest.raises(InvalidArgument, match=r"^turns: 3 turns exceed"):
         validation.check_turns([TurnRecord("user", "x")] * 3, limits)
     with pytest.raises(InvalidArgument, match=r"^x-llmmesh-tenant metadata: is required"):

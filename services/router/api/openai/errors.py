@@ -143,3 +143,12 @@ class ConstraintParam:
 
     def rename(self, error: ApiError) -> ApiError:
         return renamed(error, self.engine, self.request)
+
+
+def utf8_text(text: str, where: str) -> str:
+    """JSON may escape a lone surrogate, which no UTF-8 text (so no proto string) can hold."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise bad_request(where, f"{where}: must be valid Unicode text (no lone surrogates)") from None
+    return text

@@ -16,10 +16,18 @@ from typing import Any
 
 from services.common.sampling_limits import MAX_STOP_CHARS
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
-from services.router.api.openai.errors import ConstraintParam, bad_request, clipped, unsupported
+from services.router.api.openai.errors import ConstraintParam, bad_request, clipped, unsupported, utf8_text
 from services.router.api.openai.extras import FIELDS as EXTRA_FIELDS
 from services.router.api.openai.extras import Extras, extras
 from services.router.api.openai.structured import ToolMode, apply_output_options, tool_mode
+from services.router.api.openai.tool_history import (
+    MAX_CALL_ID_CHARS,
+    TOOL_ROLE,
+    CallLedger,
+    call_text,
+    chat_calls,
+    string_field,
+)
 
 log = logging.getLogger("llmmesh.router.openai")
 
@@ -354,27 +362,43 @@ def _messages(raw: Any) -> list[common_pb2.ChatMessage]:
     if not isinstance(raw, list) or not raw:
         raise bad_request("messages", "messages: required, a non-empty list of messages")
     out = []
+    ledger = CallLedger()
     for i, message in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise bad_request(where, f"{where}: must be an object")
         role = message.get("role")
-        if role in ("tool", "function"):
-            raise unsupported(f"{where}.role", "tool and function messages are not supported")
-        for calls in ("tool_calls", "function_call"):
-            if message.get(calls):
-                # The call an assistant made is in this field, not its role: name what to drop.
-                raise unsupported(
-                    f"{where}.{calls}", "an assistant's tool and function calls are not supported"
-                )
+        if role == "function" or message.get("function_call"):
+            # The deprecated functions API: its calls carry no id for a result to answer.
+            field = f"{where}.role" if role == "function" else f"{where}.function_call"
+            raise unsupported(
+                field, "the deprecated functions API is not supported: use tool_calls and role 'tool'"
+            )
+        if role == TOOL_ROLE:
+            call_id = string_field(message, "tool_call_id", where, MAX_CALL_ID_CHARS)
+            ledger.check_result(call_id, f"{where}.tool_call_id")
+            out.append(
+                common_pb2.ChatMessage(role=TOOL_ROLE, content=message_text(message.get("content"), where))
+            )
+            continue
         if not isinstance(role, str) or role not in ROLE_NAMES:
             raise bad_request(
-                f"{where}.role", f"{where}.role: must be one of system, developer, user, assistant"
+                f"{where}.role", f"{where}.role: must be one of system, developer, user, assistant, tool"
             )
         content = message.get("content")
+        calls = message.get("tool_calls")
+        if calls is not None and role != "assistant":
+            raise bad_request(f"{where}.tool_calls", f"{where}.tool_calls: only an assistant makes calls")
         if content is None and role == "assistant":
             content = ""  # OpenAI's schema lets an assistant's content be null (or absent), as vLLM reads it
-        out.append(common_pb2.ChatMessage(role=ROLE_NAMES[role], content=message_text(content, where)))
+        text = message_text(content, where)
+        if calls:
+            made = chat_calls(calls, f"{where}.tool_calls")
+            for call in made:
+                ledger.made(call)
+            # What the assistant said before calling, then its calls, as the model reads them.
+            text = "\n".join(t for t in (text, utf8_text(call_text(made), f"{where}.tool_calls")) if t)
+        out.append(common_pb2.ChatMessage(role=ROLE_NAMES[role], content=text))
     return out
 
 
@@ -416,15 +440,6 @@ def _stop(raw: Any) -> list[str]:
         raise bad_request("stop", f"stop: a stop string may be at most {MAX_STOP_CHARS} characters")
     # An empty stop string would end every answer at once.
     return [utf8_text(s, f"stop[{i}]") for i, s in enumerate(stops) if s]
-
-
-def utf8_text(text: str, where: str) -> str:
-    """JSON may escape a lone surrogate, which no UTF-8 text (so no proto string) can hold."""
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        raise bad_request(where, f"{where}: must be valid Unicode text (no lone surrogates)") from None
-    return text
 
 
 def json_object(body: Any) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gen.llmmesh.v1 import common_pb2
-from services.router.api.openai.errors import ApiError, bad_request, renamed, unsupported
+from services.router.api.openai.errors import ApiError, bad_request, renamed, unsupported, utf8_text
 from services.router.api.openai.extras import FIELDS as EXTRA_FIELDS
 from services.router.api.openai.params import (
     INT32_MAX,
@@ -38,9 +38,17 @@ from services.router.api.openai.params import (
     refuse_unsupported,
     sampling_params,
     turns_generation,
-    utf8_text,
 )
 from services.router.api.openai.structured import ToolMode, apply_output_options, tool_mode
+from services.router.api.openai.tool_history import (
+    MAX_CALL_ID_CHARS,
+    TOOL_ROLE,
+    Call,
+    CallLedger,
+    call_text,
+    responses_call,
+    string_field,
+)
 
 #: The ``include`` value that asks for the answer's token logprobs (with ``top_logprobs`` alternatives).
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -214,24 +222,47 @@ def _refuse_stateful(body: Mapping[str, Any]) -> None:
 
 
 def _input_messages(raw: Any) -> list[common_pb2.ChatMessage]:
-    """``input``: a user's text, or a list of messages (the easy form and the typed one)."""
+    """``input``: a user's text, or a list of items: messages (the easy form and the typed one),
+    and the function calls made earlier with their outputs (``tool_history``)."""
     if isinstance(raw, str):
         if not raw:
             raise bad_request("input", "input: must not be empty")
         return [common_pb2.ChatMessage(role="user", content=utf8_text(raw, "input"))]
     if not isinstance(raw, list) or not raw:
         raise bad_request("input", "input: required, a string or a non-empty list of messages")
-    out = []
+    out: list[common_pb2.ChatMessage] = []
+    ledger = CallLedger()
+    calls: list[Call] = []  # consecutive function_call items: one assistant turn's calls
     for i, item in enumerate(raw):
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise bad_request(where, f"{where}: must be an object")
         kind = item.get("type", "message")
+        if kind == "function_call":
+            call = responses_call(item, where)
+            utf8_text(call_text([call]), where)  # escaped lone surrogates in its arguments' JSON
+            ledger.made(call)
+            calls.append(call)
+            continue
+        if calls:
+            out.append(common_pb2.ChatMessage(role="assistant", content=call_text(calls)))
+            calls = []
+        if kind == "function_call_output":
+            call_id = string_field(item, "call_id", where, MAX_CALL_ID_CHARS)
+            ledger.check_result(call_id, f"{where}.call_id")
+            output = item.get("output")
+            text = message_text(output, where, _TEXT_PARTS) if isinstance(output, list) else output
+            if not isinstance(text, str):
+                raise bad_request(
+                    f"{where}.output", f"{where}.output: must be a string or a list of text parts"
+                )
+            out.append(common_pb2.ChatMessage(role=TOOL_ROLE, content=utf8_text(text, f"{where}.output")))
+            continue
         if kind != "message":
             raise unsupported(
                 f"{where}.type",
-                f"only message items are supported, not {str(kind)[:64]!r}: this model's chat template "
-                "has no place for a function call or its output",
+                f"only message, function_call and function_call_output items are supported, not "
+                f"{str(kind)[:64]!r}",
             )
         role = item.get("role")
         if not isinstance(role, str) or role not in ROLE_NAMES:
@@ -243,6 +274,8 @@ def _input_messages(raw: Any) -> list[common_pb2.ChatMessage]:
                 role=ROLE_NAMES[role], content=message_text(item.get("content"), where, _TEXT_PARTS)
             )
         )
+    if calls:
+        out.append(common_pb2.ChatMessage(role="assistant", content=call_text(calls)))
     return out
 
 

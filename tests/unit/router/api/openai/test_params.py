@@ -20,6 +20,15 @@ WEATHER = {
 USER = [{"role": "user", "content": "hi"}]
 
 
+def _called(name: str, arguments: Any, call_id: str = "c1") -> dict[str, Any]:
+    """An assistant message that made one call, as a client sends it back."""
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
+CALLED = [_called("weather", '{"city": "Oslo"}')]
+
+
 def refused(body: Any, completions: bool = False) -> ApiError:
     with pytest.raises(ApiError) as caught:
         (completion_generation if completions else chat_generation)(body, "chatcmpl-1")
@@ -157,24 +166,43 @@ def test_nulls_and_load_tool_extras_are_accepted() -> None:
         ({"messages": USER, "logprobs": 2}, "logprobs"),
         ({"messages": USER, "tool_choice": "auto"}, "tool_choice"),
         ({"messages": USER, "logit_bias": {"1": 5}}, "logit_bias"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
-        # An assistant's earlier call: the field to drop is tool_calls (was named as the role).
+        # A function's result answers a call made before it; the deprecated functions API is refused.
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+        (
+            {"messages": [*USER, {"role": "tool", "tool_call_id": "c9", "content": "x"}]},
+            "messages[1].tool_call_id",
+        ),
+        (
+            {"messages": [*USER, *CALLED, {"role": "tool", "tool_call_id": "c1", "content": 7}]},
+            "messages[2].content",
+        ),
+        ({"messages": [*USER, {"role": "function", "name": "f", "content": "x"}]}, "messages[1].role"),
+        (
+            {"messages": [*USER, {"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}]},
+            "messages[1].function_call",
+        ),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls"),
+        ({"messages": [*USER, {"role": "assistant", "tool_calls": {"id": "c"}}]}, "messages[1].tool_calls"),
         (
             {
                 "messages": [
                     *USER,
-                    {
-                        "role": "assistant",
-                        "content": None,
-                        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f"}}],
-                    },
+                    {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f"}}]},
                 ]
             },
-            "messages[1].tool_calls",
+            "messages[1].tool_calls[0].id",
         ),
         (
-            {"messages": [*USER, {"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}]},
-            "messages[1].function_call",
+            {"messages": [*USER, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}]},
+            "messages[1].tool_calls[0].function",
+        ),
+        (
+            {"messages": [*USER, _called("f", {"city": "x"})]},  # arguments are the JSON's text
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+        (
+            {"messages": [*USER, _called("f", '{"city": "\\ud800"}')]},  # escaped lone surrogate
+            "messages[1].tool_calls",
         ),
         ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
         # vLLM's extras that would change the prompt or the answer, away from their defaults.
@@ -349,3 +377,34 @@ def test_a_replicas_refusal_of_the_constraint_names_the_field_the_client_sent(
     assert chat_generation({"messages": USER}, "r").constraint is None
     text = completion_generation({"prompt": "x", **body}, "r") if "tools" not in body else None
     assert text is None or (text.constraint is not None and text.constraint.request == sent)
+
+
+def test_earlier_calls_and_their_results_become_the_conversation_the_model_reads() -> None:
+    clock = {"id": "c2", "type": "function", "function": {"name": "time", "arguments": "{}"}}
+    weather = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "weather", "arguments": '{"city":"Oslo"}'},
+    }
+    messages = [
+        *USER,
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [weather, clock]},
+        {"role": "tool", "tool_call_id": "c1", "content": "-3 °C, snow"},
+        {"role": "tool", "tool_call_id": "c2", "content": [{"type": "text", "text": "12:00"}]},
+        {"role": "user", "content": "So?"},
+    ]
+    (turn,) = chat_generation({"messages": messages}, "r").turns
+    assert [(m.role, m.content) for m in turn.messages] == [
+        ("user", "hi"),
+        # The calls as the model writes a `required` call: one JSON object a line, its separators.
+        (
+            "assistant",
+            'Let me look.\n{"name": "weather", "arguments": {"city": "Oslo"}}\n{"name": "time", "arguments": {}}',
+        ),
+        ("tool", "-3 °C, snow"),
+        ("tool", "12:00"),
+        ("user", "So?"),
+    ]
+    # A call whose arguments are not JSON (a client's own) is read as it was sent.
+    (turn,) = chat_generation({"messages": [*USER, _called("f", "not json"), *USER]}, "r").turns
+    assert turn.messages[1].content == '{"name": "f", "arguments": "not json"}'

@@ -13,8 +13,12 @@ from services.common import errors
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from services.router.api.openai.choices import ChoiceAnswer, ChoiceStreams
 from services.router.api.openai.errors import ApiError
+from services.router.api.openai.params import chat_generation
 from services.router.api.openai.response_events import ResponseFramer
 from services.router.api.openai.responses import response_generation
+
+#: A function call as the Responses API gives it back in ``input``.
+_CALL = {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": '{"city": "Oslo"}'}
 
 
 def refused(body: Any) -> ApiError:
@@ -114,11 +118,23 @@ def test_text_format_is_the_constraint_and_logprobs_come_with_include() -> None:
         ({"input": []}, "input", "invalid_value"),
         ({"input": [7]}, "input[0]", "invalid_value"),
         ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role", "invalid_value"),
+        # A function's output answers a call made earlier in the input, and names it.
+        ({"input": [{"type": "function_call_output", "output": "1"}]}, "input[0].call_id", "invalid_value"),
         (
-            {"input": [{"type": "function_call_output", "output": "1"}]},
-            "input[0].type",
-            "unsupported_parameter",
+            {"input": [_CALL, {"type": "function_call_output", "call_id": "c9", "output": "1"}]},
+            "input[1].call_id",
+            "invalid_value",
         ),
+        (
+            {"input": [_CALL, {"type": "function_call_output", "call_id": "c1", "output": 1}]},
+            "input[1].output",
+            "invalid_value",
+        ),
+        ({"input": [{**_CALL, "call_id": None}]}, "input[0].call_id", "invalid_value"),
+        ({"input": [{**_CALL, "name": ""}]}, "input[0].name", "invalid_value"),
+        ({"input": [{**_CALL, "arguments": {"city": "x"}}]}, "input[0].arguments", "invalid_value"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type", "unsupported_parameter"),
+        ({"input": [{"type": "item_reference", "id": "fc_1"}]}, "input[0].type", "unsupported_parameter"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
             "input[0].content[0].type",
@@ -187,11 +203,6 @@ def test_text_format_is_the_constraint_and_logprobs_come_with_include() -> None:
             "invalid_value",
         ),
         ({"input": "x", "tool_choice": "required"}, "tool_choice", "invalid_value"),
-        (
-            {"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]},
-            "input[0].type",
-            "unsupported_parameter",
-        ),
         ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning", "unsupported_parameter"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "invalid_value"),
         ({"input": "x", "temperature": 3}, "temperature", "invalid_value"),
@@ -395,3 +406,59 @@ async def test_a_required_call_names_its_function_and_one_cut_short_stays_text()
     (message,) = cut[-1]["response"]["output"]
     assert message["type"] == "message" and message["content"][0]["text"] == '{"name": "clo'
     assert message["status"] == "incomplete"
+
+
+def test_earlier_calls_and_their_outputs_become_the_conversation_the_model_reads() -> None:
+    clock = {"type": "function_call", "id": "fc_2", "call_id": "c2", "name": "time", "arguments": "{}"}
+    body = {
+        "instructions": "Be brief.",
+        "input": [
+            {"role": "user", "content": "Weather and time?"},
+            _CALL,
+            clock,  # consecutive calls: one assistant turn, as a parallel call in chat
+            {"type": "function_call_output", "call_id": "c1", "output": "-3 °C, snow"},
+            {
+                "type": "function_call_output",
+                "call_id": "c2",
+                "output": [{"type": "input_text", "text": "12:00"}],
+            },
+            {"role": "user", "content": "So?"},
+        ],
+    }
+    (turn,) = response_generation(body, "r1").generation.turns
+    assert [(m.role, m.content) for m in turn.messages] == [
+        ("system", "Be brief."),
+        ("user", "Weather and time?"),
+        (
+            "assistant",
+            '{"name": "weather", "arguments": {"city": "Oslo"}}\n{"name": "time", "arguments": {}}',
+        ),
+        ("tool", "-3 °C, snow"),
+        ("tool", "12:00"),
+        ("user", "So?"),
+    ]
+    # Chat and Responses render the same history the same way (one prompt, one cache entry).
+    chat = chat_generation(
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Weather and time?"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {
+                            "id": c["call_id"],
+                            "type": "function",
+                            "function": {"name": c["name"], "arguments": c["arguments"]},
+                        }
+                        for c in (_CALL, clock)
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "-3 °C, snow"},
+                {"role": "tool", "tool_call_id": "c2", "content": "12:00"},
+                {"role": "user", "content": "So?"},
+            ]
+        },
+        "r1",
+    )
+    assert list(chat.turns[0].messages) == list(turn.messages)
