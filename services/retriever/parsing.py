@@ -5,8 +5,10 @@ from __future__ import annotations
 import io
 import logging
 import re
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import PurePath
 from typing import Any
 
@@ -269,10 +271,17 @@ def _parse_markdown(data: bytes, charset: str | None) -> list[Section]:
 
 
 def _parse_html(data: bytes, charset: str | None) -> list[Section]:
-    from bs4 import BeautifulSoup
+    from bs4 import BeautifulSoup, UnicodeDammit
 
-    # Without a declared charset BeautifulSoup reads the BOM or <meta charset>, else detects it.
-    soup = BeautifulSoup(data, "html.parser", from_encoding=charset)
+    # Without a declared charset: the BOM or <meta charset>, else detected, as BeautifulSoup
+    # reads them. Decoded here, not by the parser, to drop the controls first, as every format's
+    # text is (_printable): libxml2 refuses NUL and the other C0 controls in a tree. lxml, not Python's
+    # html.parser, since that one rescans an unterminated comment or CDATA from its start on
+    # every tag (100,000 "<!--" took 82 s, lxml 0.02 s).
+    decoded = UnicodeDammit(data, [charset] if charset else [], is_html=True).unicode_markup
+    if decoded is None:
+        raise InvalidArgument("data", "HTML in no encoding that could be detected; declare its charset")
+    soup = BeautifulSoup(_printable(decoded), "lxml")
     for tag in soup(["script", "style", "noscript", "template", "head"]):
         tag.decompose()
     reader = _HtmlReader()
@@ -342,10 +351,22 @@ class _HtmlReader:
         self._lines: list[str] = []
         self._inline: list[str] = []
 
-    def walk(self, node: Any, heading: int = 0) -> None:
+    def walk(self, root: Any) -> None:
+        """Reads ``root``'s tree in document order. An explicit stack, not recursion: a page
+        nested deeper than Python's stack (thousands of unclosed ``<div>``) is still a page."""
         from bs4 import NavigableString, Tag
 
-        for child in node.children:
+        # Each frame: the children left to read, the heading level they are the name of (0: body
+        # text), and what ends the element once they are read.
+        stack: list[tuple[Iterator[Any], int, Callable[[], None] | None]] = [(iter(root.children), 0, None)]
+        while stack:
+            children, heading, end = stack[-1]
+            child = next(children, None)
+            if child is None:
+                stack.pop()
+                if end is not None:
+                    end()
+                continue
             if isinstance(child, NavigableString):
                 if type(child) is NavigableString:  # not a comment, doctype or processing instruction
                     self._inline.append(str(child))
@@ -357,8 +378,8 @@ class _HtmlReader:
                 self._inline.append("\n")
             elif name in _HTML_HEADINGS:
                 self._flush(heading)
-                self.walk(child, _HTML_HEADINGS[name])
-                self._flush(_HTML_HEADINGS[name])
+                level = _HTML_HEADINGS[name]
+                stack.append((iter(child.children), level, partial(self._flush, level)))
             elif name == "tr":
                 self._flush(heading)
                 cells = [_html_inline_text(c) for c in child.find_all(["td", "th"], recursive=False)]
@@ -373,10 +394,10 @@ class _HtmlReader:
                 if text and _html_bold_only(child) and looks_like_title(text):
                     self._heading(BOLD_HEADING_LEVEL, text)
                 else:
-                    self.walk(child)  # blocks inside a heading are its body, not its name
-                    self._flush()
+                    # Blocks inside a heading are its body, not its name.
+                    stack.append((iter(child.children), 0, self._flush))
             else:
-                self.walk(child, heading)
+                stack.append((iter(child.children), heading, None))
 
     def _flush(self, heading: int = 0) -> None:
         """Ends the text collected since the last block boundary: a heading, or lines of body text."""
@@ -459,27 +480,28 @@ def _pdf_sections(blocks: list[PdfBlock]) -> list[Section]:
 
 
 def _parse_docx(data: bytes) -> list[Section]:
-    import zipfile
-
-    from docx import Document
-    from docx.opc.exceptions import PackageNotFoundError
-
-    try:
-        document = Document(io.BytesIO(data))
-    except (PackageNotFoundError, zipfile.BadZipFile, KeyError, ValueError) as exc:
-        raise InvalidArgument("data", f"not a readable DOCX file: {exc}") from exc
+    document = _open_docx(data)
+    paragraphs = document.paragraphs
+    rows = [row for table in document.tables for row in table.rows]
+    if len(paragraphs) + len(rows) > DOCX_MAX_BLOCKS:
+        raise InvalidArgument(
+            "data",
+            f"the DOCX has {len(paragraphs) + len(rows):,} paragraphs and table rows, more than the "
+            f"{DOCX_MAX_BLOCKS:,} accepted (split the document)",
+        )
+    styles = _DocxStyles()
     builder = SectionBuilder()
     lines: list[str] = []
-    for paragraph in document.paragraphs:
+    for paragraph in paragraphs:
         text = paragraph.text.strip()
         if not text:
             continue
-        style = paragraph.style.name if paragraph.style is not None and paragraph.style.name else ""
+        style = styles.paragraph_style(paragraph)
         level = -1
         if _DOCX_HEADING.match(style):
             # "Title" is the outermost level; "Heading N" nests under it.
             level = int(style.split()[-1]) if style.lower().startswith("heading") else 0
-        elif _docx_bold_only(paragraph) and looks_like_title(text):
+        elif styles.bold_only(paragraph) and looks_like_title(text):
             level = BOLD_HEADING_LEVEL  # a heading typed as a bold line, not given a heading style
         if level >= 0:
             if lines:
@@ -488,18 +510,90 @@ def _parse_docx(data: bytes) -> list[Section]:
             lines = []
         else:
             lines.append(text)
-    for table in document.tables:
-        for row in table.rows:
-            lines.append(" | ".join(cell.text.strip() for cell in row.cells))
+    for row in rows:
+        lines.append(" | ".join(cell.text.strip() for cell in row.cells))
     if lines:
         builder.paragraph("\n".join(lines))
     return builder.finish()
 
 
-def _docx_bold_only(paragraph: Any) -> bool:
-    """Whether every run of a paragraph that has text is bold (directly or by its character style)."""
-    runs = [run for run in paragraph.runs if run.text.strip()]
-    return bool(runs) and all(run.bold or (run.style is not None and run.style.font.bold) for run in runs)
+#: What a DOCX may unzip to: python-docx holds every part in memory, and its XML as a tree
+#: several times its size, while 20 MB of zipped XML can claim gigabytes (a zip bomb). A
+#: 1,000-page text document is ≈ 30 MB unzipped.
+DOCX_MAX_EXPANDED_BYTES = 256 * 1024 * 1024
+#: Paragraphs and table rows read from one DOCX (≈ 10,000 pages): ≈ 40 µs each, so a document
+#: of empty paragraphs, which zips to almost nothing, cannot hold the retriever for minutes.
+DOCX_MAX_BLOCKS = 500_000
+
+
+def _open_docx(data: bytes) -> Any:
+    """The python-docx ``Document``; ``InvalidArgument`` for what is not one or would not fit."""
+    import zipfile
+
+    from docx import Document
+    from docx.opc.exceptions import PackageNotFoundError
+    from lxml import etree
+
+    damaged = (
+        PackageNotFoundError,
+        zipfile.BadZipFile,
+        KeyError,
+        ValueError,
+        # A part that is not XML, or one libxml2 refuses (nested past its depth limit, entities
+        # that expand past its amplification limit: the "billion laughs").
+        etree.LxmlError,
+        zlib.error,  # a damaged deflate stream
+        EOFError,  # a part cut short
+        NotImplementedError,  # a zip version or compression method zipfile lacks
+        RuntimeError,  # an encrypted part
+    )
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            # The archive's own claims: zipfile never unzips past a part's claimed size (its
+            # CRC fails if the data ran longer), so they bound what python-docx will unzip.
+            expanded = sum(info.file_size for info in archive.infolist())
+    except damaged as exc:
+        raise InvalidArgument("data", f"not a readable DOCX file: {exc}") from exc
+    if expanded > DOCX_MAX_EXPANDED_BYTES:
+        raise InvalidArgument(
+            "data",
+            f"the DOCX unzips to {expanded / 2**20:,.0f} MiB, more than the "
+            f"{DOCX_MAX_EXPANDED_BYTES / 2**20:.0f} MiB accepted (a zip bomb, or split the document)",
+        )
+    try:
+        return Document(io.BytesIO(data))
+    except damaged as exc:
+        raise InvalidArgument("data", f"not a readable DOCX file: {exc}") from exc
+
+
+class _DocxStyles:
+    """Style lookups, once per style id: python-docx resolves a paragraph's or run's style by
+    searching every style of the document each time (≈ 30 µs), twice the cost of the rest of a
+    paragraph. ``_p``/``_r`` are its XML elements, where the style id is one attribute."""
+
+    def __init__(self) -> None:
+        self._paragraph: dict[str | None, str] = {}
+        self._run_bold: dict[str | None, bool] = {}
+
+    def paragraph_style(self, paragraph: Any) -> str:
+        """The paragraph's style name ("Heading 2", "Title", "Normal"; "" when it has none)."""
+        key = paragraph._p.style
+        if key not in self._paragraph:
+            style = paragraph.style
+            self._paragraph[key] = style.name if style is not None and style.name else ""
+        return self._paragraph[key]
+
+    def bold_only(self, paragraph: Any) -> bool:
+        """Whether every run of a paragraph that has text is bold (directly or by its character style)."""
+        runs = [run for run in paragraph.runs if run.text.strip()]
+        return bool(runs) and all(run.bold or self._style_bold(run) for run in runs)
+
+    def _style_bold(self, run: Any) -> bool:
+        key = run._r.style
+        if key not in self._run_bold:
+            style = run.style
+            self._run_bold[key] = bool(style is not None and style.font.bold)
+        return self._run_bold[key]
 
 
 def _parse_csv(data: bytes, charset: str | None, delimiter: str | None = None) -> list[Section]:

@@ -137,28 +137,34 @@ def _paragraphs(value: Any) -> list[str]:
 def _record(value: Any) -> str:
     """``path: value`` lines; a list of scalars is one line (``colours: red, grey``)."""
     lines: dict[str, list[str]] = {}
-    for path, text in _leaves(value):
-        # A list's items share their list's line: "a[0].b[1]" and "a[0].b[2]" are "a[0].b".
-        lines.setdefault(path[: path.rindex("[")] if path.endswith("]") else path, []).append(text)
+    for line, text in _leaves(value):
+        lines.setdefault(line, []).append(text)
     return "\n".join(
         f"{path}: {', '.join(texts)}" if path else ", ".join(texts) for path, texts in lines.items()
     )
 
 
 def _leaves(value: Any) -> Iterator[tuple[str, str]]:
-    """(dotted path, text) of every non-empty scalar under ``value``, in document order."""
-    stack: list[tuple[str, Any, int]] = [("", value, 0)]
+    """(line, text) of every non-empty scalar under ``value``, in document order.
+
+    The line is the scalar's dotted path, except that a list's scalar items share their list's
+    line: "a[0].b[1]" and "a[0].b[2]" are both on "a[0].b". Known by where the scalar sits, not
+    by its path's text: a key may itself end in "]".
+    """
+    # (path, value, depth, the line of its list when it is a list's item)
+    stack: list[tuple[str, Any, int, str | None]] = [("", value, 0, None)]
     while stack:
-        path, item, depth = stack.pop()
+        path, item, depth, list_line = stack.pop()
         if depth > MAX_JSON_DEPTH:
             raise InvalidArgument("data", f"JSON nested more than {MAX_JSON_DEPTH} levels deep")
+        children: list[tuple[str, Any, str | None]]
         if isinstance(item, dict):
-            children = [(f"{path}.{k}" if path else str(k), v) for k, v in item.items()]
+            children = [(f"{path}.{k}" if path else str(k), v, None) for k, v in item.items()]
         elif isinstance(item, list):
-            children = [(f"{path}[{i}]", v) for i, v in enumerate(item)]
+            children = [(f"{path}[{i}]", v, path) for i, v in enumerate(item)]
         else:
             text = item if isinstance(item, str) else json.dumps(item)
             if text.strip():
-                yield path, text.strip()
+                yield (path if list_line is None else list_line), text.strip()
             continue
-        stack.extend((p, v, depth + 1) for p, v in reversed(children))
+        stack.extend((p, v, depth + 1, line) for p, v, line in reversed(children))

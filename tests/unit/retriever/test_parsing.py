@@ -529,3 +529,86 @@ def test_tabular_formats_are_known_by_extension_and_common_aliases() -> None:
     assert parsing.normalize_mime_type("", "dump.jsonl") == "application/x-ndjson"
     assert parsing.normalize_mime_type("application/csv") == "text/csv"
     assert parsing.normalize_mime_type("text/json; charset=utf-8") == "application/json"
+
+
+def _docx_with(document_xml: bytes, padding_mib: int = 0) -> bytes:
+    """A real DOCX package whose body XML is ``document_xml``, with a part of ``padding_mib``
+    MiB of zeros beside it (written a MiB at a time: it zips to ~1/1000 of that)."""
+    import io
+    import zipfile
+
+    source = zipfile.ZipFile(io.BytesIO(docx_document([("Normal", "x")])))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as package:
+        for info in source.infolist():
+            body = document_xml if info.filename == "word/document.xml" else source.read(info)
+            package.writestr(info.filename, body)
+        if padding_mib:
+            with package.open("word/media/padding.bin", "w") as padding:
+                for _ in range(padding_mib):
+                    padding.write(bytes(2**20))
+    return out.getvalue()
+
+
+_W = b'<w:document xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/2006/main"><w:body>'
+_LAUGHS = (
+    b'<?xml version="1.0"?><!DOCTYPE d [<!ENTITY a "aaaaaaaaaa">'
+    + b"".join(b'<!ENTITY %c "%s">' % (ord("b") + i, (b"&%c;" % (ord("a") + i)) * 10) for i in range(8))
+    + b']><w:document xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/2006/main"><w:body><w:p><w:r><w:t>&i;</w:t></w:r></w:p></w:body></w:document>'
+)
+
+
+@pytest.mark.parametrize(
+    ("document_xml", "padding_mib", "message"),
+    [
+        (b"not xml at all", 0, "not a readable DOCX"),
+        # Entities that expand to 10^9 characters: libxml2's amplification limit stops them.
+        (_LAUGHS, 0, "not a readable DOCX"),
+        (_W + b"<w:tbl>" * 5000 + b"</w:body></w:document>", 0, "not a readable DOCX"),
+        # A part that unzips to 257 MiB from ~250 KB: refused from the archive's directory.
+        (_W + b"</w:body></w:document>", 257, r"unzips to 25\d MiB, more than the 256 MiB"),
+        # Half a million empty paragraphs zip to almost nothing and would cost ~30 s to read.
+        (_W + b"<w:p/>" * 500_001 + b"</w:body></w:document>", 0, "500,001 paragraphs"),
+    ],
+)
+def test_a_hostile_docx_is_refused_naming_the_data(
+    document_xml: bytes, padding_mib: int, message: str
+) -> None:
+    with pytest.raises(InvalidArgument, match=message) as caught:
+        parse_document(_docx_with(document_xml, padding_mib), DOCX)
+    assert caught.value.field == "data"
+
+
+def test_a_docx_reads_the_same_with_its_styles_looked_up_once() -> None:
+    # Many paragraphs of few styles: the cached lookups give each paragraph its own style.
+    paragraphs = [("Heading 1", "Openings"), ("Normal", "Control the centre.")] * 3 + [("bold", "Endgames")]
+    sections = parse_document(docx_document([*paragraphs, ("Normal", "Activate the king.")]), DOCX)
+    assert [(s.heading, s.text) for s in sections][-2:] == [
+        ("Openings", "Control the centre."),
+        ("Endgames", "Activate the king."),
+    ]
+
+
+def test_html_nested_deeper_than_pythons_stack_keeps_its_text_and_headings() -> None:
+    page = b"<h1>Deep</h1>" + b"<div>" * 50_000 + b"<p>Still here.</p><h2>Deeper</h2><span>" * 2 + b"End."
+    assert [(s.heading, " ".join(s.text.split())) for s in parse_document(page, HTML)] == [
+        ("Deep", "Still here."),
+        ("Deeper", "Still here."),
+        ("Deeper", "End."),
+    ]
+    # An unterminated comment repeated: no text, and no quadratic rescan of the rest.
+    with pytest.raises(InvalidArgument, match="no extractable text"):
+        parse_document(b"<!--" * 100_000, HTML)
+
+
+def test_a_json_key_ending_in_a_bracket_is_a_key_not_a_list_item() -> None:
+    data = b'{"items": [{"size[cm]": 12, "tags": ["a", "b"], "grid": [[1, 2], [3]]}]}'
+    (section,) = parse_document(data, "application/json")
+    assert section.text.splitlines() == ["size[cm]: 12", "tags: a, b", "grid[0]: 1, 2", "grid[1]: 3"]
+
+
+def test_html_with_control_characters_is_read_without_them() -> None:
+    # libxml2 refuses NUL and the other C0 controls in a tree; they are dropped first, as from
+    # every format's text (a separator control is a space, so no two words run together).
+    page = b"<html><body><h1>Ti\x01tle</h1><p>a\x1fb \x00c</p></body></html>"
+    assert [(s.heading, s.text) for s in parse_document(page, HTML)] == [("Title", "a b c")]
