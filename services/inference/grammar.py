@@ -160,6 +160,9 @@ def to_llguidance(constraint: Constraint) -> str:
             schema = json.loads(constraint.spec)
         except json.JSONDecodeError as exc:
             raise InvalidArgument(field, f"is not valid JSON: {exc}") from None
+        except RecursionError:
+            # Python's parser recurses per level; llguidance would refuse past 128 levels anyway.
+            raise InvalidArgument(field, "is nested too deep to read") from None
         if not isinstance(schema, dict):
             raise InvalidArgument(field, "must be a JSON object")
         try:

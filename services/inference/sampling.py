@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from services.common.errors import InvalidArgument
-from services.common.sampling_limits import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from services.common.sampling_limits import MAX_CHOICES, MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 #: Temperatures below this sample as greedy (argmax), as vLLM's ``_SAMPLING_EPS`` does: dividing
 #: logits by a temperature like 1e-40 overflows float32 to inf, and the softmax of inf is NaN.
@@ -45,6 +45,8 @@ class Constraint:
         if self.kind is ConstraintKind.CHOICE:
             if not self.choices:
                 raise InvalidArgument(field, "needs at least one value")
+            if len(self.choices) > MAX_CHOICES:
+                raise InvalidArgument(field, f"at most {MAX_CHOICES} values, got {len(self.choices)}")
             if any(not c for c in self.choices):
                 raise InvalidArgument(field, "values must not be empty")
         elif self.kind is not ConstraintKind.JSON_OBJECT and not self.spec.strip():

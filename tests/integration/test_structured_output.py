@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.common.prompts import Message, prompt_token_ids
+from services.common.sampling_limits import MAX_CHOICES
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.support.device import TEST_DEVICE
 from tests.support.inference import Generation, generate
@@ -257,6 +258,9 @@ async def generate_with_logprobs(
         ("choice", {"choice": common_pb2.Choices(values=["\x16"])}),
         ("regex", {"regex": "\x04+"}),
         ("top_logprobs", {"top_logprobs": 21}),
+        # Hostile sizes: deeper than Python's JSON reader recurses, more choices than compile fast.
+        ("json_schema", {"json_schema": '{"type": "array", "items": ' * 2000 + "{}" + "}" * 2000}),
+        ("choice", {"choice": common_pb2.Choices(values=[str(i) for i in range(MAX_CHOICES + 1)])}),
     ],
 )
 async def test_bad_constraints_are_invalid_argument_naming_the_field_before_any_engine_work(

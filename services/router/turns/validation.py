@@ -46,6 +46,17 @@ def validate(request: router_pb2.ChatRequest, field_prefix: str = "") -> None:
         check_session_id(request.session_id, f"{field_prefix}session_id")
     if request.request_id:  # empty: the router mints one
         check_client_id(request.request_id, f"{field_prefix}request_id")
+    if request.cache.mode not in router_pb2.CacheMode.values():
+        known = ", ".join(f"{v} ({n})" for n, v in router_pb2.CacheMode.items())
+        raise errors.InvalidArgument(
+            f"{field_prefix}cache.mode", f"unknown cache mode {request.cache.mode}; known: {known}"
+        )
+    if request.cache.HasField("semantic_threshold") and not 0.0 < request.cache.semantic_threshold <= 1.0:
+        # NaN fails this too; the lookup would otherwise refuse it only after the turn began.
+        raise errors.InvalidArgument(
+            f"{field_prefix}cache.semantic_threshold",
+            f"must be a cosine in (0, 1], got {request.cache.semantic_threshold}",
+        )
     if len(request.cache.user) > MAX_CACHE_USER_CHARS:
         raise errors.InvalidArgument(
             f"{field_prefix}cache.user", f"must be at most {MAX_CACHE_USER_CHARS} characters"

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from services.common.sampling_limits import MAX_CHOICES
 from services.gen.llmmesh.v1 import common_pb2
 from services.router.api.openai.errors import bad_request, unsupported
 
@@ -110,6 +111,8 @@ def _schema_text(schema: Any, where: str) -> str:
 def _choices(value: Any, where: str) -> list[str]:
     if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
         raise bad_request(where, f"{where}: must be a non-empty list of non-empty strings")
+    if len(value) > MAX_CHOICES:
+        raise bad_request(where, f"{where}: at most {MAX_CHOICES} choices, got {len(value)}")
     return list(value)
 
 

@@ -15,6 +15,10 @@ USER = [common_pb2.ChatMessage(role="user", content="Hi")]
 def test_a_raw_prompt_alone_is_a_valid_turn_as_are_messages_alone() -> None:
     validate(router_pb2.ChatRequest(prompt="Once upon a time"))
     validate(router_pb2.ChatRequest(messages=USER))
+    # A function's result given back is a message like the others.
+    validate(router_pb2.ChatRequest(messages=[*USER, common_pb2.ChatMessage(role="tool", content="42")]))
+    policy = router_pb2.CachePolicy(mode=router_pb2.CACHE_MODE_REFRESH, semantic=True, semantic_threshold=1.0)
+    validate(router_pb2.ChatRequest(messages=USER, cache=policy))
 
 
 @pytest.mark.parametrize(
@@ -24,6 +28,15 @@ def test_a_raw_prompt_alone_is_a_valid_turn_as_are_messages_alone() -> None:
         (router_pb2.ChatRequest(prompt="x", messages=USER), "prompt"),
         (router_pb2.ChatRequest(prompt="x", session_id="s1"), "session_id"),
         (router_pb2.ChatRequest(prompt="x", rag=router_pb2.RagOptions(enabled=True)), "rag"),
+        # An enum value this router does not know, and a threshold no cosine can be measured against.
+        (router_pb2.ChatRequest(messages=USER, cache=router_pb2.CachePolicy(mode=99)), "cache.mode"),  # type: ignore[arg-type]
+        *(
+            (
+                router_pb2.ChatRequest(messages=USER, cache=router_pb2.CachePolicy(semantic_threshold=t)),
+                "cache.semantic_threshold",
+            )
+            for t in (float("nan"), 0.0, 1.5, -0.5)
+        ),
     ],
 )
 def test_a_turn_that_is_neither_or_both_is_refused_naming_the_field(

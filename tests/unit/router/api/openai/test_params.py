@@ -160,6 +160,7 @@ def test_nulls_and_load_tool_extras_are_accepted() -> None:
         ),
         ({"messages": USER, "guided_json": "{not json"}, "guided_json"),
         ({"messages": USER, "guided_choice": []}, "guided_choice"),
+        ({"messages": USER, "guided_choice": [str(i) for i in range(10_001)]}, "guided_choice"),
         ({"messages": USER, "guided_regex": "a+", "guided_choice": ["a"]}, "guided_regex"),
         ({"messages": USER, "top_logprobs": 3}, "top_logprobs"),
         ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
