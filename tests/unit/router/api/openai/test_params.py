@@ -406,6 +406,18 @@ def test_earlier_calls_and_their_results_become_the_conversation_the_model_reads
         ("tool", "12:00"),
         ("user", "So?"),
     ]
+    # instructor's re-ask after a failed validation (Mode.TOOLS): an empty content beside the
+    # calls, and the tool message naming its function; the name is not shown to the model.
+    reask = [
+        *USER,
+        {"role": "assistant", "content": "", "tool_calls": [weather]},
+        {"role": "tool", "tool_call_id": "c1", "name": "weather", "content": "Validation Error found: …"},
+    ]
+    (turn,) = chat_generation({"messages": reask}, "r").turns
+    assert [(m.role, m.content) for m in turn.messages][1:] == [
+        ("assistant", '{"name": "weather", "arguments": {"city": "Oslo"}}'),
+        ("tool", "Validation Error found: …"),
+    ]
     # A call whose arguments are not JSON (a client's own) is read as it was sent.
     (turn,) = chat_generation({"messages": [*USER, _called("f", "not json"), *USER]}, "r").turns
     assert turn.messages[1].content == '{"name": "f", "arguments": "not json"}'
