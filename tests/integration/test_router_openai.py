@@ -799,6 +799,18 @@ def test_langchain_on_the_responses_api_invokes_streams_and_sends_its_answer_bac
     assert answered.text and answered.text == greedy(front, history, 48)  # type: ignore[arg-type]
 
 
+def forced_call(front: Front, tool: Any, name: str) -> Any:
+    """The greedy answer to "What is the weather in Paris?", forced to be a call of ``name``."""
+    return front.client().chat.completions.create(
+        model=front.model,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        max_tokens=48,
+        temperature=0,
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": name}},
+    )
+
+
 def test_the_responses_api_makes_a_forced_function_call_as_chat_does(front: Front) -> None:
     import openai
     from pydantic import BaseModel, Field
@@ -810,14 +822,7 @@ def test_the_responses_api_makes_a_forced_function_call_as_chat_does(front: Fron
     tool = openai.pydantic_responses_function_tool(GetWeather)
     asked = [{"role": "user", "content": "What is the weather in Paris?"}]
     client = front.client()
-    chat = client.chat.completions.create(
-        model=front.model,
-        messages=asked,  # type: ignore[arg-type]
-        max_tokens=48,
-        temperature=0,
-        tools=[chat_tool],
-        tool_choice={"type": "function", "function": {"name": "GetWeather"}},
-    )
+    chat = forced_call(front, chat_tool, "GetWeather")
     (expected,) = chat.choices[0].message.tool_calls or []
     named = {"type": "function", "name": "GetWeather"}
     call_asked: dict[str, Any] = {
@@ -1178,14 +1183,7 @@ def test_a_call_and_its_result_given_back_get_the_answer_the_model_reads_from_th
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": weather}}
     asked = [{"role": "user", "content": "What is the weather in Paris?"}]
     client = front.client()
-    first = client.chat.completions.create(
-        model=front.model,
-        messages=asked,  # type: ignore[arg-type]
-        max_tokens=48,
-        temperature=0,
-        tools=[tool],  # type: ignore[list-item]
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-    )
+    first = forced_call(front, tool, "get_weather")
     message = first.choices[0].message
     (call,) = message.tool_calls or []
     result = {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 18, "sky": "clear"}'}
