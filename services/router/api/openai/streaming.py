@@ -166,9 +166,14 @@ async def _events(
             return
         usages[index] = end.usage
         if framer.tool is not None:
-            call = framer.tool_delta(index, calls.get(index, ""), include_usage)
+            held = calls.get(index, "")
+            call = framer.tool_delta(index, held, include_usage)
             if call is not None:
                 yield event(index, call)
+            elif held:
+                # No call (a `required` one cut short by max_tokens): its text, as the whole
+                # answer gives it, never dropped.
+                yield event(index, framer.delta_json(index, held, include_usage))
         finish = framer.finish(index, end.finish_reason, include_usage)
         if with_extras:
             finish["llm_mesh"] = response_extras(end)

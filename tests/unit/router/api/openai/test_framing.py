@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from typing import Any
 
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
-from services.router.api.openai.choices import ChoiceAnswer
+from services.router.api.openai.choices import ChoiceAnswer, ChoiceStreams
 from services.router.api.openai.framing import DONE, KEEPALIVE, Framer, sse, total_usage
+from services.router.api.openai.streaming import sse_body
+from services.router.api.openai.structured import ToolMode
 
 
 def usage(prompt: int, completion: int, cached: int = 0) -> common_pb2.Usage:
@@ -91,3 +95,43 @@ def test_an_echoed_token_id_prompt_is_the_replicas_decoded_text_or_its_tokens_fr
     assert framer.whole([answers[0], older])["choices"][1]["text"] == "\ufffd\ufffd!"
     delta = router_pb2.TokenDelta(text="!", token_ids=[5], prompt_logprobs=split, prompt_text="世")
     assert framer.echo_delta(1, delta, with_usage=False)["choices"][0]["text"] == "世!"
+
+
+async def _chat_stream(framer: Framer, *messages: router_pb2.ChatResponse) -> list[dict[str, Any]]:
+    """The chunks of a one-choice chat stream of ``messages``, as a client parses them."""
+
+    async def turn() -> AsyncIterator[router_pb2.ChatResponse]:
+        for m in messages:
+            yield m
+
+    streams = ChoiceStreams([turn()])
+    first = await streams.next()
+    assert first is not None
+    body = b"".join([chunk async for chunk in sse_body(streams, framer, first, False, keepalive_s=5)])
+    await streams.close()
+    data = [line.removeprefix("data: ") for line in body.decode().splitlines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def _ended(reason: int) -> router_pb2.ChatResponse:
+    return router_pb2.ChatResponse(end=router_pb2.TurnEnd(finish_reason=reason, usage=usage(5, 3)))
+
+
+def _text(text: str) -> router_pb2.ChatResponse:
+    return router_pb2.ChatResponse(delta=router_pb2.TokenDelta(text=text))
+
+
+async def test_a_streamed_required_call_comes_whole_and_one_cut_short_keeps_its_text() -> None:
+    framer = Framer("chat", "c1", 1, "m", tool=ToolMode(None))
+    made = await _chat_stream(framer, _text('{"name": "f", '), _text('"arguments": {}}'), _ended(1))
+    (call,) = made[-2]["choices"][0]["delta"]["tool_calls"]
+    assert call["function"] == {"name": "f", "arguments": "{}"}
+    assert made[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # Cut short by max_tokens it is no call: the text comes as content, as the whole answer has it.
+    cut = await _chat_stream(framer, _text('{"name": "f", '), _text('"argu'), _ended(2))
+    texts = [c["choices"][0]["delta"].get("content") for c in cut if c["choices"]]
+    assert "".join(t for t in texts if t) == '{"name": "f", "argu'
+    assert cut[-1]["choices"][0]["finish_reason"] == "length"
+    whole = framer.whole([ChoiceAnswer(['{"name": "f", ', '"argu'], _ended(2).end)])
+    assert whole["choices"][0]["message"]["content"] == '{"name": "f", "argu'
