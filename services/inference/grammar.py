@@ -158,7 +158,7 @@ def to_llguidance(constraint: Constraint) -> str:
     if kind is ConstraintKind.JSON_SCHEMA:
         try:
             schema = json.loads(constraint.spec)
-        except json.JSONDecodeError as exc:
+        except ValueError as exc:  # not JSON, or an integer past Python's 4,300-digit limit
             raise InvalidArgument(field, f"is not valid JSON: {exc}") from None
         except RecursionError:
             # Python's parser recurses per level; llguidance would refuse past 128 levels anyway.

@@ -260,6 +260,7 @@ async def generate_with_logprobs(
         ("top_logprobs", {"top_logprobs": 21}),
         # Hostile sizes: deeper than Python's JSON reader recurses, more choices than compile fast.
         ("json_schema", {"json_schema": '{"type": "array", "items": ' * 2000 + "{}" + "}" * 2000}),
+        ("json_schema", {"json_schema": '{"const": ' + "9" * 5000 + "}"}),
         ("choice", {"choice": common_pb2.Choices(values=[str(i) for i in range(MAX_CHOICES + 1)])}),
     ],
 )

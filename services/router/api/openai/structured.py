@@ -101,7 +101,9 @@ def _schema_text(schema: Any, where: str) -> str:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
-        except json.JSONDecodeError as exc:
+        except RecursionError:
+            raise bad_request(where, f"{where}: nested too deep to read") from None
+        except ValueError as exc:  # not JSON, or an integer past Python's 4,300-digit limit
             raise bad_request(where, f"{where}: not valid JSON: {exc}") from None
     if not isinstance(schema, dict):
         raise bad_request(where, f"{where}: must be a JSON Schema object")
@@ -210,7 +212,9 @@ class ToolMode:
             return _tool_call(call_id, self.name, text)
         try:
             parsed = json.loads(text)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
+            # Not JSON (cut short), or JSON Python's reader refuses: an integer of thousands of
+            # digits, which a schema's "integer" allows and max_tokens may leave room for.
             return None
         if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
             return None

@@ -50,10 +50,11 @@ def call_text(calls: Sequence[Call]) -> str:
 
 def _arguments_value(arguments: str) -> Any:
     # The arguments are a JSON text; parsed, they render as the model writes JSON. Text that is
-    # not JSON (a client's own call) stays the string it was.
+    # not JSON (a client's own call), or that Python's reader refuses (an integer of thousands
+    # of digits, nesting past its recursion limit), stays the string it was.
     try:
         return json.loads(arguments)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return arguments
 
 

@@ -159,6 +159,9 @@ def test_nulls_and_load_tool_extras_are_accepted() -> None:
             "response_format.json_schema.schema",
         ),
         ({"messages": USER, "guided_json": "{not json"}, "guided_json"),
+        # A schema sent as a JSON string is read by Python's parser, which has limits of its own.
+        ({"messages": USER, "guided_json": "[" * 100_000 + "]" * 100_000}, "guided_json"),
+        ({"messages": USER, "guided_json": '{"const": ' + "9" * 5000 + "}"}, "guided_json"),
         ({"messages": USER, "guided_choice": []}, "guided_choice"),
         ({"messages": USER, "guided_choice": [str(i) for i in range(10_001)]}, "guided_choice"),
         ({"messages": USER, "guided_regex": "a+", "guided_choice": ["a"]}, "guided_regex"),
@@ -334,6 +337,8 @@ def test_required_tool_choice_lets_the_model_pick_one_of_the_tools() -> None:
     call = generation.tool.call('{"name": "time", "arguments": {}}', "c2")
     assert call is not None and call["function"] == {"name": "time", "arguments": "{}"}
     assert generation.tool.call('{"name": "ti', "c3") is None  # cut short: not a call
+    # An integer past Python's 4,300-digit reading limit: no call either, never a 500.
+    assert generation.tool.call('{"name": "time", "arguments": {"n": ' + "9" * 5000 + "}}", "c4") is None
     assert chat_generation({"messages": USER, "tools": [WEATHER], "tool_choice": "none"}, "r").tool is None
 
 
@@ -418,6 +423,8 @@ def test_earlier_calls_and_their_results_become_the_conversation_the_model_reads
         ("assistant", '{"name": "weather", "arguments": {"city": "Oslo"}}'),
         ("tool", "Validation Error found: …"),
     ]
-    # A call whose arguments are not JSON (a client's own) is read as it was sent.
-    (turn,) = chat_generation({"messages": [*USER, _called("f", "not json"), *USER]}, "r").turns
-    assert turn.messages[1].content == '{"name": "f", "arguments": "not json"}'
+    # A call whose arguments are not JSON (a client's own), or JSON Python's reader refuses, is
+    # read as it was sent.
+    for arguments in ("not json", "9" * 5000, "[" * 100_000 + "]" * 100_000):
+        (turn,) = chat_generation({"messages": [*USER, _called("f", arguments), *USER]}, "r").turns
+        assert turn.messages[1].content == json.dumps({"name": "f", "arguments": arguments})
