@@ -232,9 +232,10 @@ class Framer:
             {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}, with_usage
         )
 
-    def finish(self, index: int, reason: int, with_usage: bool) -> dict[str, Any]:
+    def finish(self, index: int, reason: int, with_usage: bool, called: bool = False) -> dict[str, Any]:
+        """The choice's last chunk; ``called``: its answer was sent as a call (``tool_delta``)."""
         name = FINISH_REASONS.get(reason)
-        if self.tool is not None and name == "stop":
+        if called and name == "stop":
             name = "tool_calls"
         if self.score_only and name is not None:
             name = "length"  # max_tokens 0 reached at once

@@ -165,6 +165,7 @@ async def _events(
             yield DONE
             return
         usages[index] = end.usage
+        call = None
         if framer.tool is not None:
             held = calls.get(index, "")
             call = framer.tool_delta(index, held, include_usage)
@@ -174,7 +175,7 @@ async def _events(
                 # No call (a `required` one cut short by max_tokens): its text, as the whole
                 # answer gives it, never dropped.
                 yield event(index, framer.delta_json(index, held, include_usage))
-        finish = framer.finish(index, end.finish_reason, include_usage)
+        finish = framer.finish(index, end.finish_reason, include_usage, called=call is not None)
         if with_extras:
             finish["llm_mesh"] = response_extras(end)
         yield event(index, finish)

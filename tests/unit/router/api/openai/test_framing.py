@@ -135,3 +135,10 @@ async def test_a_streamed_required_call_comes_whole_and_one_cut_short_keeps_its_
     assert cut[-1]["choices"][0]["finish_reason"] == "length"
     whole = framer.whole([ChoiceAnswer(['{"name": "f", ', '"argu'], _ended(2).end)])
     assert whole["choices"][0]["message"]["content"] == '{"name": "f", "argu'
+    # Complete but past what Python reads (a 5,000-digit integer): text that stopped, not a call.
+    huge = '{"name": "f", "arguments": {"n": ' + "9" * 5000 + "}}"
+    read = await _chat_stream(framer, _text(huge), _ended(1))
+    assert read[-1]["choices"][0]["finish_reason"] == "stop"
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in read if c["choices"]) == huge
+    whole = framer.whole([ChoiceAnswer([huge], _ended(1).end)])
+    assert (whole["choices"][0]["finish_reason"], whole["choices"][0]["message"]["content"]) == ("stop", huge)
