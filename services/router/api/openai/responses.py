@@ -20,6 +20,7 @@ non-text inputs.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -149,7 +150,7 @@ def response_generation(body: Any, request_id: str) -> ResponseRequest:
     tool = _tool_mode(body, sampling)
     if tool is not None:
         # The constraint is the called function's parameters schema, named as this API has it.
-        source = tool.source.replace(".function.parameters", ".parameters")
+        source = _responses_field(tool.source)
     generation = turns_generation(body, request_id, [messages], sampling)
     generation = dataclasses.replace(generation, tool=tool, constraint=constraint_param(sampling, source))
     metadata = body.get("metadata")
@@ -203,15 +204,23 @@ def _tool_mode(body: Mapping[str, Any], sampling: common_pb2.SamplingParams) -> 
     try:
         return tool_mode({"tools": chat_tools, "tool_choice": choice}, sampling)
     except ApiError as error:
-        error = renamed(error, "tool_choice.function.name", "tool_choice.name")
-        for i in range(len(chat_tools)):
-            error = renamed(error, f"tools[{i}].function.parameters", f"tools[{i}].parameters")
-            error = renamed(error, f"tools[{i}].function.name", f"tools[{i}].name")
-            if error.param == f"tools[{i}]":
-                error = dataclasses.replace(
-                    error, message=f"tools[{i}]: must be {{'type': 'function', 'name': …, 'parameters': …}}"
-                )
+        if error.param is not None:
+            error = renamed(error, error.param, _responses_field(error.param))
+        if error.param is not None and _TOOL_ENTRY.fullmatch(error.param):
+            error = dataclasses.replace(
+                error, message=f"{error.param}: must be {{'type': 'function', 'name': …, 'parameters': …}}"
+            )
         raise error from None
+
+
+_TOOL_ENTRY = re.compile(r"tools\[\d+\]")
+_CHAT_TOOL_FIELD = re.compile(r"^(tools\[\d+\]|tool_choice)\.function\.")
+
+
+def _responses_field(chat_field: str) -> str:
+    """A chat tools field as this API names it, its functions flat: ``tools[i].function.parameters``
+    is ``tools[i].parameters``, ``tool_choice.function.name`` is ``tool_choice.name``."""
+    return _CHAT_TOOL_FIELD.sub(r"\1.", chat_field)
 
 
 def _refuse_stateful(body: Mapping[str, Any]) -> None:
