@@ -8,6 +8,7 @@ from services.common.settings import flag
 from services.retriever.connection import check_milvus_uri
 from services.retriever.document_locks import DEFAULT_LEASE_SECONDS, DEFAULT_WAIT_SECONDS
 from services.retriever.embedder import DEFAULT_EMBEDDING_MODEL
+from services.retriever.parsing import DEFAULT_MAX_PARSE_SECONDS
 from services.retriever.rerank import DEFAULT_RERANK_MODEL
 from services.retriever.semantic_cache import DEFAULT_THRESHOLD, DEFAULT_TTL_SECONDS, MAX_TTL_SECONDS
 
@@ -21,6 +22,10 @@ class RetrieverConfig:
     device: str = flag("cpu", help="embedding device: auto, cpu or cuda")
     collection_prefix: str = flag("llmmesh", help="prefix of the Milvus collection names")
     max_document_bytes: int = flag(20 * 1024 * 1024, help="largest upload accepted")
+    max_parse_seconds: float = flag(
+        DEFAULT_MAX_PARSE_SECONDS,
+        help="longest one document's text may take to read (PDFs); beyond it refused",
+    )
     chunk_tokens: int = flag(200, help="chunk size in embedding-model tokens")
     chunk_overlap_tokens: int = flag(40, help="tokens shared by neighbouring chunks")
     cache_threshold: float = flag(DEFAULT_THRESHOLD, help="semantic-cache cosine similarity")
@@ -56,6 +61,8 @@ class RetrieverConfig:
             raise ValueError(f"--embedding-dimension must be >= 1, got {self.embedding_dimension}")
         if self.max_document_bytes < 1:
             raise ValueError(f"--max-document-bytes must be >= 1, got {self.max_document_bytes}")
+        if not self.max_parse_seconds > 0:  # NaN too
+            raise ValueError(f"--max-parse-seconds must be > 0, got {self.max_parse_seconds}")
         if not -1.0 <= self.cache_threshold <= 1.0:
             raise ValueError(f"--cache-threshold must be in [-1, 1], got {self.cache_threshold}")
         if not 1 <= self.cache_ttl_seconds <= MAX_TTL_SECONDS:

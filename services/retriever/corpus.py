@@ -23,7 +23,12 @@ from services.common.errors import InvalidArgument, NotFound
 from services.retriever.chunking import Chunk, TokenChunker
 from services.retriever.document_locks import DocumentLocks, LocalLocks
 from services.retriever.embedder import Vectors
-from services.retriever.parsing import base_type, normalize_mime_type, parse_document
+from services.retriever.parsing import (
+    DEFAULT_MAX_PARSE_SECONDS,
+    base_type,
+    normalize_mime_type,
+    parse_document,
+)
 from services.retriever.records import ChunkHit, ChunkRow, DocumentRecord
 from services.retriever.rerank import Reranker
 from services.retriever.schema import MAX_TEXT_BYTES, contextual_text, fit_bytes
@@ -108,8 +113,10 @@ class Corpus:
         locks: DocumentLocks | None = None,
         reranker: Reranker | None = None,
         reranker_unavailable: str = "",
+        max_parse_seconds: float = DEFAULT_MAX_PARSE_SECONDS,
     ) -> None:
         self._store = store
+        self._max_parse_seconds = max_parse_seconds
         self._searcher = Searcher(store, embedder, reranker, reranker_unavailable)
         self._embedder = embedder
         self._chunker = chunker
@@ -149,7 +156,9 @@ class Corpus:
                 )
 
             # Everything that can reject the input happens before the first write.
-            chunks = self._chunker.chunk(parse_document(upload.data, base_type(mime_type), charset))
+            chunks = self._chunker.chunk(
+                parse_document(upload.data, base_type(mime_type), charset, self._max_parse_seconds)
+            )
             if not chunks:
                 raise InvalidArgument("data", "document has no text to index")
             contexts = [embedding_text(title, c) for c in chunks]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import logging
 import re
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -14,7 +15,14 @@ from typing import Any
 
 from services.common.errors import InvalidArgument
 from services.retriever import tabular
-from services.retriever.pdf_layout import PdfBlock, layout_kept_the_text, page_lines, pdf_blocks
+from services.retriever.pdf_layout import (
+    PageText,
+    PdfBlock,
+    ReadingTooLong,
+    layout_kept_the_text,
+    page_lines,
+    pdf_blocks,
+)
 from services.retriever.terms import normalized
 from services.retriever.text_encoding import decode_text
 from services.retriever.text_layout import (
@@ -60,6 +68,11 @@ _MIME_ALIASES = {
     "application/x-jsonlines": tabular.JSON_LINES,
     "application/jsonlines": tabular.JSON_LINES,
 }
+
+#: How long one document's text may take to read (``--max-parse-seconds``). Only PDFs get near
+#: it: their content streams are compressed, so a few kilobytes can hold millions of text
+#: runs (a 32 KB file took 57 s), where every other format's cost is bounded by its bytes.
+DEFAULT_MAX_PARSE_SECONDS = 60.0
 
 _MD_HEADING = re.compile(r"^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
 _MD_FENCE = re.compile(r"^\s{0,3}(`{3,}|~{3,})(.*)$")
@@ -189,15 +202,23 @@ def base_type(mime_type: str) -> str:
     return mime_type.split(";", 1)[0].strip()
 
 
-def parse_document(data: bytes, mime_type: str, charset: str | None = None) -> list[Section]:
+def parse_document(
+    data: bytes,
+    mime_type: str,
+    charset: str | None = None,
+    max_seconds: float = DEFAULT_MAX_PARSE_SECONDS,
+) -> list[Section]:
     """Sections of non-empty text; raises InvalidArgument for unreadable or empty documents.
 
     ``charset`` is the encoding the upload declared (``text_encoding.declared_charset``), for
-    the text formats; a byte-order mark overrides it, as browsers do.
+    the text formats; a byte-order mark overrides it, as browsers do. A PDF still being read
+    after ``max_seconds`` is refused (InvalidArgument) rather than holding a worker for as
+    long as its pages ask.
     """
     if not data:
         raise InvalidArgument("data", "document is empty (0 bytes)")
-    parsed = (_printable_section(s) for s in _PARSERS[mime_type](data, charset))
+    read = _parse_pdf(data, max_seconds) if mime_type == PDF else _PARSERS[mime_type](data, charset)
+    parsed = (_printable_section(s) for s in read)
     # Only zero-width characters, soft hyphens or BOMs is no text a reader or a search could find.
     sections = [s for s in parsed if normalized(s.text).strip()]
     if not sections:
@@ -443,19 +464,30 @@ def _html_bold_only(element: Any) -> bool:
     return bool(bold.strip()) and " ".join(bold.split()) == " ".join(element.get_text().split())
 
 
-def _parse_pdf(data: bytes) -> list[Section]:
+def _parse_pdf(data: bytes, max_seconds: float = DEFAULT_MAX_PARSE_SECONDS) -> list[Section]:
     from pypdf import PasswordType, PdfReader
     from pypdf.errors import PyPdfError
 
+    deadline = time.monotonic() + max_seconds
+    pages: list[PageText] = []
     try:
         reader = PdfReader(io.BytesIO(data), strict=False)
         # Most "encrypted" PDFs only restrict printing or copying (an owner password): every
         # viewer opens them with the empty user password, and so does this.
         if reader.is_encrypted and reader.decrypt("") == PasswordType.NOT_DECRYPTED:
             raise InvalidArgument("data", "PDF is encrypted: it needs a password to open")
-        pages = [page_lines(page) for page in reader.pages]
+        for page in reader.pages:
+            if time.monotonic() > deadline:
+                raise ReadingTooLong
+            pages.append(page_lines(page, deadline))
     except InvalidArgument:
         raise
+    except ReadingTooLong:
+        raise InvalidArgument(
+            "data",
+            f"PDF took longer than {max_seconds:g} s to read ({len(pages)} of {_page_count(reader)} "
+            "pages read): split it, or raise the retriever's --max-parse-seconds",
+        ) from None
     except (PyPdfError, ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
         # pypdf reports damage through many exception types; all of them mean the same to a client.
         raise InvalidArgument("data", f"not a readable PDF: {exc}") from exc
@@ -466,6 +498,13 @@ def _parse_pdf(data: bytes) -> list[Section]:
     except Exception:  # the layout is a refinement: a PDF it cannot read is still ingested
         log.warning("PDF layout analysis failed; reading its pages as plain text", exc_info=True)
     return [Section(page.text.strip(), page=number) for number, page in enumerate(pages, start=1)]
+
+
+def _page_count(reader: Any) -> str:
+    try:
+        return str(len(reader.pages))
+    except Exception:  # a damaged page tree: the count is only for the message
+        return "?"
 
 
 def _pdf_sections(blocks: list[PdfBlock]) -> list[Section]:
@@ -615,7 +654,7 @@ _PARSERS: dict[str, Callable[[bytes, str | None], list[Section]]] = {
     PLAIN_TEXT: _parse_plain,
     MARKDOWN: _parse_markdown,
     HTML: _parse_html,
-    PDF: lambda data, _charset: _parse_pdf(data),
+    PDF: lambda data, _charset: _parse_pdf(data),  # parse_document passes its deadline
     DOCX: lambda data, _charset: _parse_docx(data),
     tabular.CSV: _parse_csv,
     tabular.TSV: lambda data, charset: _parse_csv(data, charset, "\t"),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +31,10 @@ _PARAGRAPH_GAP = 1.4
 # Longer than this, a line in a heading's style is emphasised body text.
 _HEADING_MAX_CHARS = 120
 _BOLD_MARKERS = ("bold", "black", "heavy", "semibold", "demi")
+
+
+class ReadingTooLong(Exception):
+    """A page's text runs went on past the reading deadline (``page_lines``'s ``deadline``)."""
 
 
 @dataclass
@@ -81,14 +86,21 @@ def _position(cm: Sequence[float], tm: Sequence[float], size: float) -> tuple[fl
     return y, height
 
 
-def page_lines(page: Any) -> PageText:
-    """The page's text lines with their style and position, in reading order (pypdf's)."""
+def page_lines(page: Any, deadline: float = math.inf) -> PageText:
+    """The page's text lines with their style and position, in reading order (pypdf's).
+
+    ``deadline`` (``time.monotonic()``): past it, ``ReadingTooLong``. A few kilobytes of
+    compressed content can hold millions of text runs, and one page's runs, or the form
+    XObjects it draws over and over, can take minutes: the check runs per run, not per page.
+    """
     lines: list[PdfLine] = []
 
     def visit(text: str, cm: Sequence[float], tm: Sequence[float], font: Any, size: float) -> None:
+        if time.monotonic() > deadline:
+            raise ReadingTooLong
         if not text:
             return
-        # Never raise here: an exception would lose the page's text, not just its layout.
+        # Never raise below: an exception would lose the page's text, not just its layout.
         y, height = _position(cm, tm, size)
         bold = _is_bold(font)
         pieces = text.split("\n")

@@ -68,6 +68,7 @@ class RetrieverRuntime:
             locks=self._document_locks(),
             reranker=reranker,
             reranker_unavailable=unavailable,
+            max_parse_seconds=config.max_parse_seconds,
         )
         self.servicer.set_ready(
             Backends(

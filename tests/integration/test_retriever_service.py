@@ -20,11 +20,13 @@ from services.common.metadata import TENANT_KEY
 from services.gen.llmmesh.v1 import common_pb2, retriever_pb2_grpc
 from services.gen.llmmesh.v1 import retriever_pb2 as pb
 from tests.support.document_router import DocumentRouter, document_router
-from tests.support.documents import build_corpus, corpus_questions, text_pdf
+from tests.support.documents import build_corpus, content_stream_pdf, corpus_questions, text_pdf
 from tests.support.processes import ROOT, ServiceProcess
 
 TENANT = "acme"
 MAX_DOCUMENT_BYTES = 200_000
+#: Every real document here reads in milliseconds; a PDF of millions of text runs does not.
+MAX_PARSE_SECONDS = 2
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +39,8 @@ def retriever(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProce
             str(data / "milvus.db"),
             "--max-document-bytes",
             str(MAX_DOCUMENT_BYTES),
+            "--max-parse-seconds",
+            str(MAX_PARSE_SECONDS),
             "--metrics-port",
             "0",
         ],
@@ -485,3 +489,24 @@ def test_csv_and_json_documents_are_searchable_with_each_value_beside_its_name(
     error = rpc_error(ingest, stub, "broken.json", b'{"a": ', "application/json", tenant=tenant)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "data: not valid JSON" in error.details()
     assert set(listed(stub, tenant)) == {"offices.csv", "kettle.json"}
+
+
+def test_a_small_pdf_of_millions_of_text_runs_is_refused_at_the_deadline_and_the_tenant_keeps_its_documents(
+    stub: retriever_pb2_grpc.RetrieverStub,
+) -> None:
+    tenant = "pdf-bomb"
+    ingest(stub, "kept.pdf", text_pdf([["Basalt cools from lava."]]), "application/pdf", tenant=tenant)
+    # 12 pages of 200,000 runs each, Flate-compressed to a few kilobytes: minutes of pypdf's
+    # time without a bound.
+    runs = b"BT /F1 11 Tf 50 760 Td " + b"(a) Tj " * 200_000 + b"ET"
+    bomb = content_stream_pdf(runs, pages=12, compress=True)
+    assert len(bomb) < MAX_DOCUMENT_BYTES
+    error = rpc_error(ingest, stub, "bomb.pdf", bomb, "application/pdf", tenant=tenant)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = error.details() or ""
+    assert details.startswith(f"data: PDF took longer than {MAX_PARSE_SECONDS} s to read"), details
+    read = int(details.split("(", 1)[1].split(" of ", 1)[0])
+    assert read < 12 and "of 12 pages read" in details and "--max-parse-seconds" in details
+    # Nothing of it was stored, and the tenant's other document is still found.
+    assert set(listed(stub, tenant)) == {"kept.pdf"}
+    assert search(stub, "What does lava become?", tenant=tenant, top_k=1)[0].document_id == "kept.pdf"

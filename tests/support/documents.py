@@ -106,13 +106,13 @@ def corpus_questions() -> list[tuple[str, str]]:
     return [(q["question"], q["document"]) for q in json.loads((CORPUS_DIR / "questions.json").read_text())]
 
 
-def content_stream_pdf(stream: bytes) -> bytes:
-    """A one-page PDF drawing ``stream`` (PDF content operators) with /F1 Helvetica and /F2 Helvetica-Bold."""
+def content_stream_pdf(stream: bytes, pages: int = 1, compress: bool = False) -> bytes:
+    """A PDF of ``pages`` pages, each drawing ``stream`` (PDF content operators) with /F1 Helvetica
+    and /F2 Helvetica-Bold; ``compress``: the content Flate-compressed, as PDF writers store it."""
     from pypdf import PdfWriter
     from pypdf.generic import DecodedStreamObject, DictionaryObject, NameObject
 
     writer = PdfWriter()
-    page = writer.add_blank_page(612, 792)
     fonts = DictionaryObject()
     for name, base in (("/F1", "/Helvetica"), ("/F2", "/Helvetica-Bold")):
         font = DictionaryObject(
@@ -123,10 +123,14 @@ def content_stream_pdf(stream: bytes) -> bytes:
             }
         )
         fonts[NameObject(name)] = writer._add_object(font)
-    page[NameObject("/Resources")] = DictionaryObject({NameObject("/Font"): fonts})
-    contents = DecodedStreamObject()
-    contents.set_data(stream)
-    page[NameObject("/Contents")] = writer._add_object(contents)
+    for _ in range(pages):
+        page = writer.add_blank_page(612, 792)
+        page[NameObject("/Resources")] = DictionaryObject({NameObject("/Font"): fonts})
+        contents = DecodedStreamObject()
+        contents.set_data(stream)
+        page[NameObject("/Contents")] = writer._add_object(contents)
+        if compress:
+            page.compress_content_streams()
     out = io.BytesIO()
     writer.write(out)
     return out.getvalue()

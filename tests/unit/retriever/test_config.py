@@ -16,6 +16,8 @@ from services.retriever.config import RetrieverConfig
         ({"cache_ttl_seconds": 0}, "--cache-ttl-seconds"),
         ({"collection_prefix": "bad-prefix"}, "--collection-prefix"),
         ({"max_document_bytes": 0}, "--max-document-bytes"),
+        ({"max_parse_seconds": 0}, "--max-parse-seconds"),
+        ({"max_parse_seconds": float("nan")}, "--max-parse-seconds"),
         ({"device": "tpu"}, "--device"),
     ],
 )

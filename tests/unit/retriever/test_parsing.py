@@ -397,6 +397,26 @@ def test_a_pdf_with_no_text_layer_is_refused_as_a_scan_needing_ocr() -> None:
     assert caught.value.field == "data"
 
 
+def test_a_pdf_still_being_read_at_the_deadline_is_refused_naming_data_and_the_pages_read() -> None:
+    # A few kilobytes of Flate-compressed content stand for 8 × 150,000 text runs: each page
+    # takes pypdf over a second to read, so the whole would take many times the deadline.
+    runs = b"BT /F1 11 Tf 50 760 Td " + b"(a) Tj " * 150_000 + b"ET"
+    bomb = content_stream_pdf(runs, pages=8, compress=True)
+    assert len(bomb) < 20_000
+    with pytest.raises(
+        InvalidArgument, match=r"PDF took longer than 0.5 s to read \((\d) of 8 pages read\)"
+    ) as caught:
+        parse_document(bomb, PDF, max_seconds=0.5)
+    assert caught.value.field == "data" and "--max-parse-seconds" in str(caught.value)
+    read = re.search(r"\((\d) of 8", str(caught.value))
+    assert read is not None and int(read.group(1)) < 8
+    # An ordinary PDF of the same pages' count reads well within the same deadline.
+    pages = parse_document(
+        content_stream_pdf(b"BT /F1 11 Tf 50 760 Td (Granite) Tj ET", pages=8), PDF, max_seconds=0.5
+    )
+    assert [s.page for s in pages] == list(range(1, 9))
+
+
 def test_html_text_outside_paragraphs_is_kept_as_a_reader_sees_it() -> None:
     # Text straight in a <div>, <section> or the body was dropped whenever the page also had a <p>;
     # inline tags split words ("H 2 O"); <br> and table rows ran together.
