@@ -10,3 +10,9 @@ MAX_STOP_CHARS = 512
 #: Alternatives of a ``choice`` constraint. 10,000 compile in 0.17 s; 100,000 held the replica's
 #: grammar compiler for 29 s before llguidance refused them (its grammars hold < 65,535 symbols).
 MAX_CHOICES = 10_000
+#: Entries of a ``logit_bias``: OpenAI's own bound. Every entry is added to its row at every step.
+MAX_LOGIT_BIAS = 300
+#: OpenAI's bounds on ``logit_bias`` values (-100 bans a token in practice, 100 forces it) and on
+#: ``presence_penalty`` / ``frequency_penalty``.
+MAX_ABS_LOGIT_BIAS = 100.0
+MAX_ABS_ADDITIVE_PENALTY = 2.0

@@ -123,6 +123,9 @@ class LLMEngine:
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise errors.InvalidArgument(name, f"token ids must be in [0, {vocab}), got {bad}")
+        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise errors.InvalidArgument("logit_bias", f"token ids must be in [0, {vocab}), got {bad}")
 
     def admit(
         self,

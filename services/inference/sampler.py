@@ -1,4 +1,5 @@
-"""Turns last-position logits into next tokens: greedy, temperature, top-k, top-p, repetition penalty.
+"""Turns last-position logits into next tokens: greedy, temperature, top-k, top-p, logit bias and
+the repetition, presence and frequency penalties.
 
 Each random draw uses a generator keyed by (request seed, token index), so a
 request's tokens do not depend on its batch neighbours, and a resumed or
@@ -14,7 +15,7 @@ any penalty, temperature or draw, so the greedy fast path stays exact. Rows with
 guide are not touched, and a step with no guide at all does no mask work.
 
 Log probabilities, for the rows that ask only, are ``log_softmax`` of the logits the
-draw used after the repetition penalty and the grammar's mask, before temperature,
+draw used after the logit bias, the penalties and the grammar's mask, before temperature,
 top-k and top-p (so greedy requests get the model's own distribution, and a
 constrained token's alternatives are the ones the grammar allowed).
 """
@@ -103,6 +104,25 @@ def apply_repetition_penalty(row: torch.Tensor, seen: Seq[int], penalty: float) 
     picked = row.index_select(0, ids)
     row = row.clone()
     row[ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    return row
+
+
+def adjust_logits(row: torch.Tensor, p: SamplingParams, history: Seq[int], num_output: int) -> torch.Tensor:
+    """``row`` (float32) moved by the request's logit bias and penalties, in vLLM's order: the
+    bias, then the repetition penalty (over prompt and output), then the presence and frequency
+    penalties (over the last ``num_output`` tokens of ``history``: the output, resumed tokens
+    included, so a resumed request is penalised as the original was). Returns a new tensor."""
+    if p.logit_bias:
+        ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long, device=row.device)
+        bias = torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype, device=row.device)
+        row = row.index_add(0, ids, bias)
+    if p.repetition_penalty != 1.0:
+        row = apply_repetition_penalty(row, history, p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and num_output > 0:
+        output = torch.tensor(history[len(history) - num_output :], dtype=torch.long, device=row.device)
+        ids, counts = torch.unique(output, return_counts=True)
+        penalty = counts.to(row.dtype) * p.frequency_penalty + p.presence_penalty
+        row = row.index_add(0, ids, -penalty)
     return row
 
 
@@ -198,8 +218,8 @@ class Sampler:
         for i, (p, t) in enumerate(zip(params, tokens, strict=True)):
             if isinstance(t, int) and p.wants_logprobs:
                 row = logits[i].float()
-                if p.repetition_penalty != 1.0:
-                    row = apply_repetition_penalty(row, histories[i], p.repetition_penalty)
+                if p.adjusts_logits:
+                    row = adjust_logits(row, p, histories[i], token_indices[i])
                 out.append(token_logprobs(row, t, p.top_logprobs))
             else:
                 out.append(t)
@@ -218,7 +238,7 @@ class Sampler:
         best_values, best_indices = first_max(logits)
         greedy_ids = best_indices.tolist()
         finite = bool(torch.isfinite(best_values).all())
-        if finite and all(p.greedy and p.repetition_penalty == 1.0 for p in params):
+        if finite and all(p.greedy and not p.adjusts_logits for p in params):
             return list(greedy_ids)
         row_finite = torch.isfinite(best_values).tolist() if not finite else None
         out: list[int | RowFault] = []
@@ -226,7 +246,7 @@ class Sampler:
             if row_finite is not None and not row_finite[i]:
                 out.append(RowFault("the model produced non-finite logits for this request"))
                 continue
-            if p.greedy and p.repetition_penalty == 1.0:
+            if p.greedy and not p.adjusts_logits:
                 out.append(greedy_ids[i])
                 continue
             try:
@@ -241,8 +261,8 @@ class Sampler:
     @staticmethod
     def _draw(logits: torch.Tensor, p: SamplingParams, seed: int, token_index: int, history: Seq[int]) -> int:
         row = logits.float()
-        if p.repetition_penalty != 1.0:
-            row = apply_repetition_penalty(row, history, p.repetition_penalty)
+        if p.adjusts_logits:
+            row = adjust_logits(row, p, history, token_index)
         if p.greedy:
             return int(row.argmax().item())
         return sample_row(row, p, draw_key(seed, token_index))

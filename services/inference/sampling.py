@@ -7,7 +7,14 @@ import math
 from dataclasses import dataclass
 
 from services.common.errors import InvalidArgument
-from services.common.sampling_limits import MAX_CHOICES, MAX_STOP_CHARS, MAX_STOP_STRINGS
+from services.common.sampling_limits import (
+    MAX_ABS_ADDITIVE_PENALTY,
+    MAX_ABS_LOGIT_BIAS,
+    MAX_CHOICES,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+)
 
 #: Temperatures below this sample as greedy (argmax), as vLLM's ``_SAMPLING_EPS`` does: dividing
 #: logits by a temperature like 1e-40 overflows float32 to inf, and the softmax of inf is NaN.
@@ -80,6 +87,13 @@ class SamplingParams:
     #: this many alternatives each (0 to ``MAX_TOP_LOGPROBS``); None = none. The whole prompt is
     #: then computed: no cached prefix is reused.
     prompt_logprobs: int | None = None
+    #: OpenAI's additive penalties, over the output's tokens (resumed ones included, the prompt
+    #: not): each logit loses ``presence_penalty`` if its token appeared, and ``frequency_penalty``
+    #: per appearance. 0 = off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    #: (token id, bias) pairs added to the logits at every step, sorted by id; empty = none.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -117,6 +131,26 @@ class SamplingParams:
             raise InvalidArgument(
                 "prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}"
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            # Slack for float32 as above; NaN fails the comparison.
+            if not abs(value) <= MAX_ABS_ADDITIVE_PENALTY * (1 + 1e-6):
+                raise InvalidArgument(
+                    name,
+                    f"must be in [-{MAX_ABS_ADDITIVE_PENALTY}, {MAX_ABS_ADDITIVE_PENALTY}] (0 = off), got {value}",
+                )
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidArgument(
+                "logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}"
+            )
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise InvalidArgument("logit_bias", f"token ids must be >= 0, got {token}")
+            if not abs(bias) <= MAX_ABS_LOGIT_BIAS * (1 + 1e-6):
+                raise InvalidArgument(
+                    "logit_bias",
+                    f"values must be in [-{MAX_ABS_LOGIT_BIAS}, {MAX_ABS_LOGIT_BIAS}], got {bias} for token {token}",
+                )
 
     @property
     def wants_logprobs(self) -> bool:
@@ -127,3 +161,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Temperature 0 (or below ``MIN_TEMPERATURE``) means argmax: no randomness, no seed needed."""
         return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Some setting moves the logits before the draw (a penalty or a bias): no argmax fast path."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
+        )

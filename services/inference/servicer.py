@@ -49,6 +49,9 @@ def sampling_from_pb(pb: common_pb2.SamplingParams, prompt_len: int, max_model_l
         logprobs=pb.logprobs,
         top_logprobs=pb.top_logprobs,
         prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
+        presence_penalty=pb.presence_penalty if pb.HasField("presence_penalty") else 0.0,
+        frequency_penalty=pb.frequency_penalty if pb.HasField("frequency_penalty") else 0.0,
+        logit_bias=tuple(sorted(pb.logit_bias.items())),
     )
 
 

@@ -264,6 +264,25 @@ def test_legacy_completions_answer_each_prompt(front: Front) -> None:
     assert streamed == answer.choices[0].text
 
 
+def test_logit_bias_and_penalties_change_the_answer_and_are_not_served_a_plain_ones_cache(
+    front: Front, hf_tokenizer: Any
+) -> None:
+    client = front.client()
+    prompt = "Repeat after me: the cat, the cat, the cat, the cat, the cat,"
+    ask = {"model": front.model, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    free = client.completions.create(**ask).choices[0].text
+    assert client.completions.create(**ask).choices[0].text == free  # greedy: the same (cached) answer
+    penalised = client.completions.create(**ask, frequency_penalty=2.0, presence_penalty=1.0).choices[0].text
+    assert penalised != free, "a penalised request must not get the plain request's (cached) answer"
+    (zebra,) = hf_tokenizer.encode(" zebra")[:1]
+    forced = client.completions.create(**{**ask, "max_tokens": 3}, logit_bias={str(zebra): 100})
+    assert forced.choices[0].text == hf_tokenizer.decode([zebra] * 3)
+    chat = client.chat.completions.create(
+        model=front.model, messages=HELLO, max_tokens=3, temperature=0, logit_bias={str(zebra): 100}
+    )
+    assert chat.choices[0].message.content == hf_tokenizer.decode([zebra] * 3)
+
+
 def test_legacy_completions_continue_the_raw_prompt_without_a_chat_template(front: Front) -> None:
     client = front.client()
     text = "The capital of France is"
@@ -1030,7 +1049,12 @@ def test_400_names_the_field(front: Front) -> None:
     assert_error(
         front.post("/v1/chat/completions", {**chat, "tools": [{"type": "function"}]}), 400, "tools[0]"
     )
-    assert_error(front.post("/v1/chat/completions", {**chat, "presence_penalty": 1}), 400, "presence_penalty")
+    assert_error(front.post("/v1/chat/completions", {**chat, "presence_penalty": 3}), 400, "presence_penalty")
+    # Past this model's vocabulary: only the replica knows it, and its refusal names the field.
+    error = assert_error(
+        front.post("/v1/chat/completions", {**chat, "logit_bias": {"1000000": 5}}), 400, "logit_bias"
+    )
+    assert "1000000" in error["message"]
     assert_error(front.post("/v1/chat/completions", {**chat, "min_tokens": 2}), 400, "min_tokens")
     assert_error(front.post("/v1/chat/completions", {**chat, "n": 9}), 400, "n")
     assert_error(front.post("/v1/chat/completions", {**chat, "echo": True}), 400, "echo")

@@ -153,6 +153,14 @@ HOSTILE_SAMPLING = st.builds(
     top_p=st.one_of(BOUNDARY_FLOATS, st.just(1.0)),
     top_k=st.sampled_from([0, 1, 2, 50, 2**31 - 1]),
     repetition_penalty=st.one_of(BOUNDARY_FLOATS, st.sampled_from([1.0, 1.3])),
+    presence_penalty=st.one_of(BOUNDARY_FLOATS, st.sampled_from([0.0, -2.0, 2.0])),
+    frequency_penalty=st.one_of(BOUNDARY_FLOATS, st.sampled_from([0.0, -2.0, 2.0])),
+    # Ids in and past the vocabulary (and negative), biases at and past the bounds.
+    logit_bias=st.dictionaries(
+        st.one_of(st.integers(0, 49_151), st.integers(-(2**31), 2**31 - 1)),
+        st.one_of(BOUNDARY_FLOATS, st.sampled_from([-100.0, 100.0])),
+        max_size=3,
+    ),
     seed=st.integers(0, 2**64 - 1),
     ignore_eos=st.just(True),
 )

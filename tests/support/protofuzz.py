@@ -67,7 +67,8 @@ def messages(descriptor: Descriptor, cls: type[Message], depth: int = 0) -> st.S
                 value_field = field.message_type.fields_by_name["value"]
                 if value_field.message_type is not None:
                     continue
-                entries = draw(st.dictionaries(TEXT, _scalar(value_field), max_size=3))
+                key_field = field.message_type.fields_by_name["key"]
+                entries = draw(st.dictionaries(_scalar(key_field), _scalar(value_field), max_size=3))
                 getattr(msg, field.name).update(entries)
             elif field.message_type is not None:
                 if depth >= 3:

@@ -74,6 +74,13 @@ def sampling_fingerprint(sampling: common_pb2.SamplingParams) -> str:
             value = getattr(sampling, name)
             # Float32 round-trip noise must not split the cache: 0.7 and 0.69999999 are one setting.
             fields[name] = round(value, 6) if isinstance(value, float) else value
+    # Added after the cache's first keys: present only when they move the logits, so the keys of
+    # requests without them are what they were.
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(sampling, name):
+            fields[name] = round(getattr(sampling, name), 6)
+    if sampling.logit_bias:
+        fields["logit_bias"] = sorted((token, round(bias, 6)) for token, bias in sampling.logit_bias.items())
     fields["stop"] = list(sampling.stop)
     fields["ignore_eos"] = sampling.ignore_eos
     # An output constraint changes the answer: a constrained request never gets a free one.
@@ -96,9 +103,11 @@ def exact_cache_key(
         return None
     if sampling.logprobs or sampling.top_logprobs or sampling.HasField("prompt_logprobs"):
         return None  # a cached answer has no logprobs to give back
-    for name in ("temperature", "top_p", "repetition_penalty"):
+    for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         if sampling.HasField(name) and not math.isfinite(getattr(sampling, name)):
             return None
+    if not all(math.isfinite(bias) for bias in sampling.logit_bias.values()):
+        return None
     doc = {"v": KEY_VERSION, "model": model, "messages": [list(m) for m in messages]}
     doc["sampling"] = sampling_fingerprint(sampling)
     return hashlib.sha256(json.dumps(doc, sort_keys=True, ensure_ascii=False).encode()).hexdigest()

@@ -7,7 +7,15 @@ import torch
 
 from services.common.errors import InvalidArgument
 from services.inference import sampler as sampler_module
-from services.inference.sampler import MAX_BLOCK, RowFault, Sampler, draw_key, first_max, sample_row
+from services.inference.sampler import (
+    MAX_BLOCK,
+    RowFault,
+    Sampler,
+    adjust_logits,
+    draw_key,
+    first_max,
+    sample_row,
+)
 from services.inference.sampling import MIN_TEMPERATURE, SamplingParams
 
 VOCAB = 50
@@ -59,9 +67,73 @@ def test_repetition_penalty_steers_greedy_away_from_seen_tokens() -> None:
     assert Sampler()(row, [params], [0], [0], [[3]]) == [4]
 
 
+def test_presence_and_frequency_penalties_count_only_the_output() -> None:
+    # Prompt [7, 7, 7], output [3, 3, 4]: the prompt's 7 is not penalised; 3 twice, 4 once.
+    row = torch.zeros(VOCAB)
+    history = [7, 7, 7, 3, 3, 4]
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    got = adjust_logits(row, params, history, num_output=3)
+    expected = torch.zeros(VOCAB)
+    expected[3] = -(0.5 + 2 * 0.25)
+    expected[4] = -(0.5 + 0.25)
+    assert torch.equal(got, expected)
+    assert torch.equal(row, torch.zeros(VOCAB)), "the caller's logits are not written"
+    # A negative penalty encourages repeating; nothing in the output yet: nothing moves.
+    assert float(adjust_logits(row, SamplingParams(presence_penalty=-1.0), history, 3)[4]) == 1.0
+    assert torch.equal(adjust_logits(row, params, history, num_output=0), row)
+
+
+def test_a_penalty_steers_greedy_to_a_token_not_yet_written() -> None:
+    row = torch.zeros(1, VOCAB)
+    row[0, 3] = 2.0
+    row[0, 4] = 1.5
+    free = SamplingParams(temperature=0.0)
+    penalised = SamplingParams(temperature=0.0, frequency_penalty=0.3)
+    # Written once: 2.0 - 0.3 still beats 1.5; twice: 1.4 does not.
+    assert Sampler()(row.repeat(2, 1), [free, penalised], [0, 0], [1, 1], [[3], [3]]) == [3, 3]
+    assert Sampler()(row, [penalised], [0], [2], [[3, 3]]) == [4]
+    # In the prompt only (num_output 0): no penalty.
+    assert Sampler()(row, [penalised], [0], [0], [[3, 3]]) == [3]
+
+
+def test_logit_bias_bans_and_forces_tokens_in_greedy_and_sampled_rows() -> None:
+    rows = logits_rows(3, seed=8)
+    best = rows.argmax(dim=-1).tolist()
+    ban = SamplingParams(temperature=0.0, logit_bias=((best[0], -100.0),))
+    force = SamplingParams(temperature=1.0, seed=1, logit_bias=((11, 100.0),))
+    free = SamplingParams(temperature=0.0)
+    got = Sampler()(rows, [ban, force, free], [0, 1, 0], [0, 0, 0], [[], [], []])
+    second = int(rows[0].topk(2).indices[1])
+    assert got == [second, 11, best[2]]
+
+
+def test_logprobs_are_those_of_the_adjusted_distribution() -> None:
+    row = logits_rows(1, seed=6)
+    params = SamplingParams(
+        temperature=0.0, logprobs=True, top_logprobs=2, frequency_penalty=1.0, logit_bias=((5, 3.0),)
+    )
+    (drawn,) = Sampler()(row, [params], [0], [1], [[9]])
+    expected = row[0].clone()
+    expected[5] += 3.0
+    expected[9] -= 1.0
+    reference = torch.log_softmax(expected, dim=-1)
+    assert not isinstance(drawn, (int, RowFault))
+    assert drawn.token == int(expected.argmax())
+    assert drawn.logprob == pytest.approx(float(reference[drawn.token]), abs=1e-6)
+    assert [t for t, _ in drawn.top] == reference.topk(2).indices.tolist()
+
+
 @pytest.mark.parametrize(
     ("field", "kwargs"),
     [
+        ("presence_penalty", {"presence_penalty": 2.5}),
+        ("presence_penalty", {"presence_penalty": float("nan")}),
+        ("frequency_penalty", {"frequency_penalty": -2.01}),
+        ("frequency_penalty", {"frequency_penalty": float("-inf")}),
+        ("logit_bias", {"logit_bias": ((1, 100.5),)}),
+        ("logit_bias", {"logit_bias": ((1, float("nan")),)}),
+        ("logit_bias", {"logit_bias": ((-1, 1.0),)}),
+        ("logit_bias", {"logit_bias": tuple((i, 1.0) for i in range(301))}),
         ("temperature", {"temperature": float("nan")}),
         ("temperature", {"temperature": -1.0}),
         ("top_p", {"top_p": 0.0}),

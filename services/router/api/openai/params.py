@@ -14,7 +14,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.sampling_limits import MAX_STOP_CHARS
+from services.common.sampling_limits import (
+    MAX_ABS_ADDITIVE_PENALTY,
+    MAX_ABS_LOGIT_BIAS,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_CHARS,
+)
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from services.router.api.openai.errors import ConstraintParam, bad_request, clipped, unsupported, utf8_text
 from services.router.api.openai.extras import FIELDS as EXTRA_FIELDS
@@ -292,11 +297,11 @@ def sampling_params(body: Mapping[str, Any], max_tokens: int | None) -> common_p
         sampling.seed = seed
     if (penalty := _number(body, "repetition_penalty", 0.01, 100.0)) is not None:
         sampling.repetition_penalty = penalty
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = _number(body, name, -2.0, 2.0)
-        if value:
-            # The engine has only a multiplicative repetition penalty; an additive one cannot be mapped.
-            raise unsupported(name, "only 0 is supported; use repetition_penalty (vLLM's extra) instead")
+    if presence := _number(body, "presence_penalty", -MAX_ABS_ADDITIVE_PENALTY, MAX_ABS_ADDITIVE_PENALTY):
+        sampling.presence_penalty = presence
+    if frequency := _number(body, "frequency_penalty", -MAX_ABS_ADDITIVE_PENALTY, MAX_ABS_ADDITIVE_PENALTY):
+        sampling.frequency_penalty = frequency
+    sampling.logit_bias.update(_logit_bias(body.get("logit_bias")))
     if int_field(body, "min_tokens", 0, INT32_MAX):
         raise unsupported("min_tokens", "only 0 is supported")
     sampling.ignore_eos = _bool(body, "ignore_eos")
@@ -319,7 +324,6 @@ def refuse_unsupported(body: Mapping[str, Any], known: frozenset[str]) -> None:
         "functions": ([],),
         "tool_choice": ("none",),
         "function_call": ("none",),
-        "logit_bias": ({},),
         "audio": (),
         "prediction": (),
         "web_search_options": (),
@@ -470,6 +474,35 @@ def int_field(body: Mapping[str, Any], name: str, lo: int, hi: int | None = None
         bounds = f">= {lo}" if hi is None else f"in {lo}..{hi}"
         raise bad_request(name, f"{name}: must be {bounds}, got {value}")
     return value
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: token ids (JSON object keys, so strings) to a bias in [-100, 100]."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise bad_request("logit_bias", "logit_bias: must be an object of token ids to numbers")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise bad_request("logit_bias", f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(value)}")
+    bias: dict[int, float] = {}
+    for key, number in value.items():
+        token = str(key).strip()
+        # A decimal token id, as OpenAI takes it ("50256"); int() would also take "1_0" and "+3".
+        if not token.isascii() or not token.isdigit() or int(token) > INT32_MAX:
+            raise bad_request(
+                "logit_bias",
+                f"logit_bias: keys must be token ids (decimal integers), got {clipped(str(key), 64)!r}",
+            )
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
+            raise bad_request("logit_bias", f"logit_bias: the value for token {token} must be a number")
+        if not -MAX_ABS_LOGIT_BIAS <= number <= MAX_ABS_LOGIT_BIAS:
+            raise bad_request(
+                "logit_bias",
+                f"logit_bias: values must be in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}], "
+                f"got {number} for token {token}",
+            )
+        bias[int(token)] = float(number)
+    return bias
 
 
 def _number(body: Mapping[str, Any], name: str, lo: float, hi: float) -> float | None:

@@ -81,6 +81,11 @@ _KNOWN = (
             "seed",
             "repetition_penalty",
             "stop",
+            # Chat's additive penalties and bias: the engine has them, so a client that sends them
+            # here gets them rather than a silently different answer.
+            "presence_penalty",
+            "frequency_penalty",
+            "logit_bias",
         }
     )
     | EXTRA_FIELDS

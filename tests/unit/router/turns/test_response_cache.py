@@ -43,6 +43,14 @@ def test_key_changes_with_anything_that_changes_the_answer() -> None:
     assert base != exact_cache_key("m", [("user", "What is 2+3?")], greedy(max_tokens=8))
     assert base != exact_cache_key("m", MESSAGES, greedy(max_tokens=9))
     assert base != exact_cache_key("m", MESSAGES, greedy(max_tokens=8, stop=["\n"]))
+    assert base != exact_cache_key("m", MESSAGES, greedy(max_tokens=8, presence_penalty=0.5))
+    assert base != exact_cache_key("m", MESSAGES, greedy(max_tokens=8, frequency_penalty=0.5))
+    assert base != exact_cache_key("m", MESSAGES, greedy(max_tokens=8, logit_bias={42: -100.0}))
+    assert exact_cache_key("m", MESSAGES, greedy(max_tokens=8, logit_bias={42: -100.0})) != exact_cache_key(
+        "m", MESSAGES, greedy(max_tokens=8, logit_bias={42: 100.0})
+    )
+    # Zero penalties are off: the key of a plain request (and of every entry cached before them).
+    assert base == exact_cache_key("m", MESSAGES, greedy(max_tokens=8, presence_penalty=0.0))
     # Greedy ignores the seed, so it must not split the cache.
     assert base == exact_cache_key("m", MESSAGES, greedy(max_tokens=8, seed=7))
     assert sampling_fingerprint(common_pb2.SamplingParams(temperature=0.7, seed=1)) != sampling_fingerprint(

@@ -9,6 +9,7 @@ import pytest
 
 from services.router.api.openai.errors import ApiError
 from services.router.api.openai.params import chat_generation, completion_generation
+from services.router.api.openai.responses import response_generation
 
 WEATHER = {
     "type": "function",
@@ -58,6 +59,21 @@ def test_sampling_fields_reach_the_turn() -> None:
     assert s.max_tokens == 7  # max_completion_tokens wins over the deprecated max_tokens
     assert (round(s.temperature, 3), round(s.top_p, 3), s.seed, list(s.stop)) == (0.5, 0.9, 11, ["END"])
     assert round(s.repetition_penalty, 3) == 1.2 and s.ignore_eos
+
+
+def test_openai_penalties_and_logit_bias_reach_the_engine() -> None:
+    body = {"presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"42": -100, "7": 2.5}}
+    for g in (
+        chat_generation({"messages": USER, **body}, "c"),
+        completion_generation({"prompt": "a", **body}, "p"),
+        response_generation({"input": "a", **body}, "r").generation,
+    ):
+        s = g.turns[0].sampling
+        assert (s.presence_penalty, s.frequency_penalty) == (0.5, -1.0)
+        assert dict(s.logit_bias) == {42: -100.0, 7: 2.5}
+    # Zero and null are OpenAI's defaults: nothing is set, so the answer (and cache key) is a plain one.
+    s = chat_generation({"messages": USER, "presence_penalty": 0, "logit_bias": None}, "c").turns[0].sampling
+    assert not s.HasField("presence_penalty") and not s.logit_bias
 
 
 def test_text_parts_are_joined_and_developer_is_system() -> None:
@@ -132,8 +148,9 @@ def test_nulls_and_load_tool_extras_are_accepted() -> None:
         ({"messages": USER, "seed": -1}, "seed"),
         ({"messages": USER, "stop": [1]}, "stop"),
         ({"messages": USER, "stop": "x" * 513}, "stop"),
-        ({"messages": USER, "presence_penalty": 0.5}, "presence_penalty"),
-        ({"messages": USER, "frequency_penalty": -1}, "frequency_penalty"),
+        ({"messages": USER, "presence_penalty": 2.5}, "presence_penalty"),
+        ({"messages": USER, "frequency_penalty": -2.1}, "frequency_penalty"),
+        ({"messages": USER, "frequency_penalty": "high"}, "frequency_penalty"),
         ({"messages": USER, "min_tokens": 4}, "min_tokens"),
         ({"messages": USER, "tools": [{"type": "function"}]}, "tools[0]"),
         # Two tools of one name: a call names only the function, so which one it meant is unknown.
@@ -169,7 +186,15 @@ def test_nulls_and_load_tool_extras_are_accepted() -> None:
         ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"messages": USER, "logprobs": 2}, "logprobs"),
         ({"messages": USER, "tool_choice": "auto"}, "tool_choice"),
-        ({"messages": USER, "logit_bias": {"1": 5}}, "logit_bias"),
+        ({"messages": USER, "logit_bias": [[1, 5]]}, "logit_bias"),
+        ({"messages": USER, "logit_bias": {"cat": 5}}, "logit_bias"),
+        ({"messages": USER, "logit_bias": {"-3": 5}}, "logit_bias"),
+        ({"messages": USER, "logit_bias": {"1.5": 5}}, "logit_bias"),
+        ({"messages": USER, "logit_bias": {"99999999999": 5}}, "logit_bias"),
+        ({"messages": USER, "logit_bias": {"1": 101}}, "logit_bias"),
+        ({"messages": USER, "logit_bias": {"1": "5"}}, "logit_bias"),
+        ({"messages": USER, "logit_bias": {"1": True}}, "logit_bias"),
+        ({"messages": USER, "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
         # A function's result answers a call made before it; the deprecated functions API is refused.
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
         (

@@ -214,7 +214,8 @@ def test_text_format_is_the_constraint_and_logprobs_come_with_include() -> None:
         ({"input": "x", "metadata": {"k": 1}}, "metadata", "invalid_value"),
         ({"input": "x", "n": 2}, "n", "unsupported_parameter"),
         ({"input": "x", "resumable": True}, "resumable", "unsupported_parameter"),
-        ({"input": "x", "presence_penalty": 1}, "presence_penalty", "unsupported_parameter"),
+        ({"input": "x", "presence_penalty": 3}, "presence_penalty", "invalid_value"),
+        ({"input": "x", "logit_bias": {"x": 1}}, "logit_bias", "invalid_value"),
     ],
 )
 def test_what_cannot_be_honoured_is_a_400_naming_the_field(

@@ -1,0 +1,132 @@
+"""OpenAI's presence and frequency penalties and logit bias, on the real model.
+
+fp32 greedy decoding, step by step against transformers' own forward with the adjustment
+applied here by hand (not by the engine's code): each step's token is the argmax of the
+reference logits minus ``frequency × count + presence`` for the tokens the answer already
+holds, plus the bias. The prompt invites repetition, so a penalty that was ignored (or
+counted the prompt) would give other tokens. A request resumed part-way (what failover sends)
+continues with exactly the tokens the whole request wrote.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from services.common import errors
+from services.inference.config import EngineConfig
+from services.inference.engine import LLMEngine
+from services.inference.sampling import SamplingParams
+from tests.support.device import TEST_DEVICE
+
+PROMPT = "Repeat after me: the cat, the cat, the cat, the cat, the cat,"
+STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def engine(model_path: Path) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(model=str(model_path), dtype="float32", device=TEST_DEVICE, num_kv_blocks=64)
+    )
+
+
+@pytest.fixture(scope="module")
+def model(model_path: Path) -> Any:
+    return AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).to(TEST_DEVICE)
+
+
+def generate(
+    engine: LLMEngine, ids: list[int], params: SamplingParams, resume: list[int] | None = None
+) -> list[int]:
+    engine.add_request("r", ids, params, resume or ())
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert not out.error, out.error
+            tokens.extend(out.new_token_ids)
+    return tokens
+
+
+def reference(
+    model: Any, ids: list[int], presence: float, frequency: float, bias: dict[int, float]
+) -> list[int]:
+    """Greedy tokens of transformers' forward with OpenAI's adjustment written out here."""
+    output: list[int] = []
+    for _ in range(STEPS):
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids + output], device=model.device)).logits[0, -1].float().cpu()
+        logits = logits.clone()  # a normal tensor: written below, outside inference mode
+        for token, value in bias.items():
+            logits[token] += value
+        for token, count in Counter(output).items():
+            logits[token] -= frequency * count + presence
+        output.append(int(logits.argmax()))
+    return output
+
+
+@pytest.mark.parametrize(
+    ("presence", "frequency"), [(0.0, 0.0), (1.5, 0.0), (0.0, 0.8), (0.6, 0.6), (-1.0, 0.0)]
+)
+def test_greedy_tokens_with_penalties_equal_transformers_adjusted_by_hand(
+    engine: LLMEngine, model: Any, presence: float, frequency: float
+) -> None:
+    ids = engine.tokenizer.encode(PROMPT)
+    params = SamplingParams(
+        max_tokens=STEPS,
+        temperature=0.0,
+        ignore_eos=True,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+    )
+    expected = reference(model, ids, presence, frequency, {})
+    assert generate(engine, ids, params) == expected
+    if presence > 0 or frequency > 0:
+        # The prompt makes the free answer repeat: a working penalty must change it.
+        assert expected != reference(model, ids, 0.0, 0.0, {})
+
+
+def test_logit_bias_bans_the_free_answers_tokens_and_forces_a_chosen_one(
+    engine: LLMEngine, model: Any
+) -> None:
+    ids = engine.tokenizer.encode(PROMPT)
+    free = reference(model, ids, 0.0, 0.0, {})
+    banned = {token: -100.0 for token in set(free[:4])}
+    params = SamplingParams(
+        max_tokens=STEPS, temperature=0.0, ignore_eos=True, logit_bias=tuple(sorted(banned.items()))
+    )
+    got = generate(engine, ids, params)
+    assert got == reference(model, ids, 0.0, 0.0, banned)
+    assert not set(got) & set(banned)
+    forced = engine.tokenizer.encode(" zebra")[0]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logit_bias=((forced, 100.0),))
+    assert generate(engine, ids, params) == [forced] * 4
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_resumed_request_is_penalised_as_the_original_was(engine: LLMEngine, temperature: float) -> None:
+    ids = engine.tokenizer.encode(PROMPT)
+    params = SamplingParams(
+        max_tokens=STEPS,
+        temperature=temperature,
+        seed=5,
+        ignore_eos=True,
+        frequency_penalty=0.7,
+        presence_penalty=0.3,
+    )
+    whole = generate(engine, ids, params)
+    resumed = generate(engine, ids, params, resume=whole[:6])
+    assert whole[:6] + resumed == whole
+
+
+def test_a_logit_bias_id_outside_the_vocabulary_is_refused_naming_the_field(engine: LLMEngine) -> None:
+    vocab = engine.runner.vocab_size
+    params = SamplingParams(max_tokens=2, logit_bias=((vocab, 5.0),))
+    with pytest.raises(errors.InvalidArgument) as caught:
+        engine.add_request("bad", engine.tokenizer.encode(PROMPT), params)
+    assert caught.value.field == "logit_bias" and str(vocab) in str(caught.value)
+    assert not engine.has_unfinished_requests()
