@@ -69,8 +69,13 @@ class DetokenizerUpdate:
 class IncrementalDetokenizer:
     """Per-request text state. ``prime`` tokens (resumed output) are decoded but never re-emitted."""
 
-    def __init__(self, tokenizer: Decoder, stop: Seq[str] = (), prime: Seq[int] = ()) -> None:
+    def __init__(
+        self, tokenizer: Decoder, stop: Seq[str] = (), prime: Seq[int] = (), min_tokens: int = 0
+    ) -> None:
         self._tokenizer = tokenizer
+        #: Stop strings are not looked for until this many tokens are out (primed ones count),
+        #: as vLLM does: only a stop that ends after that point ends the answer.
+        self._min_tokens = min_tokens
         self._stop = tuple(stop)
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._ids: list[int] = list(prime)
@@ -95,7 +100,11 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> DetokenizerUpdate:
         self._ids.append(token_id)
         self.text += self._decode_new()
-        if self._stop:
+        if self._stop and len(self._ids) < self._min_tokens:
+            # Searched past, so a stop written here never matches later; one that began in the
+            # last ``_hold`` characters still can (the hold keeps that text back as always).
+            self._searched = len(self.text)
+        elif self._stop:
             # Only look where a new match could start.
             start = max(0, self._searched - self._hold)
             hit: tuple[int, str] | None = None

@@ -79,6 +79,7 @@ class LLMEngine:
         self._parks: deque[tuple[str, bool]] = deque()
         self._control_lock = threading.Lock()
         self._eos_ids = _eos_ids(self.runner.model, self.tokenizer)
+        self.runner.sampler.end_ids = tuple(sorted(self._eos_ids))
         self._recent: deque[tuple[float, int]] = deque()
         # Sequences preempted so far (KV dropped for recompute): a sign the cache is too small.
         self.num_preemptions = 0
@@ -188,7 +189,9 @@ class LLMEngine:
             seq.prompt_logprobs = [SampledToken(prompt_token_ids[0], math.nan)]
             seq.prompt_logprobs += [None] * (len(prompt_token_ids) - 1)
         stop_ids = frozenset() if params.ignore_eos else self._eos_ids
-        detok = IncrementalDetokenizer(self._decoder, params.stop, prime=resume_token_ids)
+        detok = IncrementalDetokenizer(
+            self._decoder, params.stop, prime=resume_token_ids, min_tokens=params.min_tokens
+        )
         guide = guide or self.make_guide(params, resume_token_ids)  # a caller that skipped make_guide
         self._requests[request_id] = _Request(seq, detok, stop_ids, guide)
         self.scheduler.add(seq)

@@ -107,11 +107,20 @@ def apply_repetition_penalty(row: torch.Tensor, seen: Seq[int], penalty: float) 
     return row
 
 
-def adjust_logits(row: torch.Tensor, p: SamplingParams, history: Seq[int], num_output: int) -> torch.Tensor:
-    """``row`` (float32) moved by the request's logit bias and penalties, in vLLM's order: the
-    bias, then the repetition penalty (over prompt and output), then the presence and frequency
-    penalties (over the last ``num_output`` tokens of ``history``: the output, resumed tokens
-    included, so a resumed request is penalised as the original was). Returns a new tensor."""
+def adjust_logits(
+    row: torch.Tensor, p: SamplingParams, history: Seq[int], num_output: int, end_ids: Seq[int] = ()
+) -> torch.Tensor:
+    """``row`` (float32) moved by the request's settings, in vLLM's order: ``end_ids`` banned while
+    ``min_tokens`` holds them back, the bias, then the repetition penalty (over prompt and output),
+    then the presence and frequency penalties (over the last ``num_output`` tokens of ``history``:
+    the output, resumed tokens included, so a resumed request is penalised as the original was).
+    Returns a new tensor."""
+    if end_ids and p.holds_back_end(num_output):
+        held = row.index_fill(0, torch.tensor(end_ids, dtype=torch.long, device=row.device), float("-inf"))
+        # A constraint that can only end here (its mask left nothing else) ends: banning its one
+        # token would leave nothing to draw.
+        if bool(torch.isfinite(held).any()):
+            row = held
     if p.logit_bias:
         ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long, device=row.device)
         bias = torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype, device=row.device)
@@ -193,6 +202,15 @@ def token_logprobs(row: torch.Tensor, token: int, top: int) -> SampledToken:
 class Sampler:
     """Picks one token per row of logits."""
 
+    def __init__(self, end_ids: Seq[int] = ()) -> None:
+        #: The model's end-of-sequence tokens, which ``min_tokens`` holds back (the engine sets
+        #: them once the model is loaded).
+        self.end_ids: tuple[int, ...] = tuple(end_ids)
+
+    def _adjusts(self, p: SamplingParams, token_index: int) -> bool:
+        """The row's logits move before its draw: it leaves the step's one-argmax fast path."""
+        return p.adjusts_logits or (bool(self.end_ids) and p.holds_back_end(token_index))
+
     def __call__(
         self,
         logits: torch.Tensor,
@@ -218,8 +236,8 @@ class Sampler:
         for i, (p, t) in enumerate(zip(params, tokens, strict=True)):
             if isinstance(t, int) and p.wants_logprobs:
                 row = logits[i].float()
-                if p.adjusts_logits:
-                    row = adjust_logits(row, p, histories[i], token_indices[i])
+                if self._adjusts(p, token_indices[i]):
+                    row = adjust_logits(row, p, histories[i], token_indices[i], self.end_ids)
                 out.append(token_logprobs(row, t, p.top_logprobs))
             else:
                 out.append(t)
@@ -238,7 +256,9 @@ class Sampler:
         best_values, best_indices = first_max(logits)
         greedy_ids = best_indices.tolist()
         finite = bool(torch.isfinite(best_values).all())
-        if finite and all(p.greedy and not p.adjusts_logits for p in params):
+        if finite and all(
+            p.greedy and not self._adjusts(p, t) for p, t in zip(params, token_indices, strict=True)
+        ):
             return list(greedy_ids)
         row_finite = torch.isfinite(best_values).tolist() if not finite else None
         out: list[int | RowFault] = []
@@ -246,7 +266,7 @@ class Sampler:
             if row_finite is not None and not row_finite[i]:
                 out.append(RowFault("the model produced non-finite logits for this request"))
                 continue
-            if p.greedy and not p.adjusts_logits:
+            if p.greedy and not self._adjusts(p, token_indices[i]):
                 out.append(greedy_ids[i])
                 continue
             try:
@@ -258,11 +278,12 @@ class Sampler:
                 out.append(RowFault(f"sampling failed: {exc}"))
         return out
 
-    @staticmethod
-    def _draw(logits: torch.Tensor, p: SamplingParams, seed: int, token_index: int, history: Seq[int]) -> int:
+    def _draw(
+        self, logits: torch.Tensor, p: SamplingParams, seed: int, token_index: int, history: Seq[int]
+    ) -> int:
         row = logits.float()
-        if p.adjusts_logits:
-            row = adjust_logits(row, p, history, token_index)
+        if self._adjusts(p, token_index):
+            row = adjust_logits(row, p, history, token_index, self.end_ids)
         if p.greedy:
             return int(row.argmax().item())
         return sample_row(row, p, draw_key(seed, token_index))

@@ -94,10 +94,17 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     #: (token id, bias) pairs added to the logits at every step, sorted by id; empty = none.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    #: No end-of-sequence token is drawn and no stop string ends the answer before this many
+    #: output tokens (resumed ones included); 0 = off.
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise InvalidArgument("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidArgument(
+                "min_tokens", f"must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}"
+            )
         if math.isnan(self.temperature) or math.isinf(self.temperature) or self.temperature < 0:
             raise InvalidArgument("temperature", f"must be finite and >= 0, got {self.temperature}")
         if math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -161,6 +168,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Temperature 0 (or below ``MIN_TEMPERATURE``) means argmax: no randomness, no seed needed."""
         return self.temperature < MIN_TEMPERATURE
+
+    def holds_back_end(self, num_output: int) -> bool:
+        """End-of-sequence tokens are not to be drawn yet: fewer than ``min_tokens`` written."""
+        return num_output < self.min_tokens and not self.ignore_eos
 
     @property
     def adjusts_logits(self) -> bool:

@@ -52,6 +52,7 @@ def sampling_from_pb(pb: common_pb2.SamplingParams, prompt_len: int, max_model_l
         presence_penalty=pb.presence_penalty if pb.HasField("presence_penalty") else 0.0,
         frequency_penalty=pb.frequency_penalty if pb.HasField("frequency_penalty") else 0.0,
         logit_bias=tuple(sorted(pb.logit_bias.items())),
+        min_tokens=pb.min_tokens,
     )
 
 

@@ -1,4 +1,4 @@
-"""OpenAI's presence and frequency penalties and logit bias, on the real model.
+"""OpenAI's presence and frequency penalties and logit bias, and vLLM's min_tokens, on the real model.
 
 fp32 greedy decoding, step by step against transformers' own forward with the adjustment
 applied here by hand (not by the engine's code): each step's token is the argmax of the
@@ -121,6 +121,31 @@ def test_a_resumed_request_is_penalised_as_the_original_was(engine: LLMEngine, t
     whole = generate(engine, ids, params)
     resumed = generate(engine, ids, params, resume=whole[:6])
     assert whole[:6] + resumed == whole
+
+
+def test_min_tokens_writes_past_the_models_end_as_transformers_does_with_the_end_held_back(
+    engine: LLMEngine, model: Any
+) -> None:
+    rendered = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2+2?"}], tokenize=False, add_generation_prompt=True
+    )
+    ids = engine.tokenizer.encode(rendered, add_special_tokens=False)
+    end_ids = set(engine.runner.sampler.end_ids)
+    free = generate(engine, ids, SamplingParams(max_tokens=40, temperature=0.0))
+    assert free[-1] in end_ids and len(free) < 30, "the free answer must end on its own"
+    least = len(free) + 4
+    held = generate(engine, ids, SamplingParams(max_tokens=40, temperature=0.0, min_tokens=least))
+    # transformers' greedy tokens with the end tokens masked while fewer than `least` are out.
+    expected: list[int] = []
+    while len(expected) < 40 and not (expected and expected[-1] in end_ids):
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids + expected], device=model.device)).logits[0, -1].float().cpu()
+        logits = logits.clone()
+        if len(expected) < least:
+            logits[sorted(end_ids)] = float("-inf")
+        expected.append(int(logits.argmax()))
+    assert held == expected
+    assert len(held) > least and not set(held[:least]) & end_ids
 
 
 def test_a_logit_bias_id_outside_the_vocabulary_is_refused_naming_the_field(engine: LLMEngine) -> None:

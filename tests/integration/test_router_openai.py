@@ -283,6 +283,20 @@ def test_logit_bias_and_penalties_change_the_answer_and_are_not_served_a_plain_o
     assert chat.choices[0].message.content == hf_tokenizer.decode([zebra] * 3)
 
 
+def test_min_tokens_keeps_an_answer_going_past_where_it_would_end(front: Front) -> None:
+    client = front.client()
+    ask = {"model": front.model, "messages": [{"role": "user", "content": "What is 2+2?"}], "temperature": 0}
+    free = client.chat.completions.create(**ask, max_tokens=64)
+    assert free.choices[0].finish_reason == "stop" and free.usage is not None
+    least = free.usage.completion_tokens + 6
+    held = client.chat.completions.create(**ask, max_tokens=64, extra_body={"min_tokens": least})
+    assert held.usage is not None and held.usage.completion_tokens >= least
+    content = held.choices[0].message.content or ""
+    assert content.startswith((free.choices[0].message.content or "").rstrip(".")) and len(content) > len(
+        free.choices[0].message.content or ""
+    )
+
+
 def test_legacy_completions_continue_the_raw_prompt_without_a_chat_template(front: Front) -> None:
     client = front.client()
     text = "The capital of France is"
@@ -1055,7 +1069,11 @@ def test_400_names_the_field(front: Front) -> None:
         front.post("/v1/chat/completions", {**chat, "logit_bias": {"1000000": 5}}), 400, "logit_bias"
     )
     assert "1000000" in error["message"]
-    assert_error(front.post("/v1/chat/completions", {**chat, "min_tokens": 2}), 400, "min_tokens")
+    assert_error(
+        front.post("/v1/chat/completions", {**chat, "max_tokens": 1, "min_tokens": 2}), 400, "min_tokens"
+    )
+    # Over the engine's default max_tokens (256): the replica's refusal names it.
+    assert_error(front.post("/v1/chat/completions", {**chat, "min_tokens": 300}), 400, "min_tokens")
     assert_error(front.post("/v1/chat/completions", {**chat, "n": 9}), 400, "n")
     assert_error(front.post("/v1/chat/completions", {**chat, "echo": True}), 400, "echo")
     raw = httpx.post(

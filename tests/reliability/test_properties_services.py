@@ -162,6 +162,7 @@ HOSTILE_SAMPLING = st.builds(
         max_size=3,
     ),
     seed=st.integers(0, 2**64 - 1),
+    min_tokens=st.integers(0, 8),
     ignore_eos=st.just(True),
 )
 

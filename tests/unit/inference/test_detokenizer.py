@@ -50,6 +50,26 @@ def test_stop_string_spanning_tokens_ends_the_text_before_it(tokenizer: Any) -> 
     assert all(stop not in p for p in pieces)
 
 
+def test_min_tokens_lets_only_a_stop_string_written_after_it_end_the_text(tokenizer: Any) -> None:
+    text = "one, two, three, four, five, six."
+    ids = tokenizer.encode(text)
+    first_comma = next(i for i, t in enumerate(ids) if "," in tokenizer.decode([t]))
+    # Without min_tokens the first comma ends it; with min_tokens past it, the first comma written
+    # once min_tokens tokens are out does (vLLM's rule), and the text before it is all released.
+    _, matched = stream(IncrementalDetokenizer(tokenizer, stop=(",",)), ids)
+    assert matched == ","
+    pieces, matched = stream(IncrementalDetokenizer(tokenizer, stop=(",",), min_tokens=first_comma + 2), ids)
+    out = "".join(pieces)
+    assert matched == "," and out.startswith("one, two") and "," in out and not out.endswith(",")
+    assert len(tokenizer.encode(out)) >= first_comma + 1
+    # Resumed tokens count toward min_tokens: primed with the whole prefix, the next comma ends it.
+    primed = IncrementalDetokenizer(
+        tokenizer, stop=(",",), prime=ids[: first_comma + 2], min_tokens=first_comma + 2
+    )
+    _, matched = stream(primed, ids[first_comma + 2 :])
+    assert matched == ","
+
+
 def test_text_that_might_start_a_stop_string_is_held_then_released(tokenizer: Any) -> None:
     ids = tokenizer.encode("a cat and a dog")
     detok = IncrementalDetokenizer(tokenizer, stop=("catastrophe",))

@@ -107,6 +107,24 @@ def test_logit_bias_bans_and_forces_tokens_in_greedy_and_sampled_rows() -> None:
     assert got == [second, 11, best[2]]
 
 
+def test_min_tokens_holds_back_the_end_tokens_until_enough_are_written() -> None:
+    row = torch.zeros(1, VOCAB)
+    row[0, 2] = 5.0  # the end token, by far the likeliest
+    row[0, 6] = 1.0
+    sampler = Sampler(end_ids=(2,))
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=3)
+    assert [sampler(row, [params], [0], [i], [[]]) for i in range(4)] == [[6], [6], [6], [2]]
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=8, min_tokens=3)
+    assert all(sampler(row, [sampled], [3], [i], [[]]) != [2] for i in range(3))
+    # ignore_eos makes min_tokens moot: nothing is held back.
+    moot = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=3, ignore_eos=True)
+    assert sampler(row, [moot], [0], [0], [[]]) == [2]
+    # A constraint that allows only the end here still ends: there is nothing else to draw.
+    only_end = torch.full((1, VOCAB), float("-inf"))
+    only_end[0, 2] = 0.0
+    assert sampler(only_end, [params], [0], [0], [[]]) == [2]
+
+
 def test_logprobs_are_those_of_the_adjusted_distribution() -> None:
     row = logits_rows(1, seed=6)
     params = SamplingParams(
@@ -126,6 +144,8 @@ def test_logprobs_are_those_of_the_adjusted_distribution() -> None:
 @pytest.mark.parametrize(
     ("field", "kwargs"),
     [
+        ("min_tokens", {"min_tokens": 9, "max_tokens": 8}),
+        ("min_tokens", {"min_tokens": -1}),
         ("presence_penalty", {"presence_penalty": 2.5}),
         ("presence_penalty", {"presence_penalty": float("nan")}),
         ("frequency_penalty", {"frequency_penalty": -2.01}),

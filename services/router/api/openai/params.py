@@ -302,8 +302,13 @@ def sampling_params(body: Mapping[str, Any], max_tokens: int | None) -> common_p
     if frequency := _number(body, "frequency_penalty", -MAX_ABS_ADDITIVE_PENALTY, MAX_ABS_ADDITIVE_PENALTY):
         sampling.frequency_penalty = frequency
     sampling.logit_bias.update(_logit_bias(body.get("logit_bias")))
-    if int_field(body, "min_tokens", 0, INT32_MAX):
-        raise unsupported("min_tokens", "only 0 is supported")
+    if min_tokens := int_field(body, "min_tokens", 0, INT32_MAX):
+        if max_tokens is not None and min_tokens > max_tokens:
+            raise bad_request(
+                "min_tokens",
+                f"min_tokens: must be at most the answer's token limit ({max_tokens}), got {min_tokens}",
+            )
+        sampling.min_tokens = min_tokens
     sampling.ignore_eos = _bool(body, "ignore_eos")
     sampling.stop.extend(_stop(body.get("stop")))
     return sampling

@@ -86,6 +86,7 @@ _KNOWN = (
             "presence_penalty",
             "frequency_penalty",
             "logit_bias",
+            "min_tokens",
         }
     )
     | EXTRA_FIELDS

@@ -62,7 +62,12 @@ def test_sampling_fields_reach_the_turn() -> None:
 
 
 def test_openai_penalties_and_logit_bias_reach_the_engine() -> None:
-    body = {"presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"42": -100, "7": 2.5}}
+    body = {
+        "presence_penalty": 0.5,
+        "frequency_penalty": -1,
+        "logit_bias": {"42": -100, "7": 2.5},
+        "min_tokens": 5,
+    }
     for g in (
         chat_generation({"messages": USER, **body}, "c"),
         completion_generation({"prompt": "a", **body}, "p"),
@@ -70,7 +75,7 @@ def test_openai_penalties_and_logit_bias_reach_the_engine() -> None:
     ):
         s = g.turns[0].sampling
         assert (s.presence_penalty, s.frequency_penalty) == (0.5, -1.0)
-        assert dict(s.logit_bias) == {42: -100.0, 7: 2.5}
+        assert dict(s.logit_bias) == {42: -100.0, 7: 2.5} and s.min_tokens == 5
     # Zero and null are OpenAI's defaults: nothing is set, so the answer (and cache key) is a plain one.
     s = chat_generation({"messages": USER, "presence_penalty": 0, "logit_bias": None}, "c").turns[0].sampling
     assert not s.HasField("presence_penalty") and not s.logit_bias
@@ -151,7 +156,8 @@ def test_nulls_and_load_tool_extras_are_accepted() -> None:
         ({"messages": USER, "presence_penalty": 2.5}, "presence_penalty"),
         ({"messages": USER, "frequency_penalty": -2.1}, "frequency_penalty"),
         ({"messages": USER, "frequency_penalty": "high"}, "frequency_penalty"),
-        ({"messages": USER, "min_tokens": 4}, "min_tokens"),
+        ({"messages": USER, "max_tokens": 3, "min_tokens": 4}, "min_tokens"),
+        ({"messages": USER, "min_tokens": -1}, "min_tokens"),
         ({"messages": USER, "tools": [{"type": "function"}]}, "tools[0]"),
         # Two tools of one name: a call names only the function, so which one it meant is unknown.
         (
