@@ -10,6 +10,8 @@ MAX_STOP_CHARS = 512
 #: Alternatives of a ``choice`` constraint. 10,000 compile in 0.17 s; 100,000 held the replica's
 #: grammar compiler for 29 s before llguidance refused them (its grammars hold < 65,535 symbols).
 MAX_CHOICES = 10_000
+#: Stop token ids a request may set (each drawn token is looked up in them).
+MAX_STOP_TOKEN_IDS = 64
 #: Entries of a ``logit_bias``: OpenAI's own bound. Every entry is added to its row at every step.
 MAX_LOGIT_BIAS = 300
 #: OpenAI's bounds on ``logit_bias`` values (-100 bans a token in practice, 100 forces it) and on

@@ -28,7 +28,7 @@ from services.common import errors
 from services.common.model_names import served_model_name
 from services.inference.block_manager import BlockManager
 from services.inference.config import EngineConfig
-from services.inference.detokenizer import IncrementalDetokenizer, fast_decoder
+from services.inference.detokenizer import DetokenizerUpdate, IncrementalDetokenizer, fast_decoder
 from services.inference.fault_isolation import ChunkResult, EngineFailure, run_isolating_faults
 from services.inference.gguf_loading import gguf_read_once
 from services.inference.grammar import GrammarCompiler, Guide
@@ -124,9 +124,13 @@ class LLMEngine:
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise errors.InvalidArgument(name, f"token ids must be in [0, {vocab}), got {bad}")
-        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
-        if bad is not None:
-            raise errors.InvalidArgument("logit_bias", f"token ids must be in [0, {vocab}), got {bad}")
+        for name, listed in (
+            ("logit_bias", [t for t, _ in params.logit_bias]),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            bad = next((t for t in listed if t >= vocab), None)
+            if bad is not None:
+                raise errors.InvalidArgument(name, f"token ids must be in [0, {vocab}), got {bad}")
 
     def admit(
         self,
@@ -188,7 +192,7 @@ class LLMEngine:
             # The first prompt token has nothing before it to be scored by: NaN, no alternatives.
             seq.prompt_logprobs = [SampledToken(prompt_token_ids[0], math.nan)]
             seq.prompt_logprobs += [None] * (len(prompt_token_ids) - 1)
-        stop_ids = frozenset() if params.ignore_eos else self._eos_ids
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_ids)
         detok = IncrementalDetokenizer(
             self._decoder, params.stop, prime=resume_token_ids, min_tokens=params.min_tokens
         )
@@ -288,7 +292,12 @@ class LLMEngine:
                 seq.first_token_time = now
             scored = self._take_prompt_logprobs(seq)
             status = self._check_stop(req, token)
-            update = req.detokenizer.add(token)
+            if token in seq.params.stop_token_ids and status is SequenceStatus.FINISHED_STOPPED:
+                # A stop token's own text is not part of the answer (vLLM's rule); the end-of-
+                # sequence tokens write none anyway.
+                update = DetokenizerUpdate("")
+            else:
+                update = req.detokenizer.add(token)
             if update.matched_stop is not None:
                 status = SequenceStatus.FINISHED_STOPPED
             if req.guide is not None:

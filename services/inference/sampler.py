@@ -108,15 +108,15 @@ def apply_repetition_penalty(row: torch.Tensor, seen: Seq[int], penalty: float) 
 
 
 def adjust_logits(
-    row: torch.Tensor, p: SamplingParams, history: Seq[int], num_output: int, end_ids: Seq[int] = ()
+    row: torch.Tensor, p: SamplingParams, history: Seq[int], num_output: int, held_back: Seq[int] = ()
 ) -> torch.Tensor:
-    """``row`` (float32) moved by the request's settings, in vLLM's order: ``end_ids`` banned while
-    ``min_tokens`` holds them back, the bias, then the repetition penalty (over prompt and output),
-    then the presence and frequency penalties (over the last ``num_output`` tokens of ``history``:
-    the output, resumed tokens included, so a resumed request is penalised as the original was).
-    Returns a new tensor."""
-    if end_ids and p.holds_back_end(num_output):
-        held = row.index_fill(0, torch.tensor(end_ids, dtype=torch.long, device=row.device), float("-inf"))
+    """``row`` (float32) moved by the request's settings, in vLLM's order: the ``held_back`` tokens
+    banned (what ``min_tokens`` holds back, ``SamplingParams.held_back``), the bias, then the
+    repetition penalty (over prompt and output), then the presence and frequency penalties (over
+    the last ``num_output`` tokens of ``history``: the output, resumed tokens included, so a
+    resumed request is penalised as the original was). Returns a new tensor."""
+    if held_back:
+        held = row.index_fill(0, torch.tensor(held_back, dtype=torch.long, device=row.device), float("-inf"))
         # A constraint that can only end here (its mask left nothing else) ends: banning its one
         # token would leave nothing to draw.
         if bool(torch.isfinite(held).any()):
@@ -209,7 +209,9 @@ class Sampler:
 
     def _adjusts(self, p: SamplingParams, token_index: int) -> bool:
         """The row's logits move before its draw: it leaves the step's one-argmax fast path."""
-        return p.adjusts_logits or (bool(self.end_ids) and p.holds_back_end(token_index))
+        return p.adjusts_logits or (
+            token_index < p.min_tokens and bool(p.held_back(token_index, self.end_ids))
+        )
 
     def __call__(
         self,
@@ -237,7 +239,8 @@ class Sampler:
             if isinstance(t, int) and p.wants_logprobs:
                 row = logits[i].float()
                 if self._adjusts(p, token_indices[i]):
-                    row = adjust_logits(row, p, histories[i], token_indices[i], self.end_ids)
+                    held = p.held_back(token_indices[i], self.end_ids)
+                    row = adjust_logits(row, p, histories[i], token_indices[i], held)
                 out.append(token_logprobs(row, t, p.top_logprobs))
             else:
                 out.append(t)
@@ -283,7 +286,7 @@ class Sampler:
     ) -> int:
         row = logits.float()
         if self._adjusts(p, token_index):
-            row = adjust_logits(row, p, history, token_index, self.end_ids)
+            row = adjust_logits(row, p, history, token_index, p.held_back(token_index, self.end_ids))
         if p.greedy:
             return int(row.argmax().item())
         return sample_row(row, p, draw_key(seed, token_index))

@@ -14,6 +14,7 @@ from services.common.sampling_limits import (
     MAX_LOGIT_BIAS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
 )
 
 #: Temperatures below this sample as greedy (argmax), as vLLM's ``_SAMPLING_EPS`` does: dividing
@@ -97,6 +98,9 @@ class SamplingParams:
     #: No end-of-sequence token is drawn and no stop string ends the answer before this many
     #: output tokens (resumed ones included); 0 = off.
     min_tokens: int = 0
+    #: Tokens that end the answer as end-of-sequence does (their own text is not part of it), also
+    #: with ``ignore_eos``.
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -124,6 +128,12 @@ class SamplingParams:
             )
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise InvalidArgument("seed", f"must fit in 64 unsigned bits, got {self.seed}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidArgument(
+                "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}"
+            )
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidArgument("stop_token_ids", f"token ids must be >= 0, got {min(self.stop_token_ids)}")
         if any(not s for s in self.stop):
             raise InvalidArgument("stop", "stop strings must not be empty")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -169,9 +179,12 @@ class SamplingParams:
         """Temperature 0 (or below ``MIN_TEMPERATURE``) means argmax: no randomness, no seed needed."""
         return self.temperature < MIN_TEMPERATURE
 
-    def holds_back_end(self, num_output: int) -> bool:
-        """End-of-sequence tokens are not to be drawn yet: fewer than ``min_tokens`` written."""
-        return num_output < self.min_tokens and not self.ignore_eos
+    def held_back(self, num_output: int, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """The tokens not to be drawn after ``num_output`` output tokens: while fewer than
+        ``min_tokens`` are out, the stop tokens and (unless ``ignore_eos``) the model's ``eos_ids``."""
+        if num_output >= self.min_tokens:
+            return ()
+        return self.stop_token_ids if self.ignore_eos else self.stop_token_ids + eos_ids
 
     @property
     def adjusts_logits(self) -> bool:

@@ -53,6 +53,7 @@ def sampling_from_pb(pb: common_pb2.SamplingParams, prompt_len: int, max_model_l
         frequency_penalty=pb.frequency_penalty if pb.HasField("frequency_penalty") else 0.0,
         logit_bias=tuple(sorted(pb.logit_bias.items())),
         min_tokens=pb.min_tokens,
+        stop_token_ids=tuple(pb.stop_token_ids),
     )
 
 

@@ -22,6 +22,7 @@ from services.common import errors
 from services.inference.config import EngineConfig
 from services.inference.engine import LLMEngine
 from services.inference.sampling import SamplingParams
+from services.inference.sequence import FinishReason
 from tests.support.device import TEST_DEVICE
 
 PROMPT = "Repeat after me: the cat, the cat, the cat, the cat, the cat,"
@@ -148,10 +149,39 @@ def test_min_tokens_writes_past_the_models_end_as_transformers_does_with_the_end
     assert len(held) > least and not set(held[:least]) & end_ids
 
 
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_a_stop_token_ends_the_answer_without_its_text_also_with_ignore_eos(
+    engine: LLMEngine, ignore_eos: bool
+) -> None:
+    ids = engine.tokenizer.encode(PROMPT)
+    free = generate(engine, ids, SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True))
+    stop = free[5]
+    first = free.index(stop)  # where it first appears
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=ignore_eos, stop_token_ids=(stop,))
+    engine.add_request("s", ids, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [t for o in outputs for t in o.new_token_ids] == free[: first + 1]
+    assert outputs[-1].finish_reason is FinishReason.STOP
+    assert "".join(o.text for o in outputs) == engine.tokenizer.decode(free[:first])
+    # min_tokens holds a stop token back as it does the end of sequence.
+    held = generate(
+        engine,
+        ids,
+        SamplingParams(max_tokens=STEPS, temperature=0.0, stop_token_ids=(stop,), min_tokens=first + 2),
+    )
+    assert stop not in held[: first + 2] and len(held) > first + 2
+
+
 def test_a_logit_bias_id_outside_the_vocabulary_is_refused_naming_the_field(engine: LLMEngine) -> None:
     vocab = engine.runner.vocab_size
     params = SamplingParams(max_tokens=2, logit_bias=((vocab, 5.0),))
     with pytest.raises(errors.InvalidArgument) as caught:
         engine.add_request("bad", engine.tokenizer.encode(PROMPT), params)
     assert caught.value.field == "logit_bias" and str(vocab) in str(caught.value)
+    params = SamplingParams(max_tokens=2, stop_token_ids=(2, vocab + 7))
+    with pytest.raises(errors.InvalidArgument) as caught:
+        engine.add_request("bad", engine.tokenizer.encode(PROMPT), params)
+    assert caught.value.field == "stop_token_ids" and str(vocab + 7) in str(caught.value)
     assert not engine.has_unfinished_requests()

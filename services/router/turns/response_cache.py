@@ -79,6 +79,8 @@ def sampling_fingerprint(sampling: common_pb2.SamplingParams) -> str:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(sampling, name):
             fields[name] = round(getattr(sampling, name), 6)
+    if sampling.stop_token_ids:
+        fields["stop_token_ids"] = list(sampling.stop_token_ids)
     if sampling.min_tokens:
         fields["min_tokens"] = sampling.min_tokens
     if sampling.logit_bias:

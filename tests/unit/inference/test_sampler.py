@@ -119,6 +119,15 @@ def test_min_tokens_holds_back_the_end_tokens_until_enough_are_written() -> None
     # ignore_eos makes min_tokens moot: nothing is held back.
     moot = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=3, ignore_eos=True)
     assert sampler(row, [moot], [0], [0], [[]]) == [2]
+    # Stop token ids are held back too, also with ignore_eos (it is about the model's end only).
+    stop_held = SamplingParams(
+        temperature=0.0, max_tokens=8, min_tokens=1, ignore_eos=True, stop_token_ids=(6,)
+    )
+    row[0, 4] = 0.5
+    assert sampler(row, [stop_held], [0], [0], [[]]) == [2]
+    assert sampler(row, [stop_held], [0], [1], [[]]) == [2]
+    stop_and_end = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=1, stop_token_ids=(6,))
+    assert sampler(row, [stop_and_end], [0], [0], [[]]) == [4]
     # A constraint that allows only the end here still ends: there is nothing else to draw.
     only_end = torch.full((1, VOCAB), float("-inf"))
     only_end[0, 2] = 0.0
@@ -146,6 +155,8 @@ def test_logprobs_are_those_of_the_adjusted_distribution() -> None:
     [
         ("min_tokens", {"min_tokens": 9, "max_tokens": 8}),
         ("min_tokens", {"min_tokens": -1}),
+        ("stop_token_ids", {"stop_token_ids": (-1,)}),
+        ("stop_token_ids", {"stop_token_ids": tuple(range(65))}),
         ("presence_penalty", {"presence_penalty": 2.5}),
         ("presence_penalty", {"presence_penalty": float("nan")}),
         ("frequency_penalty", {"frequency_penalty": -2.01}),

@@ -19,6 +19,7 @@ from services.common.sampling_limits import (
     MAX_ABS_LOGIT_BIAS,
     MAX_LOGIT_BIAS,
     MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
 )
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from services.router.api.openai.errors import ConstraintParam, bad_request, clipped, unsupported, utf8_text
@@ -76,6 +77,7 @@ _CHAT_KNOWN = frozenset(
         "frequency_penalty",
         "repetition_penalty",
         "min_tokens",
+        "stop_token_ids",
         "stream",
         "tools",
         "tool_choice",
@@ -222,12 +224,12 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)  # JSON true is no token
 
 
-def _token_ids(ids: list[Any], where: str) -> tuple[int, ...]:
+def _token_ids(ids: list[Any], where: str, param: str = "prompt") -> tuple[int, ...]:
     """Token ids as the replica takes them (int32, >= 0); whether each is in the model's
-    vocabulary is the replica's to say, naming the prompt too."""
+    vocabulary is the replica's to say, naming the field too."""
     for j, t in enumerate(ids):
         if not _is_int(t) or not 0 <= t <= INT32_MAX:
-            raise bad_request("prompt", f"{where}[{j}]: token ids must be integers in [0, {INT32_MAX}]")
+            raise bad_request(param, f"{where}[{j}]: token ids must be integers in [0, {INT32_MAX}]")
     return tuple(ids)
 
 
@@ -309,6 +311,14 @@ def sampling_params(body: Mapping[str, Any], max_tokens: int | None) -> common_p
                 f"min_tokens: must be at most the answer's token limit ({max_tokens}), got {min_tokens}",
             )
         sampling.min_tokens = min_tokens
+    if (stop_ids := body.get("stop_token_ids")) is not None:  # vLLM's extra
+        if not isinstance(stop_ids, list):
+            raise bad_request("stop_token_ids", "stop_token_ids: must be a list of token ids")
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad_request(
+                "stop_token_ids", f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop_ids)}"
+            )
+        sampling.stop_token_ids.extend(_token_ids(stop_ids, "stop_token_ids", "stop_token_ids"))
     sampling.ignore_eos = _bool(body, "ignore_eos")
     sampling.stop.extend(_stop(body.get("stop")))
     return sampling
@@ -350,6 +360,8 @@ def refuse_unsupported(body: Mapping[str, Any], known: frozenset[str]) -> None:
         "documents": (),
         "logits_processors": (),
         "structured_outputs": (),
+        "return_tokens_as_token_ids": (False,),
+        "guided_whitespace_pattern": (),
     }
     for name, allowed in neutral.items():
         value = body.get(name)

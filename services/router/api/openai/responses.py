@@ -87,6 +87,7 @@ _KNOWN = (
             "frequency_penalty",
             "logit_bias",
             "min_tokens",
+            "stop_token_ids",
         }
     )
     | EXTRA_FIELDS
