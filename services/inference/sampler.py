@@ -1,4 +1,4 @@
-"""Turns last-position logits into next tokens: greedy, temperature, top-k, top-p, logit bias and
+"""Turns last-position logits into next tokens: greedy, temperature, min-p, top-k, top-p, logit bias and
 the repetition, presence and frequency penalties.
 
 Each random draw uses a generator keyed by (request seed, token index), so a
@@ -138,6 +138,11 @@ def adjust_logits(
 def sample_row(row: torch.Tensor, params: SamplingParams, key: int) -> int:
     """Draw one token from a float32 logits row with temperature, top-k and top-p."""
     row = row / params.temperature
+    if params.min_p > 0.0:
+        # vLLM's order: min_p on the tempered distribution, before top-k and top-p. The likeliest
+        # token always stays (its probability is the bar's 1/min_p ≥ 1 times itself).
+        probs = torch.softmax(row, dim=-1)
+        row = row.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if 0 < params.top_k < row.shape[-1]:
         kth = torch.topk(row, params.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))

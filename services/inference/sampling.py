@@ -101,6 +101,8 @@ class SamplingParams:
     #: Tokens that end the answer as end-of-sequence does (their own text is not part of it), also
     #: with ``ignore_eos``.
     stop_token_ids: tuple[int, ...] = ()
+    #: After temperature, tokens less likely than ``min_p`` × the likeliest one are dropped; 0 = off.
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -113,6 +115,8 @@ class SamplingParams:
             raise InvalidArgument("temperature", f"must be finite and >= 0, got {self.temperature}")
         if math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidArgument("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:  # NaN fails too
+            raise InvalidArgument("min_p", f"must be in [0, 1] (0 = off), got {self.min_p}")
         if self.top_k < 0:
             raise InvalidArgument("top_k", f"must be >= 0 (0 = off), got {self.top_k}")
         # The slack admits the bounds as float32 carries them (0.01 arrives as 0.0099999998); NaN fails.

@@ -54,6 +54,7 @@ def sampling_from_pb(pb: common_pb2.SamplingParams, prompt_len: int, max_model_l
         logit_bias=tuple(sorted(pb.logit_bias.items())),
         min_tokens=pb.min_tokens,
         stop_token_ids=tuple(pb.stop_token_ids),
+        min_p=pb.min_p if pb.HasField("min_p") else 0.0,
     )
 
 

@@ -149,6 +149,17 @@ def test_min_tokens_writes_past_the_models_end_as_transformers_does_with_the_end
     assert len(held) > least and not set(held[:least]) & end_ids
 
 
+def test_min_p_one_keeps_only_the_likeliest_token_so_a_hot_draw_is_greedy(engine: LLMEngine) -> None:
+    ids = engine.tokenizer.encode(PROMPT)
+    greedy = generate(engine, ids, SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True))
+    hot = SamplingParams(max_tokens=STEPS, temperature=1.8, seed=11, ignore_eos=True)
+    assert generate(engine, ids, hot) != greedy, (
+        "a hot draw must differ from greedy for this to test anything"
+    )
+    kept = SamplingParams(max_tokens=STEPS, temperature=1.8, seed=11, ignore_eos=True, min_p=1.0)
+    assert generate(engine, ids, kept) == greedy
+
+
 @pytest.mark.parametrize("ignore_eos", [False, True])
 def test_a_stop_token_ends_the_answer_without_its_text_also_with_ignore_eos(
     engine: LLMEngine, ignore_eos: bool

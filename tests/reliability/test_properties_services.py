@@ -163,6 +163,7 @@ HOSTILE_SAMPLING = st.builds(
     ),
     seed=st.integers(0, 2**64 - 1),
     min_tokens=st.integers(0, 8),
+    min_p=st.one_of(BOUNDARY_FLOATS, st.sampled_from([0.0, 0.05, 1.0])),
     ignore_eos=st.just(True),
 )
 

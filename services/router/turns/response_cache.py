@@ -76,7 +76,7 @@ def sampling_fingerprint(sampling: common_pb2.SamplingParams) -> str:
             fields[name] = round(value, 6) if isinstance(value, float) else value
     # Added after the cache's first keys: present only when they move the logits, so the keys of
     # requests without them are what they were.
-    for name in ("presence_penalty", "frequency_penalty"):
+    for name in ("presence_penalty", "frequency_penalty", "min_p"):
         if getattr(sampling, name):
             fields[name] = round(getattr(sampling, name), 6)
     if sampling.stop_token_ids:
@@ -94,7 +94,7 @@ def sampling_fingerprint(sampling: common_pb2.SamplingParams) -> str:
         fields[constraint] = list(value.values) if constraint == "choice" else value
     # Greedy decoding ignores the seed and the nucleus settings.
     if sampling.HasField("temperature") and sampling.temperature == 0:
-        for name in ("seed", "top_p", "top_k"):
+        for name in ("seed", "top_p", "top_k", "min_p"):
             fields.pop(name, None)
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -107,7 +107,14 @@ def exact_cache_key(
         return None
     if sampling.logprobs or sampling.top_logprobs or sampling.HasField("prompt_logprobs"):
         return None  # a cached answer has no logprobs to give back
-    for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+    for name in (
+        "temperature",
+        "top_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "min_p",
+    ):
         if sampling.HasField(name) and not math.isfinite(getattr(sampling, name)):
             return None
     if not all(math.isfinite(bias) for bias in sampling.logit_bias.values()):

@@ -134,6 +134,21 @@ def test_min_tokens_holds_back_the_end_tokens_until_enough_are_written() -> None
     assert sampler(only_end, [params], [0], [0], [[]]) == [2]
 
 
+def test_min_p_drops_tokens_below_its_share_of_the_likeliest() -> None:
+    # Probabilities ∝ 8, 4, 2, 1, 1 (after temperature 1): min_p 0.3 keeps 8 and 4 only.
+    row = torch.full((VOCAB,), float("-inf"))
+    row[[10, 11, 12, 13, 14]] = torch.log(torch.tensor([8.0, 4.0, 2.0, 1.0, 1.0]))
+    params = SamplingParams(temperature=1.0, min_p=0.3)
+    assert {sample_row(row, params, draw_key(9, i)) for i in range(200)} == {10, 11}
+    # 1 keeps only the likeliest (greedy whatever the temperature); 0 is off.
+    assert {
+        sample_row(row, SamplingParams(temperature=3.0, min_p=1.0), draw_key(9, i)) for i in range(50)
+    } == {10}
+    assert {sample_row(row, SamplingParams(temperature=1.0), draw_key(9, i)) for i in range(400)} == set(
+        range(10, 15)
+    )
+
+
 def test_logprobs_are_those_of_the_adjusted_distribution() -> None:
     row = logits_rows(1, seed=6)
     params = SamplingParams(
@@ -156,6 +171,8 @@ def test_logprobs_are_those_of_the_adjusted_distribution() -> None:
         ("min_tokens", {"min_tokens": 9, "max_tokens": 8}),
         ("min_tokens", {"min_tokens": -1}),
         ("stop_token_ids", {"stop_token_ids": (-1,)}),
+        ("min_p", {"min_p": 1.5}),
+        ("min_p", {"min_p": float("nan")}),
         ("stop_token_ids", {"stop_token_ids": tuple(range(65))}),
         ("presence_penalty", {"presence_penalty": 2.5}),
         ("presence_penalty", {"presence_penalty": float("nan")}),

@@ -70,6 +70,7 @@ _CHAT_KNOWN = frozenset(
         "temperature",
         "top_p",
         "top_k",
+        "min_p",
         "seed",
         "stop",
         "n",
@@ -293,6 +294,8 @@ def sampling_params(body: Mapping[str, Any], max_tokens: int | None) -> common_p
         if top_p <= 0:
             raise bad_request("top_p", "top_p: must be in (0, 1]")
         sampling.top_p = top_p
+    if min_p := _number(body, "min_p", 0.0, 1.0):
+        sampling.min_p = min_p  # vLLM's extra; 0 means off there as here
     if (top_k := int_field(body, "top_k", -1, INT32_MAX)) is not None and top_k > 0:
         sampling.top_k = top_k  # vLLM's extra; -1 and 0 mean off there as here
     if (seed := int_field(body, "seed", 0, SEED_LIMIT - 1)) is not None:
@@ -349,7 +352,6 @@ def refuse_unsupported(body: Mapping[str, Any], known: frozenset[str]) -> None:
         "continue_final_message": (False,),
         "include_stop_str_in_output": (False,),
         "skip_special_tokens": (True,),
-        "min_p": (0, 0.0),
         "length_penalty": (1, 1.0),
         "truncate_prompt_tokens": (),
         "prompt_logprobs": (),

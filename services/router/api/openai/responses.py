@@ -88,6 +88,7 @@ _KNOWN = (
             "logit_bias",
             "min_tokens",
             "stop_token_ids",
+            "min_p",
         }
     )
     | EXTRA_FIELDS

@@ -51,8 +51,13 @@ def test_key_changes_with_anything_that_changes_the_answer() -> None:
     )
     # Zero penalties are off: the key of a plain request (and of every entry cached before them).
     assert base == exact_cache_key("m", MESSAGES, greedy(max_tokens=8, presence_penalty=0.0))
-    # Greedy ignores the seed, so it must not split the cache.
+    # Greedy ignores the seed and min_p, so they must not split the cache.
     assert base == exact_cache_key("m", MESSAGES, greedy(max_tokens=8, seed=7))
+    assert base == exact_cache_key("m", MESSAGES, greedy(max_tokens=8, min_p=0.2))
+    seeded = common_pb2.SamplingParams(temperature=0.7, seed=1)
+    assert sampling_fingerprint(seeded) != sampling_fingerprint(
+        common_pb2.SamplingParams(temperature=0.7, seed=1, min_p=0.2)
+    )
     assert sampling_fingerprint(common_pb2.SamplingParams(temperature=0.7, seed=1)) != sampling_fingerprint(
         common_pb2.SamplingParams(temperature=0.7, seed=2)
     )
