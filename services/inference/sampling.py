@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass
 
@@ -190,7 +191,7 @@ class SamplingParams:
             return ()
         return self.stop_token_ids if self.ignore_eos else self.stop_token_ids + eos_ids
 
-    @property
+    @functools.cached_property
     def adjusts_logits(self) -> bool:
         """Some setting moves the logits before the draw (a penalty or a bias): no argmax fast path."""
         return (

@@ -37,6 +37,23 @@ def test_a_raw_prompt_alone_is_a_valid_turn_as_are_messages_alone() -> None:
             )
             for t in (float("nan"), 0.0, 1.5, -0.5)
         ),
+        # Lists the router hashes into cache keys: their size is checked before any hashing.
+        (
+            router_pb2.ChatRequest(
+                messages=USER, sampling=common_pb2.SamplingParams(logit_bias={i: 1.0 for i in range(301)})
+            ),
+            "sampling.logit_bias",
+        ),
+        (
+            router_pb2.ChatRequest(
+                messages=USER, sampling=common_pb2.SamplingParams(stop_token_ids=range(65))
+            ),
+            "sampling.stop_token_ids",
+        ),
+        (
+            router_pb2.ChatRequest(messages=USER, sampling=common_pb2.SamplingParams(stop=["x"] * 65)),
+            "sampling.stop",
+        ),
     ],
 )
 def test_a_turn_that_is_neither_or_both_is_refused_naming_the_field(
