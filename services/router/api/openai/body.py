@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import re
 import zlib
 from typing import Any
@@ -205,3 +206,16 @@ def _encodes(text: str) -> bool:
 def _printable(key: str) -> str:
     """A key as an error message can name it: a lone surrogate written as its escape."""
     return key.encode("utf-8", "backslashreplace").decode()
+
+
+def finite_number(value: Any) -> float | None:
+    """A JSON number as a finite float, or None: not a number (``true`` is none), or one no
+    float holds. JSON integers have no bound (``json.loads`` reads 4,300 digits), and
+    ``math.isfinite`` of one past float's range raises ``OverflowError``: that was a 500."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None

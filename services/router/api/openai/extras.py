@@ -9,13 +9,13 @@ are only logged).
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from services.gen.llmmesh.v1 import router_pb2
+from services.router.api.openai.body import finite_number
 from services.router.api.openai.errors import bad_request
 
 #: Body fields this module reads: ``params`` treats them as known.
@@ -156,13 +156,9 @@ def _rag(raw: Any) -> router_pb2.RagOptions | None:
         rag.filter.update(where)
     min_score = raw.get("min_score")
     if min_score is not None:
-        if (
-            isinstance(min_score, bool)
-            or not isinstance(min_score, (int, float))
-            or not math.isfinite(min_score)
-        ):
+        if (score := finite_number(min_score)) is None:
             raise bad_request("rag.min_score", "rag.min_score: a number")
-        rag.min_score = float(min_score)
+        rag.min_score = score
     rag.required = _flag(raw, "required", "rag.")
     mode = raw.get("mode")
     if mode is not None:

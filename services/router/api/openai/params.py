@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +21,7 @@ from services.common.sampling_limits import (
     MAX_STOP_TOKEN_IDS,
 )
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
+from services.router.api.openai.body import finite_number
 from services.router.api.openai.errors import ConstraintParam, bad_request, clipped, unsupported, utf8_text
 from services.router.api.openai.extras import FIELDS as EXTRA_FIELDS
 from services.router.api.openai.extras import Extras, extras
@@ -504,15 +504,16 @@ def _logit_bias(value: Any) -> dict[int, float]:
     if len(value) > MAX_LOGIT_BIAS:
         raise bad_request("logit_bias", f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(value)}")
     bias: dict[int, float] = {}
-    for key, number in value.items():
+    for key, raw in value.items():
         token = str(key).strip()
-        # A decimal token id, as OpenAI takes it ("50256"); int() would also take "1_0" and "+3".
-        if not token.isascii() or not token.isdigit() or int(token) > INT32_MAX:
+        # A decimal token id, as OpenAI takes it ("50256"); int() would also take "1_0" and "+3",
+        # and raises on more than 4,300 digits (so the length is checked before it runs).
+        if not (token.isascii() and token.isdigit() and len(token) <= 10) or int(token) > INT32_MAX:
             raise bad_request(
                 "logit_bias",
                 f"logit_bias: keys must be token ids (decimal integers), got {clipped(str(key), 64)!r}",
             )
-        if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
+        if (number := finite_number(raw)) is None:
             raise bad_request("logit_bias", f"logit_bias: the value for token {token} must be a number")
         if not -MAX_ABS_LOGIT_BIAS <= number <= MAX_ABS_LOGIT_BIAS:
             raise bad_request(
@@ -520,7 +521,7 @@ def _logit_bias(value: Any) -> dict[int, float]:
                 f"logit_bias: values must be in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}], "
                 f"got {number} for token {token}",
             )
-        bias[int(token)] = float(number)
+        bias[int(token)] = number
     return bias
 
 
@@ -528,8 +529,8 @@ def _number(body: Mapping[str, Any], name: str, lo: float, hi: float) -> float |
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if (number := finite_number(value)) is None:
         raise bad_request(name, f"{name}: must be a number")
-    if not lo <= value <= hi:
-        raise bad_request(name, f"{name}: must be in [{lo}, {hi}], got {value}")
-    return float(value)
+    if not lo <= number <= hi:
+        raise bad_request(name, f"{name}: must be in [{lo}, {hi}], got {number:g}")
+    return number

@@ -204,6 +204,12 @@ def test_nulls_and_load_tool_extras_are_accepted() -> None:
         ({"messages": USER, "logit_bias": {"-3": 5}}, "logit_bias"),
         ({"messages": USER, "logit_bias": {"1.5": 5}}, "logit_bias"),
         ({"messages": USER, "logit_bias": {"99999999999": 5}}, "logit_bias"),
+        ({"messages": USER, "logit_bias": {"9" * 5000: 5}}, "logit_bias"),
+        # JSON integers have no bound: one past float's range is no number (it was an OverflowError, a 500).
+        ({"messages": USER, "temperature": 10**400}, "temperature"),
+        ({"messages": USER, "frequency_penalty": -(10**400)}, "frequency_penalty"),
+        ({"messages": USER, "logit_bias": {"5": 10**400}}, "logit_bias"),
+        ({"messages": USER, "rag": {"min_score": 10**400}}, "rag.min_score"),
         ({"messages": USER, "logit_bias": {"1": 101}}, "logit_bias"),
         ({"messages": USER, "logit_bias": {"1": "5"}}, "logit_bias"),
         ({"messages": USER, "logit_bias": {"1": True}}, "logit_bias"),
