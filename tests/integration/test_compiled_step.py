@@ -12,13 +12,12 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from services.inference import layer_kernels
 from services.inference.config import EngineConfig
 from services.inference.engine import LLMEngine
 from services.inference.sampling import SamplingParams
-from tests.support.device import TEST_DEVICE
+from tests.support.device import TEST_DEVICE, reference_model
 
 PROMPTS = [
     "The history of painting begins with",
@@ -37,7 +36,7 @@ def engine(model_path: Path) -> LLMEngine:
 
 
 def _transformers_tokens(model_path: Path, prompts: list[list[int]]) -> list[list[int]]:
-    model: Any = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).to(TEST_DEVICE)
+    model: Any = reference_model(model_path)
     out = []
     with torch.inference_mode():
         for ids in prompts:

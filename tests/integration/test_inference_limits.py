@@ -17,10 +17,10 @@ import grpc
 import pytest
 import torch
 from google.rpc import error_details_pb2, status_pb2
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from tests.support.device import TEST_DEVICE, replica_device_args
+from tests.support.device import reference_model, replica_device_args
 from tests.support.inference import Generation, generate, greedy
 from tests.support.processes import ROOT, ServiceProcess
 
@@ -84,7 +84,7 @@ async def test_preemption_under_a_tiny_kv_cache_still_gives_exact_outputs(
 
     assert metric(replica, "llmmesh_preemptions_total") > 0, "the cache was meant to be too small"
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).to(TEST_DEVICE).eval()
+    model = reference_model(model_path)
     for prompt, got in zip(PROMPTS, results, strict=True):
         assert got.finish_reason == common_pb2.FINISH_REASON_LENGTH
         ids = tokenizer.encode(prompt)

@@ -14,11 +14,11 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from services.common.prompts import Message, prompt_token_ids
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from tests.support.device import TEST_DEVICE, replica_device_args
+from tests.support.device import TEST_DEVICE, reference_model, replica_device_args
 from tests.support.inference import generate, greedy
 from tests.support.processes import ServiceProcess
 
@@ -49,7 +49,7 @@ def replica(model_path: Path) -> Iterator[ServiceProcess]:
 @pytest.fixture(scope="module")
 def reference(model_path: Path) -> tuple[Any, Any]:
     """transformers' own model and tokenizer, fp32 on the test device: the ground truth for greedy outputs."""
-    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).to(TEST_DEVICE).eval()
+    model = reference_model(model_path)
     return model, AutoTokenizer.from_pretrained(str(model_path))
 
 

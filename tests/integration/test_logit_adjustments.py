@@ -16,14 +16,12 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from services.common import errors
-from services.inference.config import EngineConfig
 from services.inference.engine import LLMEngine
 from services.inference.sampling import SamplingParams
 from services.inference.sequence import FinishReason
-from tests.support.device import TEST_DEVICE
+from tests.support.device import fp32_engine, reference_model
 
 PROMPT = "Repeat after me: the cat, the cat, the cat, the cat, the cat,"
 STEPS = 16
@@ -31,14 +29,12 @@ STEPS = 16
 
 @pytest.fixture(scope="module")
 def engine(model_path: Path) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(model=str(model_path), dtype="float32", device=TEST_DEVICE, num_kv_blocks=64)
-    )
+    return fp32_engine(model_path)
 
 
 @pytest.fixture(scope="module")
 def model(model_path: Path) -> Any:
-    return AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).to(TEST_DEVICE)
+    return reference_model(model_path)
 
 
 def generate(

@@ -15,12 +15,10 @@ from typing import Any
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import AutoModelForCausalLM
 
-from services.inference.config import EngineConfig
 from services.inference.engine import LLMEngine
 from services.inference.sampling import SamplingParams
-from tests.support.device import TEST_DEVICE
+from tests.support.device import TEST_DEVICE, fp32_engine, reference_model
 
 # The math kernel alone, and whatever SDPA picks by itself (on CPU its flash kernel, whose
 # output is laid out the other way; on CUDA, for fp32 with grouped KV heads, math again).
@@ -31,15 +29,13 @@ MAX_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def engine(model_path: Path) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(model=str(model_path), dtype="float32", device=TEST_DEVICE, num_kv_blocks=64)
-    )
+    return fp32_engine(model_path)
 
 
 @pytest.fixture(scope="module")
 def expected(model_path: Path, engine: LLMEngine) -> list[list[int]]:
     """transformers' own fp32 greedy tokens for each prompt alone."""
-    model: Any = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).to(TEST_DEVICE)
+    model: Any = reference_model(model_path)
     out = []
     with torch.inference_mode():
         for prompt in PROMPTS:
@@ -112,7 +108,7 @@ def test_prompts_of_mixed_lengths_and_a_cached_prefix_attend_row_by_row_with_tra
         tok.encode(LONG + " the sea at dawn."),
         tok.encode("Hi there, my friend"),
     )
-    model: Any = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).to(TEST_DEVICE)
+    model: Any = reference_model(model_path)
 
     def hf(ids: list[int]) -> list[int]:
         with torch.inference_mode():
@@ -145,7 +141,7 @@ def test_prompts_from_one_template_attend_their_alike_tails_in_one_call_with_tra
     opening = LONG + " Then, one by one, the painters named their boats:"
     prompts = [tok.encode(f"{opening} {name}.") for name in ("Alba", "Brio", "Cora", "Dune")]
     assert len({len(p) for p in prompts}) == 1, "the tails must be alike for this test"
-    model: Any = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).to(TEST_DEVICE)
+    model: Any = reference_model(model_path)
     with torch.inference_mode():
         out = model.generate(
             torch.tensor(prompts, device=model.device),

@@ -14,13 +14,12 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from services.common import errors
 from services.inference.config import EngineConfig
 from services.inference.engine import LLMEngine, RequestOutput
 from services.inference.sampling import SamplingParams
-from tests.support.device import TEST_DEVICE
+from tests.support.device import TEST_DEVICE, reference_model
 
 TEXT = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a can of oil "
@@ -48,7 +47,7 @@ def engine(model_path: Path) -> LLMEngine:
 def reference(model_path: Path, engine: LLMEngine) -> tuple[list[int], torch.Tensor]:
     """The prompt's ids and transformers' log-softmaxed logits at every position: [len, vocab]."""
     ids = engine.tokenizer.encode(TEXT)
-    model: Any = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).to(TEST_DEVICE)
+    model: Any = reference_model(model_path)
     with torch.inference_mode():
         logits = model(torch.tensor([ids], device=model.device)).logits[0].float()
     return ids, torch.log_softmax(logits, dim=-1).cpu()

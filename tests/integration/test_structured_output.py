@@ -15,12 +15,12 @@ import grpc
 import jsonschema
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from services.common.prompts import Message, prompt_token_ids
 from services.common.sampling_limits import MAX_CHOICES
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from tests.support.device import TEST_DEVICE
+from tests.support.device import reference_model
 from tests.support.inference import Generation, generate
 from tests.support.processes import ServiceProcess
 
@@ -213,7 +213,7 @@ async def test_logprobs_are_transformers_log_softmax_and_top_logprobs_its_top_k(
     )
     tokens, logprobs = got
     assert len(logprobs) == len(tokens) == 12
-    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).to(TEST_DEVICE).eval()
+    model = reference_model(model_path)
     prompt = prompt_token_ids(tokenizer, [Message("user", FREE_PROMPTS[1])], "")
     with torch.inference_mode():
         logits = model(torch.tensor([prompt + tokens], device=model.device)).logits[0].float()
