@@ -11,6 +11,7 @@ continues with exactly the tokens the whole request wrote.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,21 +50,40 @@ def generate(
     return tokens
 
 
+def greedy_reference(
+    model: Any,
+    ids: list[int],
+    adjust: Callable[[torch.Tensor, list[int]], None],
+    steps: int = STEPS,
+    end_ids: frozenset[int] = frozenset(),
+) -> list[int]:
+    """transformers' greedy tokens (its own forward and KV cache), each step's logits first moved
+    in place by ``adjust(logits, output so far)``; ends after ``steps`` tokens or an end token."""
+    output: list[int] = []
+    inputs, past = torch.tensor([ids], device=model.device), None
+    while len(output) < steps and not (output and output[-1] in end_ids):
+        with torch.inference_mode():
+            out = model(inputs, cache=past, use_cache=True)
+        past = out.cache
+        logits = out.logits[0, -1].float().cpu().clone()  # a normal tensor: written outside inference mode
+        adjust(logits, output)
+        output.append(int(logits.argmax()))
+        inputs = torch.tensor([[output[-1]]], device=model.device)
+    return output
+
+
 def reference(
     model: Any, ids: list[int], presence: float, frequency: float, bias: dict[int, float]
 ) -> list[int]:
     """Greedy tokens of transformers' forward with OpenAI's adjustment written out here."""
-    output: list[int] = []
-    for _ in range(STEPS):
-        with torch.inference_mode():
-            logits = model(torch.tensor([ids + output], device=model.device)).logits[0, -1].float().cpu()
-        logits = logits.clone()  # a normal tensor: written below, outside inference mode
+
+    def adjust(logits: torch.Tensor, output: list[int]) -> None:
         for token, value in bias.items():
             logits[token] += value
         for token, count in Counter(output).items():
             logits[token] -= frequency * count + presence
-        output.append(int(logits.argmax()))
-    return output
+
+    return greedy_reference(model, ids, adjust)
 
 
 @pytest.mark.parametrize(
@@ -132,16 +152,13 @@ def test_min_tokens_writes_past_the_models_end_as_transformers_does_with_the_end
     assert free[-1] in end_ids and len(free) < 30, "the free answer must end on its own"
     least = len(free) + 4
     held = generate(engine, ids, SamplingParams(max_tokens=40, temperature=0.0, min_tokens=least))
+
     # transformers' greedy tokens with the end tokens masked while fewer than `least` are out.
-    expected: list[int] = []
-    while len(expected) < 40 and not (expected and expected[-1] in end_ids):
-        with torch.inference_mode():
-            logits = model(torch.tensor([ids + expected], device=model.device)).logits[0, -1].float().cpu()
-        logits = logits.clone()
-        if len(expected) < least:
+    def hold_end(logits: torch.Tensor, output: list[int]) -> None:
+        if len(output) < least:
             logits[sorted(end_ids)] = float("-inf")
-        expected.append(int(logits.argmax()))
-    assert held == expected
+
+    assert held == greedy_reference(model, ids, hold_end, steps=40, end_ids=frozenset(end_ids))
     assert len(held) > least and not set(held[:least]) & end_ids
 
 
