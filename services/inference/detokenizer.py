@@ -70,9 +70,16 @@ class IncrementalDetokenizer:
     """Per-request text state. ``prime`` tokens (resumed output) are decoded but never re-emitted."""
 
     def __init__(
-        self, tokenizer: Decoder, stop: Seq[str] = (), prime: Seq[int] = (), min_tokens: int = 0
+        self,
+        tokenizer: Decoder,
+        stop: Seq[str] = (),
+        prime: Seq[int] = (),
+        min_tokens: int = 0,
+        include_stop: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
+        #: A matched stop string stays at the end of the text (vLLM's include_stop_str_in_output).
+        self._include_stop = include_stop
         #: Stop strings are not looked for until this many tokens are out (primed ones count),
         #: as vLLM does: only a stop that ends after that point ends the answer.
         self._min_tokens = min_tokens
@@ -114,7 +121,7 @@ class IncrementalDetokenizer:
                     hit = (pos, s)
             self._searched = len(self.text)
             if hit is not None:
-                self.text = self.text[: hit[0]]
+                self.text = self.text[: hit[0] + (len(hit[1]) if self._include_stop else 0)]
                 return DetokenizerUpdate(self._release(len(self.text)), matched_stop=hit[1])
         return DetokenizerUpdate(self._release(len(self.text) - self._hold))
 

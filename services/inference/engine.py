@@ -194,7 +194,11 @@ class LLMEngine:
             seq.prompt_logprobs += [None] * (len(prompt_token_ids) - 1)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_ids)
         detok = IncrementalDetokenizer(
-            self._decoder, params.stop, prime=resume_token_ids, min_tokens=params.min_tokens
+            self._decoder,
+            params.stop,
+            prime=resume_token_ids,
+            min_tokens=params.min_tokens,
+            include_stop=params.include_stop_str_in_output,
         )
         guide = guide or self.make_guide(params, resume_token_ids)  # a caller that skipped make_guide
         self._requests[request_id] = _Request(seq, detok, stop_ids, guide)
@@ -292,9 +296,13 @@ class LLMEngine:
                 seq.first_token_time = now
             scored = self._take_prompt_logprobs(seq)
             status = self._check_stop(req, token)
-            if token in seq.params.stop_token_ids and status is SequenceStatus.FINISHED_STOPPED:
-                # A stop token's own text is not part of the answer (vLLM's rule); the end-of-
-                # sequence tokens write none anyway.
+            if (
+                token in seq.params.stop_token_ids
+                and status is SequenceStatus.FINISHED_STOPPED
+                and not seq.params.include_stop_str_in_output
+            ):
+                # A stop token's own text is not part of the answer (vLLM's rule, unless asked);
+                # the end-of-sequence tokens write none anyway.
                 update = DetokenizerUpdate("")
             else:
                 update = req.detokenizer.add(token)

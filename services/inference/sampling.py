@@ -104,6 +104,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     #: After temperature, tokens less likely than ``min_p`` × the likeliest one are dropped; 0 = off.
     min_p: float = 0.0
+    #: The stop string, or stop token's text, that ended the answer stays in its text.
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

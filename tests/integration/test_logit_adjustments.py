@@ -10,6 +10,7 @@ continues with exactly the tokens the whole request wrote.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -189,6 +190,13 @@ def test_a_stop_token_ends_the_answer_without_its_text_also_with_ignore_eos(
     assert [t for o in outputs for t in o.new_token_ids] == free[: first + 1]
     assert outputs[-1].finish_reason is FinishReason.STOP
     assert "".join(o.text for o in outputs) == engine.tokenizer.decode(free[:first])
+    # Asked to keep it, the stop token's text ends the answer.
+    kept = dataclasses.replace(params, include_stop_str_in_output=True)
+    engine.add_request("k", ids, kept)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert "".join(o.text for o in outputs) == engine.tokenizer.decode(free[: first + 1])
     # min_tokens holds a stop token back as it does the end of sequence.
     held = generate(
         engine,

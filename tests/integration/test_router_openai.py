@@ -244,6 +244,16 @@ def test_a_stop_list_ends_the_answer_before_the_stop_string(front: Front) -> Non
     choice = answer.choices[0]
     assert choice.finish_reason == "stop"
     assert choice.message.content == text[: text.index(stop)]
+    # vLLM's include_stop_str_in_output keeps the stop string at the end, whole and streamed.
+    kept = {"model": front.model, "messages": HELLO, "max_tokens": 16, "temperature": 0, "stop": [stop]}
+    extra = {"include_stop_str_in_output": True}
+    whole = front.client().chat.completions.create(**kept, extra_body=extra)  # type: ignore[call-overload]
+    assert whole.choices[0].message.content == text[: text.index(stop) + len(stop)]
+    streamed = front.client().chat.completions.create(**kept, extra_body=extra, stream=True)  # type: ignore[call-overload]
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        == whole.choices[0].message.content
+    )
 
 
 def test_legacy_completions_answer_each_prompt(front: Front) -> None:

@@ -81,6 +81,8 @@ def sampling_fingerprint(sampling: common_pb2.SamplingParams) -> str:
             fields[name] = round(getattr(sampling, name), 6)
     if sampling.stop_token_ids:
         fields["stop_token_ids"] = list(sampling.stop_token_ids)
+    if sampling.include_stop_str_in_output:
+        fields["include_stop_str_in_output"] = True
     if sampling.min_tokens:
         fields["min_tokens"] = sampling.min_tokens
     if sampling.logit_bias:

@@ -70,6 +70,13 @@ def test_min_tokens_lets_only_a_stop_string_written_after_it_end_the_text(tokeni
     assert matched == ","
 
 
+def test_a_stop_string_asked_to_be_kept_ends_the_text(tokenizer: Any) -> None:
+    ids = tokenizer.encode("The robot painted a sunset. THE END of the story.")
+    pieces, matched = stream(IncrementalDetokenizer(tokenizer, stop=("E END",), include_stop=True), ids)
+    assert matched == "E END"
+    assert "".join(pieces) == "The robot painted a sunset. THE END"
+
+
 def test_text_that_might_start_a_stop_string_is_held_then_released(tokenizer: Any) -> None:
     ids = tokenizer.encode("a cat and a dog")
     detok = IncrementalDetokenizer(tokenizer, stop=("catastrophe",))

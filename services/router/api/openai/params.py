@@ -79,6 +79,7 @@ _CHAT_KNOWN = frozenset(
         "repetition_penalty",
         "min_tokens",
         "stop_token_ids",
+        "include_stop_str_in_output",
         "stream",
         "tools",
         "tool_choice",
@@ -323,6 +324,7 @@ def sampling_params(body: Mapping[str, Any], max_tokens: int | None) -> common_p
             )
         sampling.stop_token_ids.extend(_token_ids(stop_ids, "stop_token_ids", "stop_token_ids"))
     sampling.ignore_eos = _bool(body, "ignore_eos")
+    sampling.include_stop_str_in_output = _bool(body, "include_stop_str_in_output")
     sampling.stop.extend(_stop(body.get("stop")))
     return sampling
 
@@ -350,7 +352,6 @@ def refuse_unsupported(body: Mapping[str, Any], known: frozenset[str]) -> None:
         "echo": (False,),
         "add_generation_prompt": (True,),
         "continue_final_message": (False,),
-        "include_stop_str_in_output": (False,),
         "skip_special_tokens": (True,),
         "length_penalty": (1, 1.0),
         "truncate_prompt_tokens": (),

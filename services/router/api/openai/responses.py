@@ -89,6 +89,7 @@ _KNOWN = (
             "min_tokens",
             "stop_token_ids",
             "min_p",
+            "include_stop_str_in_output",
         }
     )
     | EXTRA_FIELDS

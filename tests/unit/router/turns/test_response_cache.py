@@ -43,6 +43,9 @@ def test_key_changes_with_anything_that_changes_the_answer() -> None:
     assert base != exact_cache_key("m", [("user", "What is 2+3?")], greedy(max_tokens=8))
     assert base != exact_cache_key("m", MESSAGES, greedy(max_tokens=9))
     assert base != exact_cache_key("m", MESSAGES, greedy(max_tokens=8, stop=["\n"]))
+    assert exact_cache_key("m", MESSAGES, greedy(max_tokens=8, stop=["\n"])) != exact_cache_key(
+        "m", MESSAGES, greedy(max_tokens=8, stop=["\n"], include_stop_str_in_output=True)
+    )
     assert base != exact_cache_key("m", MESSAGES, greedy(max_tokens=8, presence_penalty=0.5))
     assert base != exact_cache_key("m", MESSAGES, greedy(max_tokens=8, frequency_penalty=0.5))
     assert base != exact_cache_key("m", MESSAGES, greedy(max_tokens=8, logit_bias={42: -100.0}))

@@ -69,6 +69,7 @@ def test_openai_penalties_and_logit_bias_reach_the_engine() -> None:
         "min_tokens": 5,
         "stop_token_ids": [2, 9],
         "min_p": 0.05,
+        "include_stop_str_in_output": True,
     }
     for g in (
         chat_generation({"messages": USER, **body}, "c"),
@@ -79,6 +80,7 @@ def test_openai_penalties_and_logit_bias_reach_the_engine() -> None:
         assert (s.presence_penalty, s.frequency_penalty) == (0.5, -1.0)
         assert dict(s.logit_bias) == {42: -100.0, 7: 2.5} and s.min_tokens == 5
         assert list(s.stop_token_ids) == [2, 9] and round(s.min_p, 6) == 0.05
+        assert s.include_stop_str_in_output
     # Zero and null are OpenAI's defaults: nothing is set, so the answer (and cache key) is a plain one.
     s = chat_generation({"messages": USER, "presence_penalty": 0, "logit_bias": None}, "c").turns[0].sampling
     assert not s.HasField("presence_penalty") and not s.logit_bias
@@ -257,7 +259,7 @@ def test_nulls_and_load_tool_extras_are_accepted() -> None:
         ({"messages": USER, "echo": True}, "echo"),
         ({"messages": USER, "add_generation_prompt": False}, "add_generation_prompt"),
         ({"messages": USER, "continue_final_message": True}, "continue_final_message"),
-        ({"messages": USER, "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        ({"messages": USER, "include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
         ({"messages": USER, "skip_special_tokens": False}, "skip_special_tokens"),
         ({"messages": USER, "min_p": 1.1}, "min_p"),
         ({"messages": USER, "return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
