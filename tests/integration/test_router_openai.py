@@ -1385,6 +1385,8 @@ _LEAVES = (
     st.none()
     | st.booleans()
     | st.integers()
+    # JSON integers have no bound: past float's range (an OverflowError once), past 64 bits.
+    | st.sampled_from([10**400, -(10**400), 2**64, 2**31])
     | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=12)
 )
@@ -1411,6 +1413,13 @@ _FIELDS = st.sampled_from(
         "response_format",
         "logprobs",
         "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "min_p",
+        "stop_token_ids",
+        "include_stop_str_in_output",
+        "rag",
+        "cache",
         "min_tokens",
         "ignore_eos",
         "echo",
