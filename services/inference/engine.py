@@ -127,6 +127,7 @@ class LLMEngine:
         for name, listed in (
             ("logit_bias", [t for t, _ in params.logit_bias]),
             ("stop_token_ids", params.stop_token_ids),
+            ("allowed_token_ids", params.allowed_token_ids),
         ):
             bad = next((t for t in listed if t >= vocab), None)
             if bad is not None:

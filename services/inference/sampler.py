@@ -50,6 +50,11 @@ class RowFault:
     invalid_field: str = ""
 
 
+class NothingAllowed(ValueError):
+    """A row's ``allowed_token_ids`` and its output constraint leave no token: the request's own
+    input cannot go on (INVALID_ARGUMENT on the field), not an engine fault."""
+
+
 #: One row's result: the token, the token with its logprobs, or why it could not be drawn.
 RowResult = int | SampledToken | RowFault
 
@@ -114,7 +119,16 @@ def adjust_logits(
     banned (what ``min_tokens`` holds back, ``SamplingParams.held_back``), the bias, then the
     repetition penalty (over prompt and output), then the presence and frequency penalties (over
     the last ``num_output`` tokens of ``history``: the output, resumed tokens included, so a
-    resumed request is penalised as the original was). Returns a new tensor."""
+    resumed request is penalised as the original was). Returns a new tensor.
+
+    ``allowed_token_ids`` goes first: every other token is -inf. Raises ``NothingAllowed`` when
+    none of them is left (the output constraint's mask forbids them all)."""
+    if p.allowed_token_ids:
+        ids = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=row.device)
+        kept = row.index_select(0, ids)
+        if not bool(torch.isfinite(kept).any()):
+            raise NothingAllowed("the output constraint allows none of these tokens here")
+        row = torch.full_like(row, float("-inf")).index_copy_(0, ids, kept)
     if held_back:
         held = row.index_fill(0, torch.tensor(held_back, dtype=torch.long, device=row.device), float("-inf"))
         # A constraint that can only end here (its mask left nothing else) ends: banning its one
@@ -279,6 +293,8 @@ class Sampler:
                 continue
             try:
                 out.append(self._draw(logits[i], p, seeds[i], token_indices[i], histories[i]))
+            except NothingAllowed as exc:
+                out.append(RowFault(str(exc), invalid_field="allowed_token_ids"))
             except Exception as exc:  # this row's alone: the step's other rows keep their tokens
                 log.exception(
                     "sampling failed for one row (token %d); only its request fails", token_indices[i]

@@ -11,6 +11,7 @@ from services.common.errors import InvalidArgument
 from services.common.sampling_limits import (
     MAX_ABS_ADDITIVE_PENALTY,
     MAX_ABS_LOGIT_BIAS,
+    MAX_ALLOWED_TOKEN_IDS,
     MAX_CHOICES,
     MAX_LOGIT_BIAS,
     MAX_STOP_CHARS,
@@ -106,6 +107,8 @@ class SamplingParams:
     min_p: float = 0.0
     #: The stop string, or stop token's text, that ended the answer stays in its text.
     include_stop_str_in_output: bool = False
+    #: Only these tokens may be drawn; empty = any.
+    allowed_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -141,6 +144,14 @@ class SamplingParams:
             )
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidArgument("stop_token_ids", f"token ids must be >= 0, got {min(self.stop_token_ids)}")
+        if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+            raise InvalidArgument(
+                "allowed_token_ids", f"at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(self.allowed_token_ids)}"
+            )
+        if any(t < 0 for t in self.allowed_token_ids):
+            raise InvalidArgument(
+                "allowed_token_ids", f"token ids must be >= 0, got {min(self.allowed_token_ids)}"
+            )
         if any(not s for s in self.stop):
             raise InvalidArgument("stop", "stop strings must not be empty")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -201,4 +212,5 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or bool(self.logit_bias)
+            or bool(self.allowed_token_ids)
         )

@@ -21,7 +21,7 @@ import torch
 
 from services.common import errors
 from services.inference.engine import LLMEngine
-from services.inference.sampling import SamplingParams
+from services.inference.sampling import Constraint, ConstraintKind, SamplingParams
 from services.inference.sequence import FinishReason
 from tests.support.device import fp32_engine, reference_model
 
@@ -204,6 +204,46 @@ def test_a_stop_token_ends_the_answer_without_its_text_also_with_ignore_eos(
         SamplingParams(max_tokens=STEPS, temperature=0.0, stop_token_ids=(stop,), min_tokens=first + 2),
     )
     assert stop not in held[: first + 2] and len(held) > first + 2
+
+
+def test_allowed_token_ids_confine_the_greedy_answer_as_a_hand_mask_on_transformers_does(
+    engine: LLMEngine, model: Any
+) -> None:
+    ids = engine.tokenizer.encode(PROMPT)
+    free = reference(model, ids, 0.0, 0.0, {})
+    # The free answer's tokens but its first, plus two others: the answer must find another way.
+    allowed = sorted((set(free) | set(engine.tokenizer.encode(" dog sat"))) - {free[0]})
+    assert free[0] not in allowed
+
+    def only_allowed(logits: torch.Tensor, output: list[int]) -> None:
+        keep = logits[allowed].clone()
+        logits.fill_(float("-inf"))
+        logits[allowed] = keep
+
+    params = SamplingParams(
+        max_tokens=STEPS, temperature=0.0, ignore_eos=True, allowed_token_ids=tuple(allowed)
+    )
+    got = generate(engine, ids, params)
+    assert got == greedy_reference(model, ids, only_allowed)
+    assert set(got) <= set(allowed)
+
+
+def test_allowed_token_ids_a_constraint_forbids_end_the_request_as_its_own_invalid_argument(
+    engine: LLMEngine,
+) -> None:
+    words = engine.tokenizer.encode(" dog cat")  # what a digits-only regex cannot begin with
+    params = SamplingParams(
+        max_tokens=4,
+        temperature=0.0,
+        constraint=Constraint(ConstraintKind.REGEX, "[0-9]+"),
+        allowed_token_ids=tuple(words),
+    )
+    engine.add_request("c", engine.tokenizer.encode(PROMPT), params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].invalid_field == "allowed_token_ids" and outputs[-1].finished
+    assert "allows none" in outputs[-1].error
 
 
 def test_a_logit_bias_id_outside_the_vocabulary_is_refused_naming_the_field(engine: LLMEngine) -> None:

@@ -292,6 +292,9 @@ def test_logit_bias_and_penalties_change_the_answer_and_are_not_served_a_plain_o
         **{**ask, "max_tokens": 3}, logit_bias={str(zebra): 100}, extra_body={"stop_token_ids": [zebra]}
     )
     assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == ("", "stop")
+    # vLLM's allowed_token_ids: one allowed token is all the answer can be.
+    only = client.completions.create(**{**ask, "max_tokens": 3}, extra_body={"allowed_token_ids": [zebra]})
+    assert only.choices[0].text == hf_tokenizer.decode([zebra] * 3)
     assert stopped.usage is not None and stopped.usage.completion_tokens == 1
     chat = client.chat.completions.create(
         model=front.model, messages=HELLO, max_tokens=3, temperature=0, logit_bias={str(zebra): 100}

@@ -79,8 +79,9 @@ def sampling_fingerprint(sampling: common_pb2.SamplingParams) -> str:
     for name in ("presence_penalty", "frequency_penalty", "min_p"):
         if getattr(sampling, name):
             fields[name] = round(getattr(sampling, name), 6)
-    if sampling.stop_token_ids:
-        fields["stop_token_ids"] = list(sampling.stop_token_ids)
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        if getattr(sampling, name):
+            fields[name] = list(getattr(sampling, name))
     if sampling.include_stop_str_in_output:
         fields["include_stop_str_in_output"] = True
     if sampling.min_tokens:

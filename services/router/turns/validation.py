@@ -6,7 +6,12 @@ import uuid
 
 from services.common import errors
 from services.common.ids import check_client_id, check_session_id
-from services.common.sampling_limits import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from services.common.sampling_limits import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 from services.gen.llmmesh.v1 import router_pb2
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -69,6 +74,7 @@ def validate(request: router_pb2.ChatRequest, field_prefix: str = "") -> None:
     for name, size, limit in (
         ("logit_bias", len(sampling.logit_bias), MAX_LOGIT_BIAS),
         ("stop_token_ids", len(sampling.stop_token_ids), MAX_STOP_TOKEN_IDS),
+        ("allowed_token_ids", len(sampling.allowed_token_ids), MAX_ALLOWED_TOKEN_IDS),
         ("stop", len(sampling.stop), MAX_STOP_STRINGS),
     ):
         if size > limit:

@@ -149,6 +149,23 @@ def test_min_p_drops_tokens_below_its_share_of_the_likeliest() -> None:
     )
 
 
+def test_only_allowed_tokens_are_drawn_and_a_mask_leaving_none_is_the_requests_fault() -> None:
+    rows = logits_rows(2, seed=12)
+    allowed = (3, 17, 40)
+    greedy = SamplingParams(temperature=0.0, allowed_token_ids=allowed)
+    hot = SamplingParams(temperature=2.0, seed=4, allowed_token_ids=allowed)
+    best = max(allowed, key=lambda t: float(rows[0, t]))
+    assert Sampler()(rows[:1], [greedy], [0], [0], [[]]) == [best]
+    drawn = {Sampler()(rows[1:], [hot], [4], [i], [[]])[0] for i in range(60)}
+    assert drawn == set(allowed)
+    # A constraint's mask that forbids every allowed token: that request alone, named.
+    masked = rows.clone()
+    masked[0, list(allowed)] = float("-inf")
+    got = Sampler()(masked, [greedy, SamplingParams(temperature=0.0)], [0, 0], [0, 0], [[], []])
+    assert isinstance(got[0], RowFault) and got[0].invalid_field == "allowed_token_ids"
+    assert got[1] == int(masked[1].argmax())
+
+
 def test_logprobs_are_those_of_the_adjusted_distribution() -> None:
     row = logits_rows(1, seed=6)
     params = SamplingParams(
@@ -172,6 +189,8 @@ def test_logprobs_are_those_of_the_adjusted_distribution() -> None:
         ("min_tokens", {"min_tokens": -1}),
         ("stop_token_ids", {"stop_token_ids": (-1,)}),
         ("min_p", {"min_p": 1.5}),
+        ("allowed_token_ids", {"allowed_token_ids": (-4,)}),
+        ("allowed_token_ids", {"allowed_token_ids": tuple(range(16_385))}),
         ("min_p", {"min_p": float("nan")}),
         ("stop_token_ids", {"stop_token_ids": tuple(range(65))}),
         ("presence_penalty", {"presence_penalty": 2.5}),

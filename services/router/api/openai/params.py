@@ -16,6 +16,7 @@ from typing import Any
 from services.common.sampling_limits import (
     MAX_ABS_ADDITIVE_PENALTY,
     MAX_ABS_LOGIT_BIAS,
+    MAX_ALLOWED_TOKEN_IDS,
     MAX_LOGIT_BIAS,
     MAX_STOP_CHARS,
     MAX_STOP_TOKEN_IDS,
@@ -80,6 +81,7 @@ _CHAT_KNOWN = frozenset(
         "min_tokens",
         "stop_token_ids",
         "include_stop_str_in_output",
+        "allowed_token_ids",
         "stream",
         "tools",
         "tool_choice",
@@ -235,6 +237,18 @@ def _token_ids(ids: list[Any], where: str, param: str = "prompt") -> tuple[int, 
     return tuple(ids)
 
 
+def _token_id_list(body: Mapping[str, Any], name: str, most: int) -> tuple[int, ...]:
+    """``body[name]`` as at most ``most`` token ids; null = none."""
+    ids = body.get(name)
+    if ids is None:
+        return ()
+    if not isinstance(ids, list):
+        raise bad_request(name, f"{name}: must be a list of token ids")
+    if len(ids) > most:
+        raise bad_request(name, f"{name}: at most {most} ids, got {len(ids)}")
+    return _token_ids(ids, name, name)
+
+
 def turns_generation(
     body: Mapping[str, Any],
     request_id: str,
@@ -315,14 +329,9 @@ def sampling_params(body: Mapping[str, Any], max_tokens: int | None) -> common_p
                 f"min_tokens: must be at most the answer's token limit ({max_tokens}), got {min_tokens}",
             )
         sampling.min_tokens = min_tokens
-    if (stop_ids := body.get("stop_token_ids")) is not None:  # vLLM's extra
-        if not isinstance(stop_ids, list):
-            raise bad_request("stop_token_ids", "stop_token_ids: must be a list of token ids")
-        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
-            raise bad_request(
-                "stop_token_ids", f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop_ids)}"
-            )
-        sampling.stop_token_ids.extend(_token_ids(stop_ids, "stop_token_ids", "stop_token_ids"))
+    # vLLM's extras: lists of token ids.
+    sampling.stop_token_ids.extend(_token_id_list(body, "stop_token_ids", MAX_STOP_TOKEN_IDS))
+    sampling.allowed_token_ids.extend(_token_id_list(body, "allowed_token_ids", MAX_ALLOWED_TOKEN_IDS))
     sampling.ignore_eos = _bool(body, "ignore_eos")
     sampling.include_stop_str_in_output = _bool(body, "include_stop_str_in_output")
     sampling.stop.extend(_stop(body.get("stop")))
@@ -356,7 +365,6 @@ def refuse_unsupported(body: Mapping[str, Any], known: frozenset[str]) -> None:
         "length_penalty": (1, 1.0),
         "truncate_prompt_tokens": (),
         "prompt_logprobs": (),
-        "allowed_token_ids": (),
         "bad_words": ([],),
         "chat_template": (),
         "chat_template_kwargs": ({},),

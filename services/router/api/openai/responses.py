@@ -90,6 +90,7 @@ _KNOWN = (
             "stop_token_ids",
             "min_p",
             "include_stop_str_in_output",
+            "allowed_token_ids",
         }
     )
     | EXTRA_FIELDS

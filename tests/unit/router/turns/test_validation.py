@@ -51,6 +51,12 @@ def test_a_raw_prompt_alone_is_a_valid_turn_as_are_messages_alone() -> None:
             "sampling.stop_token_ids",
         ),
         (
+            router_pb2.ChatRequest(
+                messages=USER, sampling=common_pb2.SamplingParams(allowed_token_ids=range(16_385))
+            ),
+            "sampling.allowed_token_ids",
+        ),
+        (
             router_pb2.ChatRequest(messages=USER, sampling=common_pb2.SamplingParams(stop=["x"] * 65)),
             "sampling.stop",
         ),

@@ -70,6 +70,7 @@ def test_openai_penalties_and_logit_bias_reach_the_engine() -> None:
         "stop_token_ids": [2, 9],
         "min_p": 0.05,
         "include_stop_str_in_output": True,
+        "allowed_token_ids": [5, 6],
     }
     for g in (
         chat_generation({"messages": USER, **body}, "c"),
@@ -80,7 +81,7 @@ def test_openai_penalties_and_logit_bias_reach_the_engine() -> None:
         assert (s.presence_penalty, s.frequency_penalty) == (0.5, -1.0)
         assert dict(s.logit_bias) == {42: -100.0, 7: 2.5} and s.min_tokens == 5
         assert list(s.stop_token_ids) == [2, 9] and round(s.min_p, 6) == 0.05
-        assert s.include_stop_str_in_output
+        assert s.include_stop_str_in_output and list(s.allowed_token_ids) == [5, 6]
     # Zero and null are OpenAI's defaults: nothing is set, so the answer (and cache key) is a plain one.
     s = chat_generation({"messages": USER, "presence_penalty": 0, "logit_bias": None}, "c").turns[0].sampling
     assert not s.HasField("presence_penalty") and not s.logit_bias
@@ -166,6 +167,9 @@ def test_nulls_and_load_tool_extras_are_accepted() -> None:
         ({"messages": USER, "stop_token_ids": 2}, "stop_token_ids"),
         ({"messages": USER, "stop_token_ids": [2, "3"]}, "stop_token_ids"),
         ({"messages": USER, "stop_token_ids": [-2]}, "stop_token_ids"),
+        ({"messages": USER, "allowed_token_ids": {"5": 1}}, "allowed_token_ids"),
+        ({"messages": USER, "allowed_token_ids": [1.5]}, "allowed_token_ids"),
+        ({"messages": USER, "allowed_token_ids": list(range(16_385))}, "allowed_token_ids"),
         ({"messages": USER, "stop_token_ids": list(range(65))}, "stop_token_ids"),
         ({"messages": USER, "tools": [{"type": "function"}]}, "tools[0]"),
         # Two tools of one name: a call names only the function, so which one it meant is unknown.
@@ -266,7 +270,6 @@ def test_nulls_and_load_tool_extras_are_accepted() -> None:
         ({"messages": USER, "guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
         ({"messages": USER, "chat_template": "{{ messages }}"}, "chat_template"),
         ({"messages": USER, "chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
-        ({"messages": USER, "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
         (
             {"messages": USER, "stream": True, "stream_options": {"include_usage": "yes"}},
             "stream_options.include_usage",
