@@ -115,14 +115,16 @@ def apply_repetition_penalty(row: torch.Tensor, seen: Seq[int], penalty: float) 
 def adjust_logits(
     row: torch.Tensor, p: SamplingParams, history: Seq[int], num_output: int, held_back: Seq[int] = ()
 ) -> torch.Tensor:
-    """``row`` (float32) moved by the request's settings, in vLLM's order: the ``held_back`` tokens
-    banned (what ``min_tokens`` holds back, ``SamplingParams.held_back``), the bias, then the
-    repetition penalty (over prompt and output), then the presence and frequency penalties (over
-    the last ``num_output`` tokens of ``history``: the output, resumed tokens included, so a
-    resumed request is penalised as the original was). Returns a new tensor.
+    """``row`` (float32) moved by the request's settings, in vLLM's order; returns a new tensor.
 
-    ``allowed_token_ids`` goes first: every other token is -inf. Raises ``NothingAllowed`` when
-    none of them is left (the output constraint's mask forbids them all)."""
+    1. ``allowed_token_ids``: every other token is -inf (``NothingAllowed`` when the output
+       constraint's mask already forbids them all);
+    2. the ``held_back`` tokens banned (what ``min_tokens`` holds back, ``SamplingParams.held_back``);
+    3. the logit bias;
+    4. the repetition penalty, over prompt and output;
+    5. the presence and frequency penalties, over the last ``num_output`` tokens of ``history``:
+       the output, resumed tokens included, so a resumed request is penalised as the original was.
+    """
     if p.allowed_token_ids:
         ids = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=row.device)
         kept = row.index_select(0, ids)
