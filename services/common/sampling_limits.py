@@ -15,6 +15,8 @@ MAX_STOP_TOKEN_IDS = 64
 #: Ids of an ``allowed_token_ids`` list: the router hashes the list into cache keys on its event
 #: loop (16,384 ids: 2 ms) and the engine indexes it at every step.
 MAX_ALLOWED_TOKEN_IDS = 16_384
+#: Words of a ``bad_words`` list (each is looked for at the end of the output at every step).
+MAX_BAD_WORDS = 64
 #: Entries of a ``logit_bias``: OpenAI's own bound. Every entry is added to its row at every step.
 MAX_LOGIT_BIAS = 300
 #: OpenAI's bounds on ``logit_bias`` values (-100 bans a token in practice, 100 forces it) and on

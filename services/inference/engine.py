@@ -180,6 +180,8 @@ class LLMEngine:
         with its ``guide`` from ``make_guide`` when it has an output constraint."""
         if request_id in self._requests:
             raise errors.AlreadyExists(f"request {request_id!r} is already running")
+        if params.bad_words and not params.bad_word_ids:
+            params = dataclasses.replace(params, bad_word_ids=self._bad_word_ids(params.bad_words))
         seq = Sequence(
             request_id=request_id,
             token_ids=[*prompt_token_ids, *resume_token_ids],
@@ -204,6 +206,16 @@ class LLMEngine:
         guide = guide or self.make_guide(params, resume_token_ids)  # a caller that skipped make_guide
         self._requests[request_id] = _Request(seq, detok, stop_ids, guide)
         self.scheduler.add(seq)
+
+    def _bad_word_ids(self, words: Seq[str]) -> tuple[tuple[int, ...], ...]:
+        """Each word as token ids, as written and after a space (mid-sentence), as vLLM does."""
+        sequences: set[tuple[int, ...]] = set()
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids:
+                    sequences.add(ids)
+        return tuple(sorted(sequences))
 
     def abort_request(self, request_id: str) -> None:
         """Ask for the request to end at the next step (safe from any thread)."""

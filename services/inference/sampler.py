@@ -51,8 +51,12 @@ class RowFault:
 
 
 class NothingAllowed(ValueError):
-    """A row's ``allowed_token_ids`` and its output constraint leave no token: the request's own
-    input cannot go on (INVALID_ARGUMENT on the field), not an engine fault."""
+    """A row's ``allowed_token_ids`` or ``bad_words`` and its output constraint leave no token:
+    the request's own input cannot go on (INVALID_ARGUMENT on ``field``), not an engine fault."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(reason)
+        self.field = field
 
 
 #: One row's result: the token, the token with its logprobs, or why it could not be drawn.
@@ -119,18 +123,30 @@ def adjust_logits(
 
     1. ``allowed_token_ids``: every other token is -inf (``NothingAllowed`` when the output
        constraint's mask already forbids them all);
-    2. the ``held_back`` tokens banned (what ``min_tokens`` holds back, ``SamplingParams.held_back``);
-    3. the logit bias;
-    4. the repetition penalty, over prompt and output;
-    5. the presence and frequency penalties, over the last ``num_output`` tokens of ``history``:
+    2. the ``bad_word_ids``: the last token of each where the output ends with the rest of it;
+    3. the ``held_back`` tokens banned (what ``min_tokens`` holds back, ``SamplingParams.held_back``);
+    4. the logit bias;
+    5. the repetition penalty, over prompt and output;
+    6. the presence and frequency penalties, over the last ``num_output`` tokens of ``history``:
        the output, resumed tokens included, so a resumed request is penalised as the original was.
     """
     if p.allowed_token_ids:
         ids = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=row.device)
         kept = row.index_select(0, ids)
         if not bool(torch.isfinite(kept).any()):
-            raise NothingAllowed("the output constraint allows none of these tokens here")
+            raise NothingAllowed(
+                "allowed_token_ids", "the output constraint allows none of these tokens here"
+            )
         row = torch.full_like(row, float("-inf")).index_copy_(0, ids, kept)
+    if p.bad_word_ids:
+        written = list(history[len(history) - num_output :]) if num_output > 0 else []
+        banned = [word[-1] for word in p.bad_word_ids if _ends_with(written, word[:-1])]
+        if banned:
+            row = row.index_fill(0, torch.tensor(banned, dtype=torch.long, device=row.device), float("-inf"))
+            if not bool(torch.isfinite(row).any()):
+                raise NothingAllowed(
+                    "bad_words", "the output constraint allows only a banned word's token here"
+                )
     if held_back:
         held = row.index_fill(0, torch.tensor(held_back, dtype=torch.long, device=row.device), float("-inf"))
         # A constraint that can only end here (its mask left nothing else) ends: banning its one
@@ -149,6 +165,11 @@ def adjust_logits(
         penalty = counts.to(row.dtype) * p.frequency_penalty + p.presence_penalty
         row = row.index_add(0, ids, -penalty)
     return row
+
+
+def _ends_with(tokens: list[int], prefix: tuple[int, ...]) -> bool:
+    """``tokens`` ends with ``prefix`` (an empty prefix: always)."""
+    return len(prefix) <= len(tokens) and tuple(tokens[len(tokens) - len(prefix) :]) == prefix
 
 
 def sample_row(row: torch.Tensor, params: SamplingParams, key: int) -> int:
@@ -296,7 +317,7 @@ class Sampler:
             try:
                 out.append(self._draw(logits[i], p, seeds[i], token_indices[i], histories[i]))
             except NothingAllowed as exc:
-                out.append(RowFault(str(exc), invalid_field="allowed_token_ids"))
+                out.append(RowFault(str(exc), invalid_field=exc.field))
             except Exception as exc:  # this row's alone: the step's other rows keep their tokens
                 log.exception(
                     "sampling failed for one row (token %d); only its request fails", token_indices[i]

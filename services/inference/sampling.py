@@ -12,6 +12,7 @@ from services.common.sampling_limits import (
     MAX_ABS_ADDITIVE_PENALTY,
     MAX_ABS_LOGIT_BIAS,
     MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
     MAX_CHOICES,
     MAX_LOGIT_BIAS,
     MAX_STOP_CHARS,
@@ -109,6 +110,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     #: Only these tokens may be drawn; empty = any.
     allowed_token_ids: tuple[int, ...] = ()
+    #: Words the answer must not write (vLLM's ``bad_words``).
+    bad_words: tuple[str, ...] = ()
+    #: ``bad_words`` as token sequences, filled by the engine at admission (its tokenizer's).
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -151,6 +156,12 @@ class SamplingParams:
         if any(t < 0 for t in self.allowed_token_ids):
             raise InvalidArgument(
                 "allowed_token_ids", f"token ids must be >= 0, got {min(self.allowed_token_ids)}"
+            )
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise InvalidArgument("bad_words", f"at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}")
+        if any(not w.strip() or len(w) > MAX_STOP_CHARS for w in self.bad_words):
+            raise InvalidArgument(
+                "bad_words", f"each word must be 1 to {MAX_STOP_CHARS} characters, not blank"
             )
         if any(not s for s in self.stop):
             raise InvalidArgument("stop", "stop strings must not be empty")
@@ -213,4 +224,5 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or bool(self.logit_bias)
             or bool(self.allowed_token_ids)
+            or bool(self.bad_word_ids)
         )

@@ -57,6 +57,7 @@ def sampling_from_pb(pb: common_pb2.SamplingParams, prompt_len: int, max_model_l
         min_p=pb.min_p if pb.HasField("min_p") else 0.0,
         include_stop_str_in_output=pb.include_stop_str_in_output,
         allowed_token_ids=tuple(pb.allowed_token_ids),
+        bad_words=tuple(pb.bad_words),
     )
 
 

@@ -246,6 +246,25 @@ def test_allowed_token_ids_a_constraint_forbids_end_the_request_as_its_own_inval
     assert "allows none" in outputs[-1].error
 
 
+def test_bad_words_keep_a_word_out_of_the_answer_as_a_hand_ban_on_transformers_does(
+    engine: LLMEngine, model: Any
+) -> None:
+    ids = engine.tokenizer.encode(PROMPT)
+    free = reference(model, ids, 0.0, 0.0, {})
+    assert "cat" in engine.tokenizer.decode(free), "the free answer must write the word"
+    words = {tuple(engine.tokenizer.encode(w, add_special_tokens=False)) for w in ("cat", " cat")}
+
+    def ban(logits: torch.Tensor, output: list[int]) -> None:
+        for word in words:
+            if len(word) == 1 or output[len(output) - len(word) + 1 :] == list(word[:-1]):
+                logits[word[-1]] = float("-inf")
+
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True, bad_words=("cat",))
+    got = generate(engine, ids, params)
+    assert got == greedy_reference(model, ids, ban)
+    assert "cat" not in engine.tokenizer.decode(got)
+
+
 def test_a_logit_bias_id_outside_the_vocabulary_is_refused_naming_the_field(engine: LLMEngine) -> None:
     vocab = engine.runner.vocab_size
     params = SamplingParams(max_tokens=2, logit_bias=((vocab, 5.0),))

@@ -295,6 +295,12 @@ def test_logit_bias_and_penalties_change_the_answer_and_are_not_served_a_plain_o
     # vLLM's allowed_token_ids: one allowed token is all the answer can be.
     only = client.completions.create(**{**ask, "max_tokens": 3}, extra_body={"allowed_token_ids": [zebra]})
     assert only.choices[0].text == hf_tokenizer.decode([zebra] * 3)
+    # vLLM's bad_words outweighs even a +100 bias: the word is never written.
+    clean = client.completions.create(
+        **{**ask, "max_tokens": 3}, logit_bias={str(zebra): 100}, extra_body={"bad_words": ["zebra"]}
+    )
+    assert "zebra" not in clean.choices[0].text and clean.usage is not None
+    assert clean.usage.completion_tokens == 3
     assert stopped.usage is not None and stopped.usage.completion_tokens == 1
     chat = client.chat.completions.create(
         model=front.model, messages=HELLO, max_tokens=3, temperature=0, logit_bias={str(zebra): 100}
@@ -1421,6 +1427,8 @@ _FIELDS = st.sampled_from(
         "min_p",
         "stop_token_ids",
         "include_stop_str_in_output",
+        "allowed_token_ids",
+        "bad_words",
         "rag",
         "cache",
         "min_tokens",

@@ -164,6 +164,8 @@ HOSTILE_SAMPLING = st.builds(
     seed=st.integers(0, 2**64 - 1),
     min_tokens=st.integers(0, 8),
     min_p=st.one_of(BOUNDARY_FLOATS, st.sampled_from([0.0, 0.05, 1.0])),
+    # Blank words are refused; the rest (any text, a lone character) run.
+    bad_words=st.lists(st.text(max_size=6), max_size=3),
     ignore_eos=st.just(True),
 )
 

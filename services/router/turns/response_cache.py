@@ -79,7 +79,7 @@ def sampling_fingerprint(sampling: common_pb2.SamplingParams) -> str:
     for name in ("presence_penalty", "frequency_penalty", "min_p"):
         if getattr(sampling, name):
             fields[name] = round(getattr(sampling, name), 6)
-    for name in ("stop_token_ids", "allowed_token_ids"):
+    for name in ("stop_token_ids", "allowed_token_ids", "bad_words"):
         if getattr(sampling, name):
             fields[name] = list(getattr(sampling, name))
     if sampling.include_stop_str_in_output:

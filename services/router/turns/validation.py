@@ -8,6 +8,7 @@ from services.common import errors
 from services.common.ids import check_client_id, check_session_id
 from services.common.sampling_limits import (
     MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -75,6 +76,7 @@ def validate(request: router_pb2.ChatRequest, field_prefix: str = "") -> None:
         ("logit_bias", len(sampling.logit_bias), MAX_LOGIT_BIAS),
         ("stop_token_ids", len(sampling.stop_token_ids), MAX_STOP_TOKEN_IDS),
         ("allowed_token_ids", len(sampling.allowed_token_ids), MAX_ALLOWED_TOKEN_IDS),
+        ("bad_words", len(sampling.bad_words), MAX_BAD_WORDS),
         ("stop", len(sampling.stop), MAX_STOP_STRINGS),
     ):
         if size > limit:

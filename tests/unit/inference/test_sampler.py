@@ -166,6 +166,23 @@ def test_only_allowed_tokens_are_drawn_and_a_mask_leaving_none_is_the_requests_f
     assert got[1] == int(masked[1].argmax())
 
 
+def test_a_bad_words_last_token_is_banned_only_where_the_output_ends_with_the_rest() -> None:
+    row = torch.zeros(1, VOCAB)
+    row[0, 7] = 3.0  # the likeliest: the end of the two-token word (5, 7)
+    row[0, 9] = 2.0  # a one-token word: never drawn
+    row[0, 1] = 1.0
+    params = SamplingParams(temperature=0.0, bad_word_ids=((5, 7), (9,)))
+    # Output [.., 5]: 7 would complete the word; history's prompt part does not count.
+    assert Sampler()(row, [params], [0], [1], [[2, 5]]) == [1]
+    assert Sampler()(row, [params], [0], [1], [[5, 2]]) == [7]
+    assert Sampler()(row, [params], [0], [0], [[5]]) == [7]  # the 5 is the prompt's
+    # A constraint that allows only a banned token: that request alone, named.
+    masked = torch.full((1, VOCAB), float("-inf"))
+    masked[0, 9] = 0.0
+    (fault,) = Sampler()(masked, [params], [0], [0], [[]])
+    assert isinstance(fault, RowFault) and fault.invalid_field == "bad_words"
+
+
 def test_logprobs_are_those_of_the_adjusted_distribution() -> None:
     row = logits_rows(1, seed=6)
     params = SamplingParams(
@@ -190,6 +207,9 @@ def test_logprobs_are_those_of_the_adjusted_distribution() -> None:
         ("stop_token_ids", {"stop_token_ids": (-1,)}),
         ("min_p", {"min_p": 1.5}),
         ("allowed_token_ids", {"allowed_token_ids": (-4,)}),
+        ("bad_words", {"bad_words": (" ",)}),
+        ("bad_words", {"bad_words": ("x" * 513,)}),
+        ("bad_words", {"bad_words": ("w",) * 65}),
         ("allowed_token_ids", {"allowed_token_ids": tuple(range(16_385))}),
         ("min_p", {"min_p": float("nan")}),
         ("stop_token_ids", {"stop_token_ids": tuple(range(65))}),

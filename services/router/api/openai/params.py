@@ -17,6 +17,7 @@ from services.common.sampling_limits import (
     MAX_ABS_ADDITIVE_PENALTY,
     MAX_ABS_LOGIT_BIAS,
     MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_STOP_CHARS,
     MAX_STOP_TOKEN_IDS,
@@ -82,6 +83,7 @@ _CHAT_KNOWN = frozenset(
         "stop_token_ids",
         "include_stop_str_in_output",
         "allowed_token_ids",
+        "bad_words",
         "stream",
         "tools",
         "tool_choice",
@@ -237,6 +239,19 @@ def _token_ids(ids: list[Any], where: str, param: str = "prompt") -> tuple[int, 
     return tuple(ids)
 
 
+def _bad_words(value: Any) -> list[str]:
+    """vLLM's ``bad_words``: a list of non-blank strings; null = none."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(w, str) and w.strip() for w in value):
+        raise bad_request("bad_words", "bad_words: must be a list of words (non-blank strings)")
+    if len(value) > MAX_BAD_WORDS:
+        raise bad_request("bad_words", f"bad_words: at most {MAX_BAD_WORDS} words, got {len(value)}")
+    if any(len(w) > MAX_STOP_CHARS for w in value):
+        raise bad_request("bad_words", f"bad_words: a word may be at most {MAX_STOP_CHARS} characters")
+    return [utf8_text(w, "bad_words") for w in value]
+
+
 def _token_id_list(body: Mapping[str, Any], name: str, most: int) -> tuple[int, ...]:
     """``body[name]`` as at most ``most`` token ids; null = none."""
     ids = body.get(name)
@@ -332,6 +347,7 @@ def sampling_params(body: Mapping[str, Any], max_tokens: int | None) -> common_p
     # vLLM's extras: lists of token ids.
     sampling.stop_token_ids.extend(_token_id_list(body, "stop_token_ids", MAX_STOP_TOKEN_IDS))
     sampling.allowed_token_ids.extend(_token_id_list(body, "allowed_token_ids", MAX_ALLOWED_TOKEN_IDS))
+    sampling.bad_words.extend(_bad_words(body.get("bad_words")))
     sampling.ignore_eos = _bool(body, "ignore_eos")
     sampling.include_stop_str_in_output = _bool(body, "include_stop_str_in_output")
     sampling.stop.extend(_stop(body.get("stop")))
@@ -365,7 +381,6 @@ def refuse_unsupported(body: Mapping[str, Any], known: frozenset[str]) -> None:
         "length_penalty": (1, 1.0),
         "truncate_prompt_tokens": (),
         "prompt_logprobs": (),
-        "bad_words": ([],),
         "chat_template": (),
         "chat_template_kwargs": ({},),
         "documents": (),

@@ -91,6 +91,7 @@ _KNOWN = (
             "min_p",
             "include_stop_str_in_output",
             "allowed_token_ids",
+            "bad_words",
         }
     )
     | EXTRA_FIELDS

@@ -71,6 +71,7 @@ def test_openai_penalties_and_logit_bias_reach_the_engine() -> None:
         "min_p": 0.05,
         "include_stop_str_in_output": True,
         "allowed_token_ids": [5, 6],
+        "bad_words": ["darn", "heck it"],
     }
     for g in (
         chat_generation({"messages": USER, **body}, "c"),
@@ -82,6 +83,7 @@ def test_openai_penalties_and_logit_bias_reach_the_engine() -> None:
         assert dict(s.logit_bias) == {42: -100.0, 7: 2.5} and s.min_tokens == 5
         assert list(s.stop_token_ids) == [2, 9] and round(s.min_p, 6) == 0.05
         assert s.include_stop_str_in_output and list(s.allowed_token_ids) == [5, 6]
+        assert list(s.bad_words) == ["darn", "heck it"]
     # Zero and null are OpenAI's defaults: nothing is set, so the answer (and cache key) is a plain one.
     s = chat_generation({"messages": USER, "presence_penalty": 0, "logit_bias": None}, "c").turns[0].sampling
     assert not s.HasField("presence_penalty") and not s.logit_bias
@@ -169,6 +171,9 @@ def test_nulls_and_load_tool_extras_are_accepted() -> None:
         ({"messages": USER, "stop_token_ids": [-2]}, "stop_token_ids"),
         ({"messages": USER, "allowed_token_ids": {"5": 1}}, "allowed_token_ids"),
         ({"messages": USER, "allowed_token_ids": [1.5]}, "allowed_token_ids"),
+        ({"messages": USER, "bad_words": "darn"}, "bad_words"),
+        ({"messages": USER, "bad_words": ["  "]}, "bad_words"),
+        ({"messages": USER, "bad_words": ["w"] * 65}, "bad_words"),
         ({"messages": USER, "allowed_token_ids": list(range(16_385))}, "allowed_token_ids"),
         ({"messages": USER, "stop_token_ids": list(range(65))}, "stop_token_ids"),
         ({"messages": USER, "tools": [{"type": "function"}]}, "tools[0]"),
