@@ -129,6 +129,8 @@ class AsyncEngine:
         guide = None
         if params.constraint is not None:
             guide = await asyncio.to_thread(self.engine.make_guide, params, resume_token_ids)
+        if params.bad_words:  # tokenized here, not on the engine thread that steps every request
+            params = await asyncio.to_thread(self.engine.with_bad_word_ids, params)
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         pending = _Pending(
             request_id,

@@ -85,6 +85,19 @@ class LLMEngine:
         self.num_preemptions = 0
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size)
 
+    def with_bad_word_ids(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with its ``bad_words`` tokenized (``bad_word_ids``): each word as written and
+        after a space (mid-sentence), as vLLM does. Call it off the step loop, as ``make_guide``."""
+        if not params.bad_words or params.bad_word_ids:
+            return params
+        sequences: set[tuple[int, ...]] = set()
+        for word in params.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids:
+                    sequences.add(ids)
+        return dataclasses.replace(params, bad_word_ids=tuple(sorted(sequences)))
+
     def make_guide(self, params: SamplingParams, resume_token_ids: Seq[int] = ()) -> Guide | None:
         """The request's grammar matcher (cached compile, resumed tokens replayed), None for free text;
         ``InvalidArgument`` for a constraint or resume it refuses. Call it off the step loop."""
@@ -180,8 +193,7 @@ class LLMEngine:
         with its ``guide`` from ``make_guide`` when it has an output constraint."""
         if request_id in self._requests:
             raise errors.AlreadyExists(f"request {request_id!r} is already running")
-        if params.bad_words and not params.bad_word_ids:
-            params = dataclasses.replace(params, bad_word_ids=self._bad_word_ids(params.bad_words))
+        params = self.with_bad_word_ids(params)  # a caller that skipped it (a no-op otherwise)
         seq = Sequence(
             request_id=request_id,
             token_ids=[*prompt_token_ids, *resume_token_ids],
@@ -206,16 +218,6 @@ class LLMEngine:
         guide = guide or self.make_guide(params, resume_token_ids)  # a caller that skipped make_guide
         self._requests[request_id] = _Request(seq, detok, stop_ids, guide)
         self.scheduler.add(seq)
-
-    def _bad_word_ids(self, words: Seq[str]) -> tuple[tuple[int, ...], ...]:
-        """Each word as token ids, as written and after a space (mid-sentence), as vLLM does."""
-        sequences: set[tuple[int, ...]] = set()
-        for word in words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
-                if ids:
-                    sequences.add(ids)
-        return tuple(sorted(sequences))
 
     def abort_request(self, request_id: str) -> None:
         """Ask for the request to end at the next step (safe from any thread)."""

@@ -255,6 +255,14 @@ class Sampler:
             token_index < p.min_tokens and bool(p.held_back(token_index, self.end_ids))
         )
 
+    def _adjusted(
+        self, row: torch.Tensor, p: SamplingParams, history: Seq[int], token_index: int
+    ) -> torch.Tensor:
+        """``row`` as the request's settings move it at ``token_index`` (``adjust_logits``)."""
+        if not self._adjusts(p, token_index):
+            return row
+        return adjust_logits(row, p, history, token_index, p.held_back(token_index, self.end_ids))
+
     def __call__(
         self,
         logits: torch.Tensor,
@@ -279,10 +287,7 @@ class Sampler:
         out: list[RowResult] = []
         for i, (p, t) in enumerate(zip(params, tokens, strict=True)):
             if isinstance(t, int) and p.wants_logprobs:
-                row = logits[i].float()
-                if self._adjusts(p, token_indices[i]):
-                    held = p.held_back(token_indices[i], self.end_ids)
-                    row = adjust_logits(row, p, histories[i], token_indices[i], held)
+                row = self._adjusted(logits[i].float(), p, histories[i], token_indices[i])
                 out.append(token_logprobs(row, t, p.top_logprobs))
             else:
                 out.append(t)
@@ -328,9 +333,7 @@ class Sampler:
     def _draw(
         self, logits: torch.Tensor, p: SamplingParams, seed: int, token_index: int, history: Seq[int]
     ) -> int:
-        row = logits.float()
-        if self._adjusts(p, token_index):
-            row = adjust_logits(row, p, history, token_index, p.held_back(token_index, self.end_ids))
+        row = self._adjusted(logits.float(), p, history, token_index)
         if p.greedy:
             return int(row.argmax().item())
         return sample_row(row, p, draw_key(seed, token_index))

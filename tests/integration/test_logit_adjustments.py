@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from services.common import errors
-from services.inference.engine import LLMEngine
+from services.inference.engine import LLMEngine, RequestOutput
 from services.inference.sampling import Constraint, ConstraintKind, SamplingParams
 from services.inference.sequence import FinishReason
 from tests.support.device import fp32_engine, reference_model
@@ -39,16 +39,24 @@ def model(model_path: Path) -> Any:
     return reference_model(model_path)
 
 
+def run(
+    engine: LLMEngine, ids: list[int], params: SamplingParams, resume: list[int] | None = None
+) -> list[RequestOutput]:
+    """One request to its end: every output it gave."""
+    engine.add_request("r", ids, params, resume or ())
+    outputs: list[RequestOutput] = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    return outputs
+
+
 def generate(
     engine: LLMEngine, ids: list[int], params: SamplingParams, resume: list[int] | None = None
 ) -> list[int]:
-    engine.add_request("r", ids, params, resume or ())
-    tokens: list[int] = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            assert not out.error, out.error
-            tokens.extend(out.new_token_ids)
-    return tokens
+    """One request's tokens; it must not fail."""
+    outputs = run(engine, ids, params, resume)
+    assert not any(out.error for out in outputs), [out.error for out in outputs]
+    return [t for out in outputs for t in out.new_token_ids]
 
 
 def greedy_reference(
@@ -183,19 +191,13 @@ def test_a_stop_token_ends_the_answer_without_its_text_also_with_ignore_eos(
     stop = free[5]
     first = free.index(stop)  # where it first appears
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=ignore_eos, stop_token_ids=(stop,))
-    engine.add_request("s", ids, params)
-    outputs = []
-    while engine.has_unfinished_requests():
-        outputs += engine.step()
+    outputs = run(engine, ids, params)
     assert [t for o in outputs for t in o.new_token_ids] == free[: first + 1]
     assert outputs[-1].finish_reason is FinishReason.STOP
     assert "".join(o.text for o in outputs) == engine.tokenizer.decode(free[:first])
     # Asked to keep it, the stop token's text ends the answer.
     kept = dataclasses.replace(params, include_stop_str_in_output=True)
-    engine.add_request("k", ids, kept)
-    outputs = []
-    while engine.has_unfinished_requests():
-        outputs += engine.step()
+    outputs = run(engine, ids, kept)
     assert "".join(o.text for o in outputs) == engine.tokenizer.decode(free[: first + 1])
     # min_tokens holds a stop token back as it does the end of sequence.
     held = generate(
@@ -238,10 +240,7 @@ def test_allowed_token_ids_a_constraint_forbids_end_the_request_as_its_own_inval
         constraint=Constraint(ConstraintKind.REGEX, "[0-9]+"),
         allowed_token_ids=tuple(words),
     )
-    engine.add_request("c", engine.tokenizer.encode(PROMPT), params)
-    outputs = []
-    while engine.has_unfinished_requests():
-        outputs += engine.step()
+    outputs = run(engine, engine.tokenizer.encode(PROMPT), params)
     assert outputs[-1].invalid_field == "allowed_token_ids" and outputs[-1].finished
     assert "allows none" in outputs[-1].error
 
