@@ -29,6 +29,7 @@ from services.common import errors
 from services.common.generate_many.limits import PARK_AFTER_OUTPUTS
 from services.common.generate_many.merge import Span, merge
 from services.inference import metrics
+from services.inference.detokenizer import IncrementalDetokenizer
 from services.inference.engine import EngineFailure, EngineLoad, LLMEngine, RequestOutput
 from services.inference.engine_thread import EngineThread
 from services.inference.grammar import Guide
@@ -56,6 +57,8 @@ class _Pending:
     refused: bool = False
     # Its output constraint's matcher, compiled on an executor thread before it was handed over.
     guide: Guide | None = None
+    # A resumed request's text state, its resumed tokens replayed on an executor thread.
+    detokenizer: IncrementalDetokenizer | None = None
 
 
 def merge_outputs(outputs: Seq[RequestOutput]) -> RequestOutput:
@@ -131,6 +134,9 @@ class AsyncEngine:
             guide = await asyncio.to_thread(self.engine.make_guide, params, resume_token_ids)
         if params.bad_words:  # tokenized here, not on the engine thread that steps every request
             params = await asyncio.to_thread(self.engine.with_bad_word_ids, params)
+        detokenizer = None
+        if resume_token_ids:  # its resumed tokens are decoded again: not on the engine thread either
+            detokenizer = await asyncio.to_thread(self.engine.make_detokenizer, params, resume_token_ids)
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         pending = _Pending(
             request_id,
@@ -140,6 +146,7 @@ class AsyncEngine:
             sink,
             asyncio.get_running_loop(),
             guide=guide,
+            detokenizer=detokenizer,
         )
         with self._cond:
             if request_id in self._sinks:
@@ -231,9 +238,14 @@ class AsyncEngine:
                 pending, self._pending = self._pending, []
             for p in pending:
                 try:
-                    # The guide only when there is one: a free request is queued as it always was.
-                    extra = () if p.guide is None else (p.guide,)
-                    engine.enqueue(p.request_id, p.prompt_token_ids, p.params, p.resume_token_ids, *extra)
+                    engine.enqueue(
+                        p.request_id,
+                        p.prompt_token_ids,
+                        p.params,
+                        p.resume_token_ids,
+                        guide=p.guide,
+                        detokenizer=p.detokenizer,
+                    )
                     if p.aborted:
                         engine.abort_request(p.request_id)
                 except Exception as exc:  # refused as it was queued (AlreadyExists): that caller only

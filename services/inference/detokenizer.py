@@ -67,7 +67,11 @@ class DetokenizerUpdate:
 
 
 class IncrementalDetokenizer:
-    """Per-request text state. ``prime`` tokens (resumed output) are decoded but never re-emitted."""
+    """Per-request text state.
+
+    ``prime`` tokens are resumed output: what they released is not released again, and what the
+    stream they came from still held back is released here, so a resumed stream's text continues
+    the original's exactly."""
 
     def __init__(
         self,
@@ -85,12 +89,20 @@ class IncrementalDetokenizer:
         self._min_tokens = min_tokens
         self._stop = tuple(stop)
         self._hold = max((len(s) for s in self._stop), default=1) - 1
-        self._ids: list[int] = list(prime)
-        self._prefix_offset = max(0, len(self._ids) - 6)
-        self._read_offset = len(self._ids)
-        self.text = ""  # decoded text of generated (non-primed) tokens
-        self._emitted = 0
-        self._searched = 0
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self.text = ""  # the answer's text so far, primed tokens' included
+        # Primed tokens are the answer a failed replica already streamed: replaying them leaves
+        # this state where that replica's was, so the text it still held back (a character cut
+        # between tokens, the last characters that could begin a stop string) comes out here and
+        # a stop string begun in it is found. Starting from their ids alone lost that text.
+        for token_id in prime:
+            self._ids.append(token_id)
+            self.text += self._decode_new()
+        # That replica searched all of its text and released all but the held-back tail.
+        self._searched = len(self.text)
+        self._emitted = max(0, len(self.text) - self._hold)
 
     def _decode(self, ids: list[int]) -> str:
         return str(self._tokenizer.decode(ids, skip_special_tokens=True))

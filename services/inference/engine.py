@@ -103,6 +103,19 @@ class LLMEngine:
         ``InvalidArgument`` for a constraint or resume it refuses. Call it off the step loop."""
         return None if params.constraint is None else self.grammars.guide(params.constraint, resume_token_ids)
 
+    def make_detokenizer(
+        self, params: SamplingParams, resume_token_ids: Seq[int] = ()
+    ) -> IncrementalDetokenizer:
+        """The request's text state, resumed tokens replayed (≈ 3 µs a token with the Rust decoder:
+        12 ms for 4,096), so call it off the step loop for a resumed request."""
+        return IncrementalDetokenizer(
+            self._decoder,
+            params.stop,
+            prime=resume_token_ids,
+            min_tokens=params.min_tokens,
+            include_stop=params.include_stop_str_in_output,
+        )
+
     # -- admission -----------------------------------------------------------
     def validate(
         self, prompt_token_ids: Seq[int], params: SamplingParams, resume_token_ids: Seq[int] = ()
@@ -188,9 +201,11 @@ class LLMEngine:
         params: SamplingParams,
         resume_token_ids: Seq[int] = (),
         guide: Guide | None = None,
+        detokenizer: IncrementalDetokenizer | None = None,
     ) -> None:
         """Queue a request already admitted (the async front admits on arrival, see ``admit``),
-        with its ``guide`` from ``make_guide`` when it has an output constraint."""
+        with its ``guide`` from ``make_guide`` when it has an output constraint and its
+        ``detokenizer`` from ``make_detokenizer`` when it resumes (both made here otherwise)."""
         if request_id in self._requests:
             raise errors.AlreadyExists(f"request {request_id!r} is already running")
         params = self.with_bad_word_ids(params)  # a caller that skipped it (a no-op otherwise)
@@ -208,13 +223,7 @@ class LLMEngine:
             seq.prompt_logprobs = [SampledToken(prompt_token_ids[0], math.nan)]
             seq.prompt_logprobs += [None] * (len(prompt_token_ids) - 1)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_ids)
-        detok = IncrementalDetokenizer(
-            self._decoder,
-            params.stop,
-            prime=resume_token_ids,
-            min_tokens=params.min_tokens,
-            include_stop=params.include_stop_str_in_output,
-        )
+        detok = detokenizer or self.make_detokenizer(params, resume_token_ids)
         guide = guide or self.make_guide(params, resume_token_ids)  # a caller that skipped make_guide
         self._requests[request_id] = _Request(seq, detok, stop_ids, guide)
         self.scheduler.add(seq)

@@ -255,10 +255,15 @@ async def test_stop_string_ends_generation_and_is_not_in_the_text(
 async def test_resume_continues_exactly_where_the_original_stream_was(
     stub: inference_pb2_grpc.InferenceStub,
 ) -> None:
-    sampling = common_pb2.SamplingParams(max_tokens=16, temperature=0.8, seed=1234)
+    # A stop string that is never written holds the last characters back until they cannot begin
+    # it: the resumed stream releases those the original had not, so the text continues exactly.
+    sampling = common_pb2.SamplingParams(
+        max_tokens=16, temperature=0.8, seed=1234, stop=["a stop string the story will not write"]
+    )
     start = inference_pb2.GenerateStart(prompt="Once upon a time", sampling=sampling)
     original = await generate(stub, start)
     assert len(original.token_ids) == 16
+    assert original.indices == list(range(16)), "one token a chunk"
 
     resumed_start = inference_pb2.GenerateStart(
         prompt="Once upon a time", sampling=sampling, resume_token_ids=original.token_ids[:6]
@@ -266,6 +271,7 @@ async def test_resume_continues_exactly_where_the_original_stream_was(
     resumed = await generate(stub, resumed_start)
 
     assert resumed.token_ids == original.token_ids[6:]
+    assert "".join(original.pieces[:6]) + resumed.text == original.text
     assert resumed.indices[0] == 6
     assert resumed.finished is not None and resumed.finished.usage.completion_tokens == 10
 

@@ -243,9 +243,13 @@ def test_a_lost_replicas_session_moves_to_a_prewarmed_successor(mesh: Mesh) -> N
 def test_kill_9_mid_stream_gives_exactly_the_uninterrupted_greedy_tokens(mesh: Mesh) -> None:
     """Runs last in this module: it kills one of the replicas.
 
-    The answer is cached after its failover; a hit replays the whole answer's usage.
+    The answer is cached after its failover; a hit replays the whole answer's usage. A stop
+    string that never matches keeps the replica's last characters back until it is clear they do
+    not begin it: those the victim held when it died come from its successor, so the text is the
+    uninterrupted one too.
     """
     request = user_turn("Write a short poem about the sea.", 24, ignore_eos=True)
+    request.sampling.stop.append("a stop string this poem will not write")
     start = inference_pb2.GenerateStart(messages=request.messages, sampling=request.sampling)
     alive = next(r for r in mesh.replicas if r.proc is not None and r.proc.poll() is None)
     with grpc.insecure_channel(alive.address) as channel:
@@ -255,6 +259,7 @@ def test_kill_9_mid_stream_gives_exactly_the_uninterrupted_greedy_tokens(mesh: M
             )
         )
         reference = [t for r in direct if r.HasField("chunk") for t in r.chunk.token_ids]
+        reference_text = "".join(r.chunk.text for r in direct if r.HasField("chunk"))
         prompt_tokens = direct[-1].finished.usage.prompt_tokens
     assert len(reference) == 24
 
@@ -268,6 +273,7 @@ def test_kill_9_mid_stream_gives_exactly_the_uninterrupted_greedy_tokens(mesh: M
     killer.join()
     answer = read_turn(messages)
     assert answer.token_ids == reference
+    assert answer.text == reference_text
     assert answer.end.failovers == 1
     assert answer.end.replica != victim
     assert answer.end.finish_reason == common_pb2.FINISH_REASON_LENGTH

@@ -16,6 +16,8 @@ class Generation:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     indices: list[int] = field(default_factory=list)
+    #: Each chunk's text, in order (``text`` is their concatenation).
+    pieces: list[str] = field(default_factory=list)
     finished: inference_pb2.GenerationFinished | None = None
 
     @property
@@ -46,6 +48,7 @@ async def generate(
         if response.HasField("chunk"):
             result.token_ids.extend(response.chunk.token_ids)
             result.text += response.chunk.text
+            result.pieces.append(response.chunk.text)
             result.indices.append(response.chunk.index)
             if (
                 cancel_after_tokens is not None

@@ -40,7 +40,9 @@ class FakeTokenEngine:
     def check_room(self, waiting: int) -> None:
         return None
 
-    def enqueue(self, request_id: str, prompt: list[int], params: SamplingParams, resume: object) -> None:
+    def enqueue(
+        self, request_id: str, prompt: list[int], params: SamplingParams, resume: object, **made: object
+    ) -> None:
         self.request_id = request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -131,7 +133,9 @@ class RefusingEngine(FakeTokenEngine):
         if self.where == "admit":
             raise errors.Overloaded("waiting queue is full (8 requests); retry later", retry_after_s=1.0)
 
-    def enqueue(self, request_id: str, prompt: list[int], params: SamplingParams, resume: object) -> None:
+    def enqueue(
+        self, request_id: str, prompt: list[int], params: SamplingParams, resume: object, **made: object
+    ) -> None:
         raise errors.Overloaded("waiting queue is full (8 requests); retry later", retry_after_s=1.0)
 
     def abort_request(self, request_id: str) -> None:

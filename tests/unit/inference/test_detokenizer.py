@@ -101,6 +101,45 @@ def test_primed_tokens_are_not_re_emitted_and_spacing_continues(tokenizer: Any) 
     assert "".join(pieces) == tokenizer.decode(ids[4:])
 
 
+def released(detok: IncrementalDetokenizer, ids: list[int]) -> tuple[list[str], int | None]:
+    """The text each token released (a final flush in the last), and after how many a stop matched."""
+    pieces: list[str] = []
+    for n, t in enumerate(ids, 1):
+        update = detok.add(t)
+        pieces.append(update.text)
+        if update.matched_stop is not None:
+            return pieces, n
+    pieces[-1] += detok.flush()
+    return pieces, None
+
+
+@pytest.mark.parametrize(
+    ("text", "options"),
+    [
+        ("The robot painted a sunset. THE END of the story.", {"stop": ("E END",)}),
+        ("The robot painted a sunset. THE END of the story.", {"stop": ("E END",), "include_stop": True}),
+        ("Café 🤖🎨 naïve 日本語, the end", {}),  # characters cut between tokens
+        ("Café 🤖🎨 naïve 日本語, the end", {"stop": ("🎨 na", "語, t")}),
+        ("one, two, three, four, five", {"stop": (", t",), "min_tokens": 5}),
+        (
+            "a long stop string is held back: the last characters are released only at the end",
+            {"stop": ("x" * 40,)},
+        ),
+    ],
+)
+def test_a_stream_resumed_after_any_token_continues_the_originals_text_exactly(
+    tokenizer: Any, text: str, options: dict[str, Any]
+) -> None:
+    """Failover: a replica streams the text of some tokens and fails; another is primed with those
+    tokens. What the client then has must be the text an unbroken stream gives: the first replica's
+    held-back characters (a cut character, a possible stop string's start) come from the second."""
+    ids = tokenizer.encode(text)
+    whole, stopped_after = released(IncrementalDetokenizer(tokenizer, **options), ids)
+    for cut in range(1, stopped_after or len(ids)):
+        rest, _ = released(IncrementalDetokenizer(tokenizer, prime=ids[:cut], **options), ids[cut:])
+        assert "".join(whole[:cut]) + "".join(rest) == "".join(whole), f"resumed after {cut} tokens"
+
+
 def test_stop_strings_are_bounded_in_number_and_length() -> None:
     """Each new token is searched for every stop string on the engine thread all sequences share:
     300,000 of them once slowed another client's answer by 67 %."""
