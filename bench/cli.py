@@ -29,6 +29,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "bench.serving",
         "the OpenAI HTTP front vs transformers serve and llama.cpp's server, same workload",
     ),
+    "decode-attention": (
+        "bench.decode_attention",
+        "one layer's decode attention: the engine's matmuls vs FlexAttention and SDPA",
+    ),
     "matmul-ceiling": (
         "bench.matmul_ceiling",
         "fp32 GFLOP/s of the model's own matmul shapes: the ceiling any server meets",

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from bench import cli as bench_cli
@@ -232,3 +233,33 @@ def test_the_ceiling_is_the_best_of_its_measurements_which_are_kept() -> None:
     assert (best["gflops"], best["tok_s"]) == (1104.0, 4103.0)
     assert (best["step_linears_gflops"], best["step_linears_tok_s"]) == (685.0, 2547.0)
     assert best["measurements"] == [slow, fast]
+
+
+def test_decode_attention_bench_checks_each_kernel_against_the_reference(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every variant's output is compared with an fp32 reference that honours each row's length;
+    one that reads past a row's length (here: SDPA without the mask) fails the run."""
+    import argparse
+
+    import torch.nn.functional as F
+
+    from bench import decode_attention as bench
+
+    def unmasked(x: dict[str, torch.Tensor]) -> torch.Tensor:
+        rows = x["q"].shape[0]
+        q = x["q"].view(rows, bench.HEADS, 1, bench.HEAD_DIM)
+        return F.scaled_dot_product_attention(q, x["keys"], x["values"], enable_gqa=True).reshape(
+            x["q"].shape
+        )
+
+    eager = {"matmul": bench.engine_attention, "sdpa": bench.sdpa_attention}
+    args = argparse.Namespace(
+        rows=4, spans="16,24", dtype="float32", rounds=1, calls=1, threads=1, output=None
+    )
+    monkeypatch.setattr(bench, "variants", lambda: eager)
+    assert bench.run(args) == 0
+    assert "span 24, float32: matmul" in capsys.readouterr().out
+    monkeypatch.setattr(bench, "variants", lambda: {**eager, "unmasked": unmasked})
+    assert bench.run(args) == 1
+    assert "WRONG: unmasked at span 16" in capsys.readouterr().out
