@@ -279,7 +279,9 @@ class Sampler:
         row that could not be drawn.
         """
         faults = apply_guides(logits, guides) if any(g is not None for g in guides) else {}
-        tokens = self._draw_rows(logits, params, seeds, token_indices, histories)
+        # The rows whose logits were adjusted for their draw, kept for their logprobs.
+        adjusted: dict[int, torch.Tensor] = {}
+        tokens = self._draw_rows(logits, params, seeds, token_indices, histories, adjusted)
         if faults:
             tokens = [faults.get(i, t) for i, t in enumerate(tokens)]
         if not any(p.wants_logprobs for p in params):
@@ -287,7 +289,9 @@ class Sampler:
         out: list[RowResult] = []
         for i, (p, t) in enumerate(zip(params, tokens, strict=True)):
             if isinstance(t, int) and p.wants_logprobs:
-                row = self._adjusted(logits[i].float(), p, histories[i], token_indices[i])
+                row = adjusted.get(i)
+                if row is None:
+                    row = self._adjusted(logits[i].float(), p, histories[i], token_indices[i])
                 out.append(token_logprobs(row, t, p.top_logprobs))
             else:
                 out.append(t)
@@ -300,7 +304,10 @@ class Sampler:
         seeds: Seq[int],
         token_indices: Seq[int],
         histories: Seq[Seq[int]],
+        adjusted: dict[int, torch.Tensor],
     ) -> list[int | RowFault]:
+        """Each row's token (or fault); the rows that asked for logprobs and were adjusted to
+        draw leave their adjusted logits in ``adjusted``, so they are not adjusted twice."""
         # The first maximum, as argmax picks it. Its values check every row for free: a NaN or
         # +inf anywhere in a row makes that row's max so.
         best_values, best_indices = first_max(logits)
@@ -320,7 +327,10 @@ class Sampler:
                 out.append(greedy_ids[i])
                 continue
             try:
-                out.append(self._draw(logits[i], p, seeds[i], token_indices[i], histories[i]))
+                row = self._adjusted(logits[i].float(), p, histories[i], token_indices[i])
+                if p.wants_logprobs:
+                    adjusted[i] = row
+                out.append(self._draw(row, p, seeds[i], token_indices[i]))
             except NothingAllowed as exc:
                 out.append(RowFault(str(exc), invalid_field=exc.field))
             except Exception as exc:  # this row's alone: the step's other rows keep their tokens
@@ -330,10 +340,8 @@ class Sampler:
                 out.append(RowFault(f"sampling failed: {exc}"))
         return out
 
-    def _draw(
-        self, logits: torch.Tensor, p: SamplingParams, seed: int, token_index: int, history: Seq[int]
-    ) -> int:
-        row = self._adjusted(logits.float(), p, history, token_index)
+    def _draw(self, row: torch.Tensor, p: SamplingParams, seed: int, token_index: int) -> int:
+        """One token from ``row``, the request's adjusted fp32 logits (``_adjusted``)."""
         if p.greedy:
             return int(row.argmax().item())
         return sample_row(row, p, draw_key(seed, token_index))
