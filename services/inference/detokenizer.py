@@ -69,9 +69,10 @@ class DetokenizerUpdate:
 class IncrementalDetokenizer:
     """Per-request text state.
 
-    ``prime`` tokens are resumed output: what they released is not released again, and what the
-    stream they came from still held back is released here, so a resumed stream's text continues
-    the original's exactly."""
+    ``prime`` tokens are resumed output, added as the stream they came from added them: what
+    they released is not released again, and what that stream still held back is released
+    here, so a resumed stream's text continues the original's exactly. Leave out a last primed
+    token whose text that stream left out (a stop token, unless its text was kept)."""
 
     def __init__(
         self,
@@ -93,16 +94,20 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
         self.text = ""  # the answer's text so far, primed tokens' included
-        # Primed tokens are the answer a failed replica already streamed: replaying them leaves
-        # this state where that replica's was, so the text it still held back (a character cut
-        # between tokens, the last characters that could begin a stop string) comes out here and
-        # a stop string begun in it is found. Starting from their ids alone lost that text.
+        self._emitted = 0
+        self._searched = 0
+        #: The stop string the primed tokens already end with: the answer had ended before the
+        #: resume (its replica failed between its last token and its end), so nothing follows.
+        self.primed_stop: str | None = None
+        # Primed tokens are the answer a failed replica already streamed: adding them as it did
+        # leaves this state where that replica's was, so the text it still held back (a
+        # character cut between tokens, the last characters that could begin a stop string)
+        # comes out here and a stop string begun in it is found. Their ids alone lost that text.
         for token_id in prime:
-            self._ids.append(token_id)
-            self.text += self._decode_new()
-        # That replica searched all of its text and released all but the held-back tail.
-        self._searched = len(self.text)
-        self._emitted = max(0, len(self.text) - self._hold)
+            matched = self.add(token_id).matched_stop
+            if matched is not None:
+                self.primed_stop = matched
+                break
 
     def _decode(self, ids: list[int]) -> str:
         return str(self._tokenizer.decode(ids, skip_special_tokens=True))

@@ -75,6 +75,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self._requests: dict[str, _Request] = {}
         self._aborts: deque[str] = deque()
+        # Resumed requests whose resumed tokens already ended the answer: they end at the next
+        # step, with their reason (and the stop string they ended on), generating nothing.
+        self._ended: deque[tuple[str, SequenceStatus, str]] = deque()
         # (request id, park?) in the order asked: a park and the unpark after it must not swap.
         self._parks: deque[tuple[str, bool]] = deque()
         self._control_lock = threading.Lock()
@@ -108,10 +111,13 @@ class LLMEngine:
     ) -> IncrementalDetokenizer:
         """The request's text state, resumed tokens replayed (≈ 3 µs a token with the Rust decoder:
         12 ms for 4,096), so call it off the step loop for a resumed request."""
+        prime = resume_token_ids
+        if prime and prime[-1] in params.stop_token_ids and not params.include_stop_str_in_output:
+            prime = prime[:-1]  # the stop token that ended the answer: its text was left out (_update)
         return IncrementalDetokenizer(
             self._decoder,
             params.stop,
-            prime=resume_token_ids,
+            prime=prime,
             min_tokens=params.min_tokens,
             include_stop=params.include_stop_str_in_output,
         )
@@ -124,15 +130,18 @@ class LLMEngine:
         total = len(prompt_token_ids) + len(resume_token_ids)
         if not prompt_token_ids:
             raise errors.InvalidArgument("prompt", "is empty after tokenization")
-        if total >= self.max_model_len:
+        # Resumed tokens that reach max_tokens are an answer that ended by its length (its
+        # replica failed before it could say so): it ends at once, so it needs no room.
+        if total >= self.max_model_len and len(resume_token_ids) < params.max_tokens:
             raise errors.ContextTooLong(
                 "prompt",
                 f"{len(prompt_token_ids)} prompt tokens (+{len(resume_token_ids)} resumed) leave no room in",
                 self.max_model_len,
             )
-        if len(resume_token_ids) >= params.max_tokens:
+        if len(resume_token_ids) > params.max_tokens:
             raise errors.InvalidArgument(
-                "resume_token_ids", f"{len(resume_token_ids)} resumed tokens already reach max_tokens"
+                "resume_token_ids",
+                f"{len(resume_token_ids)} resumed tokens are more than max_tokens ({params.max_tokens})",
             )
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise errors.ContextTooLong(
@@ -225,8 +234,25 @@ class LLMEngine:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_ids)
         detok = detokenizer or self.make_detokenizer(params, resume_token_ids)
         guide = guide or self.make_guide(params, resume_token_ids)  # a caller that skipped make_guide
-        self._requests[request_id] = _Request(seq, detok, stop_ids, guide)
+        req = _Request(seq, detok, stop_ids, guide)
+        self._requests[request_id] = req
         self.scheduler.add(seq)
+        if resume_token_ids and (end := self._resumed_end(req)) is not None:
+            self._ended.append((request_id, *end))
+
+    def _resumed_end(self, req: _Request) -> tuple[SequenceStatus, str] | None:
+        """How the resumed tokens already ended the answer, if they did, as ``_update`` would have
+        ended it at the last of them: a stop string, a stop token, a complete output constraint,
+        or max_tokens. A replica can fail between an answer's last token and its end: the router
+        then resumes the whole answer, which must end, not go on past its end."""
+        seq = req.seq
+        if req.detokenizer.primed_stop is not None:
+            return SequenceStatus.FINISHED_STOPPED, req.detokenizer.primed_stop
+        if seq.token_ids[-1] in req.stop_ids or (req.guide is not None and req.guide.finished):
+            return SequenceStatus.FINISHED_STOPPED, ""
+        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH, ""
+        return None
 
     def abort_request(self, request_id: str) -> None:
         """Ask for the request to end at the next step (safe from any thread)."""
@@ -245,13 +271,14 @@ class LLMEngine:
             self._parks.append((request_id, False))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborts) or bool(self._parks)
+        return self.scheduler.has_unfinished() or bool(self._aborts) or bool(self._parks) or bool(self._ended)
 
     # -- the loop ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         # Aborted requests leave before scheduling: the requests of a step that raised are
         # aborted and must be released without running that step again.
         outputs = self._drain_aborts()
+        outputs += self._drain_ended()
         self._apply_parks()
         plan = self.scheduler.schedule()
         self.num_preemptions += len(plan.preempted)
@@ -291,6 +318,19 @@ class LLMEngine:
                 continue
             self.scheduler.finish(req.seq, SequenceStatus.FINISHED_ABORTED)
             outputs.append(final_output(req.seq, [], ""))
+        return outputs
+
+    def _drain_ended(self) -> list[RequestOutput]:
+        """End the resumed requests whose answers had ended: no token and no text (the client
+        has the whole answer: its last token's message carried all of it), their reason, usage."""
+        outputs = []
+        while self._ended:
+            rid, status, matched_stop = self._ended.popleft()
+            req = self._requests.pop(rid, None)
+            if req is None:
+                continue  # aborted meanwhile
+            self.scheduler.finish(req.seq, status)
+            outputs.append(final_output(req.seq, [], "", matched_stop=matched_stop))
         return outputs
 
     def _update(self, plan: SchedulerOutput, results: list[ChunkResult]) -> list[RequestOutput]:

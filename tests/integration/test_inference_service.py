@@ -276,6 +276,49 @@ async def test_resume_continues_exactly_where_the_original_stream_was(
     assert resumed.finished is not None and resumed.finished.usage.completion_tokens == 10
 
 
+ENDINGS = ["end of sequence", "stop string", "stop token", "stop token kept", "constraint", "max_tokens"]
+
+
+@pytest.mark.parametrize("how", ENDINGS)
+async def test_resuming_an_answer_that_had_ended_ends_it_at_once(
+    stub: inference_pb2_grpc.InferenceStub, how: str
+) -> None:
+    """A replica can fail between an answer's last token and its end: the router then resumes
+    the whole answer. It ends at once, as it had, with nothing after it (it went on past its end
+    before, or was refused at max_tokens)."""
+    messages = [common_pb2.ChatMessage(role="user", content="What is the capital of France?")]
+    free = await generate(stub, inference_pb2.GenerateStart(messages=messages, sampling=greedy(64)))
+    assert free.finish_reason == common_pb2.FINISH_REASON_STOP and len(free.token_ids) > 4
+    # Each way to end, on this answer: a stop string across two of its tokens, its fourth token
+    # as a stop token, a choice between it and another answer, max_tokens inside it.
+    sampling = {
+        "end of sequence": greedy(64),
+        "stop string": greedy(64, stop=[free.text[len(free.text) // 2 - 2 : len(free.text) // 2 + 2]]),
+        "stop token": greedy(64, stop_token_ids=[free.token_ids[3]]),
+        "stop token kept": greedy(64, stop_token_ids=[free.token_ids[3]], include_stop_str_in_output=True),
+        "constraint": greedy(64, choice=common_pb2.Choices(values=[free.text, "Lyon"])),
+        "max_tokens": greedy(len(free.token_ids) - 2),
+    }[how]
+    original = await generate(stub, inference_pb2.GenerateStart(messages=messages, sampling=sampling))
+    assert original.finished is not None
+    expected = common_pb2.FINISH_REASON_LENGTH if how == "max_tokens" else common_pb2.FINISH_REASON_STOP
+    assert original.finish_reason == expected, f"the {how} case must end that way to test anything"
+
+    resumed = await generate(
+        stub,
+        inference_pb2.GenerateStart(
+            messages=messages, sampling=sampling, resume_token_ids=original.token_ids
+        ),
+    )
+
+    assert resumed.token_ids == [] and resumed.text == ""
+    assert resumed.finished is not None
+    assert resumed.finish_reason == original.finish_reason
+    assert resumed.finished.matched_stop == original.finished.matched_stop
+    assert resumed.finished.usage.completion_tokens == 0  # the replica's own: it generated none
+    assert resumed.finished.usage.prompt_tokens == original.finished.usage.prompt_tokens
+
+
 def _invalid_starts() -> list[tuple[str, inference_pb2.GenerateRequest]]:
     def start(**kwargs: Any) -> inference_pb2.GenerateRequest:
         kwargs.setdefault("prompt", "Hello")

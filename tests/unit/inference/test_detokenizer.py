@@ -136,8 +136,15 @@ def test_a_stream_resumed_after_any_token_continues_the_originals_text_exactly(
     ids = tokenizer.encode(text)
     whole, stopped_after = released(IncrementalDetokenizer(tokenizer, **options), ids)
     for cut in range(1, stopped_after or len(ids)):
-        rest, _ = released(IncrementalDetokenizer(tokenizer, prime=ids[:cut], **options), ids[cut:])
+        resumed = IncrementalDetokenizer(tokenizer, prime=ids[:cut], **options)
+        assert resumed.primed_stop is None
+        rest, _ = released(resumed, ids[cut:])
         assert "".join(whole[:cut]) + "".join(rest) == "".join(whole), f"resumed after {cut} tokens"
+    if stopped_after is not None:
+        # Resumed after the token that ended it: the stop string is found, nothing more comes out.
+        ended = IncrementalDetokenizer(tokenizer, prime=ids[:stopped_after], **options)
+        assert ended.primed_stop in options["stop"]
+        assert ended.flush() == ""
 
 
 def test_stop_strings_are_bounded_in_number_and_length() -> None:
