@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from services.common.errors import InvalidArgument
 from services.common.sampling_limits import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from services.inference.detokenizer import IncrementalDetokenizer
+from services.inference.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer
 from services.inference.sampling import SamplingParams
 
 
@@ -191,3 +191,25 @@ def test_a_tokenizer_that_cleans_up_spaces_or_decodes_its_own_way_keeps_its_deco
     own = OwnDecode.__new__(OwnDecode)
     own.__dict__.update(tokenizer.__dict__)
     assert fast_decoder(own) is own  # a class that decodes its own way keeps it
+
+
+def test_tokens_that_never_complete_a_character_do_not_grow_the_decode_window(tokenizer: Any) -> None:
+    """A stray UTF-8 lead byte decodes to U+FFFD and waits for the rest of its character; a run
+    of them never completes one. The wait is bounded, so each token's decode stays short (a
+    client's resume_token_ids of such tokens made every decode span the whole resume)."""
+    stray = next(t for t in range(tokenizer.vocab_size) if tokenizer.decode([t]) == "\ufffd")
+    longest = 0
+
+    class Counting:
+        def decode(self, token_ids: Any, skip_special_tokens: bool = False) -> Any:
+            nonlocal longest
+            longest = max(longest, len(token_ids))
+            return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    detok = IncrementalDetokenizer(Counting(), prime=[stray] * 500)
+    words = tokenizer.encode(" and then words")
+    pieces, _ = stream(detok, [stray] * 20 + words)
+    assert longest <= 2 * MAX_PENDING_TOKENS
+    # The stray bytes come out as what they are, and the words after them whole.
+    assert "".join(pieces).endswith("\ufffd and then words")
+    assert "".join(pieces).count("\ufffd") >= 20 - MAX_PENDING_TOKENS
