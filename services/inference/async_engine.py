@@ -53,12 +53,22 @@ class _Pending:
     aborted: bool = False
     # Parked in the engine: its reader left PARK_AFTER_OUTPUTS outputs untaken (loop thread only).
     parked: bool = False
-    # Refused by ``LLMEngine.enqueue`` (set by the engine thread before the refusal is posted).
-    refused: bool = False
+    # The engine holds nothing of it any more: refused by ``LLMEngine.enqueue``, or ended with
+    # a status (a fault, an invalid field). Set by the engine thread before it posts that, so
+    # the stream's end sends no abort: one would wait in the engine's queue and cancel the next
+    # request that reuses the id (a retry).
+    gone: bool = False
     # Its output constraint's matcher, compiled on an executor thread before it was handed over.
     guide: Guide | None = None
     # A resumed request's text state, its resumed tokens replayed on an executor thread.
     detokenizer: IncrementalDetokenizer | None = None
+
+
+@dataclass
+class _Admission:
+    """A request being prepared for the engine (its grammar, its resumed text), not yet handed over."""
+
+    aborted: bool = False
 
 
 def merge_outputs(outputs: Seq[RequestOutput]) -> RequestOutput:
@@ -97,6 +107,8 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._pending: list[_Pending] = []
         self._sinks: dict[str, _Pending] = {}
+        # Requests being prepared (``generate`` before the handover), by id.
+        self._admitting: dict[str, _Admission] = {}
         self._stopped = False
         self.draining = False
         self._load = engine.load()
@@ -127,16 +139,27 @@ class AsyncEngine:
         # Refused before anything else sees it (the grammar would overflow on token ids outside
         # the vocabulary); touches no state, so no lock.
         self.engine.validate(prompt_token_ids, params, resume_token_ids)
-        # The constraint compiles (or comes from the cache) on an executor thread, before the
-        # request is handed over: a compile never holds up a step, and a bad one is refused here.
-        guide = None
-        if params.constraint is not None:
-            guide = await asyncio.to_thread(self.engine.make_guide, params, resume_token_ids)
-        if params.bad_words:  # tokenized here, not on the engine thread that steps every request
-            params = await asyncio.to_thread(self.engine.with_bad_word_ids, params)
-        detokenizer = None
-        if resume_token_ids:  # its resumed tokens are decoded again: not on the engine thread either
-            detokenizer = await asyncio.to_thread(self.engine.make_detokenizer, params, resume_token_ids)
+        with self._cond:
+            if request_id in self._sinks or request_id in self._admitting:
+                raise errors.AlreadyExists(f"request {request_id!r} is already running")
+            # Known from here on: a cancel while it is being prepared (a grammar compiling, a
+            # long resume replayed: seconds at worst) is kept for the handover, not lost.
+            admission = self._admitting[request_id] = _Admission()
+        try:
+            # The constraint compiles (or comes from the cache) on an executor thread, before the
+            # request is handed over: a compile never holds up a step, and a bad one is refused here.
+            guide = None
+            if params.constraint is not None:
+                guide = await asyncio.to_thread(self.engine.make_guide, params, resume_token_ids)
+            if params.bad_words:  # tokenized here, not on the engine thread that steps every request
+                params = await asyncio.to_thread(self.engine.with_bad_word_ids, params)
+            detokenizer = None
+            if resume_token_ids:  # its resumed tokens are decoded again: not on the engine thread either
+                detokenizer = await asyncio.to_thread(self.engine.make_detokenizer, params, resume_token_ids)
+        except BaseException:
+            with self._cond:
+                self._admitting.pop(request_id, None)
+            raise
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         pending = _Pending(
             request_id,
@@ -149,8 +172,10 @@ class AsyncEngine:
             detokenizer=detokenizer,
         )
         with self._cond:
-            if request_id in self._sinks:
-                raise errors.AlreadyExists(f"request {request_id!r} is already running")
+            self._admitting.pop(request_id, None)
+            # Cancelled while it was prepared: handed over all the same, so the engine thread
+            # admits and aborts it at once and the stream gets its CANCELLED final output.
+            pending.aborted = admission.aborted
             # The queue bound, here on arrival: a surplus request is refused at once, not after
             # the step the engine thread is in (which can take seconds). Queued = handed over
             # but not yet taken + the engine's waiting queue as last published.
@@ -191,9 +216,7 @@ class AsyncEngine:
                 if failure is not None:
                     raise failure
         finally:
-            # A request the engine refused was never added: an abort for it would wait in the
-            # engine's queue and cancel the next request that reuses the id (a retry).
-            if not finished and not pending.refused:
+            if not finished and not pending.gone:
                 self.abort(request_id)
 
     def _arrive(self, pending: _Pending, out: RequestOutput) -> None:
@@ -212,6 +235,9 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         with self._cond:
+            if (admission := self._admitting.get(request_id)) is not None:
+                admission.aborted = True
+                return
             for p in self._pending:
                 if p.request_id == request_id:
                     p.aborted = True
@@ -250,7 +276,7 @@ class AsyncEngine:
                         engine.abort_request(p.request_id)
                 except Exception as exc:  # refused as it was queued (AlreadyExists): that caller only
                     self._forget(p.request_id)
-                    p.refused = True  # before the caller can see the refusal, so it aborts nothing
+                    p.gone = True  # before the caller can see the refusal, so it aborts nothing
                     p.loop.call_soon_threadsafe(p.sink.put_nowait, exc)
             try:
                 outputs = engine.step()
@@ -281,6 +307,8 @@ class AsyncEngine:
             _record_finished(out)
         if target is None:
             return
+        if out.invalid_field or out.fault:
+            target.gone = True  # ended in the engine: the stream's end must abort nothing
         if out.invalid_field:
             # The request's own constraint cannot go on: INVALID_ARGUMENT naming it, as any
             # replica would end it (a router passes it on rather than failing over).
@@ -303,6 +331,7 @@ class AsyncEngine:
             sinks, self._sinks = self._sinks, {}
         for rid, target in sinks.items():
             engine.abort_request(rid)
+            target.gone = True  # aborted here: the stream's end must not abort the id again
             target.loop.call_soon_threadsafe(
                 target.sink.put_nowait, errors.DependencyUnavailable("the inference engine failed")
             )

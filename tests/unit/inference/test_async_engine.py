@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import threading
 from types import SimpleNamespace
@@ -177,3 +178,79 @@ def test_merge_keeps_the_first_outputs_prompt_logprobs() -> None:
         RequestOutput("r", [8], "b", 1, finished=True, finish_reason=FinishReason.LENGTH),
     ]
     assert merge_outputs(outs).prompt_logprobs == scored
+
+
+class PreparingEngine(FakeTokenEngine):
+    """Prepares a resumed request slowly (``make_detokenizer`` waits for ``ready``, as a long resume
+    or a grammar compile takes seconds), records the aborts it gets, and ends an aborted request
+    with its CANCELLED output at the next step, as LLMEngine does; ``faulty`` ends it with a fault."""
+
+    def __init__(self, faulty: bool = False) -> None:
+        super().__init__(tokens=50)
+        self.ready = threading.Event()
+        self.preparing = threading.Event()
+        self.faulty = faulty
+        self.aborted: list[str] = []
+        self.ending: str | None = None
+
+    def make_detokenizer(self, params: SamplingParams, resume: object) -> object:
+        self.preparing.set()
+        self.ready.wait(5.0)
+        return object()
+
+    def abort_request(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        if request_id == self.request_id:
+            self.ending, self.request_id = request_id, None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.ending is not None or super().has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        if self.ending is not None:
+            rid, self.ending = self.ending, None
+            return [RequestOutput(rid, [], "", 0, finished=True, finish_reason=FinishReason.CANCELLED)]
+        if self.faulty and self.request_id is not None:
+            rid, self.request_id = self.request_id, None
+            failed = RequestOutput(rid, [], "", 0, finished=True, finish_reason=FinishReason.ERROR)
+            return [dataclasses.replace(failed, fault=True, error="the row's logits were NaN")]
+        return super().step()
+
+
+async def test_a_cancel_while_the_request_is_prepared_ends_it_cancelled() -> None:
+    """A cancel that came while the request was prepared (before the engine had it) was lost:
+    the request then ran to its end. It is kept and applied at the handover."""
+    fake = PreparingEngine()
+    engine = AsyncEngine(fake)  # type: ignore[arg-type]
+    got: list[RequestOutput] = []
+
+    async def read() -> None:
+        async for out in engine.generate("r1", [1, 2, 3], SamplingParams(max_tokens=50), [7]):
+            got.append(out)
+
+    try:
+        reading = asyncio.create_task(read())
+        await asyncio.to_thread(fake.preparing.wait, 5.0)
+        engine.abort("r1")  # the servicer's cancel
+        fake.ready.set()
+        await asyncio.wait_for(reading, 10)
+    finally:
+        engine.close()
+    assert got and got[-1].finish_reason == FinishReason.CANCELLED
+    assert sum(len(o.new_token_ids) for o in got) == 0
+    assert fake.aborted == ["r1"]
+
+
+async def test_a_request_the_engine_ended_with_a_fault_is_not_aborted_after() -> None:
+    """Its id is the engine's no more: an abort sent for it would wait in the engine's queue and
+    cancel a retry that reuses the id."""
+    fake = PreparingEngine(faulty=True)
+    fake.ready.set()
+    engine = AsyncEngine(fake)  # type: ignore[arg-type]
+    try:
+        with pytest.raises(errors.RequestFault, match="NaN"):
+            async for _ in engine.generate("r1", [1, 2, 3], SamplingParams(max_tokens=50)):
+                pass
+    finally:
+        engine.close()
+    assert fake.aborted == []
