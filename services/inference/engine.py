@@ -283,6 +283,9 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         self.num_preemptions += len(plan.preempted)
         results = run_isolating_faults(self._run, plan.scheduled) if plan.scheduled else []
+        # Before the aborts of the step: a failed chunk's request aborted while it ran has
+        # its blocks freed there, and what it filled must be known as garbage first.
+        self._discard_failed_fills(plan.scheduled, results)
         outputs += self._drain_aborts()  # those aborted while the step ran
         outputs += self._update(plan, results)
         self.block_manager.events.publish()  # one KV-events delta per step, never one per block
@@ -393,6 +396,16 @@ class LLMEngine:
             self._recent.append((now, generated))
         return outputs
 
+    def _discard_failed_fills(self, chunks: Seq[ScheduledSequence], results: Seq[ChunkResult]) -> None:
+        """The blocks a failed forward was filling may hold nothing valid: no later request may
+        match them, and one of this step that already did computes its prefix again."""
+        for chunk, result in zip(chunks, results, strict=True):
+            if isinstance(result, RowFault) and result.forward_failed and not chunk.seq.is_finished:
+                for other in self.scheduler.discard_filled(chunk):
+                    log.warning(
+                        "%s shares blocks with failed %s: recomputed", other.request_id, chunk.seq.request_id
+                    )
+
     def _fail_faulted(
         self, chunks: list[ScheduledSequence], results: list[ChunkResult]
     ) -> list[RequestOutput]:
@@ -402,14 +415,7 @@ class LLMEngine:
             seq = chunk.seq
             if not isinstance(result, RowFault) or seq.is_finished:
                 continue
-            req = self._requests.pop(seq.request_id)
-            if result.forward_failed:
-                # The blocks it filled this step may hold nothing valid: no later request may
-                # match them, and one of this step that already did computes its prefix again.
-                for other in self.scheduler.discard_filled(chunk):
-                    log.warning(
-                        "%s shares blocks with failed %s: recomputed", other.request_id, seq.request_id
-                    )
+            req = self._requests.pop(seq.request_id)  # (what it filled: _discard_failed_fills)
             seq.error = result.reason
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
             final = final_output(req.seq, [], "")

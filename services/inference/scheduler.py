@@ -181,12 +181,30 @@ class Scheduler:
     def discard_filled(self, chunk: ScheduledSequence) -> list[Sequence]:
         """After ``chunk``'s forward failed: forget the blocks it was filling as prefixes (their
         K/V may be garbage) and preempt every other running sequence that already holds one
-        (matched within the same step); those compute their prefix again. Returns them."""
+        (matched within the same step); those compute their prefix again. Returns them.
+
+        Such a sequence's own blocks from the first garbage one on were computed over it, so
+        they are forgotten too, and so on for any sequence that matched those in the step:
+        freed with their hashes, they stayed cached prefixes with wrong K/V, served to every
+        later request with that prompt (its recompute could not replace them: the hash was
+        taken)."""
         seq = chunk.seq
         bs = self.block_manager.block_size
-        filled = set(seq.block_table[chunk.start // bs : (chunk.start + chunk.num_tokens - 1) // bs + 1])
-        self.block_manager.forget(filled)
-        victims = [s for s in self.running if s is not seq and not filled.isdisjoint(s.block_table)]
+        suspect = set(seq.block_table[chunk.start // bs : (chunk.start + chunk.num_tokens - 1) // bs + 1])
+        victims: list[Sequence] = []
+        while True:
+            more = [
+                s
+                for s in self.running
+                if s is not seq and s not in victims and not suspect.isdisjoint(s.block_table)
+            ]
+            if not more:
+                break
+            for victim in more:
+                first = next(i for i, b in enumerate(victim.block_table) if b in suspect)
+                suspect.update(victim.block_table[first:])
+            victims += more
+        self.block_manager.forget(suspect)
         for victim in victims:
             self.running.remove(victim)
             self._preempt(victim)

@@ -155,3 +155,47 @@ async def test_an_engine_wide_failure_fails_every_request_and_stops_serving(core
     finally:
         engine.close()
         core.runner.execute = poisoned.execute  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("cancelled", [False, True], ids=["poison fails", "poison cancelled as it fails"])
+def test_no_block_computed_over_the_failed_requests_stays_a_cached_prefix(
+    core: LLMEngine, cancelled: bool
+) -> None:
+    """The bystander matched the blocks the poison was filling and computed its own after them,
+    over what the poison never wrote. Those are garbage too: a later request with the
+    bystander's prompt must not be served them from the prefix cache. Also when the poison's
+    client cancels while its failing step runs (its blocks are freed by the cancel)."""
+    bystander_prompt = core.tokenizer.encode(
+        SHARED_HEAD + "Where is Oslo? Describe its fjords, climate, museums and food in a sentence each."
+    )
+    expected = solo(core, bystander_prompt)
+    core.reset_prefix_cache()
+    with torch.no_grad():
+        for cache in core.runner.k_caches + core.runner.v_caches:
+            cache.normal_()  # what earlier requests left in the blocks: never what a prompt needs
+    real = core.runner.execute
+
+    def failing(scheduled: Sequence[Any], *rest: Any) -> Sequence[Any]:
+        if any(s.seq.request_id == "poison-held" for s in scheduled):
+            if cancelled:
+                core.abort_request("poison-held")
+            raise RuntimeError("this batch cannot run")
+        return real(scheduled, *rest)
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    core.runner.execute = failing  # type: ignore[method-assign]
+    try:
+        core.add_request("poison-held", core.tokenizer.encode(SHARED_HEAD + "Where is Lima?"), params)
+        core.add_request("fine-held", bystander_prompt, params)
+        first = core.step()  # one step admits both, the poison first; its forward fails
+        assert {o.request_id for o in first if o.finished} == {"poison-held"}
+    finally:
+        core.runner.execute = real  # type: ignore[method-assign]
+    tokens: list[int] = []
+    while core.has_unfinished_requests():
+        tokens += [t for o in core.step() if o.request_id == "fine-held" for t in o.new_token_ids]
+    assert tokens == expected
+    # The same prompt again: served from what the cache holds, which must be right.
+    later = core.generate([bystander_prompt], params)[0]
+    assert later == expected
+    core.reset_prefix_cache()
