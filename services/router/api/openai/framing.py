@@ -88,6 +88,9 @@ class Framer:
     _delta_templates: dict[tuple[int, bool], tuple[str, str]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    #: A text stream's ``text_offset`` so far, by choice: each chunk's offsets go on from the
+    #: last, as the whole body's do (a resumed stream remakes its events from the start).
+    _text_offsets: dict[int, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def error(self, exc: BaseException, route: str) -> ApiError:
         """What the client is told of ``exc``, a field named as this request named it."""
@@ -171,7 +174,7 @@ class Framer:
     def delta(
         self, index: int, text: str, with_usage: bool, logprobs: Sequence[common_pb2.TokenLogprobs] = ()
     ) -> dict[str, Any]:
-        lp = self._logprobs(logprobs)
+        lp = self._logprobs(logprobs, index)
         if self.kind == "chat":
             choice = {"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}
         else:
@@ -193,11 +196,11 @@ class Framer:
         text = self.echo_text(index, delta.prompt_logprobs, delta.prompt_text) + (
             delta.text if answered else ""
         )
-        lp = (
-            echo_logprobs(delta.prompt_logprobs, delta.logprobs if answered else ())
-            if delta.logprobs
-            else None
-        )
+        lp = None
+        if delta.logprobs:
+            echoed = [*delta.prompt_logprobs, *(delta.logprobs if answered else ())]
+            lp = echo_logprobs(delta.prompt_logprobs, delta.logprobs if answered else ())
+            self._text_offsets[index] = sum(len(t.text) for t in echoed)
         return self._chunk({"index": index, "text": text, "logprobs": lp, "finish_reason": None}, with_usage)
 
     def delta_json(self, index: int, text: str, with_usage: bool) -> str:
@@ -212,11 +215,20 @@ class Framer:
             template = self._delta_templates[(index, with_usage)] = (head, tail)
         return template[0] + dumps(text) + template[1]
 
-    def _logprobs(self, tokens: Sequence[common_pb2.TokenLogprobs]) -> dict[str, Any] | None:
-        """The choice's ``logprobs`` (null unless the request asked and tokens came)."""
+    def _logprobs(
+        self, tokens: Sequence[common_pb2.TokenLogprobs], index: int | None = None
+    ) -> dict[str, Any] | None:
+        """A choice's ``logprobs`` (null unless the request asked and tokens came): a whole
+        answer's, or with ``index`` the next chunk's of that choice's stream."""
         if not tokens:
             return None
-        return chat_logprobs(tokens) if self.kind == "chat" else text_logprobs(tokens)
+        if self.kind == "chat":
+            return chat_logprobs(tokens)
+        if index is None:
+            return text_logprobs(tokens)
+        offset = self._text_offsets.get(index, 0)
+        self._text_offsets[index] = offset + sum(len(t.text) for t in tokens)
+        return text_logprobs(tokens, offset)
 
     def tool_call(self, index: int, text: str) -> dict[str, Any] | None:
         """Choice ``index``'s ``tool_calls`` entry, when the request has a tool mode and the text is a call."""

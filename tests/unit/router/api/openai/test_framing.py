@@ -142,3 +142,32 @@ async def test_a_streamed_required_call_comes_whole_and_one_cut_short_keeps_its_
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in read if c["choices"]) == huge
     whole = framer.whole([ChoiceAnswer([huge], _ended(1).end)])
     assert (whole["choices"][0]["finish_reason"], whole["choices"][0]["message"]["content"]) == ("stop", huge)
+
+
+def test_a_streamed_completions_text_offsets_go_on_from_chunk_to_chunk_as_the_whole_bodys() -> None:
+    """OpenAI's ``text_offset`` is where each token starts in the choice's text, streamed or not:
+    each chunk's go on from the last chunk's of the same choice (they restarted at 0)."""
+    tokens = [common_pb2.TokenLogprobs(text=t, logprob=-0.5) for t in ("Hello", ",", " wor", "ld", "!")]
+    prompt = [common_pb2.TokenLogprobs(text=t) for t in ("Say", " hi")]
+    end = router_pb2.TurnEnd(finish_reason=common_pb2.FINISH_REASON_LENGTH, usage=usage(2, 5))
+    for echo in ((), ("Say hi",)):
+        whole = Framer("text", "cmpl-1", 1, "m", echo=echo).whole(
+            [
+                ChoiceAnswer(
+                    [t.text for t in tokens], end, logprobs=tokens, prompt_logprobs=prompt if echo else ()
+                )
+            ]
+        )
+        framer = Framer("text", "cmpl-1", 1, "m", echo=echo)
+        streamed: list[int] = []
+        pieces = [tokens[:2], tokens[2:3], tokens[3:]]
+        for i, piece in enumerate(pieces):
+            text = "".join(t.text for t in piece)
+            if echo and i == 0:
+                delta = router_pb2.TokenDelta(text=text, logprobs=piece, prompt_logprobs=prompt)
+                chunk = framer.echo_delta(0, delta, with_usage=False)
+            else:
+                chunk = framer.delta(0, text, with_usage=False, logprobs=piece)
+            streamed += chunk["choices"][0]["logprobs"]["text_offset"]
+        assert streamed == whole["choices"][0]["logprobs"]["text_offset"]
+        assert streamed[-1] == len(("Say hi" if echo else "") + "Hello, world")  # where "!" starts
