@@ -169,6 +169,12 @@ def test_task_survives_kill_9_of_its_router(
             fresh.session_id = f"{session_id}-fresh" if in_a_session else ""
             direct = stub.Complete(fresh, timeout=30)
             assert finished.text == direct.text
+            # Read from the task, not Resume: its attempts left nothing in the Resume buffer,
+            # where the second one's messages (numbered from 1 again) were spliced into the
+            # first's under the same request id, losing the tokens between.
+            with pytest.raises(grpc.RpcError) as buffered:
+                list(stub.Resume(router_pb2.ResumeRequest(request_id=f"task-{task.task_id}"), timeout=10))
+            assert buffered.value.code() == grpc.StatusCode.NOT_FOUND
             if in_a_session:
                 # Saved once, against the version read before the first token: the next turn is
                 # the session's second.

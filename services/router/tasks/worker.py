@@ -44,6 +44,7 @@ class RunTurn(Protocol):
         resume: ResumePoint | None = None,
         on_checkpoint: OnCheckpoint | None = None,
         on_stopped: OnStopped | None = None,
+        replayable: bool = True,
     ) -> AsyncGenerator[router_pb2.ChatResponse, None]: ...
 
 
@@ -243,7 +244,12 @@ class TaskWorker:
         async def consume() -> None:
             nonlocal end, streamed
             turn = self.run_turn(
-                record.principal, request, resume=resume, on_checkpoint=save_checkpoint, on_stopped=stopped
+                record.principal,
+                request,
+                resume=resume,
+                on_checkpoint=save_checkpoint,
+                on_stopped=stopped,
+                replayable=False,  # a task's answer is read from the task (WatchTask), not Resume
             )
             # Closed at once on a cancel (not when collected), so its end is known before the task's.
             async with contextlib.aclosing(turn):

@@ -66,6 +66,7 @@ class TurnPipeline:
         resume: ResumePoint | None = None,
         on_checkpoint: OnCheckpoint | None = None,
         on_stopped: OnStopped | None = None,
+        replayable: bool = True,
     ) -> AsyncGenerator[router_pb2.ChatResponse, None]:
         """The turn's messages: token deltas, then one TurnEnd. ``deadline`` is on ``services.clock``.
 
@@ -73,11 +74,16 @@ class TurnPipeline:
         finishes a turn from its checkpoint, after the tokens already delivered. A turn
         cancelled or failed before its TurnEnd cannot yield one: ``on_stopped`` is given the
         TurnEnd it would have sent (CANCELLED or ERROR, with the usage of what was streamed).
+        ``replayable``: its messages go to the Resume buffer. An async task's do not: the task
+        keeps its own events (``WatchTask``), and each attempt of it numbers its messages from
+        1 again, which a buffer keyed by the request id would splice into the last attempt's.
         """
         validate(request)
         s = self.s
         state = TurnState(turn_request_id(request), s.clock())
-        writer = ReplayWriter(s.replay, state.request_id, principal.tenant) if s.replay is not None else None
+        writer = None
+        if s.replay is not None and replayable:
+            writer = ReplayWriter(s.replay, state.request_id, principal.tenant)
         # The message being written to the client: it goes to the replay buffer once that
         # write is done (the caller asks for the next one), so the buffer's Redis round trip
         # never competes with the client's own hop for the CPU (measured: +0.3-0.7 ms per
