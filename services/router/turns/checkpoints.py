@@ -31,6 +31,9 @@ class TurnCheckpoint:
     session_version: int = 0
     citations: tuple[bytes, ...] = ()
     degraded: tuple[str, ...] = ()
+    #: The (document id, version) pairs the RAG context came from: a resumed answer's
+    #: semantic-cache entry is scoped and invalidated by them, as the first attempt's would be.
+    cited: tuple[tuple[str, int], ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(
@@ -42,6 +45,7 @@ class TurnCheckpoint:
                 "session_version": self.session_version,
                 "citations": [base64.b64encode(c).decode() for c in self.citations],
                 "degraded": list(self.degraded),
+                "cited": [[d, v] for d, v in self.cited],
             }
         )
 
@@ -56,6 +60,7 @@ class TurnCheckpoint:
             session_version=int(raw.get("session_version", 0)),
             citations=tuple(base64.b64decode(c) for c in raw.get("citations", [])),
             degraded=tuple(raw.get("degraded", [])),
+            cited=tuple((str(d), int(v)) for d, v in raw.get("cited", [])),
         )
 
 
@@ -90,6 +95,7 @@ def checkpoint_of(
         session_version=session.version if session is not None else 0,
         citations=tuple(c.SerializeToString() for c in state.citations),
         degraded=tuple(state.degraded),
+        cited=tuple(state.cited),
     )
 
 
@@ -104,4 +110,5 @@ def resumed_start(resume: ResumePoint, state: TurnState) -> inference_pb2.Genera
         )
     state.citations = [router_pb2.Citation.FromString(c) for c in checkpoint.citations]
     state.degraded = list(checkpoint.degraded)
+    state.cited = list(checkpoint.cited)
     return start

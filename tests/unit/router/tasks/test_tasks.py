@@ -44,7 +44,9 @@ class FakeRunTurn:
         resume: ResumePoint | None = None,
         on_checkpoint: OnCheckpoint | None = None,
         on_stopped: OnStopped | None = None,
+        replayable: bool = True,
     ) -> AsyncGenerator[router_pb2.ChatResponse, None]:
+        assert not replayable, "a task's turn must not go to the Resume buffer"
         self.started.append(request.request_id)
         self.resumed.append(resume)
         # Like the pipeline: the checkpoint is saved before the first token; a resumed answer
@@ -295,7 +297,9 @@ async def test_a_task_taken_over_after_its_first_words_continues_after_them(
     record = await dead.store.get(task.task_id)
     assert record is not None
     await dead.store.transition(record, {router_pb2.TASK_STATE_QUEUED}, router_pb2.TASK_STATE_RUNNING)
-    checkpoint = TurnCheckpoint(start=b"prompt", model="served", citations=(b"c1",), degraded=("rag: down",))
+    checkpoint = TurnCheckpoint(
+        start=b"prompt", model="served", citations=(b"c1",), degraded=("rag: down",), cited=(("doc-1", 3),)
+    )
     await dead.store.save_checkpoint(task.task_id, checkpoint.to_json())
     for i, word in enumerate(WORDS[:2]):
         await dead.store.append_delta(task.task_id, router_pb2.TokenDelta(text=word, token_ids=[i], index=i))
