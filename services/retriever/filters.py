@@ -12,7 +12,9 @@ from collections.abc import Mapping
 
 from services.common.errors import InvalidArgument
 
-METADATA_KEY_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+METADATA_KEY_RE = re.compile(
+    r"[A-Za-z0-9_.\-]{1,64}"
+)  # used with fullmatch: "$" also matches before a final "\n"
 
 
 def digest(*parts: str) -> str:
@@ -34,7 +36,7 @@ def metadata_condition(metadata_filter: Mapping[str, str]) -> str:
     """A Milvus filter requiring every key/value pair in a chunk's metadata."""
     terms = []
     for key, value in sorted(metadata_filter.items()):
-        if not METADATA_KEY_RE.match(key):
+        if not METADATA_KEY_RE.fullmatch(key):
             raise InvalidArgument(
                 "metadata_filter", f"key {key!r} must be 1-64 of letters, digits, '_', '.', '-'"
             )

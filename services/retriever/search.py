@@ -43,7 +43,7 @@ def check_metadata(metadata: Mapping[str, str], field_name: str) -> None:
     if len(metadata) > MAX_METADATA_ENTRIES:
         raise InvalidArgument(field_name, f"at most {MAX_METADATA_ENTRIES} entries")
     for key, value in metadata.items():
-        if not METADATA_KEY_RE.match(key):
+        if not METADATA_KEY_RE.fullmatch(key):
             raise InvalidArgument(field_name, f"key {key!r} must be 1-64 of letters, digits, '_', '.', '-'")
         if len(value) > MAX_METADATA_VALUE_CHARS:
             raise InvalidArgument(field_name, f"value of {key!r} is longer than {MAX_METADATA_VALUE_CHARS}")

@@ -18,20 +18,31 @@ _BOMS = (
     (codecs.BOM_UTF16_LE, "utf-16"),
     (codecs.BOM_UTF16_BE, "utf-16"),
 )
+#: IANA's charset names are at most 40 characters (RFC 2978).
+MAX_CHARSET_CHARS = 40
 _CHARSET = re.compile(r""";\s*charset\s*=\s*"?([^";\s]+)"?""", re.IGNORECASE)
 
 
 def declared_charset(mime_type: str) -> str | None:
     """The ``charset`` parameter of ``mime_type`` (``text/plain; charset=windows-1252``), checked
-    to be an encoding Python knows; None when there is none."""
+    to be a text encoding Python knows; None when there is none. Python's codec registry also
+    holds bytes-to-bytes codecs (``hex``, ``base64``, ``zlib``, ``rot13``) that decode no text,
+    and reads names padded with any punctuation (``utf------8``), which made the stored MIME
+    type too long for its field: both once reached the store as INTERNAL errors."""
     match = _CHARSET.search(mime_type)
     if match is None:
         return None
     name = match.group(1)
+    if len(name) > MAX_CHARSET_CHARS:
+        raise InvalidArgument(
+            "header.mime_type", f"a charset name has at most {MAX_CHARSET_CHARS} characters"
+        )
     try:
-        codecs.lookup(name)
+        codec = codecs.lookup(name)
     except LookupError:
-        raise InvalidArgument("header.mime_type", f"unknown charset {name!r}") from None
+        raise InvalidArgument("header.mime_type", f"unknown charset {name[:64]!r}") from None
+    if not getattr(codec, "_is_text_encoding", True):
+        raise InvalidArgument("header.mime_type", f"charset {name[:64]!r} is not a text encoding")
     return name
 
 

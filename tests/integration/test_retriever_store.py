@@ -182,6 +182,14 @@ def test_metadata_filter_matches_values_with_quotes_and_backslashes(corpus: Corp
         assert [h.document_id for h in hits] == ["c"]
     with pytest.raises(InvalidArgument, match="metadata_filter"):
         SearchQuery("quarterly plan", metadata_filter={'team"] or 1 == 1 or metadata["x': "y"})
+    # A key ending in a newline passed the key check ("$" matches before a final "\n"), broke
+    # Milvus's filter parser and answered INTERNAL, which opened the router's retriever breaker
+    # for every tenant; at ingest it was stored.
+    with pytest.raises(InvalidArgument, match="metadata_filter"):
+        SearchQuery("quarterly plan", metadata_filter={"team\n": "y"})
+    with pytest.raises(InvalidArgument) as stored:
+        corpus.ingest(tenant, upload("d", "quarterly plan for the team", **{"team\n": "sales"}))
+    assert stored.value.field == "header.metadata"
 
 
 def keyword_hits(corpus: Corpus, tenant: str, query: str) -> list[str]:

@@ -354,6 +354,12 @@ def test_a_declared_charset_is_how_a_legacy_encoding_is_read_and_an_undeclared_o
         declared_charset('text/plain; charset="klingon"')
     assert unknown.value.field == "header.mime_type"
     assert declared_charset("text/plain") is None
+    # Python's registry also holds codecs that decode no text, and reads names padded with any
+    # punctuation: each was an INTERNAL error at ingest (decoding; the stored type's length).
+    for hostile in ("hex", "base64", "rot13", "zlib", "utf" + "-" * 300 + "8"):
+        with pytest.raises(InvalidArgument) as refused:
+            declared_charset(f"text/plain; charset={hostile}")
+        assert refused.value.field == "header.mime_type"
 
 
 def test_control_characters_and_terminal_escapes_never_reach_the_index() -> None:
