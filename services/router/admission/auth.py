@@ -128,13 +128,23 @@ def hash_key(key: str) -> str:
 
 def load_key_records(path: Path) -> list[ApiKeyRecord]:
     """Read a keys file (YAML or JSON: ``{"keys": [ {id, tenant, sha256, …}, … ]}``)."""
+    # Every way the file can be malformed is a ValueError: a reload keeps the keys it has on one
+    # (a YAML syntax error, a typo in an entry), where any other error locked every client out.
     text = path.read_text() if path.exists() else ""
-    raw = (json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)) if text.strip() else None
+    try:
+        raw = (json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)) if text.strip() else None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from exc
     if raw is None:
         return []
     if not isinstance(raw, dict) or not isinstance(raw.get("keys", []), list):
         raise ValueError(f"{path}: expected a mapping with a 'keys' list")
-    records = [ApiKeyRecord.from_dict(item) for item in raw.get("keys") or []]
+    try:
+        records = [ApiKeyRecord.from_dict(item) for item in raw.get("keys") or []]
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{path}: a key entry is malformed ({type(exc).__name__}: {exc})") from exc
     ids = [r.key_id for r in records]
     if len(set(ids)) != len(ids):
         raise ValueError(f"{path}: duplicate key ids")

@@ -75,6 +75,26 @@ def test_revocation_is_picked_up_from_the_changed_file(tmp_path: Path) -> None:
         auth.authenticate(bearer(key))
 
 
+@pytest.mark.parametrize(
+    "broken",
+    [
+        "keys: [ {id: k, tenant: t\n",  # a YAML syntax error: an edit saved half-way
+        "keys:\n  - just a string\n",  # an entry that is no mapping
+        "keys:\n  - {tenant: t}\n",  # an entry with no id
+    ],
+)
+def test_a_keys_file_broken_while_serving_keeps_the_keys_it_had(tmp_path: Path, broken: str) -> None:
+    """An operator's typo must not lock every client out: the reload keeps the last good keys
+    (a YAML error escaped it, and every request then failed)."""
+    path = tmp_path / "keys.yaml"
+    key, _ = add_key(path, "acme", "acme-1")
+    auth = Authenticator.from_file(path)
+    path.write_text(broken)
+    assert auth.authenticate(bearer(key)).key_id == "acme-1"
+    with pytest.raises(ValueError, match=r"keys\.yaml"):  # at start-up it is refused, by path
+        Authenticator.from_file(path)
+
+
 def test_open_mode_admits_everyone_as_the_default_tenant() -> None:
     auth = Authenticator.open("local")
     assert auth.authenticate([]) == Principal("local", "anonymous")
