@@ -6,9 +6,12 @@ A cache that fails degrades the turn (the reason goes in the TurnEnd), never fai
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import grpc
 
 from services.common import errors, tracing
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
@@ -17,6 +20,8 @@ from services.router.turns.dependencies import TurnServices
 from services.router.turns.response_cache import CachedAnswer, exact_cache_key
 from services.router.turns.semantic_step import SemanticPlan, learn, semantic_plan, serve_or_learn
 from services.router.turns.turn_end import TurnState
+
+log = logging.getLogger("llmmesh.router.cache")
 
 DEGRADED_ANSWER = "The service is busy and cannot answer right now; please try again shortly."
 
@@ -30,6 +35,8 @@ class CachePlan:
     may_fill: bool
     #: The semantic layer's scope; None where the turn does not use it.
     semantic: SemanticPlan | None = None
+    #: The model the key is for: an answer a fallback model gave is not stored under it.
+    model: str = ""
 
 
 def cache_plan(
@@ -50,7 +57,7 @@ def cache_plan(
     )
     # Only deterministic answers (those with an exact key) are cached semantically either.
     semantic = semantic_plan(s, request, messages, cited) if key is not None else None
-    return CachePlan(key, may_read, cache_mode != router_pb2.CACHE_MODE_BYPASS, semantic)
+    return CachePlan(key, may_read, cache_mode != router_pb2.CACHE_MODE_BYPASS, semantic, model)
 
 
 async def cache_lookup(
@@ -115,11 +122,13 @@ async def cache_fill(
         cached_prompt_tokens=usage.cached_prompt_tokens,
         created_at_ms=int(time.time() * 1000),
     )
-    if s.exact_cache is not None:
+    # The key names the model the turn asked for; when a fallback model answered (the first
+    # was down), its answer would be served for the first model's until the entry expired.
+    if s.exact_cache is not None and (not plan.model or outcome.model == plan.model):
         try:
             await s.exact_cache.put(tenant, key, cached)
-        except errors.DependencyUnavailable as exc:
-            state.degraded.append(f"exact cache: {exc}")
+        except Exception as exc:  # a cache failure degrades the turn, never fails it
+            state.degraded.append(f"exact cache: {_why(exc)}")
     semantic = plan.semantic
     # A refresh that agreed stores nothing new: the entry it checked holds this answer already.
     if semantic is not None and s.semantic_cache is not None and not await learn(s, tenant, state, answer):
@@ -127,8 +136,19 @@ async def cache_fill(
             await s.semantic_cache.store(
                 tenant, semantic.prompt, outcome.model, semantic.fingerprint, cached, semantic.cited
             )
-        except errors.DependencyUnavailable as exc:
-            state.degraded.append(f"semantic cache: {exc}")
+        except Exception as exc:  # an answer it refuses (past its size) too: the client has it
+            state.degraded.append(f"semantic cache: {_why(exc)}")
+
+
+def _why(exc: Exception) -> str:
+    """A cache store's failure as a degradation note: an outage's own message, else its status."""
+    if isinstance(exc, errors.DependencyUnavailable):
+        return str(exc)
+    if isinstance(exc, grpc.aio.AioRpcError):
+        log.warning("cache store refused: %s: %s", exc.code().name, exc.details())
+        return f"not stored ({exc.code().name}: {exc.details()})"
+    log.warning("cache store failed", exc_info=exc)
+    return f"not stored ({type(exc).__name__})"
 
 
 async def fallback_answer(s: TurnServices, tenant: str, key: str | None) -> tuple[CachedAnswer, int]:
