@@ -289,10 +289,17 @@ class ReplicaPool:
     def report_failure(self, replica: Replica, kind: FailureKind) -> None:
         if not replica.outlier.record_failure(kind):
             return
-        ejected_now = sum(1 for r in self.replicas.values() if r.outlier.ejected)
-        if not may_eject(ejected_now, len(self.replicas), self.ejection.max_ejected_fraction):
+        # Counted among its model's replicas, and those out for any reason (not serving,
+        # draining): across the whole pool, one model's replicas could all be ejected while
+        # another model's kept the count low, or the last serving ones in a rolling deploy.
+        peers = [r for r in self.replicas.values() if r.model == replica.model]
+        out = sum(1 for r in peers if r is not replica and not r.eligible)
+        if not may_eject(out, len(peers), self.ejection.max_ejected_fraction):
             log.warning(
-                "%s is failing (%s) but half the pool is already ejected", replica.address, kind.value
+                "%s is failing (%s) but half of model %r's replicas are already out",
+                replica.address,
+                kind.value,
+                replica.model,
             )
             return
         duration = replica.outlier.eject()

@@ -12,6 +12,7 @@ from services.router.placement.health import ActiveHealthChecker
 from services.router.placement.models import ModelCatalog
 from services.router.placement.outliers import EjectionConfig, FailureKind, OutlierDetector, may_eject
 from services.router.placement.policies import LatencyEwma
+from services.router.placement.pool import ReplicaPool
 
 
 class FakeClock:
@@ -51,6 +52,47 @@ def test_never_more_than_half_the_pool_is_ejected() -> None:
     assert not may_eject(2, 4, 0.5)
     assert not may_eject(0, 1, 0.5)  # a pool of one keeps its only replica
     assert may_eject(0, 2, 0.5) and not may_eject(1, 2, 0.5)
+
+
+def test_an_ejection_lasts_at_most_max_ejection_s_and_a_healthy_replica_is_forgiven() -> None:
+    """Without a cap a replica that failed now and then was out longer each time, without end
+    (the 6th ejection: 180 s); failures while ejected also counted towards the next one."""
+    clock = FakeClock()
+    config = EjectionConfig(consecutive_failures=2, base_ejection_s=30, max_ejection_s=90)
+    detector = OutlierDetector(config, clock)
+    durations = []
+    for _ in range(5):
+        assert not detector.record_failure(FailureKind.ERROR)
+        assert detector.record_failure(FailureKind.ERROR)
+        durations.append(detector.eject())
+        # Its streams that still end, and the health probes, fail while it is out: not counted.
+        for _ in range(5):
+            assert not detector.record_failure(FailureKind.ERROR)
+        clock.now += durations[-1] + 0.1
+        assert not detector.ejected and detector.consecutive_failures == 0
+    assert durations == [30, 60, 90, 90, 90]
+    # Healthy for a while: each base interval of successes lowers the next ejection's length.
+    for _ in range(3):
+        clock.now += 30.1
+        detector.record_success()
+    assert detector.record_failure(FailureKind.ERROR) is False
+    assert detector.record_failure(FailureKind.ERROR)
+    assert detector.eject() == 90  # 5 ejections, 3 forgiven: the 3rd's length
+
+
+def test_never_more_than_half_of_a_models_replicas_are_out_counting_those_not_serving() -> None:
+    """Counted over the whole pool, both replicas of one model could be ejected while another
+    model's kept the share low, and in a rolling deploy the last serving ones could go."""
+    pool = ReplicaPool(lambda *_: None, ejection=EjectionConfig(consecutive_failures=1))  # type: ignore[arg-type]
+    pool.set_addresses(["a1", "a2", "b1", "b2", "c1", "c2", "c3", "c4"])
+    for address, replica in pool.replicas.items():
+        replica.model, replica.serving = address[0], True
+    pool.report_failure(pool.replicas["a1"], FailureKind.ERROR)
+    pool.report_failure(pool.replicas["a2"], FailureKind.ERROR)
+    assert [r.address for r in pool.candidates("a")] == ["a2"]
+    pool.replicas["c1"].serving = pool.replicas["c2"].serving = False  # being redeployed
+    pool.report_failure(pool.replicas["c3"], FailureKind.ERROR)
+    assert sorted(r.address for r in pool.candidates("c")) == ["c3", "c4"]
 
 
 def test_ejection_config_rejects_nonsense() -> None:
