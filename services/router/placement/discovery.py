@@ -55,7 +55,9 @@ class ReplicaDiscovery:
         self.file_interval_s = file_interval_s
         self._dns_addresses: set[str] = set()
         self._file_addresses: set[str] = set()
-        self._file_mtime: float | None = None
+        # The file's (mtime ns, inode, size) as last read, and that of an empty read not yet taken.
+        self._file_mtime: tuple[int, int, int] | None = None
+        self._empty_version: tuple[int, int, int] | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     def _apply(self) -> None:
@@ -80,20 +82,35 @@ class ReplicaDiscovery:
         """Re-read the replicas file if it changed; True when it did."""
         assert self.file is not None
         try:
-            mtime = self.file.stat().st_mtime
+            st = self.file.stat()
         except FileNotFoundError:
             log.warning(
                 "--replicas-file %s is missing; keeping %d replicas", self.file, len(self._file_addresses)
             )
             return False
-        if mtime == self._file_mtime:
+        # Nanoseconds, inode and size: a rewrite within one coarse mtime tick (or a replacement
+        # by rename) is still seen, as the keys file's reload does.
+        version = (st.st_mtime_ns, st.st_ino, st.st_size)
+        if version == self._file_mtime:
             return False
-        self._file_mtime = mtime
         try:
-            self._file_addresses = set(parse_address_list(self.file.read_text()))
+            addresses = set(parse_address_list(self.file.read_text()))
         except ValueError as exc:
+            self._file_mtime = version
             log.error("--replicas-file %s: %s; keeping the previous list", self.file, exc)
             return False
+        if not addresses and self._file_addresses and version != self._empty_version:
+            # Read while it was being rewritten in place (truncated, not yet written): taken
+            # only if it is still empty at the next read, never on one glimpse.
+            self._empty_version = version
+            log.warning(
+                "--replicas-file %s is empty; keeping %d replicas unless it stays so",
+                self.file,
+                len(self._file_addresses),
+            )
+            return False
+        self._file_mtime = version
+        self._file_addresses = addresses
         return True
 
     async def start(self) -> None:

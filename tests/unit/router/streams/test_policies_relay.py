@@ -104,6 +104,18 @@ async def test_discovery_follows_the_replicas_file_and_dns(tmp_path: Path) -> No
         path.write_text("not an address\n")
         os.utime(path, (2, 2))
         assert not discovery.read_file()  # a broken file keeps the last good list
+        # Rewritten within one mtime tick: its size tells (only the mtime was compared).
+        path.write_text("127.0.0.1:7004\n127.0.0.1:7005\n")
+        os.utime(path, (2, 2))
+        assert discovery.read_file()
+        assert discovery._file_addresses == {"127.0.0.1:7004", "127.0.0.1:7005"}
+        # Caught half-way through a rewrite in place (truncated): one empty read empties nothing;
+        # still empty at the next read, it is the operator's list.
+        path.write_text("")
+        assert not discovery.read_file()
+        assert discovery._file_addresses == {"127.0.0.1:7004", "127.0.0.1:7005"}
+        assert discovery.read_file()
+        assert discovery._file_addresses == set()
     finally:
         await discovery.stop()
         await pool.close()
