@@ -91,16 +91,19 @@ class Seen:
     end: router_pb2.TurnEnd | None
 
 
-def turn(required: bool = False) -> router_pb2.ChatRequest:
-    return router_pb2.ChatRequest(
+def turn(required: str = "") -> router_pb2.ChatRequest:
+    """A session's turn; ``required``: the field that requires the session, if any."""
+    request = router_pb2.ChatRequest(
         messages=[common_pb2.ChatMessage(role="user", content="and now?")],
         sampling=common_pb2.SamplingParams(max_tokens=8),
         session_id=SESSION,
-        session_required=required,
     )
+    if required:
+        setattr(request, required, True)
+    return request
 
 
-def run(stub: router_pb2_grpc.RouterStub, rpc: str, required: bool = False) -> Seen:
+def run(stub: router_pb2_grpc.RouterStub, rpc: str, required: str = "") -> Seen:
     request = turn(required)
     messages: list[router_pb2.ChatResponse] = []
     try:
@@ -200,14 +203,21 @@ def test_each_session_status_reaches_the_client_mapped(
         assert fake.calls == ["GetSession"], "saved a turn over history it could not read"
 
 
+@pytest.mark.parametrize("required", ["session_required", "session_must_exist"])
 @pytest.mark.parametrize("step", ["load", "save"])
 @pytest.mark.parametrize("injected", OUTAGES, ids=lambda c: c.name)
 def test_a_session_outage_is_unavailable_when_the_session_is_required(
-    router: router_pb2_grpc.RouterStub, session: tuple[FakeSession, str], injected: grpc.StatusCode, step: str
+    router: router_pb2_grpc.RouterStub,
+    session: tuple[FakeSession, str],
+    injected: grpc.StatusCode,
+    step: str,
+    required: str,
 ) -> None:
+    """session_must_exist implies session_required (router.proto): at save time too, where an
+    outage was only a degraded note."""
     fake, _ = session
     fake.status, fake.failing = injected, step
-    seen = run(router, "Complete", required=True)
+    seen = run(router, "Complete", required=required)
     assert seen.code == grpc.StatusCode.UNAVAILABLE
     assert seen.details.startswith("session unavailable: ") and injected.name in seen.details
     fake.status = grpc.StatusCode.OK

@@ -121,7 +121,9 @@ async def save_turn(
         return await s.context.save_turn(tenant, request.session_id, new_messages, answer, expected)
     except (errors.DependencyUnavailable, errors.Conflict) as exc:
         # The answer already reached the client; losing the save is reported, not fatal.
-        if request.session_required and isinstance(exc, errors.DependencyUnavailable):
+        # session_must_exist implies session_required (router.proto), at save time as at read.
+        required = request.session_required or request.session_must_exist
+        if required and isinstance(exc, errors.DependencyUnavailable):
             raise
         state.degraded.append(f"history not saved: {exc}")
         return 0

@@ -41,6 +41,10 @@ class ApiError(Exception):
     param: str | None = None
     #: Seconds, for the ``Retry-After`` header of a 429 or 503.
     retry_after_s: float | None = None
+    #: False for a 429 that waiting does not end (a used-up quota: a full session): the
+    #: ``x-should-retry: false`` header keeps the OpenAI SDKs from retrying it, as they
+    #: retry every other 429 (each retry of a turn whose save fails is another whole answer).
+    retryable: bool = True
 
     def body(self) -> dict[str, object]:
         param = clipped(self.param) if self.param is not None else None
@@ -49,6 +53,8 @@ class ApiError(Exception):
         }
 
     def headers(self) -> dict[str, str]:
+        if not self.retryable:
+            return {"x-should-retry": "false"}
         if self.retry_after_s is None:
             return {}
         # Retry-After takes whole seconds; rounding down would invite a retry that is refused again.
@@ -108,6 +114,9 @@ def api_error(exc: BaseException, route: str = "") -> ApiError:
     if param == "model" and "unknown model" in message:
         # The catalog names the models it serves in the message: OpenAI says 404 for a model it lacks.
         return ApiError(404, message, "invalid_request_error", "model_not_found", "model")
+    if isinstance(exc, errors.LimitExceeded):
+        # OpenAI's own answer to a used-up quota: 429 insufficient_quota, not to be retried.
+        return ApiError(429, message, "insufficient_quota", "insufficient_quota", None, retryable=False)
     retry_after = None
     if status == 429:
         retry_after = exc.retry_after_s if isinstance(exc, errors.Overloaded) else 1.0

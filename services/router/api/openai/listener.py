@@ -69,7 +69,7 @@ def with_cors(app: Any, origins: tuple[str, ...]) -> Any:
         # Authorization, Content-Type, the SDKs' X-Stainless-* and ours (x-request-id, Last-Event-ID).
         allow_headers=["*"],
         # What a page's script may read from an answer: its id and when to retry.
-        expose_headers=["x-request-id", "Retry-After"],
+        expose_headers=["x-request-id", "Retry-After", "x-should-retry"],
         max_age=600,
     )
 

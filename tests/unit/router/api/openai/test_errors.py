@@ -42,7 +42,14 @@ def test_unknown_model_is_404_naming_the_served_ones() -> None:
 
 def test_overload_says_when_to_retry_in_whole_seconds() -> None:
     assert api_error(errors.Overloaded("busy", retry_after_s=2.1)).headers() == {"Retry-After": "3"}
-    assert api_error(errors.LimitExceeded("quota")).headers() == {"Retry-After": "1"}
+
+
+def test_a_quota_waiting_does_not_end_tells_the_openai_sdks_not_to_retry() -> None:
+    """A full session: the SDKs retry every 429 unless told not to, and each retry of the turn
+    was another whole answer whose save was refused again."""
+    error = api_error(errors.LimitExceeded("session 's1': limit exceeded: 1000 turns"))
+    assert (error.status, error.type, error.code) == (429, "insufficient_quota", "insufficient_quota")
+    assert error.headers() == {"x-should-retry": "false"}
 
 
 def test_a_grpc_status_is_mapped_by_its_code() -> None:
