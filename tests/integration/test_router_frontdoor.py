@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,9 +41,11 @@ def door(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FrontDoor]:
         "calm": add_key(keys_file, "acme", "acme-calm", KeyLimits(requests_per_second=0.2, burst=3))[0],
         "globex": add_key(keys_file, "globex", "globex-1")[0],
         "revoked": add_key(keys_file, "acme", "acme-old")[0],
+        "metered": add_key(keys_file, "acme", "acme-metered", KeyLimits(tokens_per_minute=60))[0],
     }
     redis = RedisServer(tmp / "redis").start()
-    replica = ServiceProcess("services.synthetic", [])
+    # Paced, so a long answer is still streaming when its client cancels it.
+    replica = ServiceProcess("services.synthetic", ["--tokens-per-second", "200"])
     router: ServiceProcess | None = None
     try:
         replica.start(timeout=120)
@@ -149,3 +153,32 @@ def test_tenants_cannot_reach_each_others_tasks_or_streams(door: FrontDoor) -> N
         )
     )
     assert replayed[-1].HasField("end")
+
+
+def test_an_answer_cancelled_part_way_is_charged_the_tokens_it_streamed(door: FrontDoor) -> None:
+    """A client that read an answer and cancelled before its end paid nothing: its key could take
+    any number of tokens that way. Now the tokens streamed are charged, so past the key's budget
+    (60 tokens/min) its next turn is refused."""
+    enough = threading.Event()
+
+    def client_messages() -> Iterator[router_pb2.ChatRequest]:
+        request = turn("a long answer")
+        request.sampling.max_tokens = 4000
+        yield request
+        enough.wait(20)
+        yield router_pb2.ChatRequest(cancel=True)
+
+    streamed = 0
+    ended = None
+    for response in door.stub.Chat(client_messages(), metadata=door.auth("metered"), timeout=30):
+        streamed += len(response.delta.token_ids)
+        if streamed >= 90:
+            enough.set()
+        if response.HasField("end"):
+            ended = response.end
+    assert ended is not None and ended.finish_reason == common_pb2.FINISH_REASON_CANCELLED
+    time.sleep(0.5)  # the charge is written beside the turn's end
+    with pytest.raises(grpc.RpcError) as refused:
+        door.stub.Complete(turn(), metadata=door.auth("metered"), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+    assert "60 tokens/min" in refused.value.details()  # type: ignore[attr-defined]

@@ -5,7 +5,9 @@ Each key has two buckets: requests (refills at ``requests_per_second`` up to
 ``tokens_per_minute``). A request takes one request token and is refused while
 the token bucket is in debt; generated tokens are charged afterwards and may
 drive the bucket into debt (a long answer is not cut off), which then refuses
-the key's next requests until it refills. Both buckets live in one Redis hash
+the key's next requests until it refills. The debt has no floor: one that stopped
+at a minute's worth forgave the rest, so a key whose answers were each far past
+its budget got many times its tokens per minute (111,000 against 1,000, measured). Both buckets live in one Redis hash
 slot and are updated by one Lua script, so concurrent routers never double-spend.
 """
 
@@ -68,7 +70,7 @@ if tr > 0 then
   if tlevel <= 0 then return {0, math.ceil((1 - tlevel) * 1000 / tr), 2} end
 end
 if rr > 0 and rcost > 0 then store(KEYS[1], rlevel - rcost, rr, rc) end
-if tr > 0 and tcost > 0 then store(KEYS[2], math.max(tlevel - tcost, -tc), tr, tc) end
+if tr > 0 and tcost > 0 then store(KEYS[2], tlevel - tcost, tr, tc) end
 return {1, 0, 0}
 """
 
@@ -128,7 +130,7 @@ class LocalBuckets:
         if not req.unlimited and req_cost > 0:
             self._levels[keys[0]] = (levels[0] - req_cost, now)
         if not tok.unlimited and tok_cost > 0:
-            self._levels[keys[1]] = (max(levels[1] - tok_cost, -tok.capacity), now)
+            self._levels[keys[1]] = (levels[1] - tok_cost, now)
         return True, 0.0, 0
 
 

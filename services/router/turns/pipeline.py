@@ -105,10 +105,12 @@ class TurnPipeline:
             # The client cancelled or went away: a Resume must still learn how the turn ended,
             # with the same TurnEnd Chat sends (next seq, CANCELLED), before the buffer finishes.
             # The message in flight counts as streamed: Resume sends it, so its usage includes it.
+            self._charge_streamed(principal, state)
             self._stop(state, request, writer, unbuffered, on_stopped, common_pb2.FINISH_REASON_CANCELLED)
             raise
         except Exception as exc:
             # The client gets a gRPC status; the replay buffer gets an ERROR TurnEnd saying why.
+            self._charge_streamed(principal, state)
             self._stop(
                 state, request, writer, unbuffered, on_stopped, common_pb2.FINISH_REASON_ERROR, str(exc)
             )
@@ -117,6 +119,17 @@ class TurnPipeline:
             metrics.IN_FLIGHT.dec()
             if writer is not None:
                 await writer.close()
+
+    def _charge_streamed(self, principal: Principal, state: TurnState) -> None:
+        """A turn that stopped without its replica's end (cancelled, failed part-way) is charged
+        end paid nothing. The prompt's count came only with that end, so it is not charged.
+        A turn whose TurnEnd went out was charged with it (``_bookkeeping``), or here before it."""
+        limiter = self.s.rate_limiter
+        if limiter is None or state.ended or state.streamed <= 0 or not limiter.counts_tokens(principal):
+            return
+        task = asyncio.ensure_future(limiter.record_tokens(principal, state.streamed))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
 
     def _stop(
         self,
@@ -247,6 +260,7 @@ class TurnPipeline:
         except errors.DependencyUnavailable as exc:
             if outcome.token_ids:
                 # Tokens already reached the client: end the turn in-band rather than break the stream.
+                self._charge_streamed(principal, state)
                 yield turn_end(state, request, outcome, s.clock(), error=str(exc))
                 return
             if not request.allow_degraded:

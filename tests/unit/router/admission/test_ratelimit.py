@@ -86,6 +86,27 @@ async def test_token_debt_refuses_the_next_request_until_refilled(redis_client: 
     await limiter.admit_request(key)
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["redis", "local"])
+async def test_a_debt_past_a_minutes_budget_is_paid_in_full(
+    redis_client: aioredis.Redis, shared: bool
+) -> None:
+    """A debt that stopped at one minute's budget forgave the rest: a key whose answers were each
+    far past it got many times its tokens per minute (111,000 against 1,000, measured)."""
+    clock = FakeClock()
+    limiter = RateLimiter(redis_client if shared else None, clock=clock, use_redis_time=False)
+    key = Principal("acme", f"huge-{shared}", KeyLimits(tokens_per_minute=600))  # 10 tokens/s
+    await limiter.admit_request(key)
+    await limiter.record_tokens(key, 6_600)  # 6,000 tokens of debt: ten minutes' budget
+    with pytest.raises(errors.Overloaded) as refused:
+        await limiter.admit_request(key)
+    assert refused.value.retry_after_s == pytest.approx(600.1, abs=0.05)
+    clock.now += 300
+    with pytest.raises(errors.Overloaded):
+        await limiter.admit_request(key)  # half-way: still in debt
+    clock.now += 300.1
+    await limiter.admit_request(key)
+
+
 async def test_keys_without_limits_get_the_defaults_and_unlimited_keys_pass() -> None:
     limiter = RateLimiter(default_limits=KeyLimits(requests_per_second=1, burst=1))
     anonymous = Principal("default", "anonymous")
