@@ -7,19 +7,31 @@ from collections.abc import Sequence
 
 from services.session.model import TurnRecord
 
-# Without a tokenizer (the session service has none) ~4 UTF-8 bytes per token is the usual
-# estimate for English BPE vocabularies; rounding up keeps a window from overrunning its budget.
-BYTES_PER_TOKEN = 4
+# Without a tokenizer (the session service has none): SmolLM2's took 3.9 bytes a token of
+# English prose, 2.1-2.4 of French, German, Spanish, code and JSON (2026-12-07). 3 sits between:
+# English is overcounted by a third, the others undercounted by up to 1.4x, so a window never
+# holds much more than its budget in any of them. Rounding up keeps it from overrunning.
+BYTES_PER_TOKEN = 3
+#: Tokens per UTF-8 byte of text outside ASCII. Such vocabularies split it finely: with
+#: SmolLM2's tokenizer Chinese took 1.6 tokens a character (3 bytes) and emoji 3.1 (4 bytes), so
+#: bytes / 4 undercounted them 2-3x and a "2,048-token" window held 4,400-6,500 tokens.
+NON_ASCII_TOKENS_PER_BYTE = 0.75
+#: What the chat template adds around each turn (ChatML: "<|im_start|>", the role, a newline,
+#: "<|im_end|>", a newline): a thousand short turns were 7,000 tokens, not the estimated 2,000.
+TURN_OVERHEAD_TOKENS = 5
 
 
 def estimate_tokens(text: str) -> int:
-    """Tokens in ``text``, estimated as UTF-8 bytes / 4, rounded up."""
-    return math.ceil(len(text.encode("utf-8")) / BYTES_PER_TOKEN)
+    """Tokens in ``text``: ASCII bytes / 3, plus 0.75 a byte of anything else, rounded up."""
+    size = len(text.encode("utf-8"))
+    ascii_size = len(text.encode("ascii", "ignore"))
+    return math.ceil(ascii_size / BYTES_PER_TOKEN + (size - ascii_size) * NON_ASCII_TOKENS_PER_BYTE)
 
 
 def turn_tokens(turn: TurnRecord) -> int:
-    """The caller's token count when it gave one, else the estimate."""
-    return turn.token_count if turn.token_count is not None else estimate_tokens(turn.content)
+    """The caller's token count when it gave one, else the estimate; with the template's share."""
+    content = turn.token_count if turn.token_count is not None else estimate_tokens(turn.content)
+    return content + TURN_OVERHEAD_TOKENS
 
 
 def select_window(

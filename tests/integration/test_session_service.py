@@ -143,15 +143,16 @@ async def test_window_keeps_newest_turns_within_token_budget_and_the_system_prom
     channel: grpc.aio.Channel,
 ) -> None:
     carol = SessionClient(channel, new_owner())
-    await carol.create("w", system_prompt="s" * 40)  # estimated 40 bytes / 4 = 10 tokens
+    await carol.create("w", system_prompt="s" * 40)  # estimated ceil(40 / 3) = 14 tokens
+    # Each turn costs its tokens plus the chat template's 5 around it.
     turns = [turn(f"turn {i}", token_count=10) for i in range(5)]
-    turns.append(turn("x" * 21))  # no count: estimated ceil(21 / 4) = 6 tokens
+    turns.append(turn("x" * 21))  # no count: estimated 21 / 3 = 7 tokens
     await carol.append("w", turns)
 
-    state = await carol.get("w", token_budget=36)  # 10 system + 6 + 10 + 10 = 36
+    state = await carol.get("w", token_budget=56)  # 14 system + 12 + 15 + 15 = 56
     assert [t.content for t in state.turns] == ["turn 3", "turn 4", "x" * 21]
     assert state.omitted_turns == 3 and state.info.turn_count == 6
-    assert [t.content for t in (await carol.get("w", token_budget=35)).turns] == ["turn 4", "x" * 21]
+    assert [t.content for t in (await carol.get("w", token_budget=55)).turns] == ["turn 4", "x" * 21]
 
     tiny = await carol.get("w", token_budget=5)  # the system prompt alone is over budget: still kept
     assert tiny.info.system_prompt == "s" * 40 and list(tiny.turns) == [] and tiny.omitted_turns == 6
