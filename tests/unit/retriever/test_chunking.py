@@ -88,3 +88,25 @@ def test_a_giant_word_is_cut_so_no_chunk_grows_past_its_character_bound() -> Non
     # Nothing lost: windows overlap by 5 × 16 characters, so every 64 characters sit whole in one.
     pieces = [blob[i : i + 64] for i in range(0, len(blob), 64)]
     assert all(any(piece in c.text for c in chunks) for piece in pieces)
+
+
+@pytest.mark.parametrize(
+    "gap", [" " * 70_000, "\u200b" * 30_000, "e\u0301" * 20_000], ids=["spaces", "zero-width", "combining"]
+)
+def test_text_the_tokenizer_drops_between_words_still_counts_towards_a_chunks_size(gap: str) -> None:
+    """The embedding tokenizer gives no token for runs of spaces, zero-width or combining
+    characters: uncounted, two sentences around 70,000 spaces were one 15-token chunk of 70 KB,
+    whose tail the store cut off (a keyword search for "carry-over" then found nothing)."""
+    from services.retriever.chunking import MAX_TOKEN_CHARS
+
+    def drops_the_gap(t: str) -> list[tuple[int, int]]:
+        return [m.span() for m in re.finditer(r"[A-Za-z0-9:.\-]+", t)]
+
+    text = f"Vacation policy: staff get 25 days.{gap}Carry-over is capped at 5 days."
+    chunks = TokenChunker(drops_the_gap, ChunkingPolicy(max_tokens=50, overlap_tokens=5)).chunk(
+        [Section(text)]
+    )
+
+    assert max(len(c.text) for c in chunks) <= 50 * 2 * MAX_TOKEN_CHARS
+    assert chunks[0].text.startswith("Vacation policy: staff get 25 days.")
+    assert chunks[-1].text.endswith("Carry-over is capped at 5 days.")
