@@ -7,6 +7,7 @@ the TurnEnd) rather than failing it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 from services.common import errors
 from services.gen.llmmesh.v1 import retriever_pb2, router_pb2
@@ -16,6 +17,10 @@ from services.router.turns.turn_end import TurnState
 
 # What the model reads of a session's past: the rest is left out, oldest first.
 HISTORY_TOKEN_BUDGET = 2048
+#: What the model reads of retrieved chunks, in characters (~2,000 tokens of English): the
+#: best-ranked chunks that fit, at least the first (cut to it). Up to 20 chunks of up to
+#: ~6 KB each went into the prompt whole, past an 8,192-token model's context.
+RAG_CONTEXT_CHARS = 8192
 
 
 async def lookups(
@@ -88,9 +93,32 @@ async def retrieve(
             raise
         state.degraded.append(f"rag: {exc}")
         return []
+    chunks = within_context_budget(chunks)
     state.citations = citations_for(chunks)
     state.cited = cited_documents(chunks)
-    return list(chunks)
+    return chunks
+
+
+def within_context_budget(
+    chunks: Sequence[retriever_pb2.RetrievedChunk], budget: int = RAG_CONTEXT_CHARS
+) -> list[retriever_pb2.RetrievedChunk]:
+    """The best-ranked chunks whose texts fit ``budget`` characters together, in rank order; a
+    first chunk alone over it is cut to it. The citations are made from these, so they name
+    exactly what the prompt holds."""
+    kept: list[retriever_pb2.RetrievedChunk] = []
+    used = 0
+    for chunk in chunks:
+        size = len(chunk.text)
+        if used + size > budget:
+            if not kept:
+                cut = retriever_pb2.RetrievedChunk()
+                cut.CopyFrom(chunk)
+                cut.text = chunk.text[:budget]
+                kept.append(cut)
+            break
+        kept.append(chunk)
+        used += size
+    return kept
 
 
 def build_prompt(

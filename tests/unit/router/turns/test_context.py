@@ -198,3 +198,18 @@ async def test_outages_raise_dependency_unavailable_so_the_turn_can_degrade() ->
         await unconfigured.history("acme", "s1")
     with pytest.raises(errors.DependencyUnavailable, match="--retriever-addr"):
         await unconfigured.retrieve("acme", "q", router_pb2.RagOptions(enabled=True))
+
+
+def test_the_rag_context_keeps_the_best_ranked_chunks_that_fit_its_budget() -> None:
+    """Up to 20 chunks of up to ~6 KB went into the prompt whole, past the model's context; now
+    the best-ranked ones that fit (the first cut to it, if alone over), and only those are cited."""
+    from services.router.turns.sources import within_context_budget
+
+    def chunk(i: int, size: int) -> retriever_pb2.RetrievedChunk:
+        return retriever_pb2.RetrievedChunk(document_id=f"d{i}", chunk_id=f"d{i}:0", text="w" * size)
+
+    ranked = [chunk(0, 3000), chunk(1, 3000), chunk(2, 3000), chunk(3, 100)]
+    assert [c.document_id for c in within_context_budget(ranked, 8192)] == ["d0", "d1"]
+    (alone,) = within_context_budget([chunk(9, 20_000), chunk(1, 10)], 8192)
+    assert alone.document_id == "d9" and len(alone.text) == 8192
+    assert within_context_budget([], 8192) == []
