@@ -70,13 +70,20 @@ class ActiveHealthChecker:
                 health_pb2.HealthCheckRequest(), timeout=self.timeout_s
             )
             serving = response.status == health_pb2.HealthCheckResponse.SERVING
-            if replica.model is None:
+            # Asked again whenever the replica was not serving at its last check: a redeploy at
+            # the same address may serve another model, whose traffic kept the old one's name.
+            if replica.model is None or (serving and replica.serving is not True):
                 info = await replica.stub.GetModelInfo(
                     inference_pb2.GetModelInfoRequest(), timeout=self.timeout_s
                 )
-                replica.model = info.model_id
-                replica.kv_block_size = info.kv_block_size
-                self.pool.models_changed()
+                if (info.model_id, info.kv_block_size) != (replica.model, replica.kv_block_size):
+                    if replica.model is not None:
+                        log.warning(
+                            "replica %s now serves %r (was %r)", replica.address, info.model_id, replica.model
+                        )
+                    replica.model = info.model_id
+                    replica.kv_block_size = info.kv_block_size
+                    self.pool.models_changed()
         except grpc.aio.AioRpcError as exc:
             self.pool.set_serving(replica, False)
             log.debug("health check of %s failed: %s", replica.address, exc.code().name)

@@ -159,3 +159,46 @@ def test_a_probe_waits_its_period_and_is_skipped_while_tokens_flow() -> None:
     clock.now += 30.0  # then the tokens stop for a whole period: only a probe can tell
     assert checker.probe_due(replica, clock.now)  # type: ignore[arg-type]
     assert not ActiveHealthChecker(pool=None, probe_every_s=0).probe_due(replica, clock.now)  # type: ignore[arg-type]
+
+
+async def test_a_replica_that_comes_back_serving_another_model_is_grouped_under_it() -> None:
+    """A redeploy at the same address may serve another model: its model was asked once, so the
+    new one's traffic kept going to a replica grouped under the old name."""
+    import grpc
+    from grpc_health.v1 import health_pb2
+
+    from services.gen.llmmesh.v1 import inference_pb2
+
+    class Down(grpc.aio.AioRpcError):
+        def __init__(self) -> None:
+            super().__init__(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata())
+
+    class Fake:
+        def __init__(self) -> None:
+            self.up, self.model = True, "smol-a"
+
+        async def Check(self, request: object, timeout: float) -> health_pb2.HealthCheckResponse:
+            if not self.up:
+                raise Down()
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+        async def GetModelInfo(self, request: object, timeout: float) -> inference_pb2.ModelInfo:
+            return inference_pb2.ModelInfo(model_id=self.model, kv_block_size=16)
+
+        async def GetLoad(self, request: object, timeout: float) -> inference_pb2.LoadReport:
+            return inference_pb2.LoadReport()
+
+    pool = ReplicaPool(lambda *_: None)  # type: ignore[arg-type]
+    pool.set_addresses(["10.0.0.1:50052"])
+    (replica,) = pool.replicas.values()
+    fake = Fake()
+    replica.stub = replica.health_stub = fake  # type: ignore[assignment]
+    checker = ActiveHealthChecker(pool, probe_every_s=0)
+    await checker.check(replica)
+    assert [r.address for r in pool.candidates("smol-a")] == ["10.0.0.1:50052"]
+    fake.up = False  # redeployed: down for a moment, then up with another model
+    await checker.check(replica)
+    fake.up, fake.model = True, "smol-b"
+    await checker.check(replica)
+    assert pool.candidates("smol-a") == [] and len(pool.candidates("smol-b")) == 1
+    await pool.close()
