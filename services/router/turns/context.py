@@ -84,15 +84,22 @@ def build_messages(
     """The prompt: one leading system message (system prompt + sources), history, then the new turn.
 
     Sources go into the single leading system message because several chat
-    templates refuse a system message anywhere but first.
+    templates refuse a system message anywhere but first. So do the new turn's own
+    system messages (a client that sends its instructions with every request, as OpenAI
+    clients and the Responses API's ``instructions`` do): they are this turn's system
+    prompt, in place of the session's, not a system message after the history.
     """
     turns = [as_pair(m) for m in history]
     if system_prompt and turns and turns[0] == ("system", system_prompt):
         turns = turns[1:]  # history() already put the system prompt first
+    new = [as_pair(m) for m in new_messages]
+    instructions = [c for r, c in new if r == "system" and c]
+    if instructions:
+        system_prompt = "\n\n".join(instructions)
     system_parts = [p for p in (system_prompt, format_sources(chunks) if chunks else "") if p]
     messages = [{"role": "system", "content": "\n\n".join(system_parts)}] if system_parts else []
     messages += [{"role": r, "content": c} for r, c in turns]
-    messages += [{"role": r, "content": c} for r, c in (as_pair(m) for m in new_messages)]
+    messages += [{"role": r, "content": c} for r, c in new if r != "system"]
     return messages
 
 
@@ -227,9 +234,12 @@ class ConversationContext:
                 # Someone else created it meanwhile: the version check below decides.
                 if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
                     raise _session_error(exc, session_id) from exc
+        # A turn's system messages are its instructions (build_messages), not conversation:
+        # saved, a client that sends them with every request filled its history with copies.
         turns = [
             session_pb2.Turn(role=r, content=c, metadata=dict(metadata or {}))
             for r, c in map(as_pair, user_messages)
+            if r != "system"
         ]
         turns.append(session_pb2.Turn(role="assistant", content=answer, metadata=dict(metadata or {})))
         request = session_pb2.AppendTurnsRequest(

@@ -135,6 +135,35 @@ async def test_first_turn_creates_the_session_and_history_grows(
         await context.save_turn("acme", "s1", [("user", "again")], "x", expected_version=0)
 
 
+async def test_a_turns_own_instructions_lead_its_prompt_and_are_not_saved_as_conversation(
+    services: tuple[FakeSessionService, FakeRetrieverSearch, ConversationContext],
+) -> None:
+    """OpenAI clients send their system message with every request (the Responses API its
+    ``instructions``): saved, each turn added a copy to the history, and built after the
+    history, it was a system message mid-conversation, which several chat templates refuse."""
+    _, _, context = services
+    for n, question in enumerate(("Hi, I'm Ada.", "What is my name?")):
+        sent = [("system", "Answer in one sentence."), ("user", question)]
+        history = await context.history("acme", "s-instructions")
+        prompt = build_messages("", history, [], sent)
+        assert prompt[0] == {"role": "system", "content": "Answer in one sentence."}
+        assert [m["role"] for m in prompt[1:]] == ["user", "assistant"] * n + ["user"]
+        await context.save_turn("acme", "s-instructions", sent, f"answer {n}", n)
+    assert await context.history("acme", "s-instructions") == [
+        ("user", "Hi, I'm Ada."),
+        ("assistant", "answer 0"),
+        ("user", "What is my name?"),
+        ("assistant", "answer 1"),
+    ]
+    # With sources, the turn's instructions come first in the one leading system message.
+    with_sources = build_messages("Stored prompt.", [], [CHUNK], [("system", "Be terse."), ("user", "q")])
+    assert [m["role"] for m in with_sources] == ["system", "user"]
+    assert (
+        with_sources[0]["content"].startswith("Be terse.\n\n")
+        and "Stored prompt." not in with_sources[0]["content"]
+    )
+
+
 async def test_another_tenants_session_is_permission_denied(
     services: tuple[FakeSessionService, FakeRetrieverSearch, ConversationContext],
 ) -> None:
