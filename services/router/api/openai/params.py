@@ -147,7 +147,7 @@ def chat_generation(body: Any, request_id: str) -> Generation:
     body = json_object(body)
     # Chat maps tools itself (structured.tool_mode); completions have none to map.
     refuse_unsupported({k: v for k, v in body.items() if k not in ("tools", "tool_choice")}, _CHAT_KNOWN)
-    messages = _messages(body.get("messages"))
+    messages = _messages(body.get("messages"), continues_history=body.get("session_id") is not None)
     max_tokens = int_field(body, "max_completion_tokens", 1, INT32_MAX)
     if max_tokens is None:
         max_tokens = int_field(body, "max_tokens", 1, INT32_MAX)
@@ -405,11 +405,11 @@ def refuse_unsupported(body: Mapping[str, Any], known: frozenset[str]) -> None:
             log.info("ignoring unknown request field %r (logged once)", clipped(name, 200))
 
 
-def _messages(raw: Any) -> list[common_pb2.ChatMessage]:
+def _messages(raw: Any, continues_history: bool = False) -> list[common_pb2.ChatMessage]:
     if not isinstance(raw, list) or not raw:
         raise bad_request("messages", "messages: required, a non-empty list of messages")
     out = []
-    ledger = CallLedger()
+    ledger = CallLedger(continues_history=continues_history)
     for i, message in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(message, dict):

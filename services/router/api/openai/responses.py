@@ -153,7 +153,7 @@ def response_generation(body: Any, request_id: str) -> ResponseRequest:
         if instructions
         else []
     )
-    messages += _input_messages(body.get("input"))
+    messages += _input_messages(body.get("input"), continues_history=body.get("session_id") is not None)
     max_tokens = int_field(body, "max_output_tokens", 1, INT32_MAX)
     sampling = sampling_params(body, max_tokens)
     logprobs = _logprobs_included(body.get("include"))
@@ -241,7 +241,7 @@ def _refuse_stateful(body: Mapping[str, Any]) -> None:
             raise unsupported(name, why)
 
 
-def _input_messages(raw: Any) -> list[common_pb2.ChatMessage]:
+def _input_messages(raw: Any, continues_history: bool = False) -> list[common_pb2.ChatMessage]:
     """``input``: a user's text, or a list of items: messages (the easy form and the typed one),
     and the function calls made earlier with their outputs (``tool_history``)."""
     if isinstance(raw, str):
@@ -251,7 +251,7 @@ def _input_messages(raw: Any) -> list[common_pb2.ChatMessage]:
     if not isinstance(raw, list) or not raw:
         raise bad_request("input", "input: required, a string or a non-empty list of messages")
     out: list[common_pb2.ChatMessage] = []
-    ledger = CallLedger()
+    ledger = CallLedger(continues_history=continues_history)
     calls: list[Call] = []  # consecutive function_call items: one assistant turn's calls
     for i, item in enumerate(raw):
         where = f"input[{i}]"

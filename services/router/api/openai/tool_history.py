@@ -13,7 +13,9 @@ role:
   template that has no tool markup.
 
 A result must answer a call made earlier in the conversation (OpenAI's own rule): a result
-with no call is a client's mistake, and the model could not tell what it answers.
+with no call is a client's mistake, and the model could not tell what it answers. A request
+that continues a session carries only the new messages, so there the call may be in the
+stored history and is not looked for.
 """
 
 from __future__ import annotations
@@ -73,12 +75,15 @@ class CallLedger:
     """The call ids made so far in a conversation, so each result can be checked against one."""
 
     ids: set[str] = field(default_factory=set)
+    #: The request continues a stored conversation (``session_id``): the call a result answers
+    #: may be in its history, which the request does not carry (only the new messages are sent).
+    continues_history: bool = False
 
     def made(self, call: Call) -> None:
         self.ids.add(call.call_id)
 
     def check_result(self, call_id: str, where: str) -> None:
-        if call_id not in self.ids:
+        if call_id not in self.ids and not self.continues_history:
             raise bad_request(
                 where,
                 f"{where}: {call_id[:64]!r} answers no call made earlier in the conversation "

@@ -484,3 +484,17 @@ def test_earlier_calls_and_their_results_become_the_conversation_the_model_reads
     for arguments in ("not json", "9" * 5000, "[" * 100_000 + "]" * 100_000):
         (turn,) = chat_generation({"messages": [*USER, _called("f", arguments), *USER]}, "r").turns
         assert turn.messages[1].content == json.dumps({"name": "f", "arguments": arguments})
+
+
+def test_a_tool_result_may_answer_a_call_in_the_sessions_stored_history() -> None:
+    """With a session, a client sends only the new messages: the call its tool result answers
+    is in the stored history. It was a 400 (and re-sending the call saved it twice)."""
+    result = {"role": "tool", "tool_call_id": "call_1", "content": "-3 °C"}
+    assert refused({"messages": [result]}).param == "messages[0].tool_call_id"
+    (turn,) = chat_generation({"messages": [result], "session_id": "s1"}, "chatcmpl-1").turns
+    assert [(m.role, m.content) for m in turn.messages] == [("tool", "-3 °C")]
+    output = {"type": "function_call_output", "call_id": "call_1", "output": "-3 °C"}
+    with pytest.raises(ApiError):
+        response_generation({"input": [output]}, "resp-1")
+    (answered,) = response_generation({"input": [output], "session_id": "s1"}, "resp-1").generation.turns
+    assert answered.messages[-1].content == "-3 °C"
