@@ -121,3 +121,27 @@ async def test_semantic_cache_hits_for_the_same_prompt_and_tenant(
     assert hit is not None and hit.text == "Paris." and hit.similarity > 0.99
     assert await cache.lookup("globex", prompt, "smollm2", fp) is None
     assert await cache.lookup("acme", prompt, "smollm2", "other-sampling") is None
+
+
+async def test_a_last_answer_too_long_for_the_history_budget_is_said_not_silent(
+    context: tuple[ConversationContext, retriever_pb2_grpc.RetrieverStub],
+) -> None:
+    """The window is a suffix: one answer over the budget leaves the model none of the
+    conversation. That turn is then answered without history, and says so."""
+    from types import SimpleNamespace
+
+    from services.router.turns import sources
+    from services.router.turns.turn_end import TurnState
+
+    ctx, _ = context
+    version = await ctx.save_turn("acme", "conv-long", [("user", "My name is Ada.")], "Hello Ada.", 0)
+    await ctx.save_turn(
+        "acme", "conv-long", [("user", "Write a long story.")], "Once upon a time. " * 1000, version
+    )
+    state = TurnState("r", 0.0)
+    request = router_pb2.ChatRequest(session_id="conv-long")
+    found = await sources.history(SimpleNamespace(context=ctx), "acme", request, state)  # type: ignore[arg-type]
+    assert found is not None and found.turns == [] and found.omitted_turns == 4
+    assert state.degraded == [
+        "history: none of the session's 4 turns fit the 2048-token history budget (its newest alone is over it)"
+    ]

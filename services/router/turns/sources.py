@@ -66,6 +66,13 @@ async def history(
         return None
     if request.session_must_exist and not found.exists:
         raise errors.NotFound(f"session_id: no session {request.session_id!r} (session_must_exist is set)")
+    if found.omitted_turns and not found.turns:
+        # The window is a suffix that stops at the first turn over the budget: a long last
+        # answer leaves the model none of the conversation. Said, not left silent.
+        state.degraded.append(
+            f"history: none of the session's {found.omitted_turns} turns fit the "
+            f"{HISTORY_TOKEN_BUDGET}-token history budget (its newest alone is over it)"
+        )
     state.session = found
     return found
 
