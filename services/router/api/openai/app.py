@@ -273,6 +273,9 @@ class OpenAiFront:
                 "conflict_error",
                 "request_id_reused",
                 "x-request-id",
+                # The SDKs retry a 409 with the same headers, so the same id: refused again each
+                # time, a timed-out call's retries turned into a ConflictError after all of them.
+                retryable=False,
             )
 
     async def _first_event(

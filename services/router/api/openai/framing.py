@@ -55,11 +55,15 @@ def total_usage(usages: Mapping[int, common_pb2.Usage], per_prompt: int = 1) -> 
     """The n choices of one prompt read the same prompt: it counts once per prompt, as OpenAI counts it.
 
     ``usages`` is by choice index; choices ``[k * per_prompt, (k + 1) * per_prompt)`` share prompt k.
+    Its cached tokens are the fewest any choice found: the first to run fills the prefix cache for
+    the others, so the most would call nearly all of a brand-new prompt cached (608 of 620 at
+    n = 2, measured), where OpenAI, reading the prompt once, says 0.
     """
     prompts: dict[int, tuple[int, int]] = {}
     for index, u in usages.items():
-        seen, cached = prompts.get(index // per_prompt, (0, 0))
-        prompts[index // per_prompt] = (max(seen, u.prompt_tokens), max(cached, u.cached_prompt_tokens))
+        k = index // per_prompt
+        seen, cached = prompts.get(k, (0, u.cached_prompt_tokens))
+        prompts[k] = (max(seen, u.prompt_tokens), min(cached, u.cached_prompt_tokens))
     completion = sum(u.completion_tokens for u in usages.values())
     return usage_body(sum(p for p, _ in prompts.values()), completion, sum(c for _, c in prompts.values()))
 

@@ -158,15 +158,21 @@ def chat_logprobs(tokens: Sequence[common_pb2.TokenLogprobs]) -> dict[str, Any]:
 
 
 def text_logprobs(tokens: Sequence[common_pb2.TokenLogprobs], offset: int = 0) -> dict[str, Any]:
-    """A legacy completion's ``logprobs``: parallel lists, alternatives as {token: logprob}."""
+    """A legacy completion's ``logprobs``: parallel lists, alternatives as {token: logprob}. Each
+    token's alternatives include the token itself, as OpenAI's and vLLM's do (up to logprobs + 1
+    entries; ``logprobs: 0`` gives just it), where clients read the chosen token's entry."""
     offsets = []
+    tops = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t.text)
+        top = {a.text: _finite(a.logprob) for a in t.top}
+        top.setdefault(t.text, _finite(t.logprob))
+        tops.append(top)
     return {
         "tokens": [t.text for t in tokens],
         "token_logprobs": [_finite(t.logprob) for t in tokens],
-        "top_logprobs": [{a.text: _finite(a.logprob) for a in t.top} for t in tokens],
+        "top_logprobs": tops,
         "text_offset": offsets,
     }
 

@@ -6,6 +6,8 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
+
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from services.router.api.openai.choices import ChoiceAnswer, ChoiceStreams
 from services.router.api.openai.framing import DONE, KEEPALIVE, Framer, sse, total_usage
@@ -19,12 +21,14 @@ def usage(prompt: int, completion: int, cached: int = 0) -> common_pb2.Usage:
 
 def test_the_prompt_counts_once_per_prompt_however_many_choices() -> None:
     # Two prompts (10 and 7 tokens), n=2 each: prompts counted once each, completions summed.
-    by_choice = {0: usage(10, 3), 1: usage(10, 4, 8), 2: usage(7, 5), 3: usage(7, 1)}
+    # A prompt's cached tokens are the fewest its choices found: choice 1 found 8 of prompt 0's
+    # tokens because choice 0 had just computed them, which the client did not get for free.
+    by_choice = {0: usage(10, 3), 1: usage(10, 4, 8), 2: usage(7, 5, 4), 3: usage(7, 1, 6)}
     assert total_usage(by_choice, per_prompt=2) == {
         "prompt_tokens": 17,
         "completion_tokens": 13,
         "total_tokens": 30,
-        "prompt_tokens_details": {"cached_tokens": 8},
+        "prompt_tokens_details": {"cached_tokens": 4},
     }
 
 
@@ -171,3 +175,20 @@ def test_a_streamed_completions_text_offsets_go_on_from_chunk_to_chunk_as_the_wh
             streamed += chunk["choices"][0]["logprobs"]["text_offset"]
         assert streamed == whole["choices"][0]["logprobs"]["text_offset"]
         assert streamed[-1] == len(("Say hi" if echo else "") + "Hello, world")  # where "!" starts
+
+
+def test_a_completions_top_logprobs_include_the_chosen_token_as_openais_do() -> None:
+    """OpenAI and vLLM list the sampled token among a legacy completion's alternatives (up to
+    logprobs + 1 entries); ``logprobs: 0`` gave empty dicts, where clients read the chosen one."""
+    from services.router.api.openai.structured import text_logprobs
+
+    alternative = common_pb2.TokenLogprob(text=" Paris", logprob=-0.2)
+    tokens = [
+        common_pb2.TokenLogprobs(text=" Lyon", logprob=-2.5, top=[alternative]),
+        common_pb2.TokenLogprobs(text=" Paris", logprob=-0.2, top=[alternative]),
+        common_pb2.TokenLogprobs(text=".", logprob=-0.1),  # logprobs: 0, no alternatives
+    ]
+    expected = [{" Paris": -0.2, " Lyon": -2.5}, {" Paris": -0.2}, {".": -0.1}]
+    got = text_logprobs(tokens)["top_logprobs"]
+    assert [set(t) for t in got] == [set(t) for t in expected]
+    assert all(t[k] == pytest.approx(e[k]) for t, e in zip(got, expected, strict=True) for k in e)
