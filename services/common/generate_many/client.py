@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from services.common import tracing
+from services.common import errors, tracing
 from services.common.eager import run_eagerly
-from services.common.generate_many.limits import MERGE_PENDING_AFTER, PAUSE_AFTER_TOKENS
+from services.common.generate_many.limits import MAX_START_BYTES, MERGE_PENDING_AFTER, PAUSE_AFTER_TOKENS
 from services.common.generate_many.merge import merge
 from services.gen.llmmesh.v1 import inference_pb2
 
@@ -207,7 +207,15 @@ class ReplicaMultiplexer:
         self._connection: _Connection | None = None
 
     def open(self, start: inference_pb2.GenerateStart, timeout_s: float | None) -> GenerationHandle:
-        """Start a generation; its events come through the handle."""
+        """Start a generation; its events come through the handle. ``InvalidArgument`` for one
+        too big for a message: sent, it would end the shared stream of every other generation."""
+        size = start.ByteSize()
+        if size > MAX_START_BYTES:
+            raise errors.InvalidArgument(
+                "prompt",
+                f"the request to the model is {size:,} bytes (prompt, history and context), "
+                f"more than the {MAX_START_BYTES:,} one message carries",
+            )
         connection = self._connection
         if connection is None or connection.broken is not None:
             with tracing.detached():  # the stream outlives this request: it must not carry its trace

@@ -15,6 +15,11 @@ from __future__ import annotations
 #: blocks to others instead of running it to max_tokens into a queue nobody reads.
 PARK_AFTER_OUTPUTS = 64
 
+#: The largest ``GenerateStart`` a generation may open with on a shared GenerateMany stream: gRPC's
+#: 4 MiB message limit less room for the request's other fields. A bigger one ended the whole
+#: stream (RESOURCE_EXHAUSTED) for every generation on it, then did the same on the next replica.
+MAX_START_BYTES = (4 << 20) - (64 << 10)
+
 #: A message's share of the 4 MiB gRPC limit: a step's events beyond it go in the next message
 #: (server half). A single event is bounded by its generation's max_tokens, far below the limit.
 MESSAGE_BUDGET_BYTES = 1 << 20

@@ -196,6 +196,26 @@ async def test_one_generations_error_leaves_the_others_running() -> None:
         await mux.close()
 
 
+async def test_a_start_too_big_for_a_message_is_refused_and_the_others_keep_their_stream() -> None:
+    """Sent, a GenerateStart over gRPC's message limit ended the shared stream for every
+    generation on it (and then on the next replica, where the router retried it)."""
+    from services.common import errors
+    from services.common.generate_many.limits import MAX_START_BYTES
+
+    async with Replica(SyntheticConfig(step_s=0.005)) as replica:
+        mux = ReplicaMultiplexer(replica.stub, "test")
+        good = start_of("fine", 40)
+        running = asyncio.create_task(collect(mux, good))
+        await asyncio.sleep(0.05)
+        huge = start_of("x" * (MAX_START_BYTES + 1), 5)
+        with pytest.raises(errors.InvalidArgument) as refused:
+            mux.open(huge, 0.0)
+        assert refused.value.field == "prompt"
+        ids, _, last = await running
+        assert ids == expected(good) and last.HasField("finished")
+        await mux.close()
+
+
 async def test_the_synthetic_replica_refuses_more_tokens_than_its_context_as_the_engine_does() -> None:
     async with Replica(SyntheticConfig()) as replica:
         info = await replica.stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
