@@ -8,7 +8,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import grpc
 
-from services.common.errors import DependencyUnavailable
+from services.common.errors import ContextTooLong, DependencyUnavailable
 from services.common.generate_many.server import serve_many, serve_one
 from services.common.prompts import Message, prompt_token_ids
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
@@ -132,6 +132,10 @@ def chunk_and_finished(
     return chunk, finished
 
 
+#: Characters a token of the prompt is allowed before the prompt is refused untokenized (above).
+MAX_CHARS_PER_TOKEN = 128
+
+
 def start_generation(
     engine: AsyncEngine, start: inference_pb2.GenerateStart
 ) -> AsyncGenerator[RequestOutput, None]:
@@ -140,6 +144,15 @@ def start_generation(
     Its id is the one ``start`` carries (the router's, or minted by the server half for a
     direct client that sent none): never minted again on the way to the engine.
     """
+    # Tokenizing runs on this event loop (a Hugging Face tokenizer is not safe on several threads),
+    # where every stream of the replica waits for it: a 3 MB prompt held them 4.4 s before its
+    # refusal as too long. Text past what the context could hold at even MAX_CHARS_PER_TOKEN
+    # characters a token (SmolLM2's longest is 80 bytes) is refused without reading it.
+    chars = len(start.prompt) + sum(len(m.content) for m in start.messages)
+    limit = engine.engine.max_model_len * MAX_CHARS_PER_TOKEN
+    if chars > limit:
+        field = "prompt" if start.prompt else "messages"
+        raise ContextTooLong(field, f"{chars:,} characters are more than fit in", engine.engine.max_model_len)
     prompt_ids = prompt_token_ids(
         engine.engine.tokenizer,
         [Message(m.role, m.content) for m in start.messages],

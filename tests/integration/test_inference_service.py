@@ -329,6 +329,13 @@ def _invalid_starts() -> list[tuple[str, inference_pb2.GenerateRequest]]:
         ("max_tokens", start(sampling=common_pb2.SamplingParams(max_tokens=0))),
         ("max_tokens", start(sampling=common_pb2.SamplingParams(max_tokens=9000))),
         ("prompt", start(prompt="word " * 9000)),
+        # Past what any prompt of the context could hold: refused before it is tokenized (which
+        # runs on the replica's event loop, holding every stream up for seconds).
+        ("prompt", start(prompt="x" * 1_100_000)),
+        (
+            "messages",
+            start(prompt="", messages=[common_pb2.ChatMessage(role="user", content="y" * 1_100_000)]),
+        ),
         ("temperature", start(sampling=common_pb2.SamplingParams(temperature=-0.5))),
         ("temperature", start(sampling=common_pb2.SamplingParams(temperature=math.nan))),
         ("top_p", start(sampling=common_pb2.SamplingParams(top_p=0.0))),
