@@ -80,7 +80,7 @@ def test_an_ejection_lasts_at_most_max_ejection_s_and_a_healthy_replica_is_forgi
     assert detector.eject() == 90  # 5 ejections, 3 forgiven: the 3rd's length
 
 
-def test_never_more_than_half_of_a_models_replicas_are_out_counting_those_not_serving() -> None:
+async def test_never_more_than_half_of_a_models_replicas_are_out_counting_those_not_serving() -> None:
     """Counted over the whole pool, both replicas of one model could be ejected while another
     model's kept the share low, and in a rolling deploy the last serving ones could go."""
     pool = ReplicaPool(lambda *_: None, ejection=EjectionConfig(consecutive_failures=1))  # type: ignore[arg-type]
@@ -93,6 +93,7 @@ def test_never_more_than_half_of_a_models_replicas_are_out_counting_those_not_se
     pool.replicas["c1"].serving = pool.replicas["c2"].serving = False  # being redeployed
     pool.report_failure(pool.replicas["c3"], FailureKind.ERROR)
     assert sorted(r.address for r in pool.candidates("c")) == ["c3", "c4"]
+    await pool.close()
 
 
 def test_ejection_config_rejects_nonsense() -> None:
