@@ -125,9 +125,10 @@ class TurnPipeline:
         end paid nothing. The prompt's count came only with that end, so it is not charged.
         A turn whose TurnEnd went out was charged with it (``_bookkeeping``), or here before it."""
         limiter = self.s.rate_limiter
-        if limiter is None or state.ended or state.streamed <= 0 or not limiter.counts_tokens(principal):
+        new = state.streamed - state.resumed
+        if limiter is None or state.ended or new <= 0 or not limiter.counts_tokens(principal):
             return
-        task = asyncio.ensure_future(limiter.record_tokens(principal, state.streamed))
+        task = asyncio.ensure_future(limiter.record_tokens(principal, new))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
@@ -228,7 +229,9 @@ class TurnPipeline:
             outcome.model = resume.checkpoint.model
             outcome.token_ids.extend(resume.token_ids)
             outcome.text_parts.append(resume.text)
-            state.streamed = len(resume.token_ids)  # delivered by an earlier attempt: the client has them
+            state.streamed = state.resumed = len(
+                resume.token_ids
+            )  # an earlier attempt's: the client has them
         clock = s.clock
         request_id = state.request_id
         previous_at: float | None = None

@@ -30,6 +30,9 @@ class TurnState:
     #: the replica that made the last of them: a turn that stops early reports these.
     streamed: int = 0
     streamed_by: str = ""
+    #: Of ``streamed``, those an earlier attempt of a resumed task delivered: not this attempt's
+    #: to charge when it stops part-way (the attempt that finishes charges the whole answer).
+    resumed: int = 0
     #: (document id, version) of the RAG context's documents: a semantic entry cites them.
     cited: list[tuple[str, int]] = field(default_factory=list)
     #: A semantic-cache entry found but not served (its confidence refused it, or a refresh
