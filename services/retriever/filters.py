@@ -12,9 +12,9 @@ from collections.abc import Mapping
 
 from services.common.errors import InvalidArgument
 
-METADATA_KEY_RE = re.compile(
-    r"[A-Za-z0-9_.\-]{1,64}"
-)  # used with fullmatch: "$" also matches before a final "\n"
+#: A metadata key, checked with ``fullmatch``: a ``$`` anchor also matches before a final "\n",
+#: which let a key ending in a newline through into a Milvus filter (an INTERNAL error).
+METADATA_KEY_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
 def digest(*parts: str) -> str:
