@@ -126,6 +126,10 @@ def cited_documents(chunks: Sequence[retriever_pb2.RetrievedChunk]) -> list[tupl
     return list(seen.items())
 
 
+#: The longest query the retriever takes (its ``MAX_QUERY_CHARS``).
+MAX_RAG_QUERY_CHARS = 8192
+
+
 class ConversationContext:
     """Talks to the session and retriever services for the router, each behind its own breaker.
 
@@ -180,6 +184,10 @@ class ConversationContext:
             raise errors.InvalidArgument("rag.top_k", f"must be 0-{MAX_RAG_TOP_K}, got {rag.top_k}")
         if not query.strip():
             return []
+        # The retriever searches by at most MAX_RAG_QUERY_CHARS characters: a longer message
+        # (a pasted document, then its question) is searched by its end, where the question
+        # is, instead of failing the whole turn with INVALID_ARGUMENT on the query.
+        query = query[-MAX_RAG_QUERY_CHARS:]
         if self.retriever is None:
             raise errors.DependencyUnavailable("retriever not configured (--retriever-addr)")
         retriever = self.retriever

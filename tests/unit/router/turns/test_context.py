@@ -190,6 +190,22 @@ async def test_retrieve_passes_options_and_only_sees_the_tenants_chunks(
         await context.retrieve("acme", "q", router_pb2.RagOptions(enabled=True, top_k=50))
 
 
+async def test_a_message_longer_than_a_search_query_is_searched_by_its_end(
+    services: tuple[FakeSessionService, FakeRetrieverSearch, ConversationContext],
+) -> None:
+    """A pasted document and its question: past the retriever's query limit the whole turn failed
+    with INVALID_ARGUMENT on the query; now its end, where the question is, is searched."""
+    from services.retriever.search import MAX_QUERY_CHARS
+    from services.router.turns.context import MAX_RAG_QUERY_CHARS
+
+    _, retriever_service, context = services
+    assert MAX_RAG_QUERY_CHARS == MAX_QUERY_CHARS
+    message = "Lorem ipsum dolor sit amet. " * 1000 + "How much vacation do I get?"
+    assert await context.retrieve("acme", message, router_pb2.RagOptions(enabled=True)) == [CHUNK]
+    sent = retriever_service.requests[-1].query
+    assert len(sent) == MAX_QUERY_CHARS and sent.endswith("How much vacation do I get?")
+
+
 def test_prompt_puts_sources_in_the_leading_system_message_numbered_like_citations() -> None:
     history = [("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello")]
     new = [common_pb2.ChatMessage(role="user", content="How much vacation?")]
