@@ -206,7 +206,12 @@ class ConversationContext:
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise errors.InvalidArgument("rag", exc.details() or "rejected by the retriever") from exc
-            raise
+            # Any other refusal (FAILED_PRECONDITION: an index built with another embedding
+            # model, …) is the retriever's, not the client's: the turn goes on without context,
+            # marked degraded, unless rag.required; it failed the whole turn before.
+            raise errors.DependencyUnavailable(
+                f"retriever: {exc.code().name}: {exc.details() or 'no details'}"
+            ) from exc
         return list(response.chunks)
 
     @staticmethod

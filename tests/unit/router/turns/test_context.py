@@ -82,11 +82,15 @@ class FakeRetrieverSearch(retriever_pb2_grpc.RetrieverServicer):
     def __init__(self, chunks_by_tenant: dict[str, list[retriever_pb2.RetrievedChunk]]) -> None:
         self.chunks_by_tenant = chunks_by_tenant
         self.requests: list[retriever_pb2.SearchRequest] = []
+        #: A status every search is refused with, when set.
+        self.refuse: grpc.StatusCode | None = None
 
     async def Search(
         self, request: retriever_pb2.SearchRequest, context: grpc.aio.ServicerContext
     ) -> retriever_pb2.SearchResponse:
         self.requests.append(request)
+        if self.refuse is not None:
+            await context.abort(self.refuse, "the index was built with another embedding model")
         tenant = metadata_value(context.invocation_metadata(), TENANT_KEY) or ""
         return retriever_pb2.SearchResponse(chunks=self.chunks_by_tenant.get(tenant, [])[: request.top_k])
 
@@ -188,6 +192,24 @@ async def test_retrieve_passes_options_and_only_sees_the_tenants_chunks(
     assert await context.retrieve("globex", "how much vacation?", rag) == []
     with pytest.raises(errors.InvalidArgument, match=r"rag.top_k: must be 0-20"):
         await context.retrieve("acme", "q", router_pb2.RagOptions(enabled=True, top_k=50))
+
+
+async def test_a_retriever_refusal_that_is_not_the_clients_degrades_the_turn(
+    services: tuple[FakeSessionService, FakeRetrieverSearch, ConversationContext],
+) -> None:
+    """FAILED_PRECONDITION (an index built with another model) failed the whole turn even when
+    rag.required was false; now it is an outage the turn degrades on. A bad filter stays the
+    client's INVALID_ARGUMENT."""
+    _, retriever_service, context = services
+    retriever_service.refuse = grpc.StatusCode.FAILED_PRECONDITION
+    try:
+        with pytest.raises(errors.DependencyUnavailable, match="FAILED_PRECONDITION: the index was built"):
+            await context.retrieve("acme", "q", router_pb2.RagOptions(enabled=True))
+        retriever_service.refuse = grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(errors.InvalidArgument):
+            await context.retrieve("acme", "q", router_pb2.RagOptions(enabled=True))
+    finally:
+        retriever_service.refuse = None
 
 
 async def test_a_message_longer_than_a_search_query_is_searched_by_its_end(
