@@ -245,14 +245,14 @@ class LLMEngine:
         ended it at the last of them: a stop string, a stop token, a complete output constraint,
         or max_tokens. A replica can fail between an answer's last token and its end: the router
         then resumes the whole answer, which must end, not go on past its end."""
-        seq = req.seq
         if req.detokenizer.primed_stop is not None:
             return SequenceStatus.FINISHED_STOPPED, req.detokenizer.primed_stop
-        if seq.token_ids[-1] in req.stop_ids or (req.guide is not None and req.guide.finished):
-            return SequenceStatus.FINISHED_STOPPED, ""
-        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH, ""
-        return None
+        # The last resumed token judged as _update judged it: a stop token or the length, then
+        # a constraint it completed.
+        status = self._check_stop(req, req.seq.token_ids[-1])
+        if status is None and req.guide is not None and req.guide.finished:
+            status = SequenceStatus.FINISHED_STOPPED
+        return None if status is None else (status, "")
 
     def abort_request(self, request_id: str) -> None:
         """Ask for the request to end at the next step (safe from any thread)."""

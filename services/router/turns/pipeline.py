@@ -128,9 +128,7 @@ class TurnPipeline:
         new = state.streamed - state.resumed
         if limiter is None or state.ended or new <= 0 or not limiter.counts_tokens(principal):
             return
-        task = asyncio.ensure_future(limiter.record_tokens(principal, new))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+        self._in_background(limiter.record_tokens(principal, new))
 
     def _stop(
         self,
@@ -327,7 +325,11 @@ class TurnPipeline:
             writes.append(s.rate_limiter.record_tokens(principal, used))
         if not writes:
             return None
-        task = asyncio.ensure_future(asyncio.gather(*writes))
+        return self._in_background(asyncio.gather(*writes))
+
+    def _in_background(self, work: Awaitable[Any]) -> asyncio.Future[Any]:
+        """``work`` as a task of its own, held until done (a client leaving does not cancel it)."""
+        task = asyncio.ensure_future(work)
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
         return task
