@@ -1122,12 +1122,21 @@ def test_a_conversation_over_the_context_is_context_length_exceeded_naming_what_
     text = front.post("/v1/completions", {"model": front.model, "prompt": long_text, "max_tokens": 4})
     # A prompt that fits, with room asked for that the context does not have.
     room = front.post("/v1/chat/completions", {"model": front.model, "messages": HELLO, "max_tokens": 8190})
+    # The same refusal names the field the client sent the limit in.
+    room_completion = front.post(
+        "/v1/chat/completions", {"model": front.model, "messages": HELLO, "max_completion_tokens": 8190}
+    )
+    room_output = front.post("/v1/responses", {"model": front.model, "input": "Hi", "max_output_tokens": 8190})
 
     # A chat request has no `prompt`: the error names its messages, as OpenAI's does.
     error = assert_error(chat, 400, "messages", "context_length_exceeded")
     assert error["message"].startswith("messages: ") and "8192-token context" in error["message"]
     assert_error(text, 400, "prompt", "context_length_exceeded")
     assert_error(room, 400, "max_tokens", "context_length_exceeded")
+    error = assert_error(room_completion, 400, "max_completion_tokens", "context_length_exceeded")
+    assert error["message"].startswith("max_completion_tokens: 8190 plus ")
+    error = assert_error(room_output, 400, "max_output_tokens", "context_length_exceeded")
+    assert error["message"].startswith("max_output_tokens: 8190 plus ")
     # What the SDK raises for it, with the code a client trims the conversation by.
     with pytest.raises(openai.BadRequestError) as raised:
         front.client().chat.completions.create(

@@ -200,6 +200,7 @@ class OpenAiFront:
             generation.constraint,
             generation.echo,
             generation.score_only,
+            generation.max_tokens_field,
         )
         try:
             return await self._answer(

@@ -88,6 +88,8 @@ class Framer:
     #: Echo with ``max_tokens`` 0: the prompt scored, no answer. The replica drew one token (it
     #: always draws one), which no body shows or counts.
     score_only: bool = False
+    #: The request's name for the answer's token limit (chat's ``max_completion_tokens``).
+    max_tokens_field: str = "max_tokens"
     #: ``delta_json``'s templates by (choice, with usage): the JSON before and after the text.
     _delta_templates: dict[tuple[int, bool], tuple[str, str]] = field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -105,6 +107,7 @@ class Framer:
         else:
             # Token ids come in OpenAI's `prompt` field; the protos carry them apart.
             error = renamed(error, "prompt_token_ids", "prompt")
+        error = renamed(error, "max_tokens", self.max_tokens_field)
         return self.constraint.rename(error) if self.constraint is not None else error
 
     def _head(self, object_name: str, model: str | None = None) -> dict[str, Any]:

@@ -135,6 +135,9 @@ class Generation:
     echo: tuple[str | None, ...] = ()
     #: Echo with ``max_tokens`` 0: the prompt is scored and no answer is shown.
     score_only: bool = False
+    #: The request's name for the answer's token limit (``max_completion_tokens``,
+    #: ``max_output_tokens``), for a replica's refusal, which names ``max_tokens``, to name it.
+    max_tokens_field: str = "max_tokens"
 
 
 def constraint_param(sampling: common_pb2.SamplingParams, source: str | None) -> ConstraintParam | None:
@@ -148,9 +151,11 @@ def chat_generation(body: Any, request_id: str) -> Generation:
     # Chat maps tools itself (structured.tool_mode); completions have none to map.
     refuse_unsupported({k: v for k, v in body.items() if k not in ("tools", "tool_choice")}, _CHAT_KNOWN)
     messages = _messages(body.get("messages"), continues_history=body.get("session_id") is not None)
-    max_tokens = int_field(body, "max_completion_tokens", 1, INT32_MAX)
+    max_tokens_field = "max_completion_tokens"
+    max_tokens = int_field(body, max_tokens_field, 1, INT32_MAX)
     if max_tokens is None:
-        max_tokens = int_field(body, "max_tokens", 1, INT32_MAX)
+        max_tokens_field = "max_tokens"
+        max_tokens = int_field(body, max_tokens_field, 1, INT32_MAX)
     sampling = sampling_params(body, max_tokens)
     source = apply_output_options(body, sampling, chat=True)
     tool = tool_mode(body, sampling)
@@ -160,6 +165,7 @@ def chat_generation(body: Any, request_id: str) -> Generation:
         turns_generation(body, request_id, [messages], sampling),
         tool=tool,
         constraint=constraint_param(sampling, source),
+        max_tokens_field=max_tokens_field,
     )
 
 
