@@ -88,6 +88,8 @@ class Embedder:
         self.batch_size = batch_size
         self.max_tokens = int(self._model.max_seq_length or 512)
         self._tokenizer = self._model.tokenizer
+        #: What the model adds around each text ([CLS], [SEP]): part of its input length.
+        self.special_tokens = int(self._tokenizer.num_special_tokens_to_add(pair=False))
         self._memo: OrderedDict[str, Vectors] = OrderedDict()
         self._memo_lock = threading.Lock()
         #: Single texts from concurrent requests share model calls (embed_batching.py).
@@ -126,6 +128,10 @@ class Embedder:
                 while len(self._memo) > _MEMO_ENTRIES:
                     self._memo.popitem(last=False)
         return vector
+
+    def input_tokens(self, text: str) -> int:
+        """The tokens the model would read for ``text`` uncut: its own and the special ones."""
+        return len(self.token_spans(text)) + self.special_tokens
 
     def token_spans(self, text: str) -> list[tuple[int, int]]:
         """Character spans of the model's tokens in ``text`` (special tokens excluded)."""

@@ -239,7 +239,8 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             raise InvalidArgument("texts", f"must hold 1..{MAX_EMBED_TEXTS} texts, got {len(request.texts)}")
         embedder = self.backends.embedder
         texts = list(request.texts)
-        vectors, tokens = await asyncio.to_thread(_embed_counted, embedder, texts)
+        truncate = request.truncate if request.HasField("truncate") else True
+        vectors, tokens = await asyncio.to_thread(_embed_counted, embedder, texts, truncate)
         return retriever_pb2.EmbedResponse(
             embeddings=[retriever_pb2.Embedding(values=row.tolist()) for row in vectors],
             model=embedder.model_name,
@@ -247,7 +248,16 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         )
 
 
-def _embed_counted(embedder: Embedder, texts: list[str]) -> tuple[Vectors, int]:
-    """The vectors and the tokens the model read (each text cut at its input length)."""
-    tokens = sum(min(len(embedder.token_spans(t)), embedder.max_tokens) for t in texts)
-    return embedder.embed(texts), tokens
+def _embed_counted(embedder: Embedder, texts: list[str], truncate: bool) -> tuple[Vectors, int]:
+    """The vectors and the tokens the model read (each text cut at its input length, or, without
+    ``truncate``, refused when longer: a silently cut text's vector says nothing of its end)."""
+    counts = [embedder.input_tokens(t) for t in texts]
+    if not truncate:
+        for i, count in enumerate(counts):
+            if count > embedder.max_tokens:
+                raise InvalidArgument(
+                    f"texts[{i}]",
+                    f"{count} tokens, more than the {embedder.max_tokens}-token input of "
+                    f"{embedder.model_name}; shorten or split it",
+                )
+    return embedder.embed(texts), sum(min(c, embedder.max_tokens) for c in counts)

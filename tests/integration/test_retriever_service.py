@@ -303,6 +303,25 @@ def test_bad_searches_are_invalid_arguments_naming_the_field(
     assert (error.details() or "").startswith(f"{field}:")
 
 
+def test_embed_cuts_an_over_long_text_unless_told_not_to(stub: retriever_pb2_grpc.RetrieverStub) -> None:
+    long_text = " ".join(f"word{i}" for i in range(400))  # over MiniLM's 256-token input
+    head = " ".join(long_text.split()[:60])
+    cut = stub.Embed(pb.EmbedRequest(texts=[long_text, "hello world"]), timeout=60)
+    # The model's input is 256 tokens, its [CLS] and [SEP] included; "hello world" is 2 + 2.
+    assert cut.tokens == 256 + 4
+    # Cut, its vector is that of its beginning: a later change to its end changes nothing.
+    changed_end = stub.Embed(pb.EmbedRequest(texts=[long_text + " zebra"]), timeout=60)
+    assert list(changed_end.embeddings[0].values) == list(cut.embeddings[0].values)
+    assert list(cut.embeddings[0].values) != list(
+        stub.Embed(pb.EmbedRequest(texts=[head])).embeddings[0].values
+    )
+    error = rpc_error(stub.Embed, pb.EmbedRequest(texts=["fine", long_text], truncate=False), timeout=60)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (error.details() or "").startswith("texts[1]: ") and "256-token input" in (error.details() or "")
+    fits = stub.Embed(pb.EmbedRequest(texts=[head], truncate=False), timeout=60)
+    assert len(fits.embeddings) == 1
+
+
 def test_diversify_keeps_the_best_chunk_first_and_no_more_than_top_k(
     ingest_output: str, stub: retriever_pb2_grpc.RetrieverStub
 ) -> None:

@@ -1126,7 +1126,9 @@ def test_a_conversation_over_the_context_is_context_length_exceeded_naming_what_
     room_completion = front.post(
         "/v1/chat/completions", {"model": front.model, "messages": HELLO, "max_completion_tokens": 8190}
     )
-    room_output = front.post("/v1/responses", {"model": front.model, "input": "Hi", "max_output_tokens": 8190})
+    room_output = front.post(
+        "/v1/responses", {"model": front.model, "input": "Hi", "max_output_tokens": 8190}
+    )
 
     # A chat request has no `prompt`: the error names its messages, as OpenAI's does.
     error = assert_error(chat, 400, "messages", "context_length_exceeded")
@@ -1606,6 +1608,14 @@ def test_embeddings_come_from_the_retrievers_model(front: Front, tmp_path: Path)
             assert_error(
                 httpx.post(f"{v1}/embeddings", json={"input": "x", "dimensions": 64}), 400, "dimensions"
             )
+            # Longer than MiniLM's 256-token input: refused naming it, as OpenAI and vLLM refuse
+            # it, not embedded from its first 256 tokens alone.
+            long_text = " ".join(f"word{i}" for i in range(400))
+            over = httpx.post(f"{v1}/embeddings", json={"input": ["short", long_text]})
+            assert assert_error(over, 400, "input")["message"].startswith("input[1]: ")
+            # The usage counts what the model read: each text's tokens and its [CLS] and [SEP].
+            two_words = client.embeddings.create(model="all-MiniLM-L6-v2", input=["hello world"])
+            assert two_words.usage.prompt_tokens == 4
             token_ids = assert_error(httpx.post(f"{v1}/embeddings", json={"input": [[1, 2]]}), 400, "input")
             # What LangChain's OpenAIEmbeddings sends by default: the message says how to stop it.
             assert "check_embedding_ctx_length=False" in token_ids["message"]

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -21,7 +22,7 @@ from services.gen.llmmesh.v1 import retriever_pb2, router_pb2
 from services.router.admission.auth import Authenticator, Principal, downstream_metadata
 from services.router.api.openai.body import decoded, parsed, too_large
 from services.router.api.openai.choices import ChoiceAnswer, ChoiceEvent, ChoiceStreams
-from services.router.api.openai.embeddings import check_model, embedding_body, embedding_request
+from services.router.api.openai.embeddings import check_model, embedding_body, embedding_request, input_error
 from services.router.api.openai.errors import ApiError, api_error, bad_request
 from services.router.api.openai.extras import REQUEST_ID_RE, request_id_header, response_extras
 from services.router.api.openai.framing import Framer, Kind
@@ -163,11 +164,16 @@ class OpenAiFront:
         if (limiter := self.pipeline.s.rate_limiter) is not None:
             await limiter.admit_request(principal)  # an embedding request is a request like a turn
         timeout = None if deadline is None else max(0.001, deadline - self._clock())
-        reply = await stub.Embed(
-            retriever_pb2.EmbedRequest(texts=wanted.texts),
-            metadata=downstream_metadata(principal),
-            timeout=timeout,
-        )
+        try:
+            # Refused when over-long, as OpenAI and vLLM refuse it: a cut text's vector would
+            # silently say nothing of its end.
+            reply = await stub.Embed(
+                retriever_pb2.EmbedRequest(texts=wanted.texts, truncate=False),
+                metadata=downstream_metadata(principal),
+                timeout=timeout,
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise input_error(api_error(exc, request.url.path)) from None
         check_model(wanted.model, reply.model)
         return JSONResponse(embedding_body(wanted, reply))
 

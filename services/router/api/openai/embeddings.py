@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -71,6 +73,19 @@ def embedding_request(body: Any) -> EmbeddingRequest:
         # Unused here, but checked as on chat: a client sending a number means something else.
         raise bad_request("user", f"user: a string of at most {MAX_USER_CHARS} characters")
     return EmbeddingRequest(tuple(texts), model or "", encoding, dimensions)
+
+
+_TEXT_FIELD = re.compile(r"texts(\[\d+\])")
+
+
+def input_error(error: ApiError) -> ApiError:
+    """The retriever's refusal of ``texts[i]`` (too long) as this request names it: ``input[i]``."""
+    named = _TEXT_FIELD.fullmatch(error.param or "")
+    if named is None:
+        return error
+    field = "input" + named.group(1)
+    message = error.message.removeprefix(str(error.param))
+    return dataclasses.replace(error, param="input", message=field + message)
 
 
 def check_model(requested: str, served: str) -> None:
