@@ -65,24 +65,19 @@ class TaskApi:
         if len(request.idempotency_key) > MAX_IDEMPOTENCY_KEY:
             raise errors.InvalidArgument("idempotency_key", f"at most {MAX_IDEMPOTENCY_KEY} characters")
         task_id = _new_task_id()
-        if request.idempotency_key:
-            existing = await self.store.remember_idempotency(
-                principal.tenant, request.idempotency_key, task_id
-            )
-            if existing != task_id:
-                return await self.GetTask(principal, router_pb2.GetTaskRequest(task_id=existing), context)
         if not turn.request_id:
             turn = router_pb2.ChatRequest()
             turn.CopyFrom(request.request)
             turn.request_id = f"task-{task_id}"
         try:
-            record = await self.store.create(principal, turn, task_id)
+            # The key is claimed in the same step that creates the task (nothing is stored when
+            # refused, so the same key may be submitted again once there is room).
+            record = await self.store.create(principal, turn, task_id, request.idempotency_key)
         except TaskRefused as exc:
             TASKS_REFUSED.labels(exc.reason).inc()
-            if request.idempotency_key:
-                # Nothing was stored: the same key may be submitted again once there is room.
-                await self.store.forget_idempotency(principal.tenant, request.idempotency_key, task_id)
             raise
+        if isinstance(record, str):  # submitted before under this key: that task
+            return await self.GetTask(principal, router_pb2.GetTaskRequest(task_id=record), context)
         return record.to_proto()
 
     async def GetTask(

@@ -52,6 +52,8 @@ class TaskRecord:
     checkpoint: str = ""
     #: The answer's token ids so far (read only when asked: ``TaskStore.get(with_resume_state=True)``).
     token_ids: tuple[int, ...] = ()
+    #: An attempt's turn was admitted against the key's request rate: later attempts are not.
+    admitted: bool = False
 
     @property
     def principal(self) -> Principal:
@@ -105,6 +107,7 @@ class TaskRecord:
             result_ttl_s=result_ttl_s,
             checkpoint=s("checkpoint"),
             token_ids=unpack_token_ids(tokens or b""),
+            admitted=s("admitted") == "1",
         )
 
 

@@ -4,11 +4,23 @@ from __future__ import annotations
 
 # Admission and creation of a task in one step: refused (nothing stored) when the tenant has
 # ARGV[4] unfinished tasks already or the work queue holds ARGV[5] entries (0 = no cap).
-# KEYS: hash, events, work queue, the tenant's open set. ARGV: now_ms, unfinished ttl seconds,
-# events maxlen, per-tenant cap, queue cap, task id, event payload, then the hash's field/value pairs.
-# Returns {1, 0, 0} when created, else {0, reason (1 tenant cap, 2 queue cap), count that hit the cap}.
+# With an idempotency key (KEYS[5]) that names a task still stored, that task is the answer and
+# nothing is created; else the key is set to the new task in the same step. Claimed apart from
+# the creation, two concurrent submits of one key (a client's retry while its first call is in
+# flight) each found the other's claim without its task, took it as expired, and made two tasks.
+# KEYS: hash, events, work queue, the tenant's open set[, idempotency key]. ARGV: now_ms,
+# unfinished ttl seconds, events maxlen, per-tenant cap, queue cap, task id, event payload, the
+# task hash key's text before and after a task id, then the hash's field/value pairs.
+# Returns {1, 0, 0} when created, {0, 3, existing task id} for a known key, else {0, reason
+# (1 tenant cap, 2 queue cap), count that hit the cap}.
 CREATE_LUA = """
 local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+if KEYS[5] then
+  local existing = redis.call('GET', KEYS[5])
+  if existing and redis.call('EXISTS', ARGV[8] .. existing .. ARGV[9]) == 1 then
+    return {0, 3, existing}
+  end
+end
 -- An id older than the unfinished ttl names a task that expired without finishing (all routers
 -- gone that long): it no longer counts.
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - ttl * 1000)
@@ -22,7 +34,7 @@ if queue_cap > 0 then
   if queued >= queue_cap then return {0, 2, queued} end
 end
 local fields = {}
-for i = 8, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 10, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[3], '*', 'k', 'task', 'p', ARGV[7])
@@ -30,6 +42,7 @@ redis.call('EXPIRE', KEYS[2], ttl)
 redis.call('XADD', KEYS[3], '*', 'task_id', ARGV[6])
 redis.call('ZADD', KEYS[4], now, ARGV[6])
 redis.call('EXPIRE', KEYS[4], ttl)
+if KEYS[5] then redis.call('SET', KEYS[5], ARGV[6], 'EX', ttl) end
 return {1, 0, 0}
 """
 

@@ -95,10 +95,18 @@ class TaskStore:
                 raise
 
     async def create(
-        self, principal: Principal, request: router_pb2.ChatRequest, task_id: str | None = None
-    ) -> TaskRecord:
+        self,
+        principal: Principal,
+        request: router_pb2.ChatRequest,
+        task_id: str | None = None,
+        idempotency_key: str = "",
+    ) -> TaskRecord | str:
         """Store a QUEUED task and put it on the work queue, atomically; ``TaskRefused`` (nothing
-        stored) when the tenant has ``max_open_per_tenant`` unfinished tasks or the queue is full."""
+        stored) when the tenant has ``max_open_per_tenant`` unfinished tasks or the queue is full.
+
+        With ``idempotency_key``: the id of the tenant's task already submitted under it while
+        that task is still stored (nothing created), else the new task, the key now naming it.
+        """
         task_id = task_id or uuid.uuid4().hex
         now = now_ms()
         record = TaskRecord(
@@ -131,6 +139,7 @@ class TaskStore:
             self.max_queued,
             task_id,
             record.to_proto().SerializeToString(),
+            *self.keys.task("\n").split("\n"),  # a task's hash key around its id
         ]
         for name, value in fields.items():
             args += [name, value]
@@ -140,9 +149,13 @@ class TaskStore:
             self.keys.stream,
             self.keys.open_tasks(principal.tenant),
         ]
+        if idempotency_key:
+            keys.append(self.keys.idempotency(principal.tenant, idempotency_key))
         created, reason, count = await self._create(keys=keys, args=args)
         if created:
             return record
+        if int(reason) == 3:
+            return count.decode() if isinstance(count, bytes) else str(count)
         if int(reason) == 1:
             raise TaskRefused(
                 f"tenant {principal.tenant!r} has {int(count)} unfinished tasks (max {self.max_open_per_tenant}):"
@@ -157,24 +170,6 @@ class TaskStore:
     async def open_tasks(self, tenant: str) -> int:
         """The tenant's unfinished tasks, as counted against ``max_open_per_tenant``."""
         return int(await self.redis.zcard(self.keys.open_tasks(tenant)))
-
-    async def remember_idempotency(self, tenant: str, key: str, task_id: str) -> str:
-        """The task id already submitted under ``key``, or ``task_id`` after claiming the key for it."""
-        ikey = self.keys.idempotency(tenant, key)
-        if await self.redis.set(ikey, task_id, nx=True, ex=self.unfinished_ttl_s):
-            return task_id
-        existing = await self.redis.get(ikey)
-        if existing is None or not await self.redis.exists(self.keys.task(existing.decode())):
-            # The earlier task expired (or its submit never completed): the key is free again.
-            await self.redis.set(ikey, task_id, ex=self.unfinished_ttl_s)
-            return task_id
-        return str(existing.decode())
-
-    async def forget_idempotency(self, tenant: str, key: str, task_id: str) -> None:
-        """Free ``key`` if it still names ``task_id`` (a submit refused after claiming it)."""
-        ikey = self.keys.idempotency(tenant, key)
-        if await self.redis.get(ikey) == task_id.encode():
-            await self.redis.delete(ikey)
 
     async def get(self, task_id: str, *, with_resume_state: bool = False) -> TaskRecord | None:
         """The task; its request, checkpoint and token ids only when asked (the worker running it), not on every GetTask."""
@@ -271,6 +266,10 @@ class TaskStore:
             approximate=True,
         )
         await pipe.execute()
+
+    async def mark_admitted(self, task_id: str) -> None:
+        """The task's turn was admitted against its key's request rate: no later attempt is."""
+        await self.redis.hset(self.keys.task(task_id), "admitted", "1")
 
     async def save_checkpoint(self, task_id: str, checkpoint: str) -> None:
         """Keep the running attempt's checkpoint (before its first token is appended)."""

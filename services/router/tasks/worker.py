@@ -25,7 +25,7 @@ from services.router.tasks.counters import TASKS_FINISHED, TASKS_RECLAIMED, TASK
 from services.router.tasks.record import TaskRecord
 from services.router.tasks.settings import TaskSettings
 from services.router.tasks.store import TaskStore
-from services.router.turns.checkpoints import OnCheckpoint, OnStopped, ResumePoint, TurnCheckpoint
+from services.router.turns.checkpoints import OnAdmitted, OnCheckpoint, OnStopped, ResumePoint, TurnCheckpoint
 
 log = logging.getLogger("llmmesh.router.tasks")
 
@@ -45,6 +45,8 @@ class RunTurn(Protocol):
         on_checkpoint: OnCheckpoint | None = None,
         on_stopped: OnStopped | None = None,
         replayable: bool = True,
+        admitted: bool = False,
+        on_admitted: OnAdmitted | None = None,
     ) -> AsyncGenerator[router_pb2.ChatResponse, None]: ...
 
 
@@ -236,6 +238,12 @@ class TaskWorker:
             record.checkpoint = checkpoint.to_json()
             await self.store.save_checkpoint(record.task_id, record.checkpoint)
 
+        async def mark_admitted() -> None:
+            # Before the key's request is spent again by a later attempt (a takeover, a
+            # redelivery, a retry while the replicas are busy), the task says it was admitted.
+            record.admitted = True
+            await self.store.mark_admitted(record.task_id)
+
         def stopped(response: router_pb2.ChatResponse) -> None:
             # A cancelled turn's end: the tokens the task streamed, and the replica that made them.
             nonlocal end
@@ -250,6 +258,8 @@ class TaskWorker:
                 on_checkpoint=save_checkpoint,
                 on_stopped=stopped,
                 replayable=False,  # a task's answer is read from the task (WatchTask), not Resume
+                admitted=record.admitted,
+                on_admitted=mark_admitted,
             )
             # Closed at once on a cancel (not when collected), so its end is known before the task's.
             async with contextlib.aclosing(turn):

@@ -75,6 +75,9 @@ class ResumePoint:
 
 #: Called once per turn, before its first token goes out, with the turn's checkpoint.
 OnCheckpoint = Callable[[TurnCheckpoint], Awaitable[None]]
+#: Called once the turn's request was admitted against its key's rate (async tasks: a later
+#: attempt of the task is not admitted again).
+OnAdmitted = Callable[[], Awaitable[None]]
 #: Called with the TurnEnd (CANCELLED or ERROR) of a turn that stopped before sending its own.
 OnStopped = Callable[[router_pb2.ChatResponse], None]
 

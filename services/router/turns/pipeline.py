@@ -24,6 +24,7 @@ from services.router.streams.relay import RelayOutcome
 from services.router.streams.replay_writer import ReplayWriter
 from services.router.turns import cache_step, sources
 from services.router.turns.checkpoints import (
+    OnAdmitted,
     OnCheckpoint,
     OnStopped,
     ResumePoint,
@@ -67,6 +68,8 @@ class TurnPipeline:
         on_checkpoint: OnCheckpoint | None = None,
         on_stopped: OnStopped | None = None,
         replayable: bool = True,
+        admitted: bool = False,
+        on_admitted: OnAdmitted | None = None,
     ) -> AsyncGenerator[router_pb2.ChatResponse, None]:
         """The turn's messages: token deltas, then one TurnEnd. ``deadline`` is on ``services.clock``.
 
@@ -77,6 +80,8 @@ class TurnPipeline:
         ``replayable``: its messages go to the Resume buffer. An async task's do not: the task
         keeps its own events (``WatchTask``), and each attempt of it numbers its messages from
         1 again, which a buffer keyed by the request id would splice into the last attempt's.
+        ``admitted``: an earlier attempt of this request (an async task's) was admitted against
+        the key's request rate, so this one is not; ``on_admitted`` is awaited once it is.
         """
         validate(request)
         s = self.s
@@ -93,7 +98,10 @@ class TurnPipeline:
         slot = s.inflight.slot() if s.inflight is not None else contextlib.nullcontext()
         try:
             with slot:
-                async for response in self._turn(principal, request, deadline, state, resume, on_checkpoint):
+                turn = self._turn(
+                    principal, request, deadline, state, resume, on_checkpoint, admitted, on_admitted
+                )
+                async for response in turn:
                     unbuffered = response
                     yield response
                     unbuffered = None
@@ -159,13 +167,18 @@ class TurnPipeline:
         state: TurnState,
         resume: ResumePoint | None = None,
         on_checkpoint: OnCheckpoint | None = None,
+        admitted: bool = False,
+        on_admitted: OnAdmitted | None = None,
     ) -> AsyncIterator[router_pb2.ChatResponse]:
         s = self.s
         tenant = principal.tenant
-        if s.rate_limiter is not None and resume is None:
-            # A resumed task's turn was admitted when it first ran: a dead router's takeover does
-            # not spend another of the key's requests.
+        if s.rate_limiter is not None and resume is None and not admitted:
+            # A task's turn is admitted once: a dead router's takeover, a redelivery after an
+            # outage before the first token, or a retry once the replicas were busy does not
+            # spend another of the key's requests (a resumed one ran, so it was admitted).
             await s.rate_limiter.admit_request(principal)
+            if on_admitted is not None:
+                await on_admitted()
         new_messages = [(m.role, m.content) for m in request.messages]
         pinned: str | None = None
         if resume is not None:

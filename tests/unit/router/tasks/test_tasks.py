@@ -16,7 +16,7 @@ from services.router.admission.auth import Principal
 from services.router.api.task_api import TaskApi
 from services.router.tasks.record import STATUS_FIELDS
 from services.router.tasks.settings import TaskSettings
-from services.router.turns.checkpoints import OnCheckpoint, OnStopped, ResumePoint, TurnCheckpoint
+from services.router.turns.checkpoints import OnAdmitted, OnCheckpoint, OnStopped, ResumePoint, TurnCheckpoint
 from tests.support.redis import RedisServer
 from tests.support.redis_cluster import RedisClusterServers
 
@@ -45,6 +45,8 @@ class FakeRunTurn:
         on_checkpoint: OnCheckpoint | None = None,
         on_stopped: OnStopped | None = None,
         replayable: bool = True,
+        admitted: bool = False,
+        on_admitted: OnAdmitted | None = None,
     ) -> AsyncGenerator[router_pb2.ChatResponse, None]:
         assert not replayable, "a task's turn must not go to the Resume buffer"
         self.started.append(request.request_id)
@@ -262,6 +264,25 @@ async def test_same_idempotency_key_returns_the_same_task_per_tenant(redis_clien
     assert other_tenant.task_id != first.task_id
 
 
+async def test_concurrent_submits_of_one_idempotency_key_make_one_task(redis_client: Any) -> None:
+    # A client whose first call timed out retries while that call is still in flight, here
+    # through another router: both submits meet in Redis.
+    run_turn = FakeRunTurn()
+    routers = [TaskApi(redis_client, run_turn, f"r{i}", TaskSettings(block_ms=100)) for i in range(2)]
+    for api in routers:
+        await api.start()
+    try:
+        for attempt in range(4):
+            request = submit_request(key=f"order-{attempt}")
+            first, second = await asyncio.gather(*(api.SubmitTask(ACME, request) for api in routers))
+            assert first.task_id == second.task_id
+            await wait_for_state(routers[0], first.task_id, router_pb2.TASK_STATE_SUCCEEDED)
+    finally:
+        for api in routers:
+            await api.stop()
+    assert len(run_turn.started) == 4
+
+
 async def test_task_of_a_router_that_died_mid_run_is_taken_over(redis_client: Any) -> None:
     settings = TaskSettings(visibility_timeout_s=0.6, block_ms=100)
     dead = TaskApi(redis_client, FakeRunTurn(), "dead-router", settings)
@@ -403,6 +424,49 @@ class FakeRateLimitedRunTurn(FakeRunTurn):
             raise errors.Overloaded("rate limit exceeded for API key acme-1", retry_after_s=0.1)
         async for response in super().__call__(principal, request, *args, **options):
             yield response
+
+
+class FakeAdmittingRunTurn(FakeRunTurn):
+    """The turn pipeline of a key that may start one request: admitted, the first call finds the
+    replicas busy, the second finds none reachable (UNAVAILABLE before any token), the third
+    answers. A call that admits the task a second time is refused for the key's rate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.admissions: list[bool] = []  # each call's `admitted`
+
+    async def __call__(
+        self, principal: Principal, request: router_pb2.ChatRequest, *args: Any, **options: Any
+    ) -> AsyncGenerator[router_pb2.ChatResponse, None]:
+        call = len(self.admissions)
+        self.admissions.append(options["admitted"])
+        if not options["admitted"]:
+            if call > 0:
+                raise errors.Overloaded("rate limit exceeded for API key acme-1", retry_after_s=60)
+            await options["on_admitted"]()
+        if call == 0:
+            raise errors.Overloaded("every replica is busy", retry_after_s=0.05)
+        if call == 1:
+            raise errors.DependencyUnavailable("no healthy replica of model m")
+        async for response in super().__call__(principal, request, *args, **options):
+            yield response
+
+
+async def test_a_task_is_admitted_once_for_all_its_attempts(redis_client: Any) -> None:
+    run_turn = FakeAdmittingRunTurn()
+    api = TaskApi(
+        redis_client, run_turn, "r1", TaskSettings(block_ms=100, visibility_timeout_s=0.5, overload_wait_s=1)
+    )
+    await api.start()
+    try:
+        task = await api.SubmitTask(ACME, submit_request())
+        done = await wait_for_state(api, task.task_id, router_pb2.TASK_STATE_SUCCEEDED, timeout=10)
+        assert done.text == "The quick brown fox"
+    finally:
+        await api.stop()
+    # The retry after busy replicas, and the redelivered attempt (read back from Redis), were
+    # not admitted again.
+    assert run_turn.admissions == [False, True, True]
 
 
 async def test_a_rate_limited_task_waits_for_its_turn_instead_of_failing(
