@@ -41,10 +41,13 @@ class EnvArgumentParser(argparse.ArgumentParser):
 
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:  # type: ignore[override]
         long_flags = [a for a in args if isinstance(a, str) and a.startswith("--")]
-        if long_flags:
+        if long_flags and kwargs.get("action") != "help":
             var = env_name(long_flags[0])
             raw = os.environ.get(var)
             if raw is not None:
+                # Set by the environment, a required flag (the replica's --model) is given: a
+                # container configured by environment alone must start.
+                kwargs["required"] = False
                 action = kwargs.get("action")
                 if action == "store_true":
                     kwargs["default"] = raw.lower() in ("1", "true", "yes", "on")

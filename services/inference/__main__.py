@@ -17,15 +17,19 @@ from services.inference.config import EngineConfig
 from services.inference.openmp_policy import default_wait_policy
 
 
+def build_parser() -> EnvArgumentParser:
+    parser = EnvArgumentParser(prog="python -m services.inference", description="llm-mesh inference replica")
+    add_server_args(parser, default_port=INFERENCE_PORT)
+    add_flags(parser, EngineConfig)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> None:
     # Before torch is imported (the runtime imports it): libgomp reads its environment once.
     default_wait_policy(os.environ)
     from services.inference.runtime import InferenceRuntime
 
-    parser = EnvArgumentParser(prog="python -m services.inference", description="llm-mesh inference replica")
-    add_server_args(parser, default_port=INFERENCE_PORT)
-    add_flags(parser, EngineConfig)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     config = from_flags(EngineConfig, args)
     run(server_options("inference", args), InferenceRuntime(config))
 

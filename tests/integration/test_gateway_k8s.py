@@ -38,7 +38,13 @@ def test_router_pods_get_a_gateway_sidecar_that_follows_router_health() -> None:
     pod = find(objects, "Deployment", "router")["spec"]["template"]["spec"]
     containers = {c["name"]: c for c in pod["containers"]}
     router, gateway = containers["router"], containers["gateway"]
-    service_ports = {p["name"]: p for p in find(objects, "Service", "router")["spec"]["ports"]}
+    ports = find(objects, "Service", "router")["spec"]["ports"]
+    service_ports = {p["name"]: p for p in ports}
+    # Kubernetes refuses a Service with two ports of one name, and a pod's port names must be
+    # unique across its containers (a probe's named port must say which).
+    assert len(service_ports) == len(ports), [p["name"] for p in ports]
+    pod_port_names = [p["name"] for c in pod["containers"] for p in c.get("ports", [])]
+    assert len(set(pod_port_names)) == len(pod_port_names), pod_port_names
 
     assert gateway["image"] == "llm-mesh/gateway:0.1.0"
     upstream = gateway["args"][gateway["args"].index("--upstream") + 1]
@@ -47,7 +53,8 @@ def test_router_pods_get_a_gateway_sidecar_that_follows_router_health() -> None:
     assert "httpGet" not in gateway["livenessProbe"]
     grace = gateway["args"][gateway["args"].index("--shutdown-grace") + 1]
     assert int(grace.rstrip("s")) + 5 <= pod["terminationGracePeriodSeconds"]
-    assert service_ports["http"]["port"] == 8080
+    assert service_ports["rest"]["port"] == 8080 and service_ports["rest"]["targetPort"] == "rest"
+    assert service_ports["http"]["port"] == 8000  # the router's OpenAI front stays
     assert service_ports["grpc"]["port"] == 50051
     for obj in (find(objects, "Deployment", "router"), find(objects, "Service", "router")):
         kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.settings import EnvArgumentParser
+from tests.support.processes import ROOT
 
 
 def _parser() -> EnvArgumentParser:
@@ -32,3 +33,34 @@ def test_without_variables_the_flags_keep_their_defaults_and_the_command_line_wi
         monkeypatch.delenv(name, raising=False)
     args = _parser().parse_args(["--http-cors-origin", "*", "--http-port", "9"])
     assert (args.http_port, args.no_http, args.http_cors_origin) == (9, False, ["*"])
+
+
+def test_a_required_flag_is_given_by_its_variable_as_the_deployments_give_the_replicas_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import yaml
+
+    from services.common.settings import from_flags
+    from services.inference.__main__ import build_parser
+    from services.inference.config import EngineConfig
+
+    documents = yaml.safe_load_all((ROOT / "deploy/k8s/base/inference.yaml").read_text())
+    (manifest,) = [d for d in documents if d and d["kind"] == "Deployment"]
+    (container,) = [c for c in manifest["spec"]["template"]["spec"]["containers"] if c["name"] == "inference"]
+    env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+    assert "LLMMESH_MODEL" in env and "--model" not in container["args"]
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = from_flags(EngineConfig, build_parser().parse_args(container["args"]))
+    assert config.model == env["LLMMESH_MODEL"]
+    # Without the variable the flag is still required: a replica never starts with no model.
+    monkeypatch.delenv("LLMMESH_MODEL")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([])
+
+
+def test_help_is_not_a_setting(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("LLMMESH_HELP", "1")
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--help"])
+    assert "LLMMESH_HELP" not in capsys.readouterr().out

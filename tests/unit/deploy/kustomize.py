@@ -72,16 +72,22 @@ def apply_patch(objects: list[dict[str, Any]], patch: dict[str, Any], target: di
     matches[0].update(merged)
 
 
-def strategic_merge(base: Any, patch: Any) -> Any:
+def strategic_merge(base: Any, patch: Any, field: str = "") -> Any:
     if isinstance(base, dict) and isinstance(patch, dict):
         out = copy.deepcopy(base)
         for key, value in patch.items():
-            out[key] = strategic_merge(base[key], value) if key in base else copy.deepcopy(value)
+            out[key] = strategic_merge(base[key], value, key) if key in base else copy.deepcopy(value)
         return out
-    if isinstance(base, list) and isinstance(patch, list) and _named(base) and _named(patch):
+    merge_key = _merge_key(field, patch)
+    if (
+        isinstance(base, list)
+        and isinstance(patch, list)
+        and _keyed(base, merge_key)
+        and _keyed(patch, merge_key)
+    ):
         out_list = copy.deepcopy(base)
         for item in patch:
-            existing = next((i for i, b in enumerate(out_list) if b["name"] == item["name"]), None)
+            existing = next((i for i, b in enumerate(out_list) if b[merge_key] == item[merge_key]), None)
             if existing is None:
                 out_list.append(copy.deepcopy(item))
             else:
@@ -90,8 +96,17 @@ def strategic_merge(base: Any, patch: Any) -> Any:
     return copy.deepcopy(patch)
 
 
-def _named(items: list[Any]) -> bool:
-    return bool(items) and all(isinstance(i, dict) and "name" in i for i in items)
+def _merge_key(field: str, patch: Any) -> str:
+    """Kubernetes' patchMergeKey: ports merge by their number (a Service's ``port``, a
+    container's ``containerPort``), as kustomize merges them, so a patch's port of another
+    number is added beside a same-named one; containers, env, volumes by ``name``."""
+    if field == "ports" and isinstance(patch, list) and patch and isinstance(patch[0], dict):
+        return "containerPort" if "containerPort" in patch[0] else "port"
+    return "name"
+
+
+def _keyed(items: list[Any], key: str) -> bool:
+    return bool(items) and all(isinstance(i, dict) and key in i for i in items)
 
 
 def set_image(objects: list[dict[str, Any]], image: dict[str, str]) -> None:
