@@ -27,10 +27,16 @@ def build_parser() -> EnvArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     # Before torch is imported (the runtime imports it): libgomp reads its environment once.
     default_wait_policy(os.environ)
+    from services.inference.model_loading import check_model_path
     from services.inference.runtime import InferenceRuntime
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     config = from_flags(EngineConfig, args)
+    try:
+        check_model_path(config.model)  # one line and exit 2, not a traceback from transformers
+    except FileNotFoundError as exc:
+        parser.error(str(exc))
     run(server_options("inference", args), InferenceRuntime(config))
 
 

@@ -32,7 +32,7 @@ from services.inference.detokenizer import DetokenizerUpdate, IncrementalDetoken
 from services.inference.fault_isolation import ChunkResult, EngineFailure, run_isolating_faults
 from services.inference.gguf_loading import gguf_read_once
 from services.inference.grammar import GrammarCompiler, Guide
-from services.inference.model_loading import load_tokenizer
+from services.inference.model_loading import check_model_path, load_tokenizer
 from services.inference.model_runner import ModelRunner
 from services.inference.outputs import EngineLoad, RequestOutput, SampledToken, final_output
 from services.inference.sampler import RowFault
@@ -64,6 +64,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        check_model_path(config.model)  # before anything is loaded or allocated
         with gguf_read_once(config.model):  # a .gguf model: one parse for the weights and the tokenizer
             self.runner = ModelRunner(config)
             self.tokenizer = load_tokenizer(config.model)

@@ -23,6 +23,28 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def check_model_path(path: str) -> None:
+    """``FileNotFoundError`` naming ``--model`` when a local model is not there (an unmounted
+    volume, a typo): transformers would take the path for a hub id and fail on its syntax or
+    on the network, which says nothing of the path. Nothing is downloaded from a hub at run
+    time, so a hub id is no model either."""
+    p = Path(path)
+    if p.is_dir() and (p / "config.json").is_file():
+        return
+    if p.is_file() and p.suffix == ".gguf":
+        return
+    what = (
+        "a directory without config.json"
+        if p.is_dir()
+        else "nothing there"
+        if not p.exists()
+        else "not a .gguf file"
+    )
+    raise FileNotFoundError(
+        f"--model {path}: {what}; a model is a directory with config.json, or a .gguf file"
+    )
+
+
 def load_model(path: str, device: torch.device, dtype: torch.dtype) -> Any:
     """A transformers causal LM from a local directory or a ``.gguf`` file, with our attention."""
     p = Path(path)

@@ -91,6 +91,14 @@ class MeshConfig:
     def inference_port(self, index: int) -> int:
         return self.port(INFERENCE_BASE_PORT + 10 * index)
 
+    def internal_ports(self) -> list[tuple[str, int]]:
+        """The fixed ports the services behind the router take on INTERNAL_HOST (none with
+        ``--port 0``); Redis finds a free one itself when 6379 is taken."""
+        if self.ephemeral:
+            return []
+        ports = [("session service", SESSION_PORT), ("retriever", RETRIEVER_PORT)]
+        return ports + [(f"inference replica {i}", self.inference_port(i)) for i in range(self.replicas)]
+
     def memory_plan(self) -> tuple[memory_budget.MemoryLimit, int]:
         """The mesh's memory and each replica's share of it (MiB).
 

@@ -16,7 +16,7 @@ from services.common.settings import ROUTER_HTTP_PORT, ROUTER_PORT
 from services.launcher.children import ChildFailed
 from services.launcher.gateway import attach, find_router
 from services.launcher.lock import AlreadyRunning, MeshLock, port_in_use
-from services.launcher.mesh import DEFAULT_MODEL, GATEWAY_LISTEN, ROOT, LocalMesh, MeshConfig
+from services.launcher.mesh import DEFAULT_MODEL, GATEWAY_LISTEN, INTERNAL_HOST, ROOT, LocalMesh, MeshConfig
 from services.launcher.supervision import RestartPolicy
 from services.launcher.supervisor import ChildGaveUp, Supervisor
 
@@ -111,12 +111,20 @@ def config_from_args(args: argparse.Namespace) -> MeshConfig:
     )
 
 
-def ensure_model(model: Path) -> None:
-    """Fetch the default model on a fresh checkout; any other model must already be there."""
-    if (model / "config.json").exists():
+def check_model(model: Path) -> None:
+    """``ValueError`` unless ``model`` is one the replicas load: a model directory (with its
+    config.json) or a GGUF file. The default one is fetched when missing (``ensure_model``)."""
+    if (model / "config.json").exists() or (model.is_file() and model.suffix == ".gguf"):
         return
     if model != DEFAULT_MODEL.resolve():
-        raise FileNotFoundError(f"--model {model}: no config.json there")
+        raise ValueError(f"--model {model}: neither a model directory (with config.json) nor a .gguf file")
+
+
+def ensure_model(model: Path) -> None:
+    """Fetch the default model on a fresh checkout; any other model must already be there."""
+    check_model(model)
+    if (model / "config.json").exists() or model.is_file():
+        return
     print(f"fetching the default model into {model} (once) …", flush=True)
     subprocess.run(
         [sys.executable, "-m", "services.inference.fetch_model", "--out", str(model)], cwd=ROOT, check=True
@@ -187,6 +195,7 @@ def ready_block(mesh: LocalMesh, config: MeshConfig) -> str:
 def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
+        check_model(config.model)
         config.memory_plan()  # refuse now, not after Redis and the services have started
     except ValueError as exc:
         print(f"llm-mesh up: {exc}", file=sys.stderr)
@@ -208,7 +217,16 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 1
-        if config.http_port and port_in_use(config.host, config.http_port):
+        for service, port in config.internal_ports():
+            if port_in_use(INTERNAL_HOST, port):
+                print(
+                    f"something else listens on {INTERNAL_HOST}:{port} (the {service}'s port; another "
+                    "mesh?); stop it first, or pass --port 0 to put every service on a free port",
+                    file=sys.stderr,
+                )
+                return 1
+        # With --port 0 the HTTP front takes a free port too: 8000 being taken is no reason to stop.
+        if config.http_port and port_in_use(config.host, config.port(config.http_port)):
             print(
                 f"something else listens on {config.host}:{config.http_port} (the router's OpenAI HTTP port); "
                 "stop it first or pass --http-port (-1 = no HTTP front)",

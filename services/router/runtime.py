@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import redis.exceptions
 
 from services.common.generate_many.client import ReplicaMultiplexer
 from services.common.server import HealthReporter
@@ -275,7 +276,13 @@ class RouterRuntime:
             self.authenticator.start_refresh()
         if self.tasks is not None:
             # Only now: a task taken over from a dead router would otherwise run against an empty pool.
-            await self.tasks.start()
+            try:
+                await self.tasks.start()
+            except (OSError, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+                raise RuntimeError(
+                    f"Redis at {self.settings.redis_url} is unreachable ({exc}): start it, or fix "
+                    "--redis-url (LLMMESH_REDIS_URL)"
+                ) from None
         if self.http is not None:
             await self.http.start()  # in this loop: an HTTP turn is a call into the same pipeline
         await health.set_serving(True)

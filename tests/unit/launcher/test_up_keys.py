@@ -83,3 +83,43 @@ def test_the_ready_block_shows_keyed_examples_only_when_keys_are_on(tmp_path: Pa
         # As the shell would split it: one header argument, the key taken from the environment.
         assert "authorization: Bearer $LLMMESH_API_KEY" in shlex.split(line)
     assert f"llm-mesh keys add --file {file} --tenant NAME" in keyed_block
+
+
+def test_up_takes_a_gguf_model_and_refuses_a_missing_one_saying_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.launcher.up import check_model
+
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+    check_model(gguf)  # README: `--model` accepts the safetensors directory or the GGUF
+    missing = tmp_path / "not-mounted"
+    with pytest.raises(ValueError, match="neither a model directory"):
+        check_model(missing)
+    # Through the command: exit 2 and one line naming the flag, not a traceback; nothing started.
+    code = cli.main(["up", "--model", str(missing), "--data-dir", str(tmp_path / "data")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"llm-mesh up: --model {missing}:") and "Traceback" not in err
+    assert not (tmp_path / "data").exists() or not any((tmp_path / "data").iterdir())
+
+
+def test_up_says_which_port_behind_the_router_is_taken_and_port_0_needs_none(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.launcher import up
+
+    taken = {50054}  # another mesh's session service (its router on another port)
+    monkeypatch.setattr(up, "port_in_use", lambda host, port: port in taken)
+    started: list[MeshConfig] = []
+    monkeypatch.setattr(up, "_run_mesh", lambda config, lock: started.append(config) or 0)
+    monkeypatch.setattr(up, "ensure_model", lambda model: None)
+    data = ["--data-dir", str(tmp_path / "second")]
+    assert cli.main(["up", *data, "--port", "50061"]) == 1
+    err = capsys.readouterr().err
+    assert "127.0.0.1:50054 (the session service's port" in err and "--port 0" in err
+    assert not started
+    # --port 0: every service, the HTTP front included, on a free port; nothing taken matters.
+    taken |= {50051, 50052, 50053, 8000}
+    assert cli.main(["up", *data, "--port", "0"]) == 0
+    assert len(started) == 1 and started[0].ephemeral
