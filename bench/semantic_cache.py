@@ -39,8 +39,14 @@ from services.router.turns.semantic_scope import is_personal
 from services.router.turns.semantic_verify import DEFAULT_CANDIDATE_THRESHOLD, REASONS, refusal
 
 DATA = Path(__file__).parent / "data"
-# The set the checks were written against, and one written after them (see docs/benchmarks.md).
-PAIRS = (DATA / "semantic_cache_pairs.jsonl", DATA / "semantic_cache_pairs_heldout.jsonl")
+# The set the checks were written against, one written after them, and the look-alikes an
+# audit found served (2026-12-07), against which the asks/modal/particle/choice checks were
+# written (see docs/benchmarks.md).
+PAIRS = (
+    DATA / "semantic_cache_pairs.jsonl",
+    DATA / "semantic_cache_pairs_heldout.jsonl",
+    DATA / "semantic_cache_pairs_audit.jsonl",
+)
 OLD_THRESHOLD = 0.92
 # The candidate threshold the router asks the retriever for (before verification).
 NEW_THRESHOLD = DEFAULT_CANDIDATE_THRESHOLD

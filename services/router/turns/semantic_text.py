@@ -30,7 +30,12 @@ _FILLER_PHRASES = re.compile(
     r"|right now|um+|uh+|so)\b",
     re.IGNORECASE,
 )
-_TOKEN = re.compile(r"[$€£]?[\w#+]+(?:[.'][\w]+)*%?")
+# Words, and an arithmetic operator between numbers ("10 - 3", "2^8"), whose sides are the
+# order that matters ("3 - 10" is another question); a dash in prose ("Quick one - is…") or
+# a hyphen in a word is no operator.
+_TOKEN = re.compile(r"[$€£]?[\w#+]+(?:[.'][\w]+)*%?|(?<=\d)\s?[-−*/^×÷](?=\s?\d)")
+# "divide 10 by 2": between numbers, "by" orders them (elsewhere, "by post", it does not).
+NUMERIC_BY = "by#"
 
 NUMBER_WORDS = {
     "zero": "0", "one": "1", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6",
@@ -85,8 +90,27 @@ ANTONYMS = (
     ("paid", "unpaid"), ("available", "unavailable"), ("supported", "unsupported"),
     ("compatible", "incompatible"), ("correct", "incorrect"), ("possible", "impossible"),
 )  # fmt: skip
-# Words between which the order of two things is the meaning: "X to Y", "X than Y", "X vs Y".
+# Words between which the order of two things is the meaning: "X to Y", "X than Y", "X vs Y",
+# "divide X by Y", "X - Y".
 CONNECTORS = {"to", "into", "from", "than", "vs", "versus", "over", "onto", "toward", "towards", "in"}
+CONNECTORS |= {NUMERIC_BY, "-", "−", "*", "/", "^", "×", "÷"}
+# What a question asks for, where two questions about one thing differ: "who founded Apple"
+# is not "when was Apple founded". "what" and "how" ask for anything, so they are not compared.
+QUESTION_WORDS = {"who": "who", "whom": "who", "whose": "whose", "when": "when", "where": "where"}
+QUESTION_WORDS |= {"why": "why", "which": "which"}
+# "how" with these asks for an amount ("how many users" is not "how much … cost").
+_HOW_AMOUNTS = {"many", "much", "long", "often", "old", "far", "big", "fast"}
+# Modal verbs by what they ask: possibility or permission, advice, obligation.
+MODALS = {"can": "can", "could": "can", "may": "can", "might": "can", "should": "should"}
+MODALS |= {"ought": "should", "must": "must", "shall": "should"}
+# Particles that make a phrasal verb: "sign in" is not "sign up", "log in" not "log out".
+PARTICLES = {"in": "in", "into": "in", "on": "on", "onto": "on", "up": "up", "out": "out", "off": "off"}
+PARTICLES |= {"down": "down", "over": "over", "back": "back", "away": "away"}
+# Prefixes that make another word of the same stem ("hypoglycemia" / "hyperglycemia",
+# "uninstall" / "reinstall"): two words that differ only in one are never each other's typo.
+WORD_PREFIXES = ("hyper", "hypo", "over", "under", "un", "re", "de", "dis", "pre", "post", "in")
+WORD_PREFIXES += ("out", "up", "down", "sub", "super", "inter", "intra", "micro", "macro", "mis")
+WORD_PREFIXES += ("anti", "pro", "im", "ex", "mono", "multi", "non", "semi", "co", "ab", "en")
 STOPWORDS = {
     "a", "an", "the", "i", "me", "you", "we", "it", "is", "are", "am", "was", "were", "be", "been",
     "do", "does", "did", "can", "could", "would", "should", "will", "shall", "have", "has", "had",
@@ -95,6 +119,7 @@ STOPWORDS = {
     "some", "my", "our", "your", "their", "its", "them", "they", "to", "in", "into", "from", "up",
     "out", "get", "way", "also", "yet", "still", "just", "really", "know", "like", "tell", "ok",
     "okay", "anyone", "basic", "question", "help", "idea", "wondering", "only", "then", "so",
+    NUMERIC_BY,  # a pivot of the direction check, not a word to align ("10 divided by 2")
 }  # fmt: skip
 
 
@@ -162,15 +187,33 @@ def known_words() -> frozenset[str]:
     return frozenset(w for w in words if w.isalpha() and len(w) > 2)
 
 
+def prefixed_forms(a: str, b: str) -> bool:
+    """Whether the two words are one stem with different prefixes (or one with none): "hypo-"
+    / "hyper-glycemia", "un-" / "re-install", "install" / "reinstall". Neither may be in the
+    vocabulary, where they would count as a typo two letters apart."""
+    for pa in ("", *WORD_PREFIXES):
+        if not a.startswith(pa):
+            continue
+        rest = a[len(pa) :]
+        if len(rest) < 4:
+            continue
+        for pb in ("", *WORD_PREFIXES):
+            if pb != pa and b == pb + rest:
+                return True
+    return False
+
+
 def same_word(a: str, b: str) -> bool:
     """Equal, equal stems, or one typo apart (two for long words); digits must match exactly.
 
     Two correctly spelled words are never one another's typo: "kite" is not "bite",
-    "shirt" not "short", however near their spellings.
+    "shirt" not "short", however near their spellings; nor are two that differ in a prefix.
     """
     if a == b or stem(a) == stem(b):
         return True
     if any(c.isdigit() for c in a + b) or min(len(a), len(b)) < 4 or negated_forms(a, b):
+        return False
+    if prefixed_forms(a, b):
         return False
     known = known_words()
     if a in known and b in known:
@@ -186,7 +229,11 @@ class Question:
 
     @cached_property
     def tokens(self) -> tuple[str, ...]:
-        return tuple(t.strip(".'") for t in _TOKEN.findall(normalize(self.text)) if t.strip(".'"))
+        words = [t.strip(".' ") for t in _TOKEN.findall(normalize(self.text)) if t.strip(".' ")]
+        for i in range(1, len(words) - 1):
+            if words[i] == "by" and _has_digit(words[i - 1]) and _has_digit(words[i + 1]):
+                words[i] = NUMERIC_BY
+        return tuple(words)
 
     @cached_property
     def numbers(self) -> Counter[str]:
@@ -225,6 +272,44 @@ class Question:
         return sum(1 for t in self.tokens if t in NEGATIONS)
 
     @cached_property
+    def asks(self) -> frozenset[str]:
+        """The question words that say what is asked for ("who", "when", "how many")."""
+        found = {QUESTION_WORDS[t] for t in self.tokens if t in QUESTION_WORDS}
+        for before, after in zip(self.tokens, self.tokens[1:], strict=False):
+            if before == "how" and after in _HOW_AMOUNTS:
+                found.add(f"how {after}")
+            elif before == "who" and after in ("do", "does", "did"):
+                # "Who did Caesar kill?" asks for the one acted on; "Who killed Caesar?" the actor.
+                found.discard("who")
+                found.add("who (object)")
+        return frozenset(found)
+
+    @cached_property
+    def modals(self) -> frozenset[str]:
+        """The modal verbs, by what they ask ("can" and "may": possible; "should": advised)."""
+        found = set()
+        for i, token in enumerate(self.tokens):
+            if token == "may" and i and self.tokens[i - 1] in _MONTH_CUES:
+                continue  # "in May": the month
+            if token in MODALS:
+                found.add(MODALS[token])
+        return frozenset(found)
+
+    @cached_property
+    def particles(self) -> dict[str, str]:
+        """Each content word's stem -> the particle right after it ("sign in", "scale up")."""
+        found: dict[str, str] = {}
+        for word, after in zip(self.tokens, self.tokens[1:], strict=False):
+            if after in PARTICLES and word not in STOPWORDS:
+                found.setdefault(stem(word), PARTICLES[after])
+        return found
+
+    @cached_property
+    def alternatives(self) -> int:
+        """How many times "or" is said: "Python or Java" is a choice, "Python and Java" is not."""
+        return sum(1 for t in self.tokens if t == "or")
+
+    @cached_property
     def entities(self) -> frozenset[str]:
         """Names: capitalised words past the first, and tokens such as "c#" or "next.js"."""
         found: set[str] = set()
@@ -239,6 +324,10 @@ class Question:
     def content(self) -> tuple[str, ...]:
         """The words that carry the question, in order: no stop words, no fillers."""
         return tuple(t for t in self.tokens if t not in STOPWORDS)
+
+
+def _has_digit(token: str) -> bool:
+    return any(c.isdigit() for c in token)
 
 
 def _unit_pieces(token: str) -> list[str]:

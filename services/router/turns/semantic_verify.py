@@ -35,7 +35,19 @@ MAX_VERIFIED_CHARS = 1000
 MAX_TYPOS = 3
 _ANTONYM_STEMS = tuple((stem(a), stem(b)) for a, b in ANTONYMS)
 # In order: the first refusing check is the reason reported.
-REASONS = ("numbers", "units", "time", "negation", "direction", "entity", "alignment")
+REASONS = (
+    "numbers",
+    "units",
+    "time",
+    "negation",
+    "asks",
+    "modal",
+    "particle",
+    "choice",
+    "direction",
+    "entity",
+    "alignment",
+)
 
 
 def check_numbers(query: Question, cached: Question) -> bool:
@@ -65,6 +77,28 @@ def check_negation(query: Question, cached: Question) -> bool:
         ):
             return False
     return True
+
+
+def check_asks(query: Question, cached: Question) -> bool:
+    """Where both say what they ask for, the same: "who founded" is not "when was … founded".
+    One without a question word ("Apple's founding date?") is left to the other checks."""
+    return not (query.asks and cached.asks) or query.asks == cached.asks
+
+
+def check_modal(query: Question, cached: Question) -> bool:
+    """Where both ask with a modal verb, the same kind: "can I take" is not "should I take"."""
+    return not (query.modals and cached.modals) or query.modals == cached.modals
+
+
+def check_particles(query: Question, cached: Question) -> bool:
+    """No word followed by one particle here and another there: "sign in" / "sign up"."""
+    mine, theirs = query.particles, cached.particles
+    return all(theirs.get(word, particle) == particle for word, particle in mine.items())
+
+
+def check_choice(query: Question, cached: Question) -> bool:
+    """As many "or"s: "Python or Java" asks to choose, "Python and Java" does not."""
+    return query.alternatives == cached.alternatives
 
 
 def _negated_across(words: set[str], others: set[str]) -> bool:
@@ -129,6 +163,10 @@ CHECKS: tuple[tuple[str, Callable[[Question, Question], bool]], ...] = (
     ("units", check_units),
     ("time", check_time),
     ("negation", check_negation),
+    ("asks", check_asks),
+    ("modal", check_modal),
+    ("particle", check_particles),
+    ("choice", check_choice),
     ("direction", check_direction),
     ("entity", check_entities),
     ("alignment", check_alignment),

@@ -9,10 +9,14 @@ import pytest
 from services.router.turns.semantic_text import Question, edit_distance
 from services.router.turns.semantic_verify import (
     check_alignment,
+    check_asks,
+    check_choice,
     check_direction,
     check_entities,
+    check_modal,
     check_negation,
     check_numbers,
+    check_particles,
     check_time,
     check_units,
     refusal,
@@ -126,6 +130,87 @@ def test_named_entities_must_agree(a: str, b: str, same: bool) -> None:
 )
 def test_alignment_refuses_a_substituted_word(a: str, b: str, same: bool) -> None:
     assert check_alignment(q(a), q(b)) is same
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        ("Who designed the Eiffel Tower?", "When was the Eiffel Tower designed?", False),
+        ("Where is the spare key kept?", "Why is the spare key kept?", False),
+        ("How many seats does the van have?", "How much does the van cost?", False),
+        ("Who did the committee appoint?", "Who appointed the committee?", False),  # object / actor
+        # One side names nothing it asks for: left to the other checks.
+        ("When does the museum open?", "Museum opening hours on weekdays?", True),
+        ("Who designed the Eiffel Tower?", "The Eiffel Tower was designed by who?", True),
+    ],
+)
+def test_what_is_asked_for_must_agree(a: str, b: str, same: bool) -> None:
+    assert check_asks(q(a), q(b)) is same
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        ("Can I drive with a learner's permit?", "Should I drive with a learner's permit?", False),
+        ("Must I declare the gift?", "May I declare the gift?", False),
+        ("May I bring my dog?", "Can I bring my dog?", True),  # permission both
+        ("How do I bring my dog?", "How can I bring my dog?", True),  # one without a modal
+        ("Is the pool open in May?", "Should the pool open in May?", True),  # "in May": the month
+    ],
+)
+def test_modal_verbs_must_agree(a: str, b: str, same: bool) -> None:
+    assert check_modal(q(a), q(b)) is same
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        ("How do I back up my photos?", "How do I back out my photos?", False),
+        ("When should I log on to the portal?", "When should I log off the portal?", False),
+        ("How do I set up the printer?", "How do I set the printer up?", True),
+        ("How do I read a log file in Rust?", "In Rust, how do I read a log file?", True),
+    ],
+)
+def test_phrasal_particles_must_agree(a: str, b: str, same: bool) -> None:
+    assert check_particles(q(a), q(b)) is same
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        ("Do you sell tea or coffee?", "Do you sell tea and coffee?", False),
+        ("Tea or coffee: which do you sell?", "Do you sell tea or coffee?", True),
+    ],
+)
+def test_a_choice_must_stay_a_choice(a: str, b: str, same: bool) -> None:
+    assert check_choice(q(a), q(b)) is same
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        ("How is hyperkalemia treated?", "How is hypokalemia treated?", False),
+        ("How do I unmount the drive?", "How do I remount the drive?", False),
+        ("How do I mount the drive?", "How do I remount the drive?", False),
+        ("How is hypokalemia treated?", "How is hypokalaemia treated?", True),  # a spelling
+    ],
+)
+def test_words_that_differ_in_a_prefix_are_not_typos(a: str, b: str, same: bool) -> None:
+    assert check_alignment(q(a), q(b)) is same
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        ("What is 12 - 5?", "What is 5 - 12?", False),
+        ("What is 9/3 in Python?", "What is 3/9 in Python?", False),
+        ("Multiply 6 by 4 then divide 12 by 3", "Multiply 6 by 4 then divide 3 by 12", False),
+        ("Divide 12 by 3", "What is 12 divided by 3?", True),
+        ("Quick one - do you ship to Malta?", "Do you ship to Malta?", True),  # a dash in prose
+    ],
+)
+def test_the_order_around_an_operator_must_agree(a: str, b: str, same: bool) -> None:
+    assert refusal(b, a) is None if same else refusal(b, a) is not None
 
 
 def test_refusal_names_the_first_check_that_refuses_and_none_for_a_rephrasing() -> None:
