@@ -108,9 +108,11 @@ PARTICLES = {"in": "in", "into": "in", "on": "on", "onto": "on", "up": "up", "ou
 PARTICLES |= {"down": "down", "over": "over", "back": "back", "away": "away"}
 # Prefixes that make another word of the same stem ("hypoglycemia" / "hyperglycemia",
 # "uninstall" / "reinstall"): two words that differ only in one are never each other's typo.
-WORD_PREFIXES = ("hyper", "hypo", "over", "under", "un", "re", "de", "dis", "pre", "post", "in")
-WORD_PREFIXES += ("out", "up", "down", "sub", "super", "inter", "intra", "micro", "macro", "mis")
-WORD_PREFIXES += ("anti", "pro", "im", "ex", "mono", "multi", "non", "semi", "co", "ab", "en")
+WORD_PREFIXES: tuple[str, ...] = (
+    "hyper", "hypo", "over", "under", "un", "re", "de", "dis", "pre", "post", "in", "out", "up",
+    "down", "sub", "super", "inter", "intra", "micro", "macro", "mis", "anti", "pro", "im", "ex",
+    "mono", "multi", "non", "semi", "co", "ab", "en",
+)  # fmt: skip
 STOPWORDS = {
     "a", "an", "the", "i", "me", "you", "we", "it", "is", "are", "am", "was", "were", "be", "been",
     "do", "does", "did", "can", "could", "would", "should", "will", "shall", "have", "has", "had",
