@@ -107,6 +107,10 @@ class LLMEngine:
         ``InvalidArgument`` for a constraint or resume it refuses. Call it off the step loop."""
         return None if params.constraint is None else self.grammars.guide(params.constraint, resume_token_ids)
 
+    def grammar_compiled(self, params: SamplingParams) -> bool:
+        """Whether the request's guide is a copy of a compiled grammar (or it has none)."""
+        return params.constraint is None or self.grammars.is_compiled(params.constraint)
+
     def make_detokenizer(
         self, params: SamplingParams, resume_token_ids: Seq[int] = ()
     ) -> IncrementalDetokenizer:

@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 from services.common.prompts import Message, prompt_token_ids
 from services.common.sampling_limits import MAX_CHOICES
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services.inference.grammar import MAX_SCHEMA_PATTERN_PROPERTIES, MAX_SCHEMA_PROPERTIES
 from tests.support.device import reference_model
 from tests.support.inference import Generation, generate
 from tests.support.processes import ServiceProcess
@@ -242,6 +243,18 @@ async def generate_with_logprobs(
     return tokens, logprobs
 
 
+def _pattern_properties(n: int) -> dict[str, Any]:
+    """Half at the top, half in a nested object: the budget counts every level."""
+    top = {f"^k{i}_[a-z]{{{i % 7}}}$": {"type": "string"} for i in range(n // 2)}
+    inner = {f"^n{i}_[0-9]+$": {"type": "integer"} for i in range(n - n // 2)}
+    return {"type": "object", "patternProperties": top, "properties": {"inner": {"patternProperties": inner}}}
+
+
+def _nested_properties(n: int) -> dict[str, Any]:
+    rows = {f"f{i}": {"type": "integer"} for i in range(n - 1)}
+    return {"type": "object", "properties": {"row": {"type": "object", "properties": rows}}}
+
+
 @pytest.mark.parametrize(
     ("field", "sampling"),
     [
@@ -262,6 +275,10 @@ async def generate_with_logprobs(
         ("json_schema", {"json_schema": '{"type": "array", "items": ' * 2000 + "{}" + "}" * 2000}),
         ("json_schema", {"json_schema": '{"const": ' + "9" * 5000 + "}"}),
         ("choice", {"choice": common_pb2.Choices(values=[str(i) for i in range(MAX_CHOICES + 1)])}),
+        # 15 KB of patternProperties compiled for 29 s (one more than the budget, here, would
+        # take seconds); 5,001 properties is past OpenAI's own bound.
+        ("json_schema", {"json_schema": json.dumps(_pattern_properties(MAX_SCHEMA_PATTERN_PROPERTIES + 1))}),
+        ("json_schema", {"json_schema": json.dumps(_nested_properties(MAX_SCHEMA_PROPERTIES + 1))}),
     ],
 )
 async def test_bad_constraints_are_invalid_argument_naming_the_field_before_any_engine_work(

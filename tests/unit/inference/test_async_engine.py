@@ -13,7 +13,7 @@ import pytest
 from services.common import errors
 from services.inference.async_engine import AsyncEngine, merge_outputs
 from services.inference.outputs import EngineLoad, RequestOutput, SampledToken, Timings, Usage
-from services.inference.sampling import SamplingParams
+from services.inference.sampling import Constraint, ConstraintKind, SamplingParams
 from services.inference.sequence import FinishReason
 
 
@@ -254,3 +254,50 @@ async def test_a_request_the_engine_ended_with_a_fault_is_not_aborted_after() ->
     finally:
         engine.close()
     assert fake.aborted == []
+
+
+class CompilingEngine(FakeTokenEngine):
+    """Compiles every new grammar slowly (``make_guide`` waits for ``compiled``, as a schema of
+    hundreds of patternProperties takes seconds to minutes): none is ever in the cache."""
+
+    def __init__(self) -> None:
+        super().__init__(tokens=3)
+        self.compiled = threading.Event()
+        self.compiling = 0
+        self.lock = threading.Lock()
+
+    def grammar_compiled(self, params: SamplingParams) -> bool:
+        return params.constraint is None
+
+    def make_guide(self, params: SamplingParams, resume: object) -> object:
+        with self.lock:
+            self.compiling += 1
+        self.compiled.wait(10.0)
+        return object()
+
+    def make_detokenizer(self, params: SamplingParams, resume: object) -> object:
+        return object()
+
+
+async def test_slow_grammar_compiles_do_not_hold_up_other_requests_preparation() -> None:
+    """New grammars compile on their own thread, one at a time: eight slow compiles held every
+    thread of the default executor, and a resumed request (its text replayed there) waited."""
+    fake = CompilingEngine()
+    engine = AsyncEngine(fake)  # type: ignore[arg-type]
+    constrained = SamplingParams(max_tokens=3, constraint=Constraint(ConstraintKind.JSON_OBJECT))
+
+    async def drain(request_id: str, params: SamplingParams, resume: list[int]) -> list[RequestOutput]:
+        return [out async for out in engine.generate(request_id, [1, 2, 3], params, resume)]
+
+    compiles = [asyncio.create_task(drain(f"schema-{i}", constrained, [])) for i in range(8)]
+    try:
+        await asyncio.sleep(0.2)
+        assert fake.compiling == 1  # one at a time, on the grammar thread
+        resumed = await asyncio.wait_for(drain("resumed", SamplingParams(max_tokens=3), [7]), 5)
+        assert resumed[-1].finished
+    finally:
+        for task in compiles:
+            task.cancel()
+        fake.compiled.set()
+        await asyncio.gather(*compiles, return_exceptions=True)
+        engine.close()
