@@ -59,6 +59,11 @@ class _Request:
     guide: Guide | None = None
 
 
+#: An answer's state before its constraint is judged: going on, or cut by its length (which a
+#: constraint completed by the same token overrides).
+_CUT_OR_GOING = (None, SequenceStatus.FINISHED_LENGTH)
+
+
 class LLMEngine:
     """Continuous batching over one model on one device."""
 
@@ -255,7 +260,7 @@ class LLMEngine:
         # The last resumed token judged as _update judged it: a stop token or the length, then
         # a constraint it completed.
         status = self._check_stop(req, req.seq.token_ids[-1])
-        if status is None and req.guide is not None and req.guide.finished:
+        if req.guide is not None and req.guide.finished and status in _CUT_OR_GOING:
             status = SequenceStatus.FINISHED_STOPPED
         return None if status is None else (status, "")
 
@@ -442,13 +447,15 @@ class LLMEngine:
 
     @staticmethod
     def _advance_guide(req: _Request, token: int, status: SequenceStatus | None) -> SequenceStatus | None:
-        """Feed the token to the request's grammar: a complete grammar ends the request (STOP)."""
+        """Feed the token to the request's grammar: a complete grammar ends the request (STOP),
+        also when it completes with the last token max_tokens allows: its output is whole, and
+        LENGTH would tell the client it was cut (the SDKs' ``parse`` then refuses it)."""
         assert req.guide is not None
         refused = req.guide.advance(token)
         if refused:
             req.seq.error = refused
             return SequenceStatus.FINISHED_ERROR
-        return SequenceStatus.FINISHED_STOPPED if req.guide.finished and status is None else status
+        return SequenceStatus.FINISHED_STOPPED if req.guide.finished and status in _CUT_OR_GOING else status
 
     def _check_stop(self, req: _Request, token: int) -> SequenceStatus | None:
         seq = req.seq

@@ -1250,6 +1250,33 @@ def test_a_named_tool_choice_answers_with_a_call_whose_arguments_fit_the_schema(
     (call,) = choice.message.tool_calls or []
     assert call.type == "function" and call.function.name == "get_weather"  # type: ignore[union-attr]
     jsonschema.validate(json.loads(call.function.arguments), parameters)  # type: ignore[union-attr]
+    # A stop string ends the arguments at their first quote, before the grammar completes: no
+    # call is claimed (it was `tool_calls` with arguments "{"), its text is the answer, whole
+    # and streamed alike.
+    for stream in (False, True):
+        body = {
+            "model": front.model,
+            "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "max_tokens": 48,
+            "temperature": 0,
+            "tools": [tool],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "stop": ['"'],
+            "stream": stream,
+        }
+        if not stream:
+            (cut,) = front.post("/v1/chat/completions", body).json()["choices"]
+            assert cut["finish_reason"] == "stop" and "tool_calls" not in cut["message"]
+            assert cut["message"]["content"] == "{"
+        else:
+            streamed = front.post("/v1/chat/completions", body)
+            chunks = [
+                json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")
+            ]
+            deltas = [c["choices"][0] for c in chunks if c.get("choices")]
+            assert not any("tool_calls" in d["delta"] for d in deltas)
+            assert "".join(d["delta"].get("content") or "" for d in deltas) == "{"
+            assert deltas[-1]["finish_reason"] == "stop"
 
 
 def test_a_call_and_its_result_given_back_get_the_answer_the_model_reads_from_them(

@@ -204,6 +204,11 @@ async def test_a_grammar_not_finished_within_max_tokens_ends_with_length(
     assert len(got.token_ids) == 8
     with pytest.raises(json.JSONDecodeError):  # cut short: not claimed complete, and it is not
         json.loads(got.text)
+    # Completed by the last token max_tokens allows: whole, so STOP, not LENGTH (the SDKs'
+    # parse() refuses a "length" answer). "yes" is one token of SmolLM2's vocabulary.
+    whole = await generate(stub, start("Pick one.", choice=common_pb2.Choices(values=["yes"]), max_tokens=1))
+    assert (whole.text, len(whole.token_ids)) == ("yes", 1)
+    assert whole.finish_reason == common_pb2.FINISH_REASON_STOP
 
 
 async def test_logprobs_are_transformers_log_softmax_and_top_logprobs_its_top_k(

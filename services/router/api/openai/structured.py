@@ -213,19 +213,64 @@ class ToolMode:
     source: str = "tools"
 
     def call(self, text: str, call_id: str) -> dict[str, Any] | None:
-        """The ``tool_calls`` entry for an answer's text; None when it is not a call (cut short)."""
+        """The ``tool_calls`` entry for an answer's text; None when it is not a whole call (cut
+        short by ``max_tokens``, a stop string or a stop token: the grammar did not complete).
+
+        The arguments are the model's own JSON text, never parsed and written again: that
+        turned ``1e400`` into ``Infinity``, which no strict JSON reader takes.
+        """
         if self.name is not None:
-            return _tool_call(call_id, self.name, text)
-        try:
-            parsed = json.loads(text)
-        except (ValueError, RecursionError):
-            # Not JSON (cut short), or JSON Python's reader refuses: an integer of thousands of
-            # digits, which a schema's "integer" allows and max_tokens may leave room for.
+            members = _object_members(text)
+            return None if members is None else _tool_call(call_id, self.name, text)
+        members = _object_members(text)
+        if members is None or "name" not in members:
             return None
-        if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
+        name = _loads(members["name"])
+        arguments = members.get("arguments", "{}")
+        if not isinstance(name, str) or not isinstance(_loads(arguments), dict):
             return None
-        arguments = json.dumps(parsed.get("arguments", {}), ensure_ascii=False)
-        return _tool_call(call_id, parsed["name"], arguments)
+        return _tool_call(call_id, name, arguments)
+
+
+_DECODER = json.JSONDecoder()
+_NOT_JSON = object()
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return _NOT_JSON
+
+
+def _object_members(text: str) -> dict[str, str] | None:
+    """A JSON object's members as their raw value texts, or None when ``text`` is not one whole
+    JSON object: not JSON (cut short), or JSON Python's reader refuses (an integer of thousands
+    of digits, which a schema's "integer" allows and max_tokens may leave room for)."""
+    try:
+        parsed = json.loads(text)
+        if not isinstance(parsed, dict):
+            return None
+        members: dict[str, str] = {}
+        at = _skip(text, text.index("{") + 1)
+        while text[at] != "}":
+            key, at = _DECODER.raw_decode(text, at)
+            at = _skip(text, _skip(text, at) + 1)  # past the ':'
+            start = at
+            _, at = _DECODER.raw_decode(text, at)
+            members[key] = text[start:at]
+            at = _skip(text, at)
+            if text[at] == ",":
+                at = _skip(text, at + 1)
+        return members
+    except (ValueError, RecursionError, IndexError):
+        return None
+
+
+def _skip(text: str, at: int) -> int:
+    while text[at] in " \t\n\r":
+        at += 1
+    return at
 
 
 def _tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:

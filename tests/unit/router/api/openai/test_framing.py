@@ -192,3 +192,19 @@ def test_a_completions_top_logprobs_include_the_chosen_token_as_openais_do() -> 
     got = text_logprobs(tokens)["top_logprobs"]
     assert [set(t) for t in got] == [set(t) for t in expected]
     assert all(t[k] == pytest.approx(e[k]) for t, e in zip(got, expected, strict=True) for k in e)
+
+
+def test_a_required_calls_arguments_are_the_models_own_json_text() -> None:
+    """Parsed and written again, 1e400 became Infinity (no strict JSON reader takes it), 1E2 100.0."""
+    required = ToolMode(None)
+    call = required.call('{"name": "area", "arguments": {"x": 1e400, "y": 1E2, "z": 0.10}}', "call_1")
+    assert call is not None and call["function"] == {
+        "name": "area",
+        "arguments": '{"x": 1e400, "y": 1E2, "z": 0.10}',
+    }
+    # Whole calls only: cut short (a stop string, max_tokens) or not an object, no call.
+    assert required.call('{"name": "area", "arguments": {"x": 1', "c") is None
+    assert required.call('{"name": "area", "arguments": [1]}', "c") is None
+    named = ToolMode("get_weather")
+    assert named.call('{"city": "Paris"', "c") is None and named.call('"Paris"', "c") is None
+    assert named.call('{"city": "Paris"}', "c") is not None
