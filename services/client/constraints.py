@@ -27,6 +27,8 @@ def apply_constraint(args: argparse.Namespace, sampling: common_pb2.SamplingPara
             sampling.json_schema = Path(args.json_schema).read_text(encoding="utf-8")
         except OSError as exc:
             return f"--json-schema: cannot read {args.json_schema}: {exc.strerror}"
+        except UnicodeDecodeError:
+            return f"--json-schema: {args.json_schema} is not UTF-8 text (a JSON schema is)"
     elif args.regex is not None:
         sampling.regex = args.regex
     elif args.choice:

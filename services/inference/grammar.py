@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict, deque
@@ -145,6 +146,11 @@ class GrammarCompiler:
         return matcher
 
 
+#: A GBNF rule: a name and ``::=`` starting a line. Lark has no ``::=`` outside a string, but
+#: a Lark grammar may hold one in a literal (``start: "x ::= y"``), which is no GBNF.
+_GBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w-]*\s*::=", re.MULTILINE)
+
+
 def _key(constraint: Constraint) -> str:
     return hashlib.sha256(json.dumps(constraint.key).encode()).hexdigest()
 
@@ -218,7 +224,7 @@ def to_llguidance(constraint: Constraint) -> str:
         alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in constraint.choices)
         return str(llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}"))
     text = constraint.spec
-    if "::=" in text:  # GBNF (llama.cpp's notation): llguidance translates it to Lark
+    if _GBNF_RULE.search(text):  # GBNF (llama.cpp's notation): llguidance translates it to Lark
         try:
             text = llguidance.gbnf_to_lark.gbnf_to_lark(text)
         except Exception as exc:  # its parser raises plain exceptions with the position

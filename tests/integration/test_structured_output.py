@@ -211,6 +211,20 @@ async def test_a_grammar_not_finished_within_max_tokens_ends_with_length(
     assert whole.finish_reason == common_pb2.FINISH_REASON_STOP
 
 
+@pytest.mark.parametrize(
+    ("grammar", "answers"),
+    [
+        ('start: "x ::= y"', {"x ::= y"}),  # Lark with "::=" in a literal: not taken for GBNF
+        ('root ::= "yes" | "no"', {"yes", "no"}),  # GBNF
+    ],
+)
+async def test_lark_and_gbnf_grammars_are_told_apart(
+    stub: inference_pb2_grpc.InferenceStub, grammar: str, answers: set[str]
+) -> None:
+    got = await generate(stub, start("Answer.", grammar=grammar, max_tokens=16))
+    assert got.text in answers and got.finish_reason == common_pb2.FINISH_REASON_STOP
+
+
 async def test_logprobs_are_transformers_log_softmax_and_top_logprobs_its_top_k(
     stub: inference_pb2_grpc.InferenceStub, model_path: Path, tokenizer: Any
 ) -> None:

@@ -161,5 +161,9 @@ def test_json_schema_regex_and_choice_flags_constrain_the_turn(
     assert list(router.requests[-1].sampling.choice.values) == ["yes", "no"]
     assert run_ask(monkeypatch, router, "--json-schema", str(tmp_path / "missing.json"), "Who?") == 2
     assert "--json-schema: cannot read" in capsys.readouterr().err
+    latin1 = tmp_path / "latin1.json"
+    latin1.write_bytes('{"description": "café"}'.encode("latin-1"))
+    assert run_ask(monkeypatch, router, "--json-schema", str(latin1), "Who?") == 2  # usage, no traceback
+    assert "is not UTF-8 text" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # one constraint at most: argparse refuses two
         run_ask(monkeypatch, router, "--regex", "a", "--choice", "b", "Both?")
