@@ -34,6 +34,8 @@ def sampling_from_pb(pb: common_pb2.SamplingParams, prompt_len: int, max_model_l
     """Proto sampling fields to ``SamplingParams``; unset optional fields take the defaults."""
     if pb.HasField("max_tokens"):
         max_tokens = pb.max_tokens
+    elif pb.max_tokens_to_context:
+        max_tokens = max(1, max_model_len - prompt_len)
     else:
         max_tokens = max(1, min(DEFAULT_MAX_TOKENS, max_model_len - prompt_len))
     return SamplingParams(

@@ -101,12 +101,15 @@ class SyntheticInference(inference_pb2_grpc.InferenceServicer):
             raise errors.DependencyUnavailable("replica is shutting down; send work elsewhere")
         if self.config.fail_rate and self._rng.random() < self.config.fail_rate:
             raise errors.DependencyUnavailable("synthetic failure injected (--fail-rate)")
-        max_tokens = (
-            start.sampling.max_tokens if start.sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS
-        )
+        context = self.config.max_context_tokens
+        if start.sampling.HasField("max_tokens"):
+            max_tokens = start.sampling.max_tokens
+        elif start.sampling.max_tokens_to_context:  # as the engine: all the context leaves
+            max_tokens = max(1, context - prompt_tokens(start))
+        else:
+            max_tokens = DEFAULT_MAX_TOKENS
         if max_tokens < 1:
             raise errors.InvalidArgument("sampling.max_tokens", f"must be >= 1, got {max_tokens}")
-        context = self.config.max_context_tokens
         if (prompt := prompt_tokens(start)) + max_tokens > context:
             # Without this a huge max_tokens streams until the client's deadline (the fuzzer found it).
             raise errors.ContextTooLong(

@@ -86,6 +86,8 @@ def sampling_fingerprint(sampling: common_pb2.SamplingParams) -> str:
         fields["include_stop_str_in_output"] = True
     if sampling.min_tokens:
         fields["min_tokens"] = sampling.min_tokens
+    if sampling.max_tokens_to_context and not sampling.HasField("max_tokens"):
+        fields["max_tokens_to_context"] = True  # a whole answer is not one cut at 256 tokens
     if sampling.logit_bias:
         fields["logit_bias"] = sorted((token, round(bias, 6)) for token, bias in sampling.logit_bias.items())
     fields["stop"] = list(sampling.stop)

@@ -321,9 +321,14 @@ def turn_request_id(request_id: str, index: int, choices: int) -> str:
 
 
 def sampling_params(body: Mapping[str, Any], max_tokens: int | None) -> common_pb2.SamplingParams:
+    """``max_tokens`` None (chat, responses): the answer may take all the context leaves, as
+    OpenAI's and vLLM's do; the engine's own default (256) cut SDK and LangChain answers,
+    which send no limit, at 256 tokens."""
     sampling = common_pb2.SamplingParams()
     if max_tokens is not None:
         sampling.max_tokens = max_tokens
+    else:
+        sampling.max_tokens_to_context = True
     if (temperature := _number(body, "temperature", 0.0, 2.0)) is not None:
         sampling.temperature = temperature
     if (top_p := _number(body, "top_p", 0.0, 1.0)) is not None:

@@ -117,6 +117,30 @@ def test_completions_are_raw_prompt_major_and_default_to_16_tokens() -> None:
     assert all(t.sampling.max_tokens == 16 for t in g.turns)
 
 
+def test_chat_and_responses_without_a_limit_may_use_the_whole_context() -> None:
+    """As OpenAI's and vLLM's: the SDKs and LangChain send no max_tokens, and the engine's own
+    default (256) cut their answers."""
+    from services.common.errors import InvalidArgument
+    from services.gen.llmmesh.v1 import common_pb2
+    from services.inference.servicer import sampling_from_pb
+
+    for turn in (
+        chat_generation({"messages": USER}, "c1").turns[0],
+        response_generation({"input": "hi"}, "r1").generation.turns[0],
+    ):
+        assert not turn.sampling.HasField("max_tokens") and turn.sampling.max_tokens_to_context
+        assert sampling_from_pb(turn.sampling, prompt_len=100, max_model_len=8192).max_tokens == 8092
+    limited = chat_generation({"messages": USER, "max_completion_tokens": 7}, "c2").turns[0].sampling
+    assert limited.max_tokens == 7 and not limited.max_tokens_to_context
+    # The native API keeps its default: 256, capped by the context.
+    native = common_pb2.SamplingParams()
+    assert sampling_from_pb(native, prompt_len=100, max_model_len=8192).max_tokens == 256
+    assert sampling_from_pb(native, prompt_len=8000, max_model_len=8192).max_tokens == 192
+    # min_tokens beyond what the context leaves is still refused, naming it.
+    with pytest.raises(InvalidArgument, match=r"^min_tokens"):
+        sampling_from_pb(common_pb2.SamplingParams(max_tokens_to_context=True, min_tokens=9000), 100, 8192)
+
+
 def test_nulls_and_load_tool_extras_are_accepted() -> None:
     g = chat_generation(
         {
