@@ -173,14 +173,15 @@ def test_resume_errors_are_openai_shaped(mesh: Mesh) -> None:
     owned = stream(mesh, body, 0)
     last = read_events(owned)[-2][0]
     owned.close()
-    # Another tenant's stream: 403; one never buffered: 404; a malformed id or one for another
-    # number of choices: 400 naming the header.
+    # Another tenant's stream: 404, as one never buffered (an id is the tenant's own: another
+    # tenant's is not theirs to know of); a malformed id or one for another number of choices:
+    # 400 naming the header.
     foreign = httpx.post(
         f"{mesh.bases[1]}/v1/chat/completions",
         json=body,
         headers={"authorization": f"Bearer {OTHER}", "last-event-id": last},
     )
-    assert foreign.status_code == 403 and foreign.json()["error"]["type"] == "permission_error"
+    assert foreign.status_code == 404 and foreign.json()["error"]["type"] == "not_found_error"
     missing = mesh.post(body, 1, last_event_id="chatcmpl-never-ran-3")
     assert missing.status_code == 404 and set(missing.json()["error"]) == {"message", "type", "param", "code"}
     for bad in ("nonsense", "cmpl-abc-1", last.rsplit("-", 1)[0] + "-1.2"):

@@ -161,6 +161,32 @@ def test_chat_stream_runs_turns_in_order_on_one_connection(
     )
 
 
+@pytest.mark.parametrize(
+    "unreadable",
+    [b"\xff\xff\xff\xff", b"\x0a\x0c\x0a\x04user\x12\x04\xff\xfe\xfd\xfc"],  # garbage; content not UTF-8
+    ids=["garbage", "not-utf8"],
+)
+def test_an_unreadable_chat_message_ends_the_stream_with_invalid_argument(
+    mesh: tuple[ServiceProcess, list[ServiceProcess]], unreadable: bytes
+) -> None:
+    """The handler's reader died on it and the stream hung with no status."""
+    router, _ = mesh
+    with grpc.insecure_channel(router.address) as channel:
+        chat = channel.stream_stream(
+            "/llmmesh.v1.Router/Chat",
+            request_serializer=lambda raw: raw,
+            response_deserializer=router_pb2.ChatResponse.FromString,
+        )
+        got: list[router_pb2.ChatResponse] = []
+        with pytest.raises(grpc.RpcError) as caught:
+            for response in chat(
+                iter([user_turn("first", 3).SerializeToString(), unreadable]), metadata=CAROL, timeout=10
+            ):
+                got.append(response)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+    assert (caught.value.details() or "").startswith("request: not a ChatRequest")
+
+
 def test_missing_or_wrong_key_is_unauthenticated(mesh: tuple[ServiceProcess, list[ServiceProcess]]) -> None:
     router, _ = mesh
     stub = router_stub(router)
@@ -210,7 +236,33 @@ def test_resume_replays_missing_messages_only_for_the_owning_tenant(
     assert replayed.messages == original.messages[4:]
     with pytest.raises(grpc.RpcError) as caught:
         list(stub.Resume(router_pb2.ResumeRequest(request_id="resume-test-1"), metadata=bearer("bob")))
-    assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    # Another tenant's id is not theirs to know of (it was PERMISSION_DENIED, which said it exists).
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    # A request id is the tenant's own: bob's turn by the same id neither reads nor takes
+    # carol's buffer (the first tenant to write an id owned it: bob's Resume replayed carol's
+    # answer, and carol's was refused), and both run, each on its own engine id.
+    bobs = read_turn(
+        stub.ChatStream(user_turn("another story", 6, request_id="resume-test-1"), metadata=bearer("bob"))
+    )
+    assert bobs.end.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    deadline = time.monotonic() + 5
+    while True:
+        theirs = read_turn(
+            stub.Resume(router_pb2.ResumeRequest(request_id="resume-test-1"), metadata=bearer("bob"))
+        )
+        if (theirs.messages and theirs.messages[-1].HasField("end")) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert theirs.messages == bobs.messages
+    mine = read_turn(stub.Resume(router_pb2.ResumeRequest(request_id="resume-test-1"), metadata=CAROL))
+    assert mine.messages == original.messages
+    # A last_seq past any seq is refused, not read after the end marker for 120 s.
+    with pytest.raises(grpc.RpcError) as caught:
+        list(
+            stub.Resume(router_pb2.ResumeRequest(request_id="resume-test-1", last_seq=2**63), metadata=CAROL)
+        )
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (caught.value.details() or "").startswith("last_seq:")
 
 
 def test_repeated_deterministic_request_is_answered_from_the_exact_cache(
@@ -272,7 +324,8 @@ def test_client_deadline_reaches_the_replica(slow_mesh: tuple[ServiceProcess, li
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - started < 2.5
     # The replica's call carried the client's deadline (minus the time already spent), never more.
-    logged = [line for r in replicas for line in r.lines if "request_id=deadline-1 " in line]
+    # The replica knows it by the request id and the router's suffix (TurnState.engine_id).
+    logged = [line for r in replicas for line in r.lines if "request_id=deadline-1." in line]
     assert len(logged) == 1
     assert 0.0 < float(logged[0].rsplit("deadline_s=", 1)[1]) <= 0.5
     assert wait_until_idle(replicas, timeout=3.0) < 2.0

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from services.common import errors
 from services.common.ids import check_client_id
@@ -53,11 +54,26 @@ class TaskBackend(Protocol):
     ) -> router_pb2.Task: ...
 
 
-class _TurnDone:
-    """Marks the end of one turn's messages on the Chat stream's queue."""
+#: Turns a Chat stream may queue behind the running one.
+MAX_WAITING_TURNS = 8
+#: A Chat turn's messages made ahead of the client's reading (then the turn waits).
+CHAT_OUT_MESSAGES = 4
 
 
-TURN_DONE = _TurnDone()
+async def _until_done(
+    out: asyncio.Queue[router_pb2.ChatResponse], task: asyncio.Task[None]
+) -> AsyncIterator[router_pb2.ChatResponse]:
+    """The turn's messages as ``task`` puts them, until it is done and all are taken."""
+    while True:
+        getter = asyncio.ensure_future(out.get())
+        await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+        if getter.done():
+            yield getter.result()
+            continue
+        getter.cancel()
+        while not out.empty():
+            yield out.get_nowait()
+        return
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -119,20 +135,43 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Chat(
         self, request_iterator: AsyncIterator[router_pb2.ChatRequest], context: Context
     ) -> AsyncIterator[router_pb2.ChatResponse]:
-        """Turns one after another; a ``cancel`` message interrupts the turn in progress."""
+        """Turns one after another; a ``cancel`` message interrupts the turn in progress.
+
+        Bounded both ways: at most ``MAX_WAITING_TURNS`` turns wait behind the running one
+        (more is RESOURCE_EXHAUSTED; 300 queued turns of 1 MB held 292 MiB of the router), and
+        the answer is pulled from the pipeline only as fast as the client reads it, so the
+        replica pauses for a client that stops reading, as on ChatStream (an unbounded queue
+        held a whole 64k-token answer per such client: +203 MiB for ten).
+        """
         principal = self._principal(context)
         deadline = self._deadline(context)
-        turns: asyncio.Queue[router_pb2.ChatRequest | None] = asyncio.Queue()
-        out: asyncio.Queue[router_pb2.ChatResponse | _TurnDone] = asyncio.Queue()
+        turns: asyncio.Queue[router_pb2.ChatRequest | BaseException | None] = asyncio.Queue()
+        out: asyncio.Queue[router_pb2.ChatResponse] = asyncio.Queue(maxsize=CHAT_OUT_MESSAGES)
         running: list[asyncio.Task[None]] = []
 
         async def read_client() -> None:
-            async for message in request_iterator:
-                if message.cancel:
-                    if running and not running[0].done():
-                        running[0].cancel()
-                else:
-                    turns.put_nowait(message)
+            try:
+                async for message in request_iterator:
+                    if message.cancel:
+                        if running and not running[0].done():
+                            running[0].cancel()
+                    elif turns.qsize() >= MAX_WAITING_TURNS:
+                        turns.put_nowait(
+                            errors.Overloaded(
+                                f"at most {MAX_WAITING_TURNS} turns may wait behind the running one "
+                                "on a Chat stream: send the next once an answer ends",
+                                retry_after_s=1.0,
+                            )
+                        )
+                        return
+                    else:
+                        turns.put_nowait(message)
+            except DecodeError as exc:
+                # A message that is no ChatRequest (garbage bytes, text that is not UTF-8): the
+                # stream ends with a status saying so; the reader's death left the handler
+                # waiting for a next turn that could never come.
+                turns.put_nowait(errors.InvalidArgument("request", f"not a ChatRequest message ({exc})"))
+                return
             turns.put_nowait(None)
 
         async def produce(
@@ -143,26 +182,27 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             turn = self.pipeline.run_turn(principal, request, deadline, on_stopped=stopped.append)
             async for response in turn:
                 sent[:] = [response]
-                out.put_nowait(response)
+                await out.put(response)  # waits while the client is not reading
 
         reader = asyncio.create_task(read_client())
         try:
             while (request := await turns.get()) is not None:
+                if isinstance(request, BaseException):
+                    raise request
                 # Named now, not in the pipeline: a turn cancelled before it runs still ends under its id.
                 request.request_id = turn_request_id(request)
                 last: list[router_pb2.ChatResponse] = []  # the turn's latest message
                 stopped: list[router_pb2.ChatResponse] = []  # its TurnEnd, if it stopped without one
                 task = asyncio.create_task(produce(request, last, stopped))
                 running[:] = [task]
-                # A done-callback (not a finally) marks the end even if cancelled before it ran.
-                task.add_done_callback(lambda _: out.put_nowait(TURN_DONE))
-                while not isinstance(item := await out.get(), _TurnDone):
+                async for item in _until_done(out, task):
                     yield item
-                # A turn whose TurnEnd is out (cancelled while it finished its bookkeeping) has ended.
-                if task.cancelled() and not (last and last[0].HasField("end")):
-                    # The pipeline's own CANCELLED end carries the usage of what was streamed, and
-                    # where; a turn cancelled before it began has none, and streamed nothing.
-                    yield stopped[0] if stopped else self._cancelled_early(request, last)
+                if task.cancelled():
+                    # A turn whose TurnEnd is out (cancelled while it finished its bookkeeping) has
+                    # ended; else the pipeline's own CANCELLED end carries the usage of what was
+                    # streamed, and where; a turn cancelled before it began has none.
+                    if not (last and last[0].HasField("end")):
+                        yield stopped[0] if stopped else self._cancelled_early(request, last)
                 elif (exc := task.exception()) is not None:
                     raise exc
         finally:

@@ -163,7 +163,8 @@ class ReplayFlusher:
             args: list[Any] = [writer.tenant, self.buffer.ttl_s, self.buffer.max_messages, int(finish)]
             for seq, payload in entries:
                 args += [seq, payload]
-            calls.append((self._sha, 2, stream_key(writer.request_id), meta_key(writer.request_id), *args))
+            keys = (stream_key(writer.request_id, writer.tenant), meta_key(writer.request_id, writer.tenant))
+            calls.append((self._sha, 2, *keys, *args))
         client = self.buffer.redis
         if isinstance(client, RedisCluster):
             # redis-py refuses scripts in cluster pipelines: one call per turn, all at once

@@ -106,7 +106,7 @@ def resumed_start(resume: ResumePoint, state: TurnState) -> inference_pb2.Genera
     """The checkpoint's prompt, and its session version, citations and degradations in ``state``."""
     checkpoint = resume.checkpoint
     start = inference_pb2.GenerateStart.FromString(checkpoint.start)
-    start.request_id = state.request_id
+    start.request_id = state.engine_id
     if checkpoint.session_id:
         state.session = SessionHistory(
             checkpoint.session_id, version=checkpoint.session_version, exists=checkpoint.session_exists

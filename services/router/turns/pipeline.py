@@ -213,7 +213,7 @@ class TurnPipeline:
                 # No history, no sources: the prompt is the request's messages, copied as they are.
                 messages, prompt = new_messages, request.messages
             start = inference_pb2.GenerateStart(
-                request_id=state.request_id,
+                request_id=state.engine_id,
                 messages=prompt,
                 prompt=request.prompt,
                 prompt_token_ids=request.prompt_token_ids,

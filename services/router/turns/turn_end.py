@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,16 @@ class TurnState:
     #: A semantic-cache entry found but not served (its confidence refused it, or a refresh
     #: was due): (entry id, its answer, similarity), compared with the fresh answer to learn.
     semantic_candidate: tuple[str, str, float] | None = None
+    #: The id the replicas know the turn's generation by: the request id and a suffix of this
+    #: router's. A request id is the client's, so two tenants (or one, retrying) may send the
+    #: same one at once: the second was ALREADY_EXISTS on the replica, told to the client as
+    #: UNAVAILABLE and counted against the replica's health, and a cancel by id could end
+    #: another tenant's generation. The request id stays its prefix, for the logs.
+    engine_id: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.engine_id:
+            self.engine_id = f"{self.request_id}.{secrets.token_hex(4)}"
 
 
 def token_message(

@@ -91,8 +91,8 @@ def turn_request_id(request: router_pb2.ChatRequest) -> str:
     """The turn's request id: the client's, else one minted here.
 
     The only place a turn's id is made (the front doors that name their own, the OpenAI
-    completion id and a task's, set it before): it numbers the turn's messages, keys its
-    Resume buffer, and goes to the replica in ``GenerateStart`` and on to the engine
-    unchanged, so one id follows the turn through every log on its way.
+    completion id and a task's, set it before): it numbers the turn's messages and keys its
+    Resume buffer (with the tenant), and begins the engine id the replica knows the
+    generation by (``TurnState.engine_id``), so it follows the turn through every log.
     """
     return request.request_id or uuid.uuid4().hex

@@ -246,7 +246,7 @@ class OpenAiFront:
                 replay, principal.tenant, [t.request_id for t in generation.turns]
             )
         else:
-            await self._refuse_reused_id(given_id, generation)
+            await self._refuse_reused_id(given_id, generation, principal.tenant)
             streams = ChoiceStreams.of_turns(self.pipeline, principal, generation.turns, deadline)
         with_extras = generation.extras.any
         if not generation.stream:
@@ -268,12 +268,16 @@ class OpenAiFront:
         )
         return SseResponse(body_iter, lambda: on_gone(streams), headers)
 
-    async def _refuse_reused_id(self, given_id: str | None, generation: Generation) -> None:
+    async def _refuse_reused_id(self, given_id: str | None, generation: Generation, tenant: str) -> None:
         """A 409 for a caller's request id the replay buffer already holds a turn by: its turn's
         messages would not be buffered (those seqs are taken), and a resume (HTTP or gRPC
         ``Resume``) would replay the earlier answer. Refused rather than mixed."""
         replay = self.pipeline.s.replay
-        if given_id is not None and replay is not None and await _buffered(replay, generation.turns[0]):
+        if (
+            given_id is not None
+            and replay is not None
+            and await _buffered(replay, generation.turns[0], tenant)
+        ):
             raise ApiError(
                 409,
                 f"x-request-id {given_id!r} was used by a recent request; send a new one",
@@ -325,7 +329,7 @@ class OpenAiFront:
         framer = ResponseFramer(
             wanted, "resp_" + request_id, int(time.time()), self._model_name(wanted.generation.model)
         )
-        await self._refuse_reused_id(given_id, wanted.generation)
+        await self._refuse_reused_id(given_id, wanted.generation, principal.tenant)
         try:
             return await self._respond(
                 request, wanted, framer, principal, deadline, {"x-request-id": request_id}
@@ -429,11 +433,11 @@ class OpenAiFront:
         return {"id": name, "object": "model", "created": 0, "owned_by": OWNER}
 
 
-async def _buffered(replay: ReplayBuffer, turn: router_pb2.ChatRequest) -> bool:
+async def _buffered(replay: ReplayBuffer, turn: router_pb2.ChatRequest, tenant: str) -> bool:
     """Whether the replay buffer already holds a turn by this id; False when Redis cannot say, since
     the buffer is best effort (a Redis outage never fails an answer, as in the replay writer)."""
     try:
-        return await replay.owner(turn.request_id) is not None
+        return await replay.holds(turn.request_id, tenant)
     except Exception as exc:
         log.warning("could not check request id %s against the replay buffer: %s", turn.request_id, exc)
         return False

@@ -36,7 +36,7 @@ async def test_replays_after_last_seq_then_follows_live_until_finished(redis_cli
     for seq in range(4, 7):
         await buffer.append("r1", "acme", seq, f"m{seq}".encode())
         await asyncio.sleep(0.02)
-    await buffer.finish("r1")
+    await buffer.finish("r1", "acme")
     assert await asyncio.wait_for(reader, 5) == [b"m2", b"m3", b"m4", b"m5", b"m6"]
     # After the end it still replays, for a client that reconnects late.
     assert await collect(buffer, "r1", "acme", 5) == [b"m6"]
@@ -48,15 +48,23 @@ async def test_a_retried_append_is_stored_once(redis_client: aioredis.Redis) -> 
     assert await buffer.append("r2", "acme", 1, b"a") is True
     assert await buffer.append("r2", "acme", 1, b"a-again") is False
     await buffer.append("r2", "acme", 2, b"b")
-    await buffer.finish("r2")
+    await buffer.finish("r2", "acme")
     assert await collect(buffer, "r2", "acme", 0) == [b"a", b"b"]
 
 
-async def test_other_tenant_is_denied_and_unknown_is_not_found(redis_client: aioredis.Redis) -> None:
+async def test_a_request_id_is_the_tenants_own(redis_client: aioredis.Redis) -> None:
     buffer = ReplayBuffer(redis_client)
     await buffer.append("r3", "acme", 1, b"secret")
-    with pytest.raises(errors.PermissionDenied, match="another tenant"):
-        await collect(buffer, "r3", "globex", 0)
+    await buffer.finish("r3", "acme")
+    with pytest.raises(errors.NotFound, match="unknown or expired"):
+        await collect(buffer, "r3", "globex", 0)  # not the other tenant's to read, nor to know of
+    # The other tenant's turn by the same id is its own, and takes none of the first's seqs.
+    assert await buffer.append("r3", "globex", 1, b"globex's") is True
+    await buffer.finish("r3", "globex")
+    assert await collect(buffer, "r3", "globex", 0) == [b"globex's"]
+    assert await collect(buffer, "r3", "acme", 0) == [b"secret"]
+    with pytest.raises(errors.InvalidArgument, match="last_seq"):
+        await collect(buffer, "r3", "acme", 10**12)
     with pytest.raises(errors.NotFound, match="unknown or expired"):
         await collect(buffer, "nope", "acme", 0)
     with pytest.raises(errors.InvalidArgument, match="last_seq"):
@@ -67,7 +75,7 @@ async def test_buffer_is_bounded_and_expires(redis_client: aioredis.Redis) -> No
     buffer = ReplayBuffer(redis_client, max_messages=3, ttl_s=1)
     for seq in range(1, 6):
         await buffer.append("r4", "acme", seq, str(seq).encode())
-    await buffer.finish("r4")
+    await buffer.finish("r4", "acme")
     assert await collect(buffer, "r4", "acme", 2) == [b"3", b"4", b"5"]
     with pytest.raises(errors.FailedPrecondition, match="no longer buffered"):
         await collect(buffer, "r4", "acme", 0)

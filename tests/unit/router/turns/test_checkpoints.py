@@ -28,7 +28,9 @@ def test_a_resumed_turn_gets_back_everything_its_checkpoint_settled() -> None:
 
     state = TurnState("task-1", 0.0)
     resumed = resumed_start(ResumePoint(kept, (5, 6), "Hel"), state)
-    assert resumed.messages[0].content == "hi" and resumed.request_id == "task-1"
+    # This attempt's own engine id, named by the turn's request id.
+    assert resumed.messages[0].content == "hi" and resumed.request_id == state.engine_id
+    assert state.engine_id.startswith("task-1.")
     assert state.session is not None and state.session.version == 4
     assert state.citations == [citation]
     assert state.degraded == ["rag: slow"]
