@@ -11,6 +11,8 @@ from __future__ import annotations
 import enum
 import re
 
+from google.protobuf.message import DecodeError
+
 
 class Code(enum.Enum):
     """The canonical status codes (google.rpc.Code): what went wrong, whatever the transport."""
@@ -147,7 +149,9 @@ def code_for(exc: BaseException) -> Code:
     """The status an exception raised by a handler means: the error table."""
     if isinstance(exc, MeshError):
         return exc.code
-    if isinstance(exc, ValueError):
+    if isinstance(exc, (ValueError, DecodeError)):
+        # A DecodeError is a message that is not the proto it claims (a string field that is
+        # not UTF-8, garbage bytes): the client's input, not a server fault.
         return Code.INVALID_ARGUMENT
     if isinstance(exc, (ConnectionError, TimeoutError)) or _is_dependency_outage(exc):
         return Code.UNAVAILABLE

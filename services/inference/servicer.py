@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
@@ -138,7 +140,14 @@ def chunk_and_finished(
 MAX_CHARS_PER_TOKEN = 128
 
 
-def start_generation(
+#: The one thread that renders chat templates and tokenizes prompts: off the event loop, where
+#: every stream of the replica waited for it (a 1 MB prompt held them 1.5-1.8 s, 500,000 empty
+#: messages 21.7 s, health checks included), and one at a time (a Hugging Face tokenizer is not
+#: safe on several threads at once; the router's prompt hashes do the same, prompt_hashes.py).
+_TOKENIZER_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+
+
+async def start_generation(
     engine: AsyncEngine, start: inference_pb2.GenerateStart
 ) -> AsyncGenerator[RequestOutput, None]:
     """The engine request for ``start``: its outputs (validated when first iterated).
@@ -146,23 +155,30 @@ def start_generation(
     Its id is the one ``start`` carries (the router's, or minted by the server half for a
     direct client that sent none): never minted again on the way to the engine.
     """
-    # Tokenizing runs on this event loop (a Hugging Face tokenizer is not safe on several threads),
-    # where every stream of the replica waits for it: a 3 MB prompt held them 4.4 s before its
-    # refusal as too long. Text past what the context could hold at even MAX_CHARS_PER_TOKEN
-    # characters a token (SmolLM2's longest is 80 bytes) is refused without reading it.
+    # Text past what the context could hold at even MAX_CHARS_PER_TOKEN characters a token
+    # (SmolLM2's longest is 80 bytes) is refused without reading it, and so are more messages
+    # than it has tokens (each takes one at least): a 3 MB prompt took 4.4 s to be refused.
+    context = engine.engine.max_model_len
     chars = len(start.prompt) + sum(len(m.content) for m in start.messages)
-    limit = engine.engine.max_model_len * MAX_CHARS_PER_TOKEN
-    if chars > limit:
+    if chars > context * MAX_CHARS_PER_TOKEN:
         field = "prompt" if start.prompt else "messages"
-        raise ContextTooLong(field, f"{chars:,} characters are more than fit in", engine.engine.max_model_len)
-    prompt_ids = prompt_token_ids(
-        engine.engine.tokenizer,
-        [Message(m.role, m.content) for m in start.messages],
-        start.prompt,
-        token_ids=start.prompt_token_ids,
+        raise ContextTooLong(field, f"{chars:,} characters are more than fit in", context)
+    if len(start.messages) > context:
+        raise ContextTooLong("messages", f"{len(start.messages):,} messages are more than fit in", context)
+    messages = [Message(m.role, m.content) for m in start.messages]
+    prompt_ids = await asyncio.get_running_loop().run_in_executor(
+        _TOKENIZER_THREAD,
+        functools.partial(
+            prompt_token_ids,
+            engine.engine.tokenizer,
+            messages,
+            start.prompt,
+            token_ids=start.prompt_token_ids,
+        ),
     )
-    params = sampling_from_pb(start.sampling, len(prompt_ids), engine.engine.max_model_len)
-    return engine.generate(start.request_id, prompt_ids, params, list(start.resume_token_ids))
+    params = sampling_from_pb(start.sampling, len(prompt_ids), context)
+    async for out in engine.generate(start.request_id, prompt_ids, params, list(start.resume_token_ids)):
+        yield out
 
 
 def kv_events_pb(snapshot: KvSnapshot | None, deltas: list[KvDelta]) -> inference_pb2.KvEvents:
@@ -232,6 +248,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         stream = start_generation(engine, start)
         tokenizer = engine.engine.tokenizer
 
+        # Once per token id for the whole generation: prompt_logprobs on a long prompt asks for
+        # ~170,000 alternatives' texts, which took 0.75 s of the event loop one decode at a time.
+        @functools.lru_cache(maxsize=65536)
         def text_of(token_id: int) -> str:
             return str(tokenizer.decode([token_id]))
 

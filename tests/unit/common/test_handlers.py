@@ -99,3 +99,15 @@ async def test_a_status_echoing_a_huge_input_is_cut_and_still_reaches_the_client
             assert details.endswith("(message cut)") and len(details) < 1100
     finally:
         await server.stop(None)
+
+
+def test_a_message_that_is_not_its_proto_is_the_clients_invalid_argument() -> None:
+    """A GenerateStart whose prompt is not UTF-8 ended Generate (and a whole GenerateMany
+    stream) with INTERNAL: DecodeError is no ValueError."""
+    from google.protobuf.message import DecodeError
+
+    from services.gen.llmmesh.v1 import inference_pb2
+
+    with pytest.raises(DecodeError) as raised:
+        inference_pb2.GenerateStart.FromString(b"\x1a\x02\xff\xfe")  # field 3 (prompt): bad UTF-8
+    assert errors.code_for(raised.value) == errors.Code.INVALID_ARGUMENT

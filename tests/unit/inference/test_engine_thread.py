@@ -119,10 +119,10 @@ def test_the_replicas_entry_point_sets_the_policy_before_torch_loads() -> None:
     assert out.stdout.strip() == "PASSIVE"
 
 
-def test_a_prompt_longer_than_any_context_could_hold_is_refused_before_it_is_tokenized() -> None:
-    """Tokenizing runs on the replica's event loop, where every stream waits for it: a 3 MB
-    prompt held them 4.4 s only to be refused as too long. Past 128 characters a token of the
-    context, it is refused without being read."""
+async def test_a_prompt_longer_than_any_context_could_hold_is_refused_before_it_is_tokenized() -> None:
+    """A 3 MB prompt was tokenized for 4.4 s only to be refused as too long, and 500,000 empty
+    messages (4 MB) rendered for 21.7 s: past 128 characters a token of the context, or more
+    messages than it has tokens, the prompt is refused without being read."""
     from services.common.errors import ContextTooLong
     from services.gen.llmmesh.v1 import common_pb2, inference_pb2
     from services.inference.servicer import MAX_CHARS_PER_TOKEN, start_generation
@@ -133,13 +133,55 @@ def test_a_prompt_longer_than_any_context_could_hold_is_refused_before_it_is_tok
 
     engine = SimpleNamespace(engine=SimpleNamespace(tokenizer=Unread(), max_model_len=8192))
     over = "x" * (8192 * MAX_CHARS_PER_TOKEN + 1)
+    empty = common_pb2.ChatMessage(role="user", content="")
     for start, field in (
         (inference_pb2.GenerateStart(prompt=over), "prompt"),
         (
             inference_pb2.GenerateStart(messages=[common_pb2.ChatMessage(role="user", content=over)]),
             "messages",
         ),
+        (inference_pb2.GenerateStart(messages=[empty] * 8193), "messages"),
     ):
         with pytest.raises(ContextTooLong) as refused:
-            start_generation(engine, start)  # type: ignore[arg-type]
+            await start_generation(engine, start).__anext__()  # type: ignore[arg-type]
         assert refused.value.field == field and "8192-token context" in str(refused.value)
+
+
+async def test_a_prompt_is_tokenized_off_the_event_loop() -> None:
+    """Rendering and tokenizing held every stream of the replica (and its health checks) while
+    they ran; now the loop goes on meanwhile."""
+    from services.common.errors import InvalidArgument
+    from services.gen.llmmesh.v1 import inference_pb2
+    from services.inference.servicer import start_generation
+
+    loop_thread = threading.get_ident()
+    seen: list[int] = []
+
+    class SlowTokenizer:
+        def encode(self, text: str, **_: object) -> list[int]:
+            seen.append(threading.get_ident())
+            time.sleep(0.3)
+            return []  # an empty prompt: refused by the engine's validation, after tokenizing
+
+    class Engine:
+        engine = SimpleNamespace(tokenizer=SlowTokenizer(), max_model_len=8192)
+
+        def generate(self, *args: object) -> object:
+            raise InvalidArgument("prompt", "is empty after tokenization")
+
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    ticker = asyncio.create_task(tick())
+    try:
+        with pytest.raises(InvalidArgument):
+            await start_generation(Engine(), inference_pb2.GenerateStart(prompt="hello")).__anext__()  # type: ignore[arg-type]
+    finally:
+        ticker.cancel()
+    assert seen and seen[0] != loop_thread
+    assert ticks >= 10  # the loop ran on while the prompt was tokenized
