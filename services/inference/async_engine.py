@@ -31,7 +31,7 @@ from services.common.generate_many.limits import PARK_AFTER_OUTPUTS
 from services.common.generate_many.merge import Span, merge
 from services.inference import metrics
 from services.inference.detokenizer import IncrementalDetokenizer
-from services.inference.engine import EngineFailure, EngineLoad, LLMEngine, RequestOutput
+from services.inference.engine import THROUGHPUT_WINDOW_S, EngineFailure, EngineLoad, LLMEngine, RequestOutput
 from services.inference.engine_thread import EngineThread
 from services.inference.grammar import Guide
 from services.inference.sampling import SamplingParams
@@ -113,6 +113,7 @@ class AsyncEngine:
         self._stopped = False
         self.draining = False
         self._load = engine.load()
+        self._load_at = time.monotonic()
         self._preemptions_seen = 0
         #: New grammars compile here, one at a time, not on the default executor that prepares
         #: every request: a schema that takes seconds to compile held all of its threads, and
@@ -125,8 +126,13 @@ class AsyncEngine:
 
     # -- asyncio side ----------------------------------------------------------
     def load(self) -> EngineLoad:
-        """The load as of the last engine step (never blocks on the engine)."""
-        return self._load
+        """The load as of the last engine step (never blocks on the engine). An idle engine
+        takes no steps: once its last one is a throughput window old, it made no tokens in
+        the window (its last figure was reported for ever, "8 tok/s" after minutes idle)."""
+        load = self._load
+        if load.tokens_per_second and time.monotonic() - self._load_at > THROUGHPUT_WINDOW_S:
+            return dataclasses.replace(load, tokens_per_second=0.0)
+        return load
 
     async def generate(
         self,
@@ -356,7 +362,7 @@ class AsyncEngine:
 
     def _publish_load(self) -> None:
         load = self.engine.load()
-        self._load = load
+        self._load, self._load_at = load, time.monotonic()
         metrics.QUEUE_DEPTH.set(load.waiting)
         metrics.RUNNING_BATCH.set(load.running)
         metrics.PARKED.set(load.parked)

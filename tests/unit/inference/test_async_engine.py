@@ -301,3 +301,23 @@ async def test_slow_grammar_compiles_do_not_hold_up_other_requests_preparation()
         fake.compiled.set()
         await asyncio.gather(*compiles, return_exceptions=True)
         engine.close()
+
+
+async def test_an_idle_engines_throughput_falls_to_zero_after_its_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An idle engine takes no steps, so its last published load stood for ever: a replica that
+    made 40 tokens reported 8 tok/s after minutes idle, which placement reads as busy."""
+    from services.inference import async_engine
+
+    fake = FakeTokenEngine(tokens=3)
+    fake.load = lambda: EngineLoad(0, 0, 0, 16, 0, 8.0)  # type: ignore[method-assign]
+    engine = AsyncEngine(fake)  # type: ignore[arg-type]
+    try:
+        assert engine.load().tokens_per_second == 8.0
+        later = async_engine.time.monotonic() + async_engine.THROUGHPUT_WINDOW_S + 0.1
+        monkeypatch.setattr(async_engine.time, "monotonic", lambda: later)
+        assert engine.load().tokens_per_second == 0.0
+    finally:
+        monkeypatch.undo()
+        engine.close()
