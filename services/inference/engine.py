@@ -177,6 +177,13 @@ class LLMEngine:
             bad = next((t for t in listed if t >= vocab), None)
             if bad is not None:
                 raise errors.InvalidArgument(name, f"token ids must be in [0, {vocab}), got {bad}")
+        ends = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_ids)
+        if params.min_tokens and params.allowed_token_ids and set(params.allowed_token_ids) <= ends:
+            # Only end tokens may be drawn and min_tokens holds them back: nothing could be
+            # drawn (the answer ended at once with STOP, min_tokens silently dropped).
+            raise errors.InvalidArgument(
+                "min_tokens", "allowed_token_ids hold only end tokens, which min_tokens holds back"
+            )
 
     def admit(
         self,

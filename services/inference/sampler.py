@@ -144,9 +144,8 @@ def adjust_logits(
         if banned:
             row = row.index_fill(0, torch.tensor(banned, dtype=torch.long, device=row.device), float("-inf"))
             if not bool(torch.isfinite(row).any()):
-                raise NothingAllowed(
-                    "bad_words", "the output constraint allows only a banned word's token here"
-                )
+                narrowed = "the output constraint" if p.constraint is not None else "allowed_token_ids"
+                raise NothingAllowed("bad_words", f"{narrowed} allows only a banned word's token here")
     if held_back:
         held = row.index_fill(0, torch.tensor(held_back, dtype=torch.long, device=row.device), float("-inf"))
         # A constraint that can only end here (its mask left nothing else) ends: banning its one

@@ -245,6 +245,22 @@ def test_allowed_token_ids_a_constraint_forbids_end_the_request_as_its_own_inval
     assert "allows none" in outputs[-1].error
 
 
+def test_allowed_token_ids_of_only_end_tokens_with_min_tokens_are_refused_naming_min_tokens(
+    engine: LLMEngine,
+) -> None:
+    """min_tokens holds end tokens back, so nothing could be drawn: the answer ended at once with
+    STOP, min_tokens silently dropped."""
+    eos = engine.tokenizer.eos_token_id
+    params = SamplingParams(max_tokens=8, temperature=0.0, min_tokens=5, allowed_token_ids=(eos,))
+    with pytest.raises(errors.InvalidArgument, match=r"^min_tokens: allowed_token_ids hold only end tokens"):
+        engine.validate(engine.tokenizer.encode(PROMPT), params)
+    # With a token that is no end among them, min_tokens has something to draw.
+    word = engine.tokenizer.encode(" dog", add_special_tokens=False)[0]
+    engine.validate(
+        engine.tokenizer.encode(PROMPT), dataclasses.replace(params, allowed_token_ids=(eos, word))
+    )
+
+
 def test_bad_words_keep_a_word_out_of_the_answer_as_a_hand_ban_on_transformers_does(
     engine: LLMEngine, model: Any
 ) -> None:
