@@ -90,3 +90,8 @@ PREFIX_PROMPT_TOKENS = Counter(
     "llmmesh_router_prefix_prompt_tokens_total",
     "Prompt tokens of the placements counted in llmmesh_router_prefix_hit_tokens: the hit rate's denominator.",
 )
+PREFIX_HASH_TIMEOUTS = Counter(
+    "llmmesh_router_prefix_hash_timeouts_total",
+    "Turns placed without prefix hashes because hashing their prompt took longer than its 250 ms wait "
+    "(the worker was busy with a long prompt).",
+)

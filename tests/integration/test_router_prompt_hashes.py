@@ -208,3 +208,34 @@ def test_a_chat_template_that_refuses_the_conversation_is_a_bad_request_naming_m
     with pytest.raises(InvalidArgument) as refused:
         prompt_token_ids(tokenizer, [Message("user", "Hi"), Message("tool", "42")], "")
     assert refused.value.field == "messages" and "tool turns are not supported" in str(refused.value)
+
+
+async def test_a_long_prompt_on_the_hasher_holds_up_no_other_turn(hasher: PromptHasher) -> None:
+    """One worker hashes every turn's prompt: a short prompt behind three 3.9 MB ones waited
+    11-12 s. Now a prompt past what any replica takes is not hashed, and a turn waits at most
+    HASH_WAIT_S for its hashes."""
+    from services.router import metrics
+    from services.router.placement.prompt_hashes import HASH_WAIT_S, MAX_HASHED_CHARS
+
+    hook = PromptHasher(hasher.tokenizer, block_size=lambda model: 16)
+    rng = random.Random(11)
+    words = ["order", "refund", "parcel", "invoice", "courier", "delay", "stock", "price"]
+    try:
+        too_long = chat(("user", "x" * (MAX_HASHED_CHARS + 1)))
+        started = time.perf_counter()
+        assert not (await hook.prefix(too_long, "m")).hashes
+        assert time.perf_counter() - started < 0.1  # not even read
+        # Under the bound, but seconds of tokenizing: the turn behind it does not wait for it.
+        long = chat(("user", " ".join(rng.choice(words) for _ in range(120_000))))
+        timeouts = metrics.PREFIX_HASH_TIMEOUTS._value.get()
+        hashing = asyncio.create_task(hook.prefix(long, "m"))
+        await asyncio.sleep(0.05)
+        started = time.perf_counter()
+        short = await hook.prefix(chat(("user", "Where is my parcel?")), "m")
+        waited = time.perf_counter() - started
+        assert waited < HASH_WAIT_S + 0.5, waited
+        assert not short.hashes  # placed without them, not late
+        await hashing
+        assert metrics.PREFIX_HASH_TIMEOUTS._value.get() >= timeouts + 1
+    finally:
+        hook.close()

@@ -25,7 +25,7 @@ scoring 8 replicas against a 125-block prompt well under the 0.2 ms budget
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -35,15 +35,16 @@ MAX_APPROXIMATE_BLOCKS = 200_000
 
 @dataclass
 class ApproximateEntry:
-    """Blocks this router sent to one replica: each hash's expiry, and the sends oldest first.
+    """Blocks this router sent to one replica: each hash's expiry, in the order they expire.
 
-    A send is one ``dict.update`` plus one append (C speed, ~125 hashes a prompt); expiry walks
-    the sends from the oldest and drops a hash only if no later send refreshed it.
+    Every send has the same time to live, so the last sent is the last to expire: a send moves
+    its hashes to the end, and expiry drops them from the front. One entry per hash, whatever the
+    rate: a log of the sends (kept before 2026-12-07) held every send's hashes for the TTL, 128
+    MiB for one hot 125-block prefix sent 200 times a second.
     """
 
     block_size: int
-    expires: dict[int, float] = field(default_factory=dict)
-    sends: deque[tuple[float, Sequence[int]]] = field(default_factory=deque)
+    expires: OrderedDict[int, float] = field(default_factory=OrderedDict)
 
 
 @dataclass
@@ -171,21 +172,19 @@ class PrefixIndex:
     def _remember(self, entry: ApproximateEntry, block_hashes: Sequence[int]) -> None:
         now = self._clock()
         expires = now + self.approximate_ttl_s
-        hashes = tuple(block_hashes)  # the caller's list may change; the expiry walk needs this one
-        entry.expires.update(dict.fromkeys(hashes, expires))
-        entry.sends.append((expires, hashes))
+        table = entry.expires
+        move = table.move_to_end
+        for h in block_hashes:
+            table[h] = expires
+            move(h)
         self._expire(entry, now)
 
     @staticmethod
     def _expire(entry: ApproximateEntry, now: float) -> None:
-        """Drop the sends that expired (oldest first), and the oldest beyond the size limit."""
-        table, sends = entry.expires, entry.sends
-        while sends and (sends[0][0] <= now or len(table) > MAX_APPROXIMATE_BLOCKS):
-            sent_until, hashes = sends.popleft()
-            for h in hashes:
-                # A later send of the same block set a later expiry: it stays.
-                if table.get(h) == sent_until:
-                    del table[h]
+        """Drop the hashes that expired (the front), and the oldest beyond the size limit."""
+        table = entry.expires
+        while table and (next(iter(table.values())) <= now or len(table) > MAX_APPROXIMATE_BLOCKS):
+            table.popitem(last=False)
 
     # Lookups.
 

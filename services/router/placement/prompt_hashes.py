@@ -59,6 +59,19 @@ def common_block_size(sizes: Iterable[int]) -> int:
     return counts.most_common(1)[0][0] if counts else 0
 
 
+#: A prompt longer than this is placed without hashes: 128 characters a token of an 8,192-token
+#: context (a replica refuses more unread, inference/servicer.py), and tokenizing 1 MB takes
+#: the worker seconds.
+MAX_HASHED_CHARS = 8192 * 128
+#: How long a turn waits for its hashes before it is placed without them (a prompt of a few
+#: thousand tokens takes ~1-3 ms, its shared segments remembered, ~30 ms unseen; docs/benchmarks.md).
+HASH_WAIT_S = 0.25
+
+
+def _prompt_chars(start: inference_pb2.GenerateStart) -> int:
+    return len(start.prompt) + sum(len(m.content) for m in start.messages)
+
+
 class PromptHasher:
     """Token ids and prefix block hashes of a ``GenerateStart``."""
 
@@ -119,16 +132,27 @@ class PromptHasher:
 
     async def prefix(self, start: inference_pb2.GenerateStart, model: str) -> PromptPrefix:
         """The turn's hook (``TurnServices.prompt_prefix``): the placement request's prefix,
-        computed on the hasher's worker thread so a long unseen prompt does not stall the loop."""
+        computed on the hasher's worker thread so a long unseen prompt does not stall the loop.
+
+        Bounded: a prompt over ``MAX_HASHED_CHARS`` is not hashed, and a turn waits at most
+        ``HASH_WAIT_S`` for its hashes, then is placed without them (they are still made, and
+        the segments they tokenized are remembered for the next turns). The one worker made
+        every turn wait behind a few 4 MB prompts: a short one took 11-12 s.
+        """
         if self.tokenizer is None:
             return NO_PREFIX
         # The block size reads the pool: on the loop, where the pool is changed.
         size = self.block_size(model)
-        if size <= 0:
+        if size <= 0 or _prompt_chars(start) > MAX_HASHED_CHARS:
             return NO_PREFIX
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-hashes")
-        return await asyncio.get_running_loop().run_in_executor(self._worker, self.prefix_now, start, size)
+        hashing = asyncio.get_running_loop().run_in_executor(self._worker, self.prefix_now, start, size)
+        try:
+            return await asyncio.wait_for(asyncio.shield(hashing), HASH_WAIT_S)
+        except TimeoutError:
+            metrics.PREFIX_HASH_TIMEOUTS.inc()
+            return NO_PREFIX
 
     def prefix_now(self, start: inference_pb2.GenerateStart, block_size: int) -> PromptPrefix:
         """The placement request's prefix for ``start`` with ``block_size``, on the calling thread."""

@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 
 #: Distinct segments remembered (a system prompt, a RAG context, a question each count one).
 CACHE_SEGMENTS = 4096
+#: Longer segments are tokenized each time, not remembered: the cache is bounded by count, and
+#: 4,096 segments of megabytes (prompts the replica then refused) grew the router by ~75 MiB
+#: each. 16,384 characters is far over a shared system prompt or RAG context (8,192 here).
+MAX_CACHED_SEGMENT_CHARS = 16_384
 
 
 def _plain_added_tokens(tokenizer: Any) -> dict[str, int] | None:
@@ -63,6 +67,8 @@ class SegmentEncoder:
         for i, part in enumerate(self._cut.split(text)):
             if i % 2:  # the cut's capture group: an added token
                 ids.append(self._added[part])
+            elif len(part) > MAX_CACHED_SEGMENT_CHARS:
+                ids.extend(self._encode_segment(part))
             elif part:
                 ids.extend(self._segment(part))
         return ids

@@ -86,6 +86,25 @@ def test_the_approximate_mode_remembers_what_was_sent_and_expires() -> None:
     assert index.block_count("r1") == 0
 
 
+def test_a_hot_prefix_sent_again_and_again_is_kept_once_per_block() -> None:
+    """What a send holds is one expiry per block, whatever the rate: a log of every send held
+    128 MiB for one hot prefix sent 200 times a second (its TTL times the rate)."""
+    clock = FakeClock()
+    index = PrefixIndex(clock=clock, approximate_ttl_s=60.0)
+    index.apply_snapshot("r1", "inc-a", 1, 16, [])
+    for _ in range(10_000):
+        index.record_sent("r1", 16, CHAIN)  # never stored: it stays pending
+        index.record_sent("r2", 16, CHAIN)  # no events from r2: its approximate entry
+        clock.now += 0.005
+    pending, approximate = index._precise["r1"].pending, index._approximate["r2"]
+    assert pending is not None
+    assert len(pending.expires) == len(approximate.expires) == len(CHAIN)
+    assert vars(pending).keys() == {"block_size", "expires"}  # nothing else grows with the sends
+    assert index.cached_prefix_blocks("r2", CHAIN) == len(CHAIN)
+    clock.now += 61
+    assert index.cached_prefix_blocks("r2", CHAIN) == 0
+
+
 def test_a_fresh_precise_entry_wins_over_the_approximate_one_and_a_stale_one_falls_back() -> None:
     index = PrefixIndex(clock=FakeClock())
     index.record_sent("r1", 16, CHAIN[:6])
