@@ -74,6 +74,11 @@ class ReplicaPicker(Generic[R]):
             )
         return None
 
+    def withdraw(self, chosen: R, request: PlacementRequest) -> None:
+        """The attempt ``place`` sent to ``chosen`` ended before its first token: the policy
+        takes back what it noted of it."""
+        self.policy.withdrawn(chosen, request)
+
     def _pinned(self, candidates: Sequence[R], request: PlacementRequest) -> R | None:
         if request.pinned is None:
             return None

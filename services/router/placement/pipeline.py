@@ -59,6 +59,11 @@ class BalancingPolicy(Protocol):
         """``request`` is being sent to ``chosen``: a policy that learns from its own choices notes it."""
         ...
 
+    def withdrawn(self, chosen: Candidate, request: PlacementRequest) -> None:
+        """``request`` ended on ``chosen`` before its first token (refused, failed, cancelled while
+        queued): what ``placed`` noted of it is taken back."""
+        ...
+
     def choose(self, candidates: Sequence[C], session_key: str | None = None) -> C | None:
         """``select`` for a request known only by its session key."""
         ...
@@ -82,6 +87,9 @@ class Policy:
         return True
 
     def placed(self, chosen: Candidate, request: PlacementRequest) -> None:
+        return None
+
+    def withdrawn(self, chosen: Candidate, request: PlacementRequest) -> None:
         return None
 
 
@@ -181,3 +189,6 @@ class SessionFirst(Policy):
 
     def placed(self, chosen: Candidate, request: PlacementRequest) -> None:
         self.fallback.placed(chosen, request)
+
+    def withdrawn(self, chosen: Candidate, request: PlacementRequest) -> None:
+        self.fallback.withdrawn(chosen, request)

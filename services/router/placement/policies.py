@@ -212,6 +212,9 @@ class PrefixPolicy(Pipeline):
     def placed(self, chosen: Candidate, request: PlacementRequest) -> None:
         self.index.record_sent(chosen.address, request.block_size, request.prefix_hashes)
 
+    def withdrawn(self, chosen: Candidate, request: PlacementRequest) -> None:
+        self.index.withdraw_sent(chosen.address, request.block_size, request.prefix_hashes)
+
 
 def make_policy(
     name: str,

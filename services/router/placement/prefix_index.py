@@ -169,6 +169,26 @@ class PrefixIndex:
             entry = self._approximate[replica] = ApproximateEntry(block_size)
         self._remember(entry, block_hashes)
 
+    def withdraw_sent(self, replica: str, block_size: int, block_hashes: Sequence[int]) -> None:
+        """A request ``record_sent`` noted ended there before its prefill (refused as too long or
+        busy, failed, cancelled while queued): its blocks that were only on their way are not.
+        Noted for the TTL, a refused 40,000-token prompt made its replica look 40,000 prefill
+        tokens busy for 120 s, and got it no work meanwhile. Another request of the same prefix
+        sent there meanwhile loses them too: one cold prefill, not two minutes of none."""
+        if not block_hashes or block_size <= 0:
+            return
+        precise = self._precise.get(replica)
+        if precise is not None and not precise.stale:
+            if precise.pending is not None and block_size == precise.block_size:
+                table = precise.pending.expires
+                for h in block_hashes:
+                    table.pop(h, None)
+            return
+        entry = self._approximate.get(replica)
+        if entry is not None and entry.block_size == block_size:
+            for h in block_hashes:
+                entry.expires.pop(h, None)
+
     def _remember(self, entry: ApproximateEntry, block_hashes: Sequence[int]) -> None:
         now = self._clock()
         expires = now + self.approximate_ttl_s

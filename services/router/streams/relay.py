@@ -115,11 +115,14 @@ class Relay:
                 raise errors.DeadlineExceeded("deadline passed before the answer finished")
             # Once tokens flowed the answer must continue on the same model: token ids differ across models.
             allowed = [outcome.model] if outcome.token_ids else placement.models
-            picked = self.picker.place(replace(placement, models=allowed, exclude=placement.exclude | tried))
+            placing = replace(placement, models=allowed, exclude=placement.exclude | tried)
+            picked = self.picker.place(placing)
             if picked is None and tried:
                 # Every replica tried once: allow the others again, never the one that just failed.
-                again = replace(placement, models=allowed, exclude=frozenset({outcome.replica}), pinned=None)
-                picked = self.picker.place(again)
+                placing = replace(
+                    placement, models=allowed, exclude=frozenset({outcome.replica}), pinned=None
+                )
+                picked = self.picker.place(placing)
             if picked is None:
                 names = ", ".join(allowed)
                 if not attempts:
@@ -133,9 +136,11 @@ class Relay:
             outcome.replicas_used.append(replica.address)
             tried.add(replica.address)
             attempt = self._attempt(replica, start, outcome, deadline)
+            tokens_before, finished = len(outcome.token_ids), False
             try:
                 async for batch in attempt:
                     yield batch
+                finished = True
                 return
             except AttemptFailed as failure:
                 last_error = f"{replica.address}: {failure}"
@@ -162,6 +167,10 @@ class Relay:
             finally:
                 # A consumer that stops reading must cancel the replica's call now, not at GC.
                 await attempt.aclose()
+                if not finished and len(outcome.token_ids) == tokens_before:
+                    # Ended before its first token there (refused, failed, cancelled while
+                    # queued): its prompt is not on its way into that replica's cache.
+                    self.picker.withdraw(replica, placing)
 
     @staticmethod
     def _gave_up(message: str, all_busy: bool, outcome: RelayOutcome) -> errors.MeshError:

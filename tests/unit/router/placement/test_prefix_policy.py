@@ -167,6 +167,26 @@ def test_without_events_the_router_remembers_where_it_sent_a_prefix() -> None:
         assert place(pick, request(chain(g), f"again-{g}")) == home
 
 
+def test_a_prompt_that_never_reached_prefill_is_not_counted_on_its_way_there() -> None:
+    """A 40,000-token prompt refused by its replica (too long, busy, cancelled while queued) was
+    counted as on its way there for 120 s: that replica held it as 40,000 tokens of queued
+    prefill and got none of the next 30 prompts. Withdrawn, the replica is as before."""
+    replicas = [FakeReplica(a) for a in ("a", "b", "c")]
+    index = PrefixIndex(clock=lambda: 0.0)
+    for r in replicas:
+        index.apply_snapshot(r.address, "inc", 1, BLOCK, [])  # fresh KV events from each
+    pick = prefix_picker(replicas, index)
+    huge = request(chain(999, blocks=40_000 // BLOCK), "huge")
+    placed = pick.place(huge)
+    assert placed is not None
+    home = placed[0]
+    assert index.pending_tokens_outside(home.address, chain(1)) >= 40_000 - BLOCK
+    pick.withdraw(home, huge)
+    assert index.pending_tokens_outside(home.address, chain(1)) == 0
+    spread = Counter(place(pick, request(chain(g), f"next-{g}")) for g in range(30))
+    assert spread[home.address] >= 5  # it takes its share again
+
+
 def test_the_cheaper_prefill_wins_where_no_replica_holds_the_prompt() -> None:
     replicas = [FakeReplica("slow", prefill_s_per_token=4e-4), FakeReplica("fast", prefill_s_per_token=1e-4)]
     pick = prefix_picker(replicas, PrefixIndex())
