@@ -33,6 +33,7 @@ import (
 	"github.com/grpc-ecosystem/grpc-gateway/runtime"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
+	grpcbackoff "google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
@@ -58,6 +59,7 @@ type config struct {
 	healthService     string
 	maxBodyBytes      int64
 	readHeaderTimeout time.Duration
+	readBodyTimeout   time.Duration
 	idleTimeout       time.Duration
 	healthTimeout     time.Duration
 	shutdownGrace     time.Duration
@@ -71,6 +73,7 @@ func parseFlags() config {
 	flag.StringVar(&c.healthService, "health-service", "llmmesh.v1.Router", "gRPC health service name /healthz checks")
 	flag.Int64Var(&c.maxBodyBytes, "max-body-bytes", 1<<20, "largest request body accepted; larger ones get 413")
 	flag.DurationVar(&c.readHeaderTimeout, "read-header-timeout", 10*time.Second, "time allowed to send the request headers (slowloris guard)")
+	flag.DurationVar(&c.readBodyTimeout, "read-body-timeout", 30*time.Second, "time allowed to send the request body once the headers are in (408 past it)")
 	flag.DurationVar(&c.idleTimeout, "idle-timeout", 120*time.Second, "keep-alive connections idle longer are closed")
 	flag.DurationVar(&c.healthTimeout, "health-timeout", 2*time.Second, "deadline of the router health check behind /healthz")
 	flag.DurationVar(&c.shutdownGrace, "shutdown-grace", 30*time.Second, "on SIGTERM, time in-flight requests get to finish")
@@ -105,7 +108,12 @@ func main() {
 	server := &http.Server{
 		Handler:           handler,
 		ReadHeaderTimeout: cfg.readHeaderTimeout,
-		IdleTimeout:       cfg.idleTimeout,
+		// The connection, for limitBody's read deadline (no ReadTimeout: net/http would
+		// then bound a whole streamed answer's connection, not just the body's upload).
+		ConnContext: func(ctx context.Context, c net.Conn) context.Context {
+			return context.WithValue(ctx, connKey{}, c)
+		},
+		IdleTimeout: cfg.idleTimeout,
 		// No WriteTimeout: a streamed answer lasts as long as generation does;
 		// deadlines come from the client's Grpc-Timeout instead.
 	}
@@ -147,7 +155,14 @@ func dialRouter(cfg config) (*grpc.ClientConn, error) {
 		}
 		creds = grpc.WithTransportCredentials(tlsCreds)
 	}
-	return grpc.Dial(cfg.upstream, creds)
+	// Reconnect within 2 s of the router coming back: grpc's default back-off grows to 120 s,
+	// and fail-fast calls do not cut it short, so /healthz and every call said 503 for up to
+	// ~40 s after a router restart (the pod stayed unready as long).
+	backoff := grpc.WithConnectParams(grpc.ConnectParams{
+		Backoff:           grpcbackoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: 2 * time.Second},
+		MinConnectTimeout: 2 * time.Second,
+	})
+	return grpc.Dial(cfg.upstream, creds, backoff)
 }
 
 // newHandler routes /healthz and /openapi.json here and every other path to
@@ -167,9 +182,26 @@ func newHandler(cfg config, conn *grpc.ClientConn) (http.Handler, error) {
 	routes := http.NewServeMux()
 	routes.HandleFunc("/healthz", healthz(healthpb.NewHealthClient(conn), cfg))
 	routes.HandleFunc("/openapi.json", serveSpec)
-	routes.Handle("/", limitBody(cfg.maxBodyBytes, gateway))
+	routes.Handle("/", limitBody(cfg.maxBodyBytes, cfg.readBodyTimeout, plainMethods(gateway)))
 	return routes, nil
 }
+
+// plainMethods keeps a request's method and body what the client sent: this grpc-gateway
+// release honours X-HTTP-Method-Override, and routes a form-encoded POST by path length
+// through a Go map (so at random), which turned `curl -d ” /v1/tasks/{id}` into a
+// CancelTask one call in a few. Every body here is JSON.
+func plainMethods(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		r.Header.Del("X-HTTP-Method-Override")
+		if strings.HasPrefix(strings.ToLower(r.Header.Get("Content-Type")), "application/x-www-form-urlencoded") {
+			r.Header.Set("Content-Type", "application/json")
+		}
+		next.ServeHTTP(w, r)
+	})
+}
+
+// connKey holds the request's net.Conn in its context (Server.ConnContext).
+type connKey struct{}
 
 // incomingHeader forwards `Grpc-Metadata-*` headers as metadata, except the
 // router-internal keys. `Authorization` is forwarded by the runtime itself (as
@@ -199,7 +231,14 @@ func (strictJSON) NewDecoder(r io.Reader) runtime.Decoder {
 			// A body bound to a scalar field keeps the runtime's rules.
 			return runtime.DecoderWrapper{Decoder: d}.Decode(v)
 		}
-		return (&jsonpb.Unmarshaler{AllowUnknownFields: false}).UnmarshalNext(d, msg)
+		if err := (&jsonpb.Unmarshaler{AllowUnknownFields: false}).UnmarshalNext(d, msg); err != nil {
+			return err
+		}
+		// One JSON value per body: `{…} {"garbage": 1}` was taken, its second value ignored.
+		if _, err := d.Token(); err != io.EOF {
+			return status.Error(codes.InvalidArgument, "the request body holds more than one JSON value")
+		}
+		return nil
 	})
 }
 
@@ -250,13 +289,30 @@ func routingError(w http.ResponseWriter, _ *http.Request, msg string, httpStatus
 // an oversized request gets 413 and never reaches the router. Buffering also
 // lets net/http notice a client that hangs up mid-stream (it watches the
 // connection once the body is drained), which cancels the upstream RPC.
-func limitBody(limit int64, next http.Handler) http.Handler {
+func limitBody(limit int64, timeout time.Duration, next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.ContentLength > limit {
 			tooLarge(w, limit)
 			return
 		}
+		// A body sent slowly is cut off as slow headers are: 100 uploads stalled one byte short
+		// held 186 MB of a sidecar whose limit is 128 Mi, and never timed out.
+		conn, _ := r.Context().Value(connKey{}).(net.Conn)
+		if conn != nil && timeout > 0 {
+			_ = conn.SetReadDeadline(time.Now().Add(timeout))
+		}
 		body, err := io.ReadAll(io.LimitReader(r.Body, limit+1))
+		var timedOut net.Error
+		if errors.As(err, &timedOut) && timedOut.Timeout() {
+			// The deadline stays: net/http's drain of the rest of the body then fails at once,
+			// and the connection closes after the 408.
+			w.Header().Set("Connection", "close")
+			writeJSONError(w, http.StatusRequestTimeout, int32(codes.DeadlineExceeded), fmt.Sprintf("request body not received within %s", timeout))
+			return
+		}
+		if conn != nil && timeout > 0 {
+			_ = conn.SetReadDeadline(time.Time{})
+		}
 		if err != nil {
 			writeJSONError(w, http.StatusBadRequest, int32(codes.InvalidArgument), fmt.Sprintf("reading request body: %v", err))
 			return

@@ -6,7 +6,9 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -59,7 +61,7 @@ func TestOutgoingHeaderDropsTransportMetadata(t *testing.T) {
 
 func TestLimitBodyRefusesOversizedBodiesBeforeTheHandler(t *testing.T) {
 	reached := 0
-	handler := limitBody(16, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	handler := limitBody(16, time.Second, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		reached++
 		body, _ := io.ReadAll(r.Body)
 		_, _ = w.Write(body)
@@ -90,6 +92,57 @@ func TestLimitBodyRefusesOversizedBodiesBeforeTheHandler(t *testing.T) {
 	}
 	if reached != 2 {
 		t.Errorf("handler reached %d times, want 2 (oversized bodies must stop at the limit)", reached)
+	}
+}
+
+func TestStrictJSONRefusesASecondValueAfterTheBody(t *testing.T) {
+	m := strictJSON{&runtime.JSONPb{OrigName: true}}
+	var req llmmeshv1.ChatRequest
+	err := m.NewDecoder(strings.NewReader(`{"prompt": "hi"} {"garbage": 1}`)).Decode(&req)
+	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "more than one JSON value") {
+		t.Fatalf("trailing value: got %v, want INVALID_ARGUMENT", err)
+	}
+	if err := m.NewDecoder(strings.NewReader("{\"prompt\": \"hi\"}\n")).Decode(&req); err != nil {
+		t.Fatalf("one value and a newline: %v", err)
+	}
+}
+
+func TestPlainMethodsIgnoreAMethodOverrideAndAFormContentType(t *testing.T) {
+	var seen *http.Request
+	handler := plainMethods(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { seen = r }))
+	req := httptest.NewRequest(http.MethodPost, "/v1/tasks/abc", strings.NewReader(""))
+	req.Header.Set("X-HTTP-Method-Override", "DELETE")
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	handler.ServeHTTP(httptest.NewRecorder(), req)
+	if seen.Header.Get("X-HTTP-Method-Override") != "" || seen.Header.Get("Content-Type") != "application/json" {
+		t.Fatalf("headers reaching the runtime: %v", seen.Header)
+	}
+}
+
+func TestABodySentTooSlowlyIsCutOffWith408(t *testing.T) {
+	handler := limitBody(1<<20, 300*time.Millisecond, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		t.Error("the handler ran for a body that never came")
+	}))
+	server := httptest.NewUnstartedServer(handler)
+	server.Config.ConnContext = func(ctx context.Context, c net.Conn) context.Context {
+		return context.WithValue(ctx, connKey{}, c)
+	}
+	server.Start()
+	defer server.Close()
+	conn, err := net.Dial("tcp", server.Listener.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	// All but the last byte of the body, then nothing.
+	_, _ = fmt.Fprintf(conn, "POST /v1/complete HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n123456789")
+	_ = conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+	reply, err := io.ReadAll(conn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.HasPrefix(string(reply), "HTTP/1.1 408") {
+		t.Fatalf("reply: %q, want 408", reply)
 	}
 }
 

@@ -22,6 +22,10 @@ from services.launcher.mesh import GATEWAY_BINARY, GATEWAY_LISTEN, ROOT
 READY_LINE = "llm-mesh gateway is up"
 #: How long the gateway may take to listen (it only dials the router lazily).
 START_TIMEOUT_S = 30.0
+#: The gateway's own drain on SIGTERM (its --shutdown-grace default), and what it is given in
+#: all before SIGKILL: 10 s cut the answers it was still streaming at Ctrl-C short.
+SHUTDOWN_GRACE_S = 30.0
+STOP_TIMEOUT_S = SHUTDOWN_GRACE_S + 5.0
 
 
 class GatewayStop(Exception):
@@ -77,7 +81,18 @@ def attach(router: str, listen: str, data_dir: Path) -> int:
         return 1
     log = data_dir / "logs" / "gateway-attached.log"
     child = ChildProcess(
-        "gateway", [str(GATEWAY_BINARY), "--listen", listen, "--upstream", router], log, dict(os.environ)
+        "gateway",
+        [
+            str(GATEWAY_BINARY),
+            "--listen",
+            listen,
+            "--upstream",
+            router,
+            "--shutdown-grace",
+            f"{SHUTDOWN_GRACE_S:g}s",
+        ],
+        log,
+        dict(os.environ),
     )
 
     def request_stop(signum: int, frame: FrameType | None) -> None:
@@ -108,7 +123,7 @@ def attach(router: str, listen: str, data_dir: Path) -> int:
         return 1
     finally:
         child.terminate()
-        child.wait_exit(10.0)
+        child.wait_exit(STOP_TIMEOUT_S)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         print("llm-mesh gateway stopped", flush=True)
