@@ -61,13 +61,15 @@ CHAT_OUT_MESSAGES = 4
 
 
 async def _until_done(
-    out: asyncio.Queue[router_pb2.ChatResponse], task: asyncio.Task[None]
+    out: asyncio.Queue[router_pb2.ChatResponse], task: asyncio.Task[None], taken: asyncio.Event
 ) -> AsyncIterator[router_pb2.ChatResponse]:
-    """The turn's messages as ``task`` puts them, until it is done and all are taken."""
+    """The turn's messages as ``task`` puts them, until it is done and all are taken; ``taken``
+    is set each time one is."""
     while True:
         getter = asyncio.ensure_future(out.get())
         await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
         if getter.done():
+            taken.set()
             yield getter.result()
             continue
         getter.cancel()
@@ -146,7 +148,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         principal = self._principal(context)
         deadline = self._deadline(context)
         turns: asyncio.Queue[router_pb2.ChatRequest | BaseException | None] = asyncio.Queue()
-        out: asyncio.Queue[router_pb2.ChatResponse] = asyncio.Queue(maxsize=CHAT_OUT_MESSAGES)
+        # Each message is queued at once (a turn cancelled while it waits loses none: the
+        # pipeline counts it as streamed), then the turn waits while CHAT_OUT_MESSAGES are queued.
+        out: asyncio.Queue[router_pb2.ChatResponse] = asyncio.Queue()
+        taken = asyncio.Event()
         running: list[asyncio.Task[None]] = []
 
         async def read_client() -> None:
@@ -182,7 +187,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             turn = self.pipeline.run_turn(principal, request, deadline, on_stopped=stopped.append)
             async for response in turn:
                 sent[:] = [response]
-                await out.put(response)  # waits while the client is not reading
+                out.put_nowait(response)
+                while out.qsize() >= CHAT_OUT_MESSAGES:  # the client is not reading: wait
+                    taken.clear()
+                    await taken.wait()
 
         reader = asyncio.create_task(read_client())
         try:
@@ -195,7 +203,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 stopped: list[router_pb2.ChatResponse] = []  # its TurnEnd, if it stopped without one
                 task = asyncio.create_task(produce(request, last, stopped))
                 running[:] = [task]
-                async for item in _until_done(out, task):
+                async for item in _until_done(out, task, taken):
                     yield item
                 if task.cancelled():
                     # A turn whose TurnEnd is out (cancelled while it finished its bookkeeping) has

@@ -131,3 +131,26 @@ async def test_an_answer_is_pulled_only_as_fast_as_the_client_reads_it() -> None
     # What is queued ahead of the client, the message being put, and the one it read.
     assert pipeline.pulled <= CHAT_OUT_MESSAGES + 2
     await stream.aclose()
+
+
+async def test_a_cancel_while_the_turn_waits_for_a_slow_reader_loses_no_message() -> None:
+    """The client stopped reading, the turn waits with its messages queued, and a cancel comes:
+    every message made reaches the client, numbered without a gap, and then exactly one end
+    (a message the turn was putting when cancelled was lost: its end, and the turn had none)."""
+    pipeline = FakePipeline(tokens=CHAT_OUT_MESSAGES + 1)
+    cancel = asyncio.Event()
+
+    async def client() -> AsyncIterator[router_pb2.ChatRequest]:
+        yield turn("first")
+        await cancel.wait()
+        yield router_pb2.ChatRequest(cancel=True)
+
+    stream = servicer(pipeline).Chat(client(), FakeContext())  # type: ignore[arg-type]
+    got = [await stream.__anext__()]  # then the client reads nothing for a while
+    await asyncio.sleep(0.2)
+    cancel.set()
+    await asyncio.sleep(0.05)
+    async for response in stream:
+        got.append(response)
+    assert sum(r.HasField("end") for r in got) == 1 and got[-1].HasField("end")
+    assert [r.seq for r in got] == list(range(1, len(got) + 1))
