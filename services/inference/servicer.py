@@ -148,12 +148,15 @@ _TOKENIZER_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=
 
 
 async def start_generation(
-    engine: AsyncEngine, start: inference_pb2.GenerateStart
+    engine: AsyncEngine, start: inference_pb2.GenerateStart, preparing: dict[str, bool] | None = None
 ) -> AsyncGenerator[RequestOutput, None]:
     """The engine request for ``start``: its outputs (validated when first iterated).
 
     Its id is the one ``start`` carries (the router's, or minted by the server half for a
     direct client that sent none): never minted again on the way to the engine.
+    ``preparing``: ids whose prompt is being tokenized, not yet known to the engine, and
+    whether a cancel came meanwhile (the servicer's ``cancel`` marks it): such a request ends
+    CANCELLED without reaching the engine, whose abort of an id it does not know is lost.
     """
     # Text past what the context could hold at even MAX_CHARS_PER_TOKEN characters a token
     # (SmolLM2's longest is 80 bytes) is refused without reading it, and so are more messages
@@ -166,18 +169,29 @@ async def start_generation(
     if len(start.messages) > context:
         raise ContextTooLong("messages", f"{len(start.messages):,} messages are more than fit in", context)
     messages = [Message(m.role, m.content) for m in start.messages]
-    prompt_ids = await asyncio.get_running_loop().run_in_executor(
-        _TOKENIZER_THREAD,
-        functools.partial(
-            prompt_token_ids,
-            engine.engine.tokenizer,
-            messages,
-            start.prompt,
-            token_ids=start.prompt_token_ids,
-        ),
-    )
+    request_id = start.request_id
+    if preparing is not None:
+        preparing[request_id] = False
+    try:
+        prompt_ids = await asyncio.get_running_loop().run_in_executor(
+            _TOKENIZER_THREAD,
+            functools.partial(
+                prompt_token_ids,
+                engine.engine.tokenizer,
+                messages,
+                start.prompt,
+                token_ids=start.prompt_token_ids,
+            ),
+        )
+    finally:
+        cancelled = preparing.pop(request_id, False) if preparing is not None else False
+    if cancelled:
+        yield RequestOutput(request_id, [], "", 0, finished=True, finish_reason=FinishReason.CANCELLED)
+        return
     params = sampling_from_pb(start.sampling, len(prompt_ids), context)
-    async for out in engine.generate(start.request_id, prompt_ids, params, list(start.resume_token_ids)):
+    # No await between the check above and the engine knowing the id (generate registers it
+    # before its first await): a cancel from here on reaches the engine.
+    async for out in engine.generate(request_id, prompt_ids, params, list(start.resume_token_ids)):
         yield out
 
 
@@ -207,6 +221,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.engine: AsyncEngine | None = None
         #: Set when the replica drains: GenerateMany streams end once their generations have.
         self.stopping = asyncio.Event()
+        #: Generations whose prompt is being tokenized, and whether a cancel came meanwhile.
+        self._preparing: dict[str, bool] = {}
 
     def drain(self) -> None:
         """Refuse new generations; let the running ones finish, then end the shared streams."""
@@ -245,7 +261,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ) -> AsyncGenerator[inference_pb2.GenerationEvent, None]:
         """One generation, on a GenerateMany stream or a Generate call (``GenerationBackend``)."""
         engine = self._engine()
-        stream = start_generation(engine, start)
+        stream = start_generation(engine, start, self._preparing)
         tokenizer = engine.engine.tokenizer
 
         # Once per token id for the whole generation: prompt_logprobs on a long prompt asks for
@@ -269,6 +285,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     def cancel(self, request_id: str) -> None:
         """``GenerationBackend``: a `cancel` on either RPC."""
+        if request_id in self._preparing:
+            self._preparing[request_id] = True  # its prompt is being tokenized
         if self.engine is not None:
             self.engine.abort(request_id)
 
