@@ -188,8 +188,8 @@ func newHandler(cfg config, conn *grpc.ClientConn) (http.Handler, error) {
 
 // plainMethods keeps a request's method and body what the client sent: this grpc-gateway
 // release honours X-HTTP-Method-Override, and routes a form-encoded POST by path length
-// through a Go map (so at random), which turned `curl -d ” /v1/tasks/{id}` into a
-// CancelTask one call in a few. Every body here is JSON.
+// through a Go map (so at random), which turned curl's empty form POST to /v1/tasks/{id} into
+// a CancelTask one call in a few. Every body here is JSON.
 func plainMethods(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		r.Header.Del("X-HTTP-Method-Override")
