@@ -15,6 +15,14 @@ def turns_key(session_id: str) -> str:
     return f"{PREFIX}:session:{{{session_id}}}:turns"
 
 
+def requests_key(session_id: str) -> str:
+    """Hash: each AppendTurns request id the session stored -> the version that append made.
+
+    At most one entry an append, so bounded by the session's turn limit; expires with the session.
+    """
+    return f"{PREFIX}:session:{{{session_id}}}:requests"
+
+
 def owner_index_key(owner: str) -> str:
     """Sorted set of an owner's session ids, scored by creation time (ms), for ListSessions."""
     return f"{PREFIX}:owner:{{{owner}}}:sessions"

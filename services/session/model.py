@@ -19,6 +19,8 @@ class TurnRecord:
     token_count: int | None = None
     created_at_ms: int = 0
     metadata: Mapping[str, str] = field(default_factory=dict)
+    # The AppendTurns request id that stored it ("" when none was given).
+    request_id: str = ""
 
 
 @dataclass(frozen=True)

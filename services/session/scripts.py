@@ -15,23 +15,27 @@ if owner ~= ARGV[1] then return {'denied'} end
 local ttl = redis.call('HGET', KEYS[1], 'ttl')
 """
 
-# Sliding TTL: every read and write restarts the clock on both keys.
+# Sliding TTL: every read and write restarts the clock on all three keys.
 _REFRESH = """
 redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('EXPIRE', KEYS[2], ttl)
+redis.call('EXPIRE', KEYS[3], ttl)
 """
 
-# KEYS: meta, turns. ARGV: owner, system_prompt, metadata_json, ttl, now_ms.
+# Every session script gets KEYS: meta, turns, requests (keys.py).
+
+# ARGV: owner, system_prompt, metadata_json, ttl, now_ms. A new session under an expired or
+# deleted one's id starts with no turns and no request ids.
 CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return {'exists'} end
-redis.call('DEL', KEYS[2])
+redis.call('DEL', KEYS[2], KEYS[3])
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'system_prompt', ARGV[2], 'metadata', ARGV[3],
   'version', '0', 'ttl', ARGV[4], 'created_at_ms', ARGV[5], 'updated_at_ms', ARGV[5])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 return {'ok', redis.call('HGETALL', KEYS[1]), 0}
 """
 
-# KEYS: meta, turns. ARGV: owner, max_turns (0 = all). Reads the newest turns, refreshes the TTL.
+# ARGV: owner, max_turns (0 = all). Reads the newest turns, refreshes the TTL.
 GET = (
     _ACCESS
     + _REFRESH
@@ -43,19 +47,26 @@ return {'ok', redis.call('HGETALL', KEYS[1]), count, redis.call('LRANGE', KEYS[2
 """
 )
 
-# KEYS: meta, turns. ARGV: owner, expected_version ('' = any), now_ms, max_turns, turn_json…
-# The version check, the limit check and the push happen in one step, so two writers
-# holding the same version cannot both succeed.
+# ARGV: owner, expected_version ('' = any), now_ms, max_turns, request_id ('' = none), turn_json…
+# The duplicate check, the version check, the limit check and the push happen in one step, so
+# two writers holding the same version cannot both succeed, and a request id is stored once.
 APPEND = (
     _ACCESS
     + """
+if ARGV[5] ~= '' and redis.call('HEXISTS', KEYS[3], ARGV[5]) == 1 then
+"""
+    + _REFRESH
+    + """
+  return {'duplicate', redis.call('HGETALL', KEYS[1]), redis.call('LLEN', KEYS[2])}
+end
 local version = redis.call('HGET', KEYS[1], 'version')
 if ARGV[2] ~= '' and ARGV[2] ~= version then return {'conflict', version} end
 local count = redis.call('LLEN', KEYS[2])
-local adding = #ARGV - 4
+local adding = #ARGV - 5
 if count + adding > tonumber(ARGV[4]) then return {'full', count} end
-for i = 5, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
-redis.call('HINCRBY', KEYS[1], 'version', 1)
+for i = 6, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
+local stored = redis.call('HINCRBY', KEYS[1], 'version', 1)
+if ARGV[5] ~= '' then redis.call('HSET', KEYS[3], ARGV[5], stored) end
 redis.call('HSET', KEYS[1], 'updated_at_ms', ARGV[3])
 """
     + _REFRESH
@@ -64,7 +75,7 @@ return {'ok', redis.call('HGETALL', KEYS[1]), count + adding}
 """
 )
 
-# KEYS: meta, turns. ARGV: owner.
+# ARGV: owner.
 TOUCH = (
     _ACCESS
     + _REFRESH
@@ -73,11 +84,11 @@ return {'ok', redis.call('HGETALL', KEYS[1]), redis.call('LLEN', KEYS[2])}
 """
 )
 
-# KEYS: meta, turns. ARGV: owner.
+# ARGV: owner.
 DELETE = (
     _ACCESS
     + """
-redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
 return {'ok'}
 """
 )

@@ -49,7 +49,11 @@ def header_pb(header: SessionHeader) -> pb.SessionInfo:
 
 def turn_pb(turn: TurnRecord) -> pb.Turn:
     message = pb.Turn(
-        role=turn.role, content=turn.content, created_at_ms=turn.created_at_ms, metadata=dict(turn.metadata)
+        role=turn.role,
+        content=turn.content,
+        created_at_ms=turn.created_at_ms,
+        metadata=dict(turn.metadata),
+        request_id=turn.request_id,
     )
     if turn.token_count is not None:
         message.token_count = turn.token_count
@@ -96,13 +100,25 @@ class SessionServicer:
             req = parsed(request)
             owner = owner_of(context)
             session_id = validation.check_session_id(req.session_id)
-            header, turns = await self._store.get(owner, session_id, req.max_turns)
-            # The store already cut to max_turns; omitted counts from the full history.
-            window, _ = select_window(header.system_prompt, turns, token_budget=req.token_budget)
+            before = validation.check_request_id(req.before_request_id, "before_request_id")
+            if not before:
+                header, turns = await self._store.get(owner, session_id, req.max_turns)
+                # The store already cut to max_turns; omitted counts from the full history.
+                window, _ = select_window(header.system_prompt, turns, token_budget=req.token_budget)
+                older = header.turn_count
+            else:
+                # The cut comes first, then max_turns and the budget: a retry's window is the one
+                # its first try had (as far as the session still holds it).
+                header, turns = await self._store.get(owner, session_id, 0)
+                older = next((i for i, t in enumerate(turns) if t.request_id == before), len(turns))
+                window, _ = select_window(
+                    header.system_prompt,
+                    turns[:older],
+                    token_budget=req.token_budget,
+                    max_turns=req.max_turns,
+                )
             return pb.SessionState(
-                info=header_pb(header),
-                turns=[turn_pb(t) for t in window],
-                omitted_turns=header.turn_count - len(window),
+                info=header_pb(header), turns=[turn_pb(t) for t in window], omitted_turns=older - len(window)
             )
 
     async def AppendTurns(
@@ -115,8 +131,9 @@ class SessionServicer:
             turns = [turn_record(t) for t in req.turns]
             validation.check_turns(turns, self._limits)
             expected = req.expected_version if req.HasField("expected_version") else None
-            header = await self._store.append(owner, session_id, turns, expected)
-            return pb.AppendTurnsResponse(version=header.version, info=header_pb(header))
+            request_id = validation.check_request_id(req.request_id, "request_id")
+            header, duplicate = await self._store.append(owner, session_id, turns, expected, request_id)
+            return pb.AppendTurnsResponse(version=header.version, info=header_pb(header), duplicate=duplicate)
 
     async def DeleteSession(
         self, request: pb.DeleteSessionRequest | UndecodableRequest, context: Context

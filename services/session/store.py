@@ -82,6 +82,8 @@ def encode_turn(turn: TurnRecord) -> str:
         record["tokens"] = turn.token_count
     if turn.metadata:
         record["meta"] = dict(turn.metadata)
+    if turn.request_id:
+        record["req"] = turn.request_id
     return json.dumps(record, ensure_ascii=False, separators=(",", ":"))
 
 
@@ -93,6 +95,7 @@ def decode_turn(raw: str) -> TurnRecord:
         token_count=record.get("tokens"),
         created_at_ms=int(record.get("at", 0)),
         metadata=record.get("meta", {}),
+        request_id=record.get("req", ""),
     )
 
 
@@ -165,7 +168,7 @@ class SessionStore:
             REDIS_LATENCY.labels(op).observe(time.perf_counter() - started)
 
     async def _session_script(self, op: str, script: AsyncScript, session_id: str, *args: Any) -> list[Any]:
-        keys_ = [keys.meta_key(session_id), keys.turns_key(session_id)]
+        keys_ = [keys.meta_key(session_id), keys.turns_key(session_id), keys.requests_key(session_id)]
         reply: list[Any] = await self._redis(op, lambda: script(keys=keys_, args=list(args)))
         status = reply[0]
         if status == "missing":
@@ -208,11 +211,23 @@ class SessionStore:
         return header, [decode_turn(raw) for raw in reply[3]]
 
     async def append(
-        self, owner: str, session_id: str, turns: Sequence[TurnRecord], expected_version: int | None
-    ) -> SessionHeader:
-        """Stores all ``turns`` or none; ABORTED when ``expected_version`` is stale."""
+        self,
+        owner: str,
+        session_id: str,
+        turns: Sequence[TurnRecord],
+        expected_version: int | None,
+        request_id: str = "",
+    ) -> tuple[SessionHeader, bool]:
+        """Stores all ``turns`` or none; ABORTED when ``expected_version`` is stale.
+
+        Returns the header and whether ``request_id`` had been stored already, in which case
+        nothing was stored this time (whatever ``expected_version`` said).
+        """
         now = self._now_ms()
-        stamped = [encode_turn(TurnRecord(t.role, t.content, t.token_count, now, t.metadata)) for t in turns]
+        stamped = [
+            encode_turn(TurnRecord(t.role, t.content, t.token_count, now, t.metadata, request_id))
+            for t in turns
+        ]
         expected = "" if expected_version is None else str(expected_version)
         reply = await self._session_script(
             "append",
@@ -222,8 +237,11 @@ class SessionStore:
             expected,
             now,
             self._limits.max_turns_per_session,
+            request_id,
             *stamped,
         )
+        if reply[0] == "duplicate":
+            return decode_header(session_id, _pairs(reply[1]), reply[2]), True
         if reply[0] == "conflict":
             current = reply[1]
             raise errors.Conflict(
@@ -235,7 +253,7 @@ class SessionStore:
                 f"session {session_id!r} holds {reply[1]} turns; appending {len(turns)} would exceed "
                 f"the limit of {self._limits.max_turns_per_session}"
             )
-        return decode_header(session_id, _pairs(reply[1]), reply[2])
+        return decode_header(session_id, _pairs(reply[1]), reply[2]), False
 
     async def touch(self, owner: str, session_id: str) -> SessionHeader:
         reply = await self._session_script("touch", self._touch, session_id, owner)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from services.common.errors import InvalidArgument
+from services.common.ids import check_client_id
 from services.common.ids import check_session_id as check_session_id  # one rule with the router
 from services.common.metadata import TENANT_KEY
 from services.session.limits import SessionLimits
@@ -73,6 +74,11 @@ def check_turns(turns: Sequence[TurnRecord], limits: SessionLimits) -> None:
                 f"turns[{i}].content",
                 f"{size} bytes (with metadata) exceed the per-turn limit of {limits.max_turn_bytes}",
             )
+
+
+def check_request_id(request_id: str, field: str) -> str:
+    """An optional request id ("" = none) by the router's rule for its own request ids."""
+    return check_client_id(request_id, field) if request_id else ""
 
 
 def check_page_size(page_size: int) -> int:

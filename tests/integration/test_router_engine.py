@@ -15,12 +15,15 @@ from pathlib import Path
 import grpc
 import pytest
 
+from services.common.metadata import TENANT_KEY
 from services.gen.llmmesh.v1 import (
     common_pb2,
     inference_pb2,
     inference_pb2_grpc,
     retriever_pb2,
     router_pb2,
+    session_pb2,
+    session_pb2_grpc,
 )
 from tests.support.processes import ServiceProcess
 from tests.support.redis import RedisServer
@@ -37,9 +40,12 @@ BYPASS = router_pb2.CachePolicy(mode=router_pb2.CACHE_MODE_BYPASS)
 
 
 class Mesh:
-    def __init__(self, router: ServiceProcess, replicas: list[ServiceProcess]) -> None:
+    def __init__(
+        self, router: ServiceProcess, replicas: list[ServiceProcess], session: ServiceProcess
+    ) -> None:
         self.router = router
         self.replicas = replicas
+        self.session = session
         self.stub = router_stub(router)
 
     def engine_tokens(self) -> float:
@@ -93,7 +99,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterator
                 "0.5",
             ],
         ).start()
-        yield Mesh(router, replicas)
+        yield Mesh(router, replicas, session)
     finally:
         for p in [router, *processes]:
             if p is not None:
@@ -119,6 +125,33 @@ def test_a_session_stays_on_one_replica_for_20_turns_and_carries_its_history(mes
     # The warm replica reuses the session's prefix from its cache.
     last = read_turn(mesh.stub.ChatStream(user_turn("And one more.", 1, session_id="engine-s1"))).end
     assert last.replica in homes and last.usage.cached_prompt_tokens > 0
+
+
+def test_a_retried_turn_sees_the_history_its_first_try_saw_and_is_saved_once(mesh: Mesh) -> None:
+    """A client that lost the end of a turn (its connection broke) sends it again under its request
+    id: the retry is not shown its own first exchange, and the session holds the exchange once."""
+    session = "engine-retry"
+    opening = read_turn(
+        mesh.stub.ChatStream(user_turn("Hi, I am Ada.", 4, session_id=session, cache=BYPASS))
+    ).end
+    question = user_turn("What is my name?", 4, session_id=session, cache=BYPASS, request_id="ask-name-1")
+    first = read_turn(mesh.stub.ChatStream(question))
+    retry = read_turn(mesh.stub.ChatStream(question))
+    assert not first.end.degraded and not retry.end.degraded, (first.end, retry.end)
+    assert (opening.session_version, first.end.session_version, retry.end.session_version) == (1, 2, 2)
+    # The same prompt as the first try (its history held only the opening), so the same greedy answer.
+    assert retry.end.usage.prompt_tokens == first.end.usage.prompt_tokens > opening.usage.prompt_tokens
+    assert retry.token_ids == first.token_ids
+    # The session holds the question and its first answer once (the open router's tenant).
+    with grpc.insecure_channel(mesh.session.address) as channel:
+        stored = session_pb2_grpc.SessionStub(channel).GetSession(
+            session_pb2.GetSessionRequest(session_id=session), metadata=((TENANT_KEY, "default"),), timeout=5
+        )
+    assert [(t.role, t.content) for t in stored.turns][2:] == [
+        ("user", "What is my name?"),
+        ("assistant", first.text),
+    ]
+    assert [t.request_id for t in stored.turns][2:] == ["ask-name-1"] * 2
 
 
 def test_rag_puts_retrieved_chunks_into_the_prompt_and_cites_them(mesh: Mesh) -> None:

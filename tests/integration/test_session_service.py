@@ -161,6 +161,47 @@ async def test_window_keeps_newest_turns_within_token_budget_and_the_system_prom
     assert [t.content for t in last_two.turns] == ["turn 4", "x" * 21] and last_two.omitted_turns == 4
 
 
+async def test_a_retried_append_is_stored_once_and_a_retry_sees_the_history_before_it(
+    channel: grpc.aio.Channel,
+) -> None:
+    erin = SessionClient(channel, new_owner())
+    await erin.create("retry")
+    first = await erin.append("retry", [turn("Hi, I'm Ada."), turn("Hello Ada.", "assistant")], 0, "req-1")
+    second = await erin.append("retry", [turn("My name?"), turn("Ada.", "assistant")], 1, "req-2")
+    assert (first.version, second.version, first.duplicate, second.duplicate) == (1, 2, False, False)
+
+    # The reply of req-2 was lost; its retry comes with the version it saw and another answer.
+    again = await erin.append("retry", [turn("My name?"), turn("Ada!", "assistant")], 1, "req-2")
+    assert again.duplicate and again.version == 2 and again.info.turn_count == 4
+    # Without expected_version too, and after later appends: a request id is stored once.
+    await erin.append("retry", [turn("Bye."), turn("Bye!", "assistant")], request_id="req-3")
+    assert (await erin.append("retry", [turn("Hi, I'm Ada.")], request_id="req-1")).duplicate
+    state = await erin.get("retry")
+    assert [t.content for t in state.turns] == [
+        "Hi, I'm Ada.",
+        "Hello Ada.",
+        "My name?",
+        "Ada.",
+        "Bye.",
+        "Bye!",
+    ]
+    assert [t.request_id for t in state.turns] == ["req-1"] * 2 + ["req-2"] * 2 + ["req-3"] * 2
+
+    # What a retry of req-2 is shown: the history its first try saw, windowed the same way.
+    before = await erin.get("retry", before_request_id="req-2")
+    assert [t.content for t in before.turns] == ["Hi, I'm Ada.", "Hello Ada."] and before.omitted_turns == 0
+    newest = await erin.get("retry", before_request_id="req-3", max_turns=1)
+    assert [t.content for t in newest.turns] == ["Ada."] and newest.omitted_turns == 3
+    unknown = await erin.get("retry", before_request_id="req-9")
+    assert len(unknown.turns) == 6 and unknown.info.version == 3
+
+    # A new session under the id (this one deleted) remembers none of the old request ids.
+    await erin.delete("retry")
+    await erin.create("retry")
+    fresh = await erin.append("retry", [turn("Hi again.")], request_id="req-1")
+    assert not fresh.duplicate and fresh.info.turn_count == 1
+
+
 async def test_another_owners_session_is_permission_denied(channel: grpc.aio.Channel) -> None:
     owner, intruder = SessionClient(channel, new_owner()), SessionClient(channel, new_owner())
     await owner.create("private", system_prompt="secret")
@@ -191,6 +232,9 @@ async def test_another_owners_session_is_permission_denied(channel: grpc.aio.Cha
         (lambda c: c.append("ok", [turn("é" * (MAX_TURN_BYTES // 2 + 1))]), "turns[0].content"),
         (lambda c: c.append("ok", [turn("fine"), turn("hi", role="robot")]), "turns[1].role"),
         (lambda c: c.append("ok", []), "turns"),
+        (lambda c: c.append("ok", [turn("fine")], request_id="has space"), "request_id"),
+        (lambda c: c.append("ok", [turn("fine")], request_id="r" * 129), "request_id"),
+        (lambda c: c.get("ok", before_request_id="a\nb"), "before_request_id"),
         (lambda c: c.list(page_size=1001), "page_size"),
         (lambda c: c.list(page_token="not-a-token"), "page_token"),
     ],

@@ -83,3 +83,20 @@ async def test_append_is_all_or_nothing_at_the_turn_limit(redis_server: RedisSer
         assert header.version == 1 and [t.content for t in turns] == ["1", "2"]
     finally:
         await store.close()
+
+
+async def test_request_ids_expire_with_their_session_and_go_with_its_deletion(
+    redis_server: RedisServer,
+) -> None:
+    client = connect(redis_server.url, cluster=False, timeout_s=1.0, max_connections=8)
+    store = SessionStore(client, SessionLimits(), timeout_s=1.0)
+    try:
+        await store.create(new("kept"))
+        header, duplicate = await store.append("acme", "kept", [TurnRecord("user", "hi")], None, "req-1")
+        assert (header.version, duplicate) == (1, False)
+        # Left without a TTL, a session's request ids would outlive it in Redis forever.
+        assert 0 < await client.ttl(keys.requests_key("kept")) <= 600
+        await store.delete("acme", "kept")
+        assert not await client.exists(keys.requests_key("kept"))
+    finally:
+        await store.close()

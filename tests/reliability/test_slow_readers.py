@@ -119,7 +119,10 @@ def test_slow_readers_keep_router_memory_bounded_and_healthy_clients_fast(unpace
         rss_settled = process.memory_info().rss
         time.sleep(QUIET_S)  # unpaced replicas would produce tokens all along without back-pressure
         router_cpu = sum(process.cpu_times()[:2]) - cpu_settled
-        under_load = p99_latency(router.address)
+        # The better of two rounds: a relaying router is slow in both, while one scheduler stall of
+        # this 2-vCPU VM moves a 100-call p99 alone (once 16.5 ms against a 4.0 ms baseline, then
+        # under 8 ms on three reruns).
+        under_load = min(p99_latency(router.address), p99_latency(router.address))
         rss_after = process.memory_info().rss
         in_flight = sum(
             r.in_flight

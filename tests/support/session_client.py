@@ -32,9 +32,9 @@ class SessionClient:
         return await self.stub.GetSession(pb.GetSessionRequest(session_id=session_id, **fields), **self._kw())
 
     async def append(
-        self, session_id: str, turns: list[pb.Turn], expected_version: int | None = None
+        self, session_id: str, turns: list[pb.Turn], expected_version: int | None = None, request_id: str = ""
     ) -> pb.AppendTurnsResponse:
-        request = pb.AppendTurnsRequest(session_id=session_id, turns=turns)
+        request = pb.AppendTurnsRequest(session_id=session_id, turns=turns, request_id=request_id)
         if expected_version is not None:
             request.expected_version = expected_version
         return await self.stub.AppendTurns(request, **self._kw())

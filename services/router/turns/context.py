@@ -151,10 +151,18 @@ class ConversationContext:
         self.retriever_breaker = breakers.get("retriever") or CircuitBreaker("retriever")
         self.timeout_s = timeout_s
 
-    async def load_history(self, tenant: str, session_id: str, token_budget: int = 0) -> SessionHistory:
-        """The newest turns that fit ``token_budget`` (0 = all); a session not yet created is empty."""
+    async def load_history(
+        self, tenant: str, session_id: str, token_budget: int = 0, request_id: str = ""
+    ) -> SessionHistory:
+        """The newest turns that fit ``token_budget`` (0 = all); a session not yet created is empty.
+
+        With ``request_id``, the history that turn's first try saw: a retry is not shown its own
+        earlier exchange (the session service cuts before the turns that request stored).
+        """
         session = self._need_session()
-        request = session_pb2.GetSessionRequest(session_id=session_id, token_budget=max(0, token_budget))
+        request = session_pb2.GetSessionRequest(
+            session_id=session_id, token_budget=max(0, token_budget), before_request_id=request_id
+        )
         try:
             state = await self.session_breaker.call(
                 lambda: session.GetSession(request, metadata=_md(tenant), timeout=self.timeout_s)
@@ -231,10 +239,13 @@ class ConversationContext:
         answer: str,
         expected_version: int | None,
         metadata: Mapping[str, str] | None = None,
+        request_id: str = "",
     ) -> int:
         """Append the turn's messages and the answer; creates the session on its first turn.
 
-        Returns the new version; ``Conflict`` when another writer got there first.
+        Returns the new version; ``Conflict`` when another writer got there first. Under a
+        ``request_id`` the session already stored (a retried turn), nothing is stored again and
+        the version is the session's as it stands.
         """
         session = self._need_session()
         if expected_version == 0:
@@ -256,7 +267,7 @@ class ConversationContext:
         ]
         turns.append(session_pb2.Turn(role="assistant", content=answer, metadata=dict(metadata or {})))
         request = session_pb2.AppendTurnsRequest(
-            session_id=session_id, turns=turns, expected_version=expected_version
+            session_id=session_id, turns=turns, expected_version=expected_version, request_id=request_id
         )
         try:
             response = await self.session_breaker.call(

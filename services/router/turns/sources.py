@@ -58,7 +58,9 @@ async def history(
         state.degraded.append("history: no session service configured")
         return None
     try:
-        found = await s.context.load_history(tenant, request.session_id, HISTORY_TOKEN_BUDGET)
+        found = await s.context.load_history(
+            tenant, request.session_id, HISTORY_TOKEN_BUDGET, request_id=state.request_id
+        )
     except errors.DependencyUnavailable as exc:
         if required:
             raise
@@ -153,7 +155,9 @@ async def save_turn(
         return 0
     expected = state.session.version if state.session.exists else 0
     try:
-        return await s.context.save_turn(tenant, request.session_id, new_messages, answer, expected)
+        return await s.context.save_turn(
+            tenant, request.session_id, new_messages, answer, expected, request_id=state.request_id
+        )
     except (errors.DependencyUnavailable, errors.Conflict) as exc:
         # The answer already reached the client; losing the save is reported, not fatal.
         # session_must_exist implies session_required (router.proto), at save time as at read.
