@@ -33,7 +33,7 @@ def owner_of(context: Context) -> str:
     return validation.check_owner(metadata_value(context.invocation_metadata(), TENANT_KEY))
 
 
-def header_pb(header: SessionHeader) -> pb.SessionInfo:
+def header_pb(header: SessionHeader, max_turns: int) -> pb.SessionInfo:
     return pb.SessionInfo(
         session_id=header.session_id,
         owner=header.owner,
@@ -44,6 +44,7 @@ def header_pb(header: SessionHeader) -> pb.SessionInfo:
         ttl_seconds=header.ttl_seconds,
         created_at_ms=header.created_at_ms,
         updated_at_ms=header.updated_at_ms,
+        max_turns=max_turns,
     )
 
 
@@ -76,6 +77,9 @@ class SessionServicer:
         self._store = store
         self._limits = limits
 
+    def _info(self, header: SessionHeader) -> pb.SessionInfo:
+        return header_pb(header, self._limits.max_turns_per_session)
+
     async def CreateSession(
         self, request: pb.CreateSessionRequest | UndecodableRequest, context: Context
     ) -> pb.SessionInfo:
@@ -91,7 +95,7 @@ class SessionServicer:
                 metadata=dict(req.metadata),
                 ttl_seconds=validation.check_ttl(req.ttl_seconds, self._limits),
             )
-            return header_pb(await self._store.create(new))
+            return self._info(await self._store.create(new))
 
     async def GetSession(
         self, request: pb.GetSessionRequest | UndecodableRequest, context: Context
@@ -105,12 +109,13 @@ class SessionServicer:
                 header, turns = await self._store.get(owner, session_id, req.max_turns)
                 # The store already cut to max_turns; omitted counts from the full history.
                 window, _ = select_window(header.system_prompt, turns, token_budget=req.token_budget)
-                older = header.turn_count
+                older, holds_request = header.turn_count, False
             else:
                 # The cut comes first, then max_turns and the budget: a retry's window is the one
                 # its first try had (as far as the session still holds it).
                 header, turns = await self._store.get(owner, session_id, 0)
                 older = next((i for i, t in enumerate(turns) if t.request_id == before), len(turns))
+                holds_request = older < len(turns)
                 window, _ = select_window(
                     header.system_prompt,
                     turns[:older],
@@ -118,7 +123,10 @@ class SessionServicer:
                     max_turns=req.max_turns,
                 )
             return pb.SessionState(
-                info=header_pb(header), turns=[turn_pb(t) for t in window], omitted_turns=older - len(window)
+                info=self._info(header),
+                turns=[turn_pb(t) for t in window],
+                omitted_turns=older - len(window),
+                holds_request=holds_request,
             )
 
     async def AppendTurns(
@@ -133,7 +141,9 @@ class SessionServicer:
             expected = req.expected_version if req.HasField("expected_version") else None
             request_id = validation.check_request_id(req.request_id, "request_id")
             header, duplicate = await self._store.append(owner, session_id, turns, expected, request_id)
-            return pb.AppendTurnsResponse(version=header.version, info=header_pb(header), duplicate=duplicate)
+            return pb.AppendTurnsResponse(
+                version=header.version, info=self._info(header), duplicate=duplicate
+            )
 
     async def DeleteSession(
         self, request: pb.DeleteSessionRequest | UndecodableRequest, context: Context
@@ -154,7 +164,7 @@ class SessionServicer:
                 owner, validation.check_page_size(req.page_size), req.page_token
             )
             return pb.ListSessionsResponse(
-                sessions=[header_pb(h) for h in page.sessions], next_page_token=page.next_page_token
+                sessions=[self._info(h) for h in page.sessions], next_page_token=page.next_page_token
             )
 
     async def TouchSession(
@@ -163,7 +173,7 @@ class SessionServicer:
         async with observe_op("touch"):
             req = parsed(request)
             owner = owner_of(context)
-            return header_pb(await self._store.touch(owner, validation.check_session_id(req.session_id)))
+            return self._info(await self._store.touch(owner, validation.check_session_id(req.session_id)))
 
 
 def add_to_server(servicer: SessionServicer, server: grpc.aio.Server) -> None:

@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 
-from services.common.metadata import AUTHORIZATION_KEY
-from services.gen.llmmesh.v1 import common_pb2, router_pb2
+from services.common.metadata import AUTHORIZATION_KEY, TENANT_KEY
+from services.gen.llmmesh.v1 import common_pb2, router_pb2, session_pb2, session_pb2_grpc
 from tests.support.openai_front import http_base, keys_file
 from tests.support.processes import ROOT, ServiceProcess
 from tests.support.redis import RedisServer
@@ -39,6 +39,7 @@ class Mesh:
     bases: list[str]
     model: str
     spans: Path
+    session: ServiceProcess
 
     def client(self, router: int = 0, key: str = KEY) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.bases[router]}/v1", api_key=key, max_retries=0)
@@ -82,7 +83,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, shared_replica: ServiceProces
         )  # fmt: skip
         assert ingest.returncode == 0, ingest.stdout + ingest.stderr
         models = httpx.get(f"{bases[0]}/v1/models", headers={"authorization": f"Bearer {KEY}"}).json()
-        yield Mesh(replica, routers, bases, models["data"][0]["id"], spans)
+        yield Mesh(replica, routers, bases, models["data"][0]["id"], spans, session)
     finally:
         for service in reversed(started):
             service.stop()
@@ -192,6 +193,32 @@ def test_resume_errors_are_openai_shaped(mesh: Mesh) -> None:
 
 
 # -- extras through the SDK: extra_body and extra_headers
+
+
+def test_a_full_session_is_refused_429_before_any_answer(mesh: Mesh) -> None:
+    """A turn whose save the session's turn limit (1,000 by default) would refuse is refused before
+    the replica works on it: streamed, it was a 200 whose answer ended in an error event, and each
+    such request cost a whole answer the client could not keep."""
+    tenant = ((TENANT_KEY, "a"),)
+    with grpc.insecure_channel(mesh.session.address) as channel:
+        stub = session_pb2_grpc.SessionStub(channel)
+        stub.CreateSession(
+            session_pb2.CreateSessionRequest(session_id="sdk-full"), metadata=tenant, timeout=10
+        )
+        filler = [session_pb2.Turn(role="user", content=f"turn {i}") for i in range(999)]
+        stub.AppendTurns(
+            session_pb2.AppendTurnsRequest(session_id="sdk-full", turns=filler), metadata=tenant, timeout=10
+        )
+        # 999 held; a turn adds its question and its answer.
+        refused = mesh.post(chat(mesh, "One more?", stream=True, session_id="sdk-full"))
+        assert refused.status_code == 429, refused.text
+        assert refused.headers["x-should-retry"] == "false"
+        error = refused.json()["error"]
+        assert error["code"] == "insufficient_quota" and "limit of 1000" in error["message"], error
+        held = stub.GetSession(
+            session_pb2.GetSessionRequest(session_id="sdk-full"), metadata=tenant, timeout=10
+        )
+        assert held.info.turn_count == 999 and held.info.max_turns == 1000
 
 
 def test_session_id_keeps_the_conversation_and_another_tenant_is_refused_403(mesh: Mesh) -> None:

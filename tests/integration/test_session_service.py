@@ -190,10 +190,11 @@ async def test_a_retried_append_is_stored_once_and_a_retry_sees_the_history_befo
     # What a retry of req-2 is shown: the history its first try saw, windowed the same way.
     before = await erin.get("retry", before_request_id="req-2")
     assert [t.content for t in before.turns] == ["Hi, I'm Ada.", "Hello Ada."] and before.omitted_turns == 0
+    assert before.holds_request and before.info.max_turns == MAX_TURNS
     newest = await erin.get("retry", before_request_id="req-3", max_turns=1)
     assert [t.content for t in newest.turns] == ["Ada."] and newest.omitted_turns == 3
     unknown = await erin.get("retry", before_request_id="req-9")
-    assert len(unknown.turns) == 6 and unknown.info.version == 3
+    assert len(unknown.turns) == 6 and unknown.info.version == 3 and not unknown.holds_request
 
     # A new session under the id (this one deleted) remembers none of the old request ids.
     await erin.delete("retry")

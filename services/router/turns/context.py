@@ -49,6 +49,23 @@ class SessionHistory:
     version: int = 0
     exists: bool = False
     omitted_turns: int = 0
+    # Turns the session holds, and the most it may (0: the session service did not say).
+    turn_count: int = 0
+    max_turns: int = 0
+    # The turn's request id is already stored (a retry): its save will be a duplicate.
+    holds_request: bool = False
+
+    def refuses(self, messages: Sequence[Message]) -> str | None:
+        """Why saving a turn of ``messages`` and its answer would pass the session's turn limit.
+
+        Known before the answer, so a full session costs the client no answer it cannot keep.
+        """
+        if not self.max_turns or self.holds_request:
+            return None
+        adding = saved_turn_count(messages)
+        if self.turn_count + adding <= self.max_turns:
+            return None
+        return f"it holds {self.turn_count} turns; this turn's {adding} would exceed the limit of {self.max_turns}"
 
     @property
     def messages(self) -> list[tuple[str, str]]:
@@ -61,6 +78,11 @@ def as_pair(message: Message) -> tuple[str, str]:
     if isinstance(message, tuple):
         return message
     return (message.role, message.content)
+
+
+def saved_turn_count(messages: Sequence[Message]) -> int:
+    """The turns ``save_turn`` stores for ``messages``: all but system messages, and the answer."""
+    return sum(1 for role, _ in map(as_pair, messages) if role != "system") + 1
 
 
 def format_sources(chunks: Sequence[retriever_pb2.RetrievedChunk]) -> str:
@@ -178,6 +200,9 @@ class ConversationContext:
             version=state.info.version,
             exists=True,
             omitted_turns=state.omitted_turns,
+            turn_count=state.info.turn_count,
+            max_turns=state.info.max_turns,
+            holds_request=state.holds_request,
         )
 
     async def history(self, tenant: str, session_id: str, token_budget: int = 0) -> list[tuple[str, str]]:

@@ -68,6 +68,10 @@ async def history(
         return None
     if request.session_must_exist and not found.exists:
         raise errors.NotFound(f"session_id: no session {request.session_id!r} (session_must_exist is set)")
+    refused = found.refuses(request.messages)
+    if refused is not None:
+        # What the save would say after the answer (RESOURCE_EXHAUSTED), said before it.
+        raise errors.LimitExceeded(f"session {request.session_id!r}: {refused}")
     if found.omitted_turns and not found.turns:
         # The window is a suffix that stops at the first turn over the budget: a long last
         # answer leaves the model none of the conversation. Said, not left silent.
