@@ -160,7 +160,10 @@ def test_a_stream_not_marked_resumable_is_cancelled_on_leaving_and_resume_says_s
     first = stream(mesh, body, 0)
     received = read_events(first, 3)
     first.close()
-    again = stream(mesh, body, 1, **{"last-event-id": received[-1][0]})
+    # Not resumable: its events carry no ids (as OpenAI's); the client names the third itself.
+    assert [event_id for event_id, _ in received] == ["", "", ""]
+    last_event_id = f"chatcmpl-{first.headers['x-request-id']}-3"
+    again = stream(mesh, body, 1, **{"last-event-id": last_event_id})
     resumed = read_events(again)
     again.close()
     # What was generated before the cancel comes back, then the stream says it was cut short.

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.openai_front import http_base
+from tests.support.openai_front import http_base, load_tool_texts
 from tests.support.processes import ServiceProcess
 from tests.support.router_mesh import router_process, synthetic_replica
 
@@ -43,12 +43,13 @@ BODY = {
 }
 
 
-def test_keepalives_fall_between_slow_tokens(base: str) -> None:
+def test_keepalives_fall_between_slow_tokens_and_load_tools_read_past_them(base: str) -> None:
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=BODY, timeout=30) as response:
-        lines = [line for line in response.iter_lines() if line]
-    data = [i for i, line in enumerate(lines) if line.startswith("data: {")]
-    between = lines[data[1] : data[-1]]
-    assert ": keep-alive" in between, lines
+        raw = response.read()
+    # A keep-alive is a blank line more after an event's own: a third newline in a row.
+    first, last = raw.index(b"data: {"), raw.rindex(b"data: {")
+    assert b"\n\n\n" in raw[first:last], raw
+    assert len(load_tool_texts(raw).split()) == 3, raw
 
 
 def test_the_openai_sdk_reads_a_stream_with_keepalives_between_tokens(base: str) -> None:
@@ -62,8 +63,8 @@ def test_the_openai_sdk_reads_a_stream_with_keepalives_between_tokens(base: str)
 def test_the_sdk_reads_a_responses_stream_with_keepalives_between_tokens(base: str) -> None:
     asked = {"model": "synthetic", "input": "hi", "max_output_tokens": 3}
     with httpx.stream("POST", f"{base}/v1/responses", json={**asked, "stream": True}, timeout=30) as response:
-        lines = [line for line in response.iter_lines() if line]
-    assert ": keep-alive" in lines, lines
+        raw = response.read()
+    assert b"\n\n\n" in raw[raw.index(b"data: {") :], raw  # a keep-alive between events
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused-on-an-open-router", max_retries=0)
     events = list(client.responses.create(**asked, stream=True))  # type: ignore[call-overload]
     assert len([e for e in events if e.type == "response.output_text.delta"]) == 3
@@ -284,3 +285,30 @@ def test_embedding_inputs_openai_refuses_are_refused_before_the_retriever(
     base: str, body: dict[str, object], param: str
 ) -> None:
     _error(httpx.post(f"{base}/v1/embeddings", json=body, timeout=10), 400, param, "invalid_value")
+
+
+def test_the_node_sdks_timeout_header_bounds_a_whole_answer_not_a_stream(base: str) -> None:
+    """openai-node sends `X-Stainless-Timeout` (whole seconds, truncated) with a per-request timeout
+    whose timer ends at the response's headers: a stream it reads on without limit. Taken as the
+    turn's deadline, a 1 s timeout cut this 1.5 s stream with a 504 event, and a 0.5 s one (sent
+    as 0) was a 400."""
+    sdk_1s = {"x-stainless-timeout": "1"}
+    with httpx.stream(
+        "POST", f"{base}/v1/chat/completions", json=BODY, headers=sdk_1s, timeout=30
+    ) as response:
+        streamed = response.read()
+    assert response.status_code == 200 and len(load_tool_texts(streamed).split()) == 3, streamed
+    whole = httpx.post(
+        f"{base}/v1/chat/completions", json={**BODY, "stream": False}, headers=sdk_1s, timeout=30
+    )
+    assert whole.status_code == 504 and whole.json()["error"]["code"] == "timeout", whole.text
+    sub_second = {"x-stainless-timeout": "0"}
+    whole = httpx.post(
+        f"{base}/v1/chat/completions", json={**BODY, "stream": False}, headers=sub_second, timeout=30
+    )
+    assert whole.status_code == 200 and whole.json()["usage"]["completion_tokens"] == 3, whole.text
+    # Our own header bounds the whole turn, streamed too: the answer ends in an in-band timeout.
+    ours = {"x-request-timeout": "1"}
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=BODY, headers=ours, timeout=30) as response:
+        cut = response.read().decode()
+    assert '"code":"timeout"' in cut and cut.endswith("data: [DONE]\n\n"), cut

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
@@ -47,3 +48,19 @@ def readme_block(language: str, containing: str) -> str:
         if containing in code:
             return code
     raise AssertionError(f"README has no {language} block with {containing!r}")
+
+
+def load_tool_texts(stream: bytes) -> str:
+    """A chat stream's answer as the load tools' readers take it (SGLang's bench_serving and
+    llmperf read line by line, `vllm bench serve` event by event): empty lines skipped, every
+    other one ``data: <JSON>`` or ``data: [DONE]``, nothing else (an AssertionError otherwise)."""
+    text = ""
+    for line in stream.split(b"\n"):
+        if not line.strip():
+            continue
+        assert line.startswith(b"data: "), line
+        payload = line[len(b"data: ") :]
+        if payload != b"[DONE]":
+            choices = json.loads(payload)["choices"]
+            text += (choices[0]["delta"].get("content") or "") if choices else ""
+    return text

@@ -43,10 +43,30 @@ from services.router.turns.pipeline import TurnPipeline
 
 log = logging.getLogger("llmmesh.router.openai")
 
-# Deadline headers, in seconds: ours, and the one the official OpenAI SDKs send with their timeout.
-TIMEOUT_HEADERS = ("x-request-timeout", "x-stainless-timeout")
+# Deadline headers, in seconds: ours, a whole turn's, streamed or not.
+REQUEST_TIMEOUT = "x-request-timeout"
+# What the OpenAI Node SDK sends with a per-request `timeout` (whole seconds, truncated: 0 for one
+# under a second). Its timer runs until the response's headers, so it bounds a whole answer only
+# when that answer comes whole; a stream's headers come with its first event (or a keep-alive), and
+# the SDK then reads on without limit. As a turn's deadline it cut every longer stream (a 3 s
+# timeout ended a 5 s stream with a 504 event the SDK itself would have read to its end).
+SDK_TIMEOUT = "x-stainless-timeout"
 OWNER = "llm-mesh"
 CLIENT_GONE = object()
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """A request's deadlines from its headers (monotonic seconds; None: none given)."""
+
+    #: X-Request-Timeout: the whole turn.
+    request: float | None = None
+    #: X-Stainless-Timeout: a whole answer, not a stream.
+    sdk: float | None = None
+
+    def of(self, stream: bool) -> float | None:
+        given = [d for d in (self.request, None if stream else self.sdk) if d is not None]
+        return min(given) if given else None
 
 
 @dataclass(frozen=True)
@@ -156,7 +176,7 @@ class OpenAiFront:
 
     async def embeddings(self, request: Request) -> Response:
         principal = self._principal(request)
-        deadline = self._deadline(request)
+        deadline = self._deadlines(request).of(stream=False)
         wanted = embedding_request(await self._json(request))
         stub = self._retriever()
         if stub is None:
@@ -183,7 +203,7 @@ class OpenAiFront:
         self, request: Request, kind: Kind, parse: Callable[[Any, str], Generation], prefix: str
     ) -> Any:
         principal = self._principal(request)
-        deadline = self._deadline(request)
+        deadlines = self._deadlines(request)
         body = await self._json(request)
         given_id = request_id_header(request.headers.get("x-request-id"))
         resume_from = request.headers.get("last-event-id")
@@ -210,7 +230,14 @@ class OpenAiFront:
         )
         try:
             return await self._answer(
-                request, generation, framer, principal, deadline, given_id, seen, headers
+                request,
+                generation,
+                framer,
+                principal,
+                deadlines.of(generation.stream),
+                given_id,
+                seen,
+                headers,
             )
         except Exception as exc:
             raise framer.error(exc, request.url.path) from None
@@ -264,7 +291,14 @@ class OpenAiFront:
         if isinstance(first, Response):
             return first
         body_iter = sse_body(
-            streams, framer, first, generation.include_usage, self.limits.keepalive_s, seen, with_extras
+            streams,
+            framer,
+            first,
+            generation.include_usage,
+            self.limits.keepalive_s,
+            seen,
+            with_extras,
+            with_ids=generation.extras.resumable or seen is not None,
         )
         return SseResponse(body_iter, lambda: on_gone(streams), headers)
 
@@ -321,11 +355,12 @@ class OpenAiFront:
 
     async def responses(self, request: Request) -> Any:
         principal = self._principal(request)
-        deadline = self._deadline(request)
+        deadlines = self._deadlines(request)
         body = await self._json(request)
         given_id = request_id_header(request.headers.get("x-request-id"))
         request_id = given_id or uuid.uuid4().hex
         wanted = response_generation(body, request_id)
+        deadline = deadlines.of(wanted.generation.stream)
         framer = ResponseFramer(
             wanted, "resp_" + request_id, int(time.time()), self._model_name(wanted.generation.model)
         )
@@ -389,20 +424,24 @@ class OpenAiFront:
         header = request.headers.get("authorization")
         return self.authenticator.authenticate([("authorization", header)] if header is not None else [])
 
-    def _deadline(self, request: Request) -> float | None:
-        seconds: list[float] = []
-        for name in TIMEOUT_HEADERS:
+    def _deadlines(self, request: Request) -> Deadlines:
+        now = self._clock()
+
+        def read(name: str, zero_is_none: bool) -> float | None:
             raw = request.headers.get(name)
             if raw is None:
-                continue
+                return None
             try:
                 value = float(raw)
             except ValueError:
                 value = float("nan")
+            if value == 0 and zero_is_none:
+                return None  # the SDK's timeout was under a second; it gives up by itself
             if not value > 0 or value == float("inf"):
                 raise bad_request(name, f"header {name}: must be a positive number of seconds")
-            seconds.append(value)
-        return self._clock() + min(seconds) if seconds else None
+            return now + value
+
+        return Deadlines(read(REQUEST_TIMEOUT, False), read(SDK_TIMEOUT, True))
 
     async def _json(self, request: Request) -> Any:
         limit = self.limits.max_body_bytes

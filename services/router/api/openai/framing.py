@@ -17,10 +17,16 @@ FINISH_REASONS: dict[int, str] = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
 }
-# A comment line with no blank line after it: a blank line would end an "event" with no data,
-# which parsers that keep the last event id (as the SSE spec says, and the OpenAI SDKs do) hand
-# on as an empty event, and the SDKs then fail to parse its "" as JSON.
-KEEPALIVE = b": keep-alive\n"
+# A stream with event ids (a resumable one): a comment line with no blank line after it. A blank
+# line would end an "event" with no data, which parsers that keep the last event id (as the SSE
+# spec says, and the OpenAI SDKs do) hand on as an empty event, and the SDKs then fail to parse
+# its "" as JSON.
+KEEPALIVE_WITH_IDS = b": keep-alive\n"
+# Any other stream: a blank line alone, which every parser skips. No id was ever set, so the SDKs
+# dispatch nothing for it, and the load tools' line readers (`vllm bench serve`, SGLang's
+# bench_serving, llmperf) drop empty lines, where a comment line broke SGLang's and llmperf's
+# JSON parsing and vLLM's, glued to the next event, dropped that event's token.
+KEEPALIVE = b"\n"
 DONE = b"data: [DONE]\n\n"
 Kind = Literal["chat", "text"]
 
@@ -33,12 +39,17 @@ def dumps(payload: Any) -> str:
     return json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
 
 
-def sse(event_id: str, payload: Any) -> bytes:
-    """One SSE event; its id (request id + sequence number) lets a client say where it got to.
+def sse(event_id: str | None, payload: Any) -> bytes:
+    """One SSE event; its id (request id + sequence number), when given, lets a client say where
+    it got to. OpenAI's and vLLM's streams have none, and the load tools' parsers read each event
+    as ``data:`` alone (an ``id:`` line failed every streamed request of `vllm bench serve` and
+    SGLang's bench_serving), so only a stream that can be resumed carries them.
 
     ``payload``: a body to serialise, or a ``str`` that already is its JSON (``Framer.delta_json``).
     """
     data = payload if isinstance(payload, str) else dumps(payload)
+    if event_id is None:
+        return f"data: {data}\n\n".encode()
     return f"id: {event_id}\ndata: {data}\n\n".encode()
 
 

@@ -10,7 +10,7 @@ from services.gen.llmmesh.v1 import common_pb2
 from services.router.api.openai.choices import ChoiceEvent, ChoiceStreams, check_end
 from services.router.api.openai.errors import bad_request
 from services.router.api.openai.extras import response_extras
-from services.router.api.openai.framing import DONE, KEEPALIVE, Framer, sse
+from services.router.api.openai.framing import DONE, KEEPALIVE, KEEPALIVE_WITH_IDS, Framer, sse
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
@@ -70,10 +70,12 @@ def sse_body(
     keepalive_s: float,
     seen: Sequence[int] | None = None,
     with_extras: bool = False,
+    with_ids: bool = False,
 ) -> AsyncIterator[bytes]:
     """``_events`` without the events a resuming client already has (a stream not resumed has
-    none to drop, and takes no extra generator per event)."""
-    events = _events(streams, framer, first, include_usage, keepalive_s, seen, with_extras)
+    none to drop, and takes no extra generator per event). ``with_ids``: each event carries its
+    id (a resumable or resumed stream)."""
+    events = _events(streams, framer, first, include_usage, keepalive_s, seen, with_extras, with_ids)
     return events if seen is None else _unseen(events)
 
 
@@ -91,6 +93,7 @@ async def _events(
     keepalive_s: float,
     seen: Sequence[int] | None,
     with_extras: bool,
+    with_ids: bool,
 ) -> AsyncIterator[bytes]:
     """The whole event stream of one request: every choice's chunks, usage if asked, then [DONE].
 
@@ -101,11 +104,14 @@ async def _events(
     choices = streams.count
     counts = [0] * choices
     had = list(seen) if seen is not None else [0] * choices
+    keepalive = KEEPALIVE_WITH_IDS if with_ids else KEEPALIVE
 
     def event(index: int, payload: Any) -> bytes:
         counts[index] += 1
         if counts[index] <= had[index]:
             return b""  # the client had this one before it reconnected
+        if not with_ids:
+            return sse(None, payload)
         return sse(
             event_id(framer.completion_id, [max(c, h) for c, h in zip(counts, had, strict=True)]), payload
         )
@@ -115,7 +121,7 @@ async def _events(
     calls: dict[int, str] = {}  # tool mode: each choice's answer so far
     pending: ChoiceEvent | None = None
     if isinstance(first, NoEventYet):
-        yield KEEPALIVE
+        yield keepalive
     else:
         pending = first
     while True:
@@ -128,7 +134,7 @@ async def _events(
             except TimeoutError:
                 # Nothing for a while (queued, or a slow prefill): a comment keeps proxies and
                 # clients from timing the connection out, and no client shows it.
-                yield KEEPALIVE
+                yield keepalive
                 continue
             except Exception as exc:
                 # The status line is long gone: the error goes in-band, as OpenAI's own streams send it.

@@ -116,12 +116,12 @@ async def _replay(messages: list[router_pb2.ChatResponse]) -> AsyncIterator[rout
         yield m
 
 
-async def _stream(seen: list[int] | None) -> list[bytes]:
+async def _stream(seen: list[int] | None, with_ids: bool = True) -> list[bytes]:
     streams = ChoiceStreams([_replay(_messages())])
     framer = Framer("chat", "chatcmpl-r", 0, "m")
     first = await streams.next()
     assert first is not None
-    return [chunk async for chunk in sse_body(streams, framer, first, True, 5.0, seen)]
+    return [chunk async for chunk in sse_body(streams, framer, first, True, 5.0, seen, with_ids=with_ids)]
 
 
 async def test_a_resumed_stream_sends_exactly_the_events_after_the_last_one_seen() -> None:
@@ -130,6 +130,17 @@ async def test_a_resumed_stream_sends_exactly_the_events_after_the_last_one_seen
     assert ids == [f"id: chatcmpl-r-{k}".encode() for k in range(1, len(whole))]  # opening … usage
     for k in range(len(whole)):
         assert await _stream([k]) == whole[k:], k
+
+
+async def test_a_stream_that_cannot_be_resumed_is_data_lines_only_as_openais_and_vllms() -> None:
+    """The load tools read each event as one `data:` line (`vllm bench serve`, SGLang's
+    bench_serving, llmperf): an `id:` line before it failed every streamed request."""
+    plain = await _stream(None, with_ids=False)
+    with_ids = await _stream(None)
+    assert all(chunk.startswith(b"data: ") and chunk.endswith(b"\n\n") for chunk in plain)
+    assert [chunk.split(b"\n")[1 if chunk.startswith(b"id: ") else 0] for chunk in with_ids] == [
+        chunk.split(b"\n")[0] for chunk in plain
+    ]
 
 
 def test_openai_user_and_cache_personal_scope_the_semantic_cache() -> None:

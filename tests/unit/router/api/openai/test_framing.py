@@ -10,9 +10,10 @@ import pytest
 
 from services.gen.llmmesh.v1 import common_pb2, router_pb2
 from services.router.api.openai.choices import ChoiceAnswer, ChoiceStreams
-from services.router.api.openai.framing import DONE, KEEPALIVE, Framer, sse, total_usage
+from services.router.api.openai.framing import DONE, KEEPALIVE, KEEPALIVE_WITH_IDS, Framer, sse, total_usage
 from services.router.api.openai.streaming import sse_body
 from services.router.api.openai.structured import ToolMode
+from tests.support.openai_front import load_tool_texts
 
 
 def usage(prompt: int, completion: int, cached: int = 0) -> common_pb2.Usage:
@@ -56,14 +57,29 @@ def test_stream_chunks_carry_null_usage_only_when_usage_was_asked_for() -> None:
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 2
 
 
-def test_keepalives_between_events_are_invisible_to_the_openai_sdks_parser() -> None:
+@pytest.mark.parametrize(
+    ("keepalive", "ids"), [(KEEPALIVE_WITH_IDS, ["c-1", "c-2"]), (KEEPALIVE, [None, None])]
+)
+def test_keepalives_between_events_are_invisible_to_the_openai_sdks_parser(
+    keepalive: bytes, ids: list[str | None]
+) -> None:
     from openai._streaming import SSEDecoder  # the parser the SDK's streams run on
 
     chunk = {"choices": [{"index": 0, "delta": {"content": "x"}}]}
-    stream = KEEPALIVE + sse("c-1", chunk) + KEEPALIVE + KEEPALIVE + sse("c-2", chunk) + KEEPALIVE + DONE
+    stream = keepalive + sse(ids[0], chunk) + keepalive + keepalive + sse(ids[1], chunk) + keepalive + DONE
     events = list(SSEDecoder().iter_bytes(iter([stream[i : i + 7] for i in range(0, len(stream), 7)])))
-    assert [e.id for e in events] == ["c-1", "c-2", "c-2"]
+    assert [e.id for e in events] == [*ids, ids[1]]
     assert [e.json() for e in events[:2]] == [chunk, chunk] and events[2].data == "[DONE]"
+
+
+def test_a_plain_stream_and_its_keepalives_read_as_the_load_tools_read_them() -> None:
+    chunk = {"choices": [{"index": 0, "delta": {"content": "x"}}]}
+    stream = KEEPALIVE + sse(None, chunk) + KEEPALIVE + KEEPALIVE + sse(None, chunk) + KEEPALIVE + DONE
+    assert load_tool_texts(stream) == "xx"
+    with pytest.raises(AssertionError):  # what they met before: an id line, a comment line
+        load_tool_texts(sse("c-1", chunk))
+    with pytest.raises(AssertionError):
+        load_tool_texts(KEEPALIVE_WITH_IDS + sse(None, chunk))
 
 
 def test_a_delta_from_its_template_is_the_chunk_openai_clients_parse() -> None:
