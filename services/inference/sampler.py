@@ -64,6 +64,9 @@ RowResult = int | SampledToken | RowFault
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK63 = (1 << 63) - 1
+# Folded in for a seed's bit 63, which the 63-bit key cannot hold: seeds s and s + 2**63 drew
+# alike (an OpenAI client's seed -1 is 2**64 - 1 here). A seed below 2**63 keys as it always did.
+_HIGH_BIT_SALT = 0xD1B54A32D192ED03
 
 
 #: Vocabulary positions per block of ``first_max``: fastest of 256–4,096 on a 49,152-token
@@ -104,7 +107,7 @@ def first_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def draw_key(seed: int, token_index: int) -> int:
     """The generator seed for token ``token_index`` of a request seeded with ``seed``."""
-    return (seed ^ ((token_index + 1) * _GOLDEN)) & _MASK63
+    return (seed ^ ((token_index + 1) * _GOLDEN) ^ ((seed >> 63) * _HIGH_BIT_SALT)) & _MASK63
 
 
 def apply_repetition_penalty(row: torch.Tensor, seen: Seq[int], penalty: float) -> torch.Tensor:

@@ -45,6 +45,18 @@ def test_draws_depend_on_the_token_index() -> None:
     assert len(tokens) > 5
 
 
+def test_seeds_that_differ_only_in_bit_63_draw_differently_and_low_seeds_key_as_before() -> None:
+    row = logits_rows(1)[0] * 0.01
+    p = SamplingParams(temperature=1.0)
+    low = [sample_row(row, p, draw_key(5, i)) for i in range(40)]
+    high = [sample_row(row, p, draw_key(5 + 2**63, i)) for i in range(40)]
+    assert low != high
+    # The keys of seeds below 2**63 did not move: recorded seeded answers still reproduce.
+    assert [draw_key(5, i) for i in range(3)] == [
+        (5 ^ ((i + 1) * 0x9E3779B97F4A7C15)) & (2**63 - 1) for i in range(3)
+    ]
+
+
 def test_greedy_picks_the_argmax_per_row() -> None:
     rows = logits_rows(4)
     got = Sampler()(rows, [SamplingParams(temperature=0.0)] * 4, [0] * 4, [0] * 4, [[]] * 4)

@@ -332,15 +332,19 @@ def sampling_params(body: Mapping[str, Any], max_tokens: int | None) -> common_p
     if (temperature := _number(body, "temperature", 0.0, 2.0)) is not None:
         sampling.temperature = temperature
     if (top_p := _number(body, "top_p", 0.0, 1.0)) is not None:
-        if top_p <= 0:
-            raise bad_request("top_p", "top_p: must be in (0, 1]")
-        sampling.top_p = top_p
+        if top_p > 0:
+            sampling.top_p = top_p
+        else:
+            # OpenAI takes 0 (its range is [0, 1]): the nucleus shrinks to the likeliest token.
+            sampling.top_k = 1
     if min_p := _number(body, "min_p", 0.0, 1.0):
         sampling.min_p = min_p  # vLLM's extra; 0 means off there as here
     if (top_k := int_field(body, "top_k", -1, INT32_MAX)) is not None and top_k > 0:
-        sampling.top_k = top_k  # vLLM's extra; -1 and 0 mean off there as here
-    if (seed := int_field(body, "seed", 0, SEED_LIMIT - 1)) is not None:
-        sampling.seed = seed
+        sampling.top_k = min(top_k, sampling.top_k or top_k)  # vLLM's extra; -1 and 0 mean off there as here
+    # OpenAI's seed is a signed 64-bit integer (apps send -1 for "any"): a negative one is its
+    # two's-complement bits, a seed of its own like any other.
+    if (seed := int_field(body, "seed", -(2**63), SEED_LIMIT - 1)) is not None:
+        sampling.seed = seed % SEED_LIMIT
     if (penalty := _number(body, "repetition_penalty", 0.01, 100.0)) is not None:
         sampling.repetition_penalty = penalty
     if presence := _number(body, "presence_penalty", -MAX_ABS_ADDITIVE_PENALTY, MAX_ABS_ADDITIVE_PENALTY):

@@ -182,7 +182,8 @@ def test_nulls_and_load_tool_extras_are_accepted() -> None:
         ({"messages": USER, "max_tokens": 0}, "max_tokens"),
         ({"messages": USER, "max_tokens": True}, "max_tokens"),
         ({"messages": USER, "n": 9}, "n"),
-        ({"messages": USER, "seed": -1}, "seed"),
+        ({"messages": USER, "seed": -(2**63) - 1}, "seed"),
+        ({"messages": USER, "seed": 2**64}, "seed"),
         ({"messages": USER, "stop": [1]}, "stop"),
         ({"messages": USER, "stop": "x" * 513}, "stop"),
         ({"messages": USER, "presence_penalty": 2.5}, "presence_penalty"),
@@ -522,3 +523,16 @@ def test_a_tool_result_may_answer_a_call_in_the_sessions_stored_history() -> Non
         response_generation({"input": [output]}, "resp-1")
     (answered,) = response_generation({"input": [output], "session_id": "s1"}, "resp-1").generation.turns
     assert answered.messages[-1].content == "-3 °C"
+
+
+def test_openais_signed_seed_and_zero_top_p_are_taken_as_openai_takes_them() -> None:
+    """OpenAI's seed is a signed 64-bit integer (apps send -1 for "any seed") and its top_p may
+    be 0: both were 400s."""
+    (negative,) = chat_generation({"messages": USER, "seed": -1, "temperature": 1}, "r").turns
+    assert negative.sampling.seed == 2**64 - 1
+    (lowest,) = chat_generation({"messages": USER, "seed": -(2**63)}, "r").turns
+    assert lowest.sampling.seed == 2**63
+    (nucleus_of_one,) = chat_generation(
+        {"messages": USER, "top_p": 0, "top_k": 40, "temperature": 1}, "r"
+    ).turns
+    assert nucleus_of_one.sampling.top_k == 1 and not nucleus_of_one.sampling.HasField("top_p")
