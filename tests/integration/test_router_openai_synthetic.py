@@ -25,7 +25,15 @@ def base() -> Iterator[str]:
     # Two tokens a second and a keep-alive every 0.2 s: keep-alives fall between the tokens.
     replica = synthetic_replica("--tokens-per-second", "2").start()
     router: ServiceProcess = router_process(
-        [replica], "--http-port", "0", "--http-keepalive-s", "0.2", "--http-cors-origin", APP_ORIGIN
+        [replica],
+        "--http-port",
+        "0",
+        "--http-keepalive-s",
+        "0.2",
+        "--http-cors-origin",
+        APP_ORIGIN,
+        "--model-aliases",
+        "gpt-4o-mini=synthetic,retired=no-such-model",
     )
     try:
         router.start()
@@ -312,3 +320,17 @@ def test_the_node_sdks_timeout_header_bounds_a_whole_answer_not_a_stream(base: s
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=BODY, headers=ours, timeout=30) as response:
         cut = response.read().decode()
     assert '"code":"timeout"' in cut and cut.endswith("data: [DONE]\n\n"), cut
+
+
+def test_an_alias_a_served_model_answers_is_listed_and_retrievable(base: str) -> None:
+    """Model pickers offer what /v1/models lists, and clients check a name with models.retrieve:
+    an alias the chat endpoint takes was in neither (404)."""
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused-on-an-open-router", max_retries=0)
+    assert sorted(m.id for m in client.models.list()) == ["gpt-4o-mini", "synthetic"]
+    assert client.models.retrieve("gpt-4o-mini").id == "gpt-4o-mini"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("retired")  # an alias of a model no replica serves
+    answer = client.chat.completions.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}], max_tokens=1
+    )
+    assert answer.model == "synthetic"

@@ -151,12 +151,12 @@ class OpenAiFront:
 
     async def list_models(self, request: Request) -> Response:
         self._principal(request)
-        return JSONResponse({"object": "list", "data": [self._model(m) for m in sorted(self._known())]})
+        return JSONResponse({"object": "list", "data": [self._model(m) for m in sorted(self._listed())]})
 
     async def get_model(self, request: Request) -> Response:
         self._principal(request)
         name = request.path_params["model"]
-        known = self._known()
+        known = self._listed()
         if name not in known:
             served = ", ".join(sorted(known)) or "none yet"
             raise ApiError(
@@ -458,6 +458,21 @@ class OpenAiFront:
 
     def _known(self) -> set[str]:
         return self.pipeline.s.pool.models()
+
+    def _listed(self) -> set[str]:
+        """The served models and every ``--model-aliases`` name a served model answers, as vLLM lists
+        each served name: model pickers (Open WebUI) offer only what the list holds, and
+        ``models.retrieve`` checks were a 404 for a name the chat endpoint takes."""
+        known = self._known()
+        catalog = self.pipeline.s.catalog
+        listed = set(known)
+        for alias in catalog.aliases:
+            try:
+                if any(m in known for m in catalog.plan(alias, known)):
+                    listed.add(alias)
+            except errors.MeshError:
+                pass  # its model is not served now
+        return listed
 
     def _model_name(self, requested: str) -> str:
         """What chunks name as the model before the TurnEnd says which answered: the alias resolved."""
