@@ -98,6 +98,7 @@ _CHAT_KNOWN = frozenset(
         "prediction",
         "web_search_options",
         "reasoning_effort",
+        "verbosity",
         "guided_json",
         "guided_regex",
         "guided_choice",
@@ -374,6 +375,11 @@ _WHY_NOT = {
     "use response_format json_schema with the function's parameters",
     "tool_choice": "tool calls are not supported: this model's chat template defines none "
     "(so tool_choice 'auto' cannot be honoured)",
+    # As the Responses API's `reasoning` and `text.verbosity` (responses.py), and as OpenAI answers
+    # them for a model that does not reason: the same LangChain client passed on chat and was a
+    # 400 on /v1/responses.
+    "reasoning_effort": "this model does not reason before it answers; send null or 'none'",
+    "verbosity": "only 'medium': the answer's length is max_tokens'",
 }
 
 
@@ -386,8 +392,10 @@ def refuse_unsupported(body: Mapping[str, Any], known: frozenset[str]) -> None:
         "function_call": ("none",),
         "audio": (),
         "prediction": (),
-        "web_search_options": (),
+        "web_search_options": ({},),
         "use_beam_search": (False,),
+        "reasoning_effort": ("none",),
+        "verbosity": ("medium",),
         # vLLM's extras that change the prompt or the answer: accepted at their defaults only.
         "echo": (False,),
         "add_generation_prompt": (True,),

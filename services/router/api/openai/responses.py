@@ -137,9 +137,12 @@ def response_generation(body: Any, request_id: str) -> ResponseRequest:
     _refuse_stateful(body)
     reasoning = body.get("reasoning")
     if reasoning is not None and (
-        not isinstance(reasoning, dict) or any(v is not None for v in reasoning.values())
+        not isinstance(reasoning, dict)
+        or any(v is not None and (k, v) != ("effort", "none") for k, v in reasoning.items())
     ):
-        raise unsupported("reasoning", "this model does not reason before it answers; send null")
+        raise unsupported(
+            "reasoning", "this model does not reason before it answers; send null or effort 'none'"
+        )
     # Chat's own rules for every field the two APIs share (and the unknown ones, logged once).
     shared = {
         k: v for k, v in body.items() if k not in _WHY_NOT and k not in ("tools", "tool_choice", "reasoning")

@@ -300,6 +300,10 @@ def test_nulls_and_load_tool_extras_are_accepted() -> None:
         ({"messages": USER, "guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
         ({"messages": USER, "chat_template": "{{ messages }}"}, "chat_template"),
         ({"messages": USER, "chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
+        # As the Responses API refuses `reasoning` and `text.verbosity` (it was ignored here).
+        ({"messages": USER, "reasoning_effort": "high"}, "reasoning_effort"),
+        ({"messages": USER, "verbosity": "low"}, "verbosity"),
+        ({"messages": USER, "web_search_options": {"search_context_size": "low"}}, "web_search_options"),
         (
             {"messages": USER, "stream": True, "stream_options": {"include_usage": "yes"}},
             "stream_options.include_usage",
@@ -536,3 +540,11 @@ def test_openais_signed_seed_and_zero_top_p_are_taken_as_openai_takes_them() -> 
         {"messages": USER, "top_p": 0, "top_k": 40, "temperature": 1}, "r"
     ).turns
     assert nucleus_of_one.sampling.top_k == 1 and not nucleus_of_one.sampling.HasField("top_p")
+
+
+def test_the_neutral_reasoning_verbosity_and_search_values_are_taken_on_chat_as_on_responses() -> None:
+    body = {"messages": USER, "reasoning_effort": "none", "verbosity": "medium", "web_search_options": {}}
+    (turn,) = chat_generation(body, "r").turns
+    assert [m.content for m in turn.messages] == ["hi"]
+    (same,) = response_generation({"input": "hi", "reasoning": {"effort": "none"}}, "r").generation.turns
+    assert [m.content for m in same.messages] == ["hi"]
