@@ -16,7 +16,7 @@ def turns_key(session_id: str) -> str:
 
 
 def requests_key(session_id: str) -> str:
-    """Hash: each AppendTurns request id the session stored -> the version that append made.
+    """Hash: each AppendTurns request id the session stored -> the digest of its non-assistant turns.
 
     At most one entry an append, so bounded by the session's turn limit; expires with the session.
     """

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 #: Roles a stored turn may have.
@@ -64,3 +66,12 @@ class SessionPage:
 
     sessions: tuple[SessionHeader, ...]
     next_page_token: str
+
+
+def request_digest(turns: Sequence[TurnRecord]) -> str:
+    """What tells a retry of a request from another request under its id: its non-assistant turns.
+
+    A retry's answer may differ (sampling), its question does not.
+    """
+    asked = [[t.role, t.content] for t in turns if t.role != "assistant"]
+    return hashlib.sha256(json.dumps(asked, ensure_ascii=False).encode()).hexdigest()

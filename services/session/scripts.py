@@ -47,26 +47,32 @@ return {'ok', redis.call('HGETALL', KEYS[1]), count, redis.call('LRANGE', KEYS[2
 """
 )
 
-# ARGV: owner, expected_version ('' = any), now_ms, max_turns, request_id ('' = none), turn_json…
-# The duplicate check, the version check, the limit check and the push happen in one step, so
-# two writers holding the same version cannot both succeed, and a request id is stored once.
+# ARGV: owner, expected_version ('' = any), now_ms, max_turns, request_id ('' = none),
+# request_digest, turn_json… The duplicate check, the version check, the limit check and the push
+# happen in one step, so two writers holding the same version cannot both succeed, and a request
+# id is stored once: again with the same digest (its non-assistant turns) it is a duplicate, with
+# another it is refused ('reused').
 APPEND = (
     _ACCESS
     + """
-if ARGV[5] ~= '' and redis.call('HEXISTS', KEYS[3], ARGV[5]) == 1 then
+if ARGV[5] ~= '' then
+  local stored = redis.call('HGET', KEYS[3], ARGV[5])
+  if stored and stored ~= ARGV[6] then return {'reused'} end
+  if stored then
 """
     + _REFRESH
     + """
-  return {'duplicate', redis.call('HGETALL', KEYS[1]), redis.call('LLEN', KEYS[2])}
+    return {'duplicate', redis.call('HGETALL', KEYS[1]), redis.call('LLEN', KEYS[2])}
+  end
 end
 local version = redis.call('HGET', KEYS[1], 'version')
 if ARGV[2] ~= '' and ARGV[2] ~= version then return {'conflict', version} end
 local count = redis.call('LLEN', KEYS[2])
-local adding = #ARGV - 5
+local adding = #ARGV - 6
 if count + adding > tonumber(ARGV[4]) then return {'full', count} end
-for i = 6, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
-local stored = redis.call('HINCRBY', KEYS[1], 'version', 1)
-if ARGV[5] ~= '' then redis.call('HSET', KEYS[3], ARGV[5], stored) end
+for i = 7, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
+redis.call('HINCRBY', KEYS[1], 'version', 1)
+if ARGV[5] ~= '' then redis.call('HSET', KEYS[3], ARGV[5], ARGV[6]) end
 redis.call('HSET', KEYS[1], 'updated_at_ms', ARGV[3])
 """
     + _REFRESH

@@ -105,10 +105,16 @@ class SessionServicer:
             owner = owner_of(context)
             session_id = validation.check_session_id(req.session_id)
             before = validation.check_request_id(req.before_request_id, "before_request_id")
+            request_turns: list[TurnRecord] = []
             if not before:
                 header, turns = await self._store.get(owner, session_id, req.max_turns)
                 # The store already cut to max_turns; omitted counts from the full history.
-                window, _ = select_window(header.system_prompt, turns, token_budget=req.token_budget)
+                window, _ = select_window(
+                    header.system_prompt,
+                    turns,
+                    token_budget=req.token_budget,
+                    preceded=header.turn_count > len(turns),
+                )
                 older, holds_request = header.turn_count, False
             else:
                 # The cut comes first, then max_turns and the budget: a retry's window is the one
@@ -116,6 +122,7 @@ class SessionServicer:
                 header, turns = await self._store.get(owner, session_id, 0)
                 older = next((i for i, t in enumerate(turns) if t.request_id == before), len(turns))
                 holds_request = older < len(turns)
+                request_turns = [t for t in turns[older:] if t.request_id == before]
                 window, _ = select_window(
                     header.system_prompt,
                     turns[:older],
@@ -127,6 +134,7 @@ class SessionServicer:
                 turns=[turn_pb(t) for t in window],
                 omitted_turns=older - len(window),
                 holds_request=holds_request,
+                request_turns=[turn_pb(t) for t in request_turns],
             )
 
     async def AppendTurns(

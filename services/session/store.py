@@ -30,7 +30,7 @@ from services.common.metadata import SESSION_VERSION_KEY
 from services.session import keys, scripts
 from services.session.limits import SessionLimits
 from services.session.metrics import REDIS_LATENCY
-from services.session.model import NewSession, SessionHeader, SessionPage, TurnRecord
+from services.session.model import NewSession, SessionHeader, SessionPage, TurnRecord, request_digest
 
 T = TypeVar("T")
 RedisClient = Redis | RedisCluster
@@ -238,10 +238,16 @@ class SessionStore:
             now,
             self._limits.max_turns_per_session,
             request_id,
+            request_digest(turns),
             *stamped,
         )
         if reply[0] == "duplicate":
             return decode_header(session_id, _pairs(reply[1]), reply[2]), True
+        if reply[0] == "reused":
+            raise errors.AlreadyExists(
+                f"request_id: {request_id!r} already appended other turns to session {session_id!r}; "
+                "send a new one"
+            )
         if reply[0] == "conflict":
             current = reply[1]
             raise errors.Conflict(

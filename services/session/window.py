@@ -35,13 +35,21 @@ def turn_tokens(turn: TurnRecord) -> int:
 
 
 def select_window(
-    system_prompt: str, turns: Sequence[TurnRecord], token_budget: int = 0, max_turns: int = 0
+    system_prompt: str,
+    turns: Sequence[TurnRecord],
+    token_budget: int = 0,
+    max_turns: int = 0,
+    preceded: bool = False,
 ) -> tuple[tuple[TurnRecord, ...], int]:
     """The newest turns that fit, oldest first, and how many older turns were left out.
 
     The system prompt is counted first and always kept (even when it alone exceeds the
     budget); the window is a contiguous suffix, so the model never sees a conversation
-    with a hole in it. A budget or max of 0 means "no limit".
+    with a hole in it. A budget or max of 0 means "no limit". ``preceded``: older turns than
+    ``turns`` exist (the caller already cut them off).
+
+    A window that leaves older turns out starts at a user turn: cut mid-exchange, it began
+    with an answer to a question it no longer held, or a tool's result whose call it dropped.
     """
     candidates = list(turns[-max_turns:]) if max_turns > 0 else list(turns)
     if token_budget > 0:
@@ -54,4 +62,7 @@ def select_window(
             remaining -= cost
             kept += 1
         candidates = candidates[len(candidates) - kept :]
+    if preceded or len(candidates) < len(turns):
+        start = next((i for i, t in enumerate(candidates) if t.role == "user"), len(candidates))
+        candidates = candidates[start:]
     return tuple(candidates), len(turns) - len(candidates)

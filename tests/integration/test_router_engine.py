@@ -152,6 +152,13 @@ def test_a_retried_turn_sees_the_history_its_first_try_saw_and_is_saved_once(mes
         ("assistant", first.text),
     ]
     assert [t.request_id for t in stored.turns][2:] == ["ask-name-1"] * 2
+    # Another question under that id is another turn: refused before any answer, not answered
+    # from the history before the id's exchange and then silently not stored.
+    other = user_turn("Where do I live?", 4, session_id=session, cache=BYPASS, request_id="ask-name-1")
+    with pytest.raises(grpc.RpcError) as refused:
+        list(mesh.stub.ChatStream(other))
+    assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS  # type: ignore[attr-defined]
+    assert "request_id: 'ask-name-1' already named another turn" in refused.value.details()  # type: ignore[attr-defined]
 
 
 def test_rag_puts_retrieved_chunks_into_the_prompt_and_cites_them(mesh: Mesh) -> None:

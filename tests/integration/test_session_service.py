@@ -175,7 +175,15 @@ async def test_a_retried_append_is_stored_once_and_a_retry_sees_the_history_befo
     assert again.duplicate and again.version == 2 and again.info.turn_count == 4
     # Without expected_version too, and after later appends: a request id is stored once.
     await erin.append("retry", [turn("Bye."), turn("Bye!", "assistant")], request_id="req-3")
-    assert (await erin.append("retry", [turn("Hi, I'm Ada.")], request_id="req-1")).duplicate
+    assert (
+        await erin.append("retry", [turn("Hi, I'm Ada."), turn("Hey.", "assistant")], request_id="req-1")
+    ).duplicate
+    # The id with another question is another request: refused, naming the id, nothing stored.
+    reused = await rpc_error(
+        erin.append("retry", [turn("Who are you?"), turn("A bot.", "assistant")], 3, "req-1")
+    )
+    assert reused.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert (reused.details() or "").startswith("request_id: 'req-1' already appended other turns")
     state = await erin.get("retry")
     assert [t.content for t in state.turns] == [
         "Hi, I'm Ada.",
@@ -191,8 +199,14 @@ async def test_a_retried_append_is_stored_once_and_a_retry_sees_the_history_befo
     before = await erin.get("retry", before_request_id="req-2")
     assert [t.content for t in before.turns] == ["Hi, I'm Ada.", "Hello Ada."] and before.omitted_turns == 0
     assert before.holds_request and before.info.max_turns == MAX_TURNS
-    newest = await erin.get("retry", before_request_id="req-3", max_turns=1)
-    assert [t.content for t in newest.turns] == ["Ada."] and newest.omitted_turns == 3
+    assert [(t.role, t.content) for t in before.request_turns] == [
+        ("user", "My name?"),
+        ("assistant", "Ada."),
+    ]
+    newest = await erin.get("retry", before_request_id="req-3", max_turns=2)
+    assert [t.content for t in newest.turns] == ["My name?", "Ada."] and newest.omitted_turns == 2
+    # One turn would be an answer without its question: a window left short starts at a user turn.
+    assert list((await erin.get("retry", before_request_id="req-3", max_turns=1)).turns) == []
     unknown = await erin.get("retry", before_request_id="req-9")
     assert len(unknown.turns) == 6 and unknown.info.version == 3 and not unknown.holds_request
 

@@ -54,6 +54,13 @@ class SessionHistory:
     max_turns: int = 0
     # The turn's request id is already stored (a retry): its save will be a duplicate.
     holds_request: bool = False
+    # The turns stored under that request id.
+    request_turns: list[tuple[str, str]] = field(default_factory=list)
+
+    def retries(self, messages: Sequence[Message]) -> bool:
+        """Whether ``messages`` are what this session stored under the turn's request id (a retry,
+        as the session service tells one: the same turns but the answers), not another turn."""
+        return _asked(self.request_turns) == _asked(messages)
 
     def refuses(self, messages: Sequence[Message]) -> str | None:
         """Why saving a turn of ``messages`` and its answer would pass the session's turn limit.
@@ -78,6 +85,10 @@ def as_pair(message: Message) -> tuple[str, str]:
     if isinstance(message, tuple):
         return message
     return (message.role, message.content)
+
+
+def _asked(messages: Sequence[Message]) -> list[tuple[str, str]]:
+    return [(r, c) for r, c in map(as_pair, messages) if r not in ("system", "assistant")]
 
 
 def saved_turn_count(messages: Sequence[Message]) -> int:
@@ -203,6 +214,7 @@ class ConversationContext:
             turn_count=state.info.turn_count,
             max_turns=state.info.max_turns,
             holds_request=state.holds_request,
+            request_turns=[(t.role, t.content) for t in state.request_turns],
         )
 
     async def history(self, tenant: str, session_id: str, token_budget: int = 0) -> list[tuple[str, str]]:
@@ -325,6 +337,8 @@ def _session_error(exc: grpc.aio.AioRpcError, session_id: str) -> Exception:
             f"session {session_id!r} changed meanwhile: {detail}"
         ),
         grpc.StatusCode.NOT_FOUND: lambda: errors.NotFound(f"session_id: {session_id!r} not found"),
+        # A request id the session stored with other turns (docs/session.md, Retries).
+        grpc.StatusCode.ALREADY_EXISTS: lambda: errors.AlreadyExists(detail),
         grpc.StatusCode.RESOURCE_EXHAUSTED: lambda: errors.LimitExceeded(f"session {session_id!r}: {detail}"),
         grpc.StatusCode.FAILED_PRECONDITION: lambda: errors.FailedPrecondition(
             f"session {session_id!r}: {detail}"

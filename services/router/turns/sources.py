@@ -68,6 +68,13 @@ async def history(
         return None
     if request.session_must_exist and not found.exists:
         raise errors.NotFound(f"session_id: no session {request.session_id!r} (session_must_exist is set)")
+    if found.holds_request and not found.retries(request.messages):
+        # Built from the history before that id's exchange and deduplicated at the save, another
+        # turn under it would be answered without the later turns and never stored.
+        raise errors.AlreadyExists(
+            f"request_id: {state.request_id!r} already named another turn of session "
+            f"{request.session_id!r}; send a new one"
+        )
     refused = found.refuses(request.messages)
     if refused is not None:
         # What the save would say after the answer (RESOURCE_EXHAUSTED), said before it.

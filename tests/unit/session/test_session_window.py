@@ -73,8 +73,27 @@ def test_a_system_prompt_over_budget_leaves_no_turns() -> None:
 
 def test_turns_without_a_count_are_estimated() -> None:
     history = [TurnRecord("user", "x" * 40), TurnRecord("assistant", "y" * 8)]  # 14 + 5 and 3 + 5 tokens
-    assert select_window("", history, token_budget=26)[0] == (history[1],)
+    assert select_window("", history, token_budget=26) == ((), 2)  # the answer alone is no exchange
     assert select_window("", history, token_budget=27)[0] == tuple(history)
+
+
+def test_a_window_that_leaves_turns_out_starts_at_a_user_turn() -> None:
+    """Cut mid-exchange, the window began with an answer whose question it no longer held, or a
+    tool's result whose call it had dropped."""
+    history = [
+        TurnRecord("user", "What is in the report?", token_count=40),
+        TurnRecord("assistant", "It is about x.", token_count=5),
+        TurnRecord("user", "Weather?", token_count=5),
+        TurnRecord("assistant", '{"name": "weather"}', token_count=5),
+        TurnRecord("tool", "sunny", token_count=5),
+        TurnRecord("assistant", "It is sunny.", token_count=5),
+    ]
+    assert select_window("", history, token_budget=50) == (tuple(history[2:]), 2)
+    assert select_window("", history, token_budget=25) == ((), 6)  # tool, answer: no question
+    assert select_window("", history, max_turns=5) == (tuple(history[2:]), 2)
+    # Turns the caller cut off already count too; a whole history may begin with a greeting.
+    assert select_window("", history[1:], preceded=True) == (tuple(history[2:]), 1)
+    assert select_window("", history[1:]) == (tuple(history[1:]), 0)
 
 
 def test_max_turns_and_no_limits() -> None:
