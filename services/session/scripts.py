@@ -101,11 +101,11 @@ return {'ok'}
 
 # KEYS: owner index. ARGV: session_id, now_ms, max_sessions. Reserves a slot in the owner's
 # index before the session is created, so the per-owner limit is checked and taken atomically.
+# An id already there keeps its place: re-scored, a failed create of a live session (the router
+# tries one for every version-0 turn) moved it to the end of ListSessions, whose pages then
+# listed it twice. A created session's entry gets its creation time after the create (store.py).
 RESERVE = """
-if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
-  redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
-  return 1
-end
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 1 end
 if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
 return 1

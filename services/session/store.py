@@ -14,6 +14,7 @@ import asyncio
 import base64
 import binascii
 import json
+import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar, cast
@@ -47,6 +48,12 @@ UNREACHABLE = (
     TimeoutError,
     OSError,
 )
+
+# Redis's own refusals of a write for want of room or health (maxmemory, a failed RDB save, a
+# busy script, too few replicas): the store is unavailable, not the request wrong. They were
+# INTERNAL, with Redis's message. Inside a script the reply comes wrapped ("Error running script
+# … @user_script: 24: -OOM command not allowed …"), so it is looked for, not matched at the start.
+UNAVAILABLE_REPLY = re.compile(r"(?:^|[\s-])(OOM|MISCONF|BUSY|NOREPLICAS|LOADING|MASTERDOWN)\b")
 
 # An index entry younger than this may belong to a create still in flight, so pruning
 # leaves it alone; far longer than any Redis round trip the timeout allows.
@@ -121,7 +128,9 @@ def encode_page_token(score: str, session_id: str) -> str:
 def decode_page_token(token: str) -> tuple[str, str]:
     try:
         score, session_id = base64.urlsafe_b64decode(token.encode()).decode().split("|", 1)
-        if not score.isdigit():
+        # ASCII digits only: str.isdigit takes "²" and other scripts' digits, which Redis then
+        # refused inside the page script (INTERNAL, with the script's text).
+        if not (score.isascii() and score.isdigit()) or len(score) > 16:
             raise ValueError(score)
     except (ValueError, binascii.Error, UnicodeError) as exc:
         raise errors.InvalidArgument("page_token", "is not a token from a previous response") from exc
@@ -164,6 +173,11 @@ class SessionStore:
             raise errors.DependencyUnavailable(
                 f"session store unavailable during {op}: {type(exc).__name__}: {exc or 'timed out'}"
             ) from exc
+        except redis_errors.ResponseError as exc:
+            found = UNAVAILABLE_REPLY.search(str(exc))
+            if found is None:
+                raise
+            raise errors.DependencyUnavailable(f"session store unavailable during {op}: {found[1]}") from exc
         finally:
             REDIS_LATENCY.labels(op).observe(time.perf_counter() - started)
 
@@ -200,7 +214,14 @@ class SessionStore:
         if reply[0] == "exists":
             await self._release_if_foreign(new.owner, new.session_id)
             raise errors.AlreadyExists(f"session {new.session_id!r} already exists")
-        return decode_header(new.session_id, _pairs(reply[1]), reply[2])
+        header = decode_header(new.session_id, _pairs(reply[1]), reply[2])
+        # The entry as of this creation: one an expired session under the id left keeps its old
+        # place until now, and a listing may have pruned it meanwhile (the session was gone).
+        index = keys.owner_index_key(new.owner)
+        await self._redis(
+            "index_place", lambda: self._client.zadd(index, {new.session_id: header.created_at_ms})
+        )
+        return header
 
     async def get(
         self, owner: str, session_id: str, max_turns: int = 0

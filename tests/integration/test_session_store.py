@@ -100,3 +100,19 @@ async def test_request_ids_expire_with_their_session_and_go_with_its_deletion(
         assert not await client.exists(keys.requests_key("kept"))
     finally:
         await store.close()
+
+
+async def test_a_full_redis_is_unavailable_not_internal(redis_server: RedisServer) -> None:
+    """Redis at its maxmemory refuses writes with OOM: that was INTERNAL, Redis's message and all."""
+    client = connect(redis_server.url, cluster=False, timeout_s=1.0, max_connections=8)
+    store = SessionStore(client, SessionLimits(), timeout_s=1.0)
+    try:
+        await store.create(new("full"))
+        await client.config_set("maxmemory", 1)  # a byte: every write is over it
+        with pytest.raises(errors.DependencyUnavailable, match="unavailable during append: OOM"):
+            await store.append("acme", "full", [TurnRecord("user", "hi")], None)
+        await client.config_set("maxmemory", 0)
+        header, _ = await store.append("acme", "full", [TurnRecord("user", "hi")], None)
+        assert header.turn_count == 1  # the refused append left nothing behind
+    finally:
+        await store.close()

@@ -22,6 +22,9 @@ def test_a_cursor_round_trips_to_whole_milliseconds_and_the_id() -> None:
         base64.urlsafe_b64encode(b"nan|s").decode(),
         base64.urlsafe_b64encode(b"12").decode(),
         "%%%",
+        # Digits str.isdigit takes and Redis does not: they reached the page script (INTERNAL).
+        base64.urlsafe_b64encode("²|s".encode()).decode(),
+        base64.urlsafe_b64encode("١٢|s".encode()).decode(),
     ],
 )
 def test_forged_or_garbled_tokens_are_refused(token: str) -> None:
