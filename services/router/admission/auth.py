@@ -63,6 +63,10 @@ class Principal:
     limits: KeyLimits = field(default=UNLIMITED, compare=False)
 
 
+#: The longest tenant name: what the session service takes as an owner (its check_owner).
+MAX_TENANT_CHARS = 256
+
+
 @dataclass(frozen=True)
 class ApiKeyRecord:
     """One stored key: its hash, never the key."""
@@ -78,6 +82,18 @@ class ApiKeyRecord:
             raise ValueError("id: must not be empty")
         if not self.tenant:
             raise ValueError(f"tenant: must not be empty (key {self.key_id})")
+        # The tenant travels as gRPC metadata (x-llmmesh-tenant) to the session service and the
+        # retriever, which take 1-256 printable ASCII characters: "Société" failed every one of
+        # that key's session turns (an illegal header value, INTERNAL), blaming its session_id.
+        if (
+            len(self.tenant) > MAX_TENANT_CHARS
+            or not all(" " <= c <= "~" for c in self.tenant)
+            or self.tenant != self.tenant.strip()
+        ):
+            raise ValueError(
+                f"tenant: must be 1-{MAX_TENANT_CHARS} printable ASCII characters, without spaces at "
+                f"either end (key {self.key_id}, tenant {self.tenant[:40]!r})"
+            )
         if len(self.key_sha256) != 64 or any(c not in "0123456789abcdef" for c in self.key_sha256):
             raise ValueError(f"sha256: must be 64 lowercase hex digits (key {self.key_id})")
 

@@ -111,6 +111,16 @@ def test_bad_keys_file_names_the_problem(tmp_path: Path) -> None:
         Authenticator.from_file(path)
     with pytest.raises(ValueError, match="does not exist"):
         Authenticator.from_file(tmp_path / "missing.yaml")
+    # A tenant the session service and the retriever cannot be told (gRPC metadata is ASCII): each
+    # of its session turns was an INTERNAL blaming the client's session_id.
+    for tenant in ("Société", "acme\tcorp", " acme", "t" * 257):
+        path.write_text(yaml.safe_dump({"keys": [{"id": "k", "tenant": tenant, "sha256": "a" * 64}]}))
+        with pytest.raises(ValueError, match="tenant: must be 1-256 printable ASCII"):
+            Authenticator.from_file(path)
+    path.write_text(
+        yaml.safe_dump({"keys": [{"id": "k", "tenant": "Acme Corp (EU)", "sha256": hash_key("sk-eu")}]})
+    )
+    assert Authenticator.from_file(path).authenticate(bearer("sk-eu")).tenant == "Acme Corp (EU)"
 
 
 def test_client_cannot_smuggle_internal_metadata() -> None:
