@@ -1347,6 +1347,9 @@ def test_401_without_a_valid_key(front: Front) -> None:
         )
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=front.v1, api_key="sk-wrong", max_retries=0).models.list()
+    # Told in HTTP's words (it said "send metadata 'authorization: …'", gRPC's).
+    missing = front.post("/v1/chat/completions", {"messages": HELLO}, key=None).json()["error"]["message"]
+    assert "the header 'Authorization: Bearer <api key>'" in missing, missing
 
 
 def test_404_for_an_unknown_model_lists_the_served_ones(front: Front) -> None:

@@ -274,6 +274,9 @@ def test_405_says_which_method_the_route_allows(base: str) -> None:
         assert response.headers.get("allow") == "POST", (method, response.headers, error)
     allowed = httpx.post(f"{base}/v1/models", timeout=10).headers.get("allow", "")
     assert {m.strip() for m in allowed.split(",")} == {"GET", "HEAD"}
+    # An unknown URL is OpenAI's invalid_request_error too (it was a not_found_error).
+    error = _error(httpx.post(f"{base}/v1/chat/complete", json={}, timeout=10), 404, None, "unknown_url")
+    assert "/v1/chat/complete" in error["message"]
 
 
 @pytest.mark.parametrize(

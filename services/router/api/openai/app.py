@@ -422,6 +422,9 @@ class OpenAiFront:
 
     def _principal(self, request: Request) -> Principal:
         header = request.headers.get("authorization")
+        if header is None and not self.authenticator.is_open:
+            # The authenticator speaks gRPC ("send metadata …"); an HTTP client sends a header.
+            raise errors.Unauthenticated("missing API key: send the header 'Authorization: Bearer <api key>'")
         return self.authenticator.authenticate([("authorization", header)] if header is not None else [])
 
     def _deadlines(self, request: Request) -> Deadlines:
@@ -532,7 +535,11 @@ def error_response(error: ApiError) -> JSONResponse:
 async def _http_exception(request: Request, exc: Exception) -> Response:
     """Unknown paths and wrong methods, in the same error shape as everything else."""
     status = exc.status_code if isinstance(exc, HTTPException) else 500
-    kinds = {404: ("not_found_error", "unknown_url"), 405: ("invalid_request_error", "method_not_allowed")}
+    # OpenAI's own answer to an unknown URL is an invalid_request_error.
+    kinds = {
+        404: ("invalid_request_error", "unknown_url"),
+        405: ("invalid_request_error", "method_not_allowed"),
+    }
     kind, code = kinds.get(status, ("invalid_request_error", "bad_request"))
     message = f"{request.method} {request.url.path}: {exc.detail if isinstance(exc, HTTPException) else exc}"
     response = error_response(ApiError(status, message, kind, code))
