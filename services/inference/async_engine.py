@@ -140,8 +140,12 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         resume_token_ids: Seq[int] = (),
+        prompt_field: str = "prompt",
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream one request's outputs; leaving early (cancel, error, client gone) aborts it."""
+        """Stream one request's outputs; leaving early (cancel, error, client gone) aborts it.
+
+        ``prompt_field``: the request's name for its prompt, for the refusals that name it.
+        """
         if self.draining:
             raise errors.DependencyUnavailable("replica is shutting down; send work elsewhere")
         if self.failure is not None:
@@ -150,7 +154,7 @@ class AsyncEngine:
             )
         # Refused before anything else sees it (the grammar would overflow on token ids outside
         # the vocabulary); touches no state, so no lock.
-        self.engine.validate(prompt_token_ids, params, resume_token_ids)
+        self.engine.validate(prompt_token_ids, params, resume_token_ids, prompt_field)
         with self._cond:
             if request_id in self._sinks or request_id in self._admitting:
                 raise errors.AlreadyExists(f"request {request_id!r} is already running")

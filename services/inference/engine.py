@@ -134,17 +134,25 @@ class LLMEngine:
 
     # -- admission -----------------------------------------------------------
     def validate(
-        self, prompt_token_ids: Seq[int], params: SamplingParams, resume_token_ids: Seq[int] = ()
+        self,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        resume_token_ids: Seq[int] = (),
+        prompt_field: str = "prompt",
     ) -> None:
-        """Raise ``InvalidArgument`` for a request this engine can never serve (no state touched)."""
+        """Raise ``InvalidArgument`` for a request this engine can never serve (no state touched).
+
+        ``prompt_field``: what the request called its prompt (``messages``, ``prompt`` or
+        ``prompt_token_ids``), so a refusal names the field the client sent.
+        """
         total = len(prompt_token_ids) + len(resume_token_ids)
         if not prompt_token_ids:
-            raise errors.InvalidArgument("prompt", "is empty after tokenization")
+            raise errors.InvalidArgument(prompt_field, "is empty after tokenization")
         # Resumed tokens that reach max_tokens are an answer that ended by its length (its
         # replica failed before it could say so): it ends at once, so it needs no room.
         if total >= self.max_model_len and len(resume_token_ids) < params.max_tokens:
             raise errors.ContextTooLong(
-                "prompt",
+                prompt_field,
                 f"{len(prompt_token_ids)} prompt tokens (+{len(resume_token_ids)} resumed) leave no room in",
                 self.max_model_len,
             )

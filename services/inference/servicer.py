@@ -191,7 +191,8 @@ async def start_generation(
     params = sampling_from_pb(start.sampling, len(prompt_ids), context)
     # No await between the check above and the engine knowing the id (generate registers it
     # before its first await): a cancel from here on reaches the engine.
-    async for out in engine.generate(request_id, prompt_ids, params, list(start.resume_token_ids)):
+    given = "prompt_token_ids" if start.prompt_token_ids else "prompt" if start.prompt else "messages"
+    async for out in engine.generate(request_id, prompt_ids, params, list(start.resume_token_ids), given):
         yield out
 
 

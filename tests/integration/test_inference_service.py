@@ -329,6 +329,13 @@ def _invalid_starts() -> list[tuple[str, inference_pb2.GenerateRequest]]:
         ("max_tokens", start(sampling=common_pb2.SamplingParams(max_tokens=0))),
         ("max_tokens", start(sampling=common_pb2.SamplingParams(max_tokens=9000))),
         ("prompt", start(prompt="word " * 9000)),
+        # Over the context as the client sent it: token ids, or a chat's messages (both were
+        # named `prompt`, a field the request did not set).
+        ("prompt_token_ids", start(prompt="", prompt_token_ids=[42] * 9000)),
+        (
+            "messages",
+            start(prompt="", messages=[common_pb2.ChatMessage(role="user", content="word " * 9000)]),
+        ),
         # Past what any prompt of the context could hold: refused before it is tokenized (which
         # runs on the replica's event loop, holding every stream up for seconds).
         ("prompt", start(prompt="x" * 1_100_000)),

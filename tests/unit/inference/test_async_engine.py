@@ -35,7 +35,9 @@ class FakeTokenEngine:
     def load(self) -> EngineLoad:
         return EngineLoad(0, 1 if self.request_id else 0, 0, 16, 0, 0.0)
 
-    def validate(self, prompt: list[int], params: SamplingParams, resume: object) -> None:
+    def validate(
+        self, prompt: list[int], params: SamplingParams, resume: object, prompt_field: str = "prompt"
+    ) -> None:
         return None
 
     def check_room(self, waiting: int) -> None:
