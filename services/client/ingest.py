@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from services.client.connection import add_connection_arguments, describe_error, open_client
-from services.retriever.parsing import mime_type_for
+from services.retriever.parsing import DOCX, PDF, mime_type_for
 
 #: Answers that say "not now" rather than "not this": ABORTED (another retriever replica held the
 #: document's write lease past the wait limit, or this one lost it) and UNAVAILABLE (the retriever
@@ -144,9 +144,10 @@ def parse_metadata(pairs: list[str]) -> dict[str, str]:
 
 
 def document_mime_type(path: Path, charset: str | None) -> str:
-    """The MIME type sent for ``path``: by its extension, with ``charset`` on the text formats."""
+    """The MIME type sent for ``path``: by its extension, with ``charset`` on the text formats
+    (every one but PDF and DOCX, which say their own: JSON's was once dropped)."""
     mime_type = mime_type_for(path) or ""
-    return f"{mime_type}; charset={charset}" if charset and mime_type.startswith("text/") else mime_type
+    return f"{mime_type}; charset={charset}" if charset and mime_type not in ("", PDF, DOCX) else mime_type
 
 
 def send_document(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import pairwise
 
 from services.retriever.parsing import Section
 
@@ -23,21 +24,30 @@ MAX_TOKEN_CHARS = 16
 
 
 def bounded(token_spans: TokenSpans) -> TokenSpans:
-    """``token_spans`` with every span longer than ``MAX_TOKEN_CHARS`` cut into spans that are not,
-    and every gap between tokens longer than that counted as spans too.
+    """``token_spans`` turned into spans that each account for at most ``MAX_TOKEN_CHARS``
+    characters of the text, counting the gap before a token with it: a span ends at most that
+    many characters after the previous one (or the text's start), and the text's tail is covered.
 
     The tokenizer gives no token for what it drops: runs of spaces, zero-width and combining
     characters, private-use ones. Uncounted, 70,000 spaces between two sentences made a
-    "one-paragraph, 15-token" chunk of 70 KB, whose tail the store then cut off silently."""
+    "one-paragraph, 15-token" chunk of 70 KB, whose tail the store then cut off silently; and
+    counting a 16-character token and the 16 characters before it as one let a chunk grow to
+    twice ``max_tokens × MAX_TOKEN_CHARS``. Ordinary text (a space, then a token of at most
+    15 characters) still counts one span per token."""
 
     def spans(text: str) -> list[tuple[int, int]]:
         out: list[tuple[int, int]] = []
-        at = 0
+        at = 0  # how far the spans so far account for
         for start, end in [*token_spans(text), (len(text), len(text))]:
-            if start - at > MAX_TOKEN_CHARS:
-                out.extend((s, min(s + MAX_TOKEN_CHARS, start)) for s in range(at, start, MAX_TOKEN_CHARS))
-            out.extend((s, min(s + MAX_TOKEN_CHARS, end)) for s in range(start, end, MAX_TOKEN_CHARS))
-            at = max(at, end)
+            if end <= at:
+                continue
+            if end - at <= MAX_TOKEN_CHARS:
+                out.append((max(start, at) if start < end else at, end))
+            else:  # the gap and the token in pieces of at most MAX_TOKEN_CHARS, cut from the
+                # token's end back, so a window starting at a piece starts at a token if it can
+                edges = sorted({at, *range(end, at, -MAX_TOKEN_CHARS)})
+                out.extend(pairwise(edges))
+            at = end
         return out
 
     return spans
@@ -77,7 +87,8 @@ def paragraph_spans(text: str) -> list[tuple[int, int]]:
         spans.append((start, match.start()))
         start = match.end()
     spans.append((start, len(text)))
-    return [(a, b) for a, b in spans if text[a:b].strip()]
+    # Trailing spaces belong to the gap after a paragraph, which packing counts (_pieces).
+    return [(a, a + len(text[a:b].rstrip())) for a, b in spans if text[a:b].strip()]
 
 
 class TokenChunker:
@@ -86,9 +97,9 @@ class TokenChunker:
     A chunk never crosses a section boundary, so it keeps its heading path and
     page, and never splits a paragraph that fits in one chunk: a chunk is about
     what its paragraphs are about. A paragraph longer than a chunk is cut into
-    windows overlapping by ``overlap_tokens``; a token counts once per ``MAX_TOKEN_CHARS``
-    characters, and so does a longer gap between tokens, so no chunk is much longer than
-    ``max_tokens × 2 × MAX_TOKEN_CHARS``. Chunk text is a slice of the
+    windows overlapping by ``overlap_tokens``; a token and the gap before it count once per
+    ``MAX_TOKEN_CHARS`` characters, and so does the gap between two paragraphs packed
+    together, so no chunk is longer than ``max_tokens × MAX_TOKEN_CHARS``. Chunk text is a slice of the
     original text (not detokenized), so case, punctuation and spacing survive.
     """
 
@@ -111,9 +122,13 @@ class TokenChunker:
         run_tokens = 0
         for start, end in paragraph_spans(text):
             tokens = len(self._token_spans(text[start:end]))
-            if run is not None and run_tokens + tokens <= self._policy.max_tokens:
-                run, run_tokens = (run[0], end), run_tokens + tokens
-                continue
+            if run is not None:
+                # Joined, the gap before the paragraph is in the chunk too: 70,000 spaces after
+                # a blank line were, uncounted. A short gap costs nothing extra.
+                joined = len(self._token_spans(text[run[1] : end]))
+                if run_tokens + joined <= self._policy.max_tokens:
+                    run, run_tokens = (run[0], end), run_tokens + joined
+                    continue
             if run is not None:
                 pieces.append(text[run[0] : run[1]].strip())
             if tokens <= self._policy.max_tokens:

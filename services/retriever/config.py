@@ -26,6 +26,9 @@ class RetrieverConfig:
         DEFAULT_MAX_PARSE_SECONDS,
         help="longest one document's text may take to read (PDFs); beyond it refused",
     )
+    ingest_workers: int = flag(
+        2, help="threads for Ingest and DeleteDocument, apart from the reads' (search, cache, embed)"
+    )
     chunk_tokens: int = flag(200, help="chunk size in embedding-model tokens")
     chunk_overlap_tokens: int = flag(40, help="tokens shared by neighbouring chunks")
     cache_threshold: float = flag(DEFAULT_THRESHOLD, help="semantic-cache cosine similarity")
@@ -79,6 +82,8 @@ class RetrieverConfig:
             )
         if self.redis_cluster and not self.redis_url:
             raise ValueError("--redis-cluster needs --redis-url")
+        if self.ingest_workers < 1:
+            raise ValueError(f"--ingest-workers must be >= 1, got {self.ingest_workers}")
         if self.search_ef < 1:
             raise ValueError(f"--search-ef must be >= 1, got {self.search_ef}")
         if self.device not in {"auto", "cpu", "cuda"} and not self.device.startswith("cuda:"):

@@ -25,13 +25,15 @@ from services.retriever.document_locks import DocumentLocks, LocalLocks
 from services.retriever.embedder import Vectors
 from services.retriever.parsing import (
     DEFAULT_MAX_PARSE_SECONDS,
+    DOCX,
+    PDF,
     base_type,
     normalize_mime_type,
     parse_document,
 )
 from services.retriever.records import ChunkHit, ChunkRow, DocumentRecord
 from services.retriever.rerank import Reranker
-from services.retriever.schema import MAX_TEXT_BYTES, contextual_text, fit_bytes
+from services.retriever.schema import MAX_LABEL_BYTES, MAX_TEXT_BYTES, contextual_text, fit_bytes
 from services.retriever.search import Searcher, SearchQuery, SearchResult, check_metadata
 from services.retriever.store import MilvusStore
 from services.retriever.terms import keyword_text
@@ -42,7 +44,9 @@ __all__ = ["Corpus", "DocumentUpload", "IngestResult", "SearchQuery", "SearchRes
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
 MAX_DOCUMENT_ID_CHARS = 256
-MAX_TITLE_CHARS = 512
+# In UTF-8 bytes, the stored field's size: counted in characters, a non-ASCII title was accepted,
+# then cut by the store, and never compared equal again ("unchanged" was never answered).
+MAX_TITLE_BYTES = MAX_LABEL_BYTES
 
 
 class TextEmbedder(Protocol):
@@ -88,6 +92,19 @@ def embedding_text(title: str, chunk: Chunk) -> str:
     return contextual_text(title, chunk.heading_path or (chunk.heading,), chunk.text)
 
 
+def search_text(title: str, chunk: Chunk) -> str:
+    """What BM25 indexes (``keyword_text`` of the contextual text), within the field's bytes.
+
+    The chunk's own text is kept first and the title and heading path get the room left: cut
+    as a whole, long headings pushed the text out and a search for its words found nothing.
+    """
+    text = fit_bytes(keyword_text(chunk.text), MAX_TEXT_BYTES)
+    room = MAX_TEXT_BYTES - len(text.encode()) - 1  # the line break between them
+    context = keyword_text(contextual_text(title, chunk.heading_path or (chunk.heading,), ""))
+    context = fit_bytes(context, room) if room > 0 else ""
+    return f"{context}\n{text}" if context else text
+
+
 def encode_page_token(last_document_id: str) -> str:
     return base64.urlsafe_b64encode(last_document_id.encode()).decode()
 
@@ -129,17 +146,21 @@ class Corpus:
         self._store.require_model()
         check_document_id(upload.document_id, "header.document_id")
         check_metadata(upload.metadata, "header.metadata")
-        if len(upload.title) > MAX_TITLE_CHARS:
-            raise InvalidArgument("header.title", f"must be at most {MAX_TITLE_CHARS} characters")
+        if len(upload.title.encode()) > MAX_TITLE_BYTES:
+            raise InvalidArgument("header.title", f"must be at most {MAX_TITLE_BYTES} bytes (UTF-8)")
         mime_type = normalize_mime_type(upload.mime_type, upload.source)
         # The text formats' declared encoding (PDF and DOCX say their own), stored with the type:
         # the same bytes sent again declaring another charset are a new version, not "unchanged".
-        charset = declared_charset(upload.mime_type) if mime_type.startswith("text/") else None
+        # JSON, JSON Lines and application/csv are text too: their charset was dropped once.
+        charset = None if mime_type in (PDF, DOCX) else declared_charset(upload.mime_type)
         if charset:
             mime_type += f"; charset={charset}"
         content_hash = hashlib.sha256(upload.data).hexdigest()
-        title = (
-            upload.title or (upload.source.rsplit("/", 1)[-1] if upload.source else "") or upload.document_id
+        # A title derived from `source` (up to its 4 KiB) is cut to the stored size, so that the
+        # comparison below sees what the store keeps.
+        title = fit_bytes(
+            upload.title or (upload.source.rsplit("/", 1)[-1] if upload.source else "") or upload.document_id,
+            MAX_TITLE_BYTES,
         )
         metadata = dict(upload.metadata)
 
@@ -183,12 +204,7 @@ class Corpus:
                 upload.document_id,
                 keep_version=current.version if current and not current.deleted else None,
             )
-            rows = [
-                ChunkRow(
-                    c.position, c.text, c.heading, c.page, fit_bytes(keyword_text(context), MAX_TEXT_BYTES)
-                )
-                for c, context in zip(chunks, contexts, strict=True)
-            ]
+            rows = [ChunkRow(c.position, c.text, c.heading, c.page, search_text(title, c)) for c in chunks]
             self._store.write_chunks(record, rows, vectors)
             lease.check()  # another replica may write this document once our lease is gone
             self._store.put_document(record)  # the flip: readers now see version `version`

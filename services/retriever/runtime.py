@@ -36,7 +36,7 @@ class RetrieverRuntime:
 
     def __init__(self, config: RetrieverConfig) -> None:
         self.config = config
-        self.servicer = RetrieverServicer(config.max_document_bytes)
+        self.servicer = RetrieverServicer(config.max_document_bytes, config.ingest_workers)
         self._store: MilvusStore | None = None
         self._lock_client: Any = None  # Redis for document write leases, when configured
 
@@ -119,6 +119,7 @@ class RetrieverRuntime:
         """Nothing to refuse early: in-flight RPCs finish within the server's grace period."""
 
     async def close(self) -> None:
+        self.servicer.close()
         if self._store is not None:
             await asyncio.to_thread(self._store.close)
             self._store = None

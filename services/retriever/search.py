@@ -4,7 +4,9 @@ The order of the steps matters: the version filter first (a reader never sees
 a half-replaced document), then ``min_score`` (a cosine bound, the same in
 every mode), then the relevance reranker over the best ``rerank_candidates``,
 then maximal marginal relevance when asked (it trades relevance for
-diversity, so it comes last and only reorders what relevance chose).
+diversity, so it comes last). The first two filter before anything is cut to
+``top_k``: in keyword and hybrid modes the order is not by cosine, so a chunk
+that passes ``min_score`` may sit below ``top_k`` that do not.
 """
 
 from __future__ import annotations
@@ -34,8 +36,15 @@ MAX_TOP_K = 100
 MAX_QUERY_CHARS = 8192
 MAX_METADATA_ENTRIES = 64
 MAX_METADATA_VALUE_CHARS = 1024
+# All keys and values together, UTF-8: 64 full-length values (64 KiB) on each of 100 search
+# results or 1,000 listed documents made responses past gRPC's 4 MiB message limit.
+MAX_METADATA_BYTES = 8192
 # Candidates fetched per result: room for stale versions dropped and for MMR to choose from.
 _OVERFETCH = 4
+# What maximal marginal relevance chooses from: this many candidates per result, at least
+# _MMR_MIN_POOL. Given only the top_k it could reorder them but never swap a near-duplicate out.
+_MMR_POOL_FACTOR = 4
+_MMR_MIN_POOL = 20
 _MODE_NAMES = ", ".join(f"{m.value} ({m.name})" for m in SearchMode)
 
 
@@ -47,6 +56,11 @@ def check_metadata(metadata: Mapping[str, str], field_name: str) -> None:
             raise InvalidArgument(field_name, f"key {key!r} must be 1-64 of letters, digits, '_', '.', '-'")
         if len(value) > MAX_METADATA_VALUE_CHARS:
             raise InvalidArgument(field_name, f"value of {key!r} is longer than {MAX_METADATA_VALUE_CHARS}")
+    size = sum(len(key.encode()) + len(value.encode()) for key, value in metadata.items())
+    if size > MAX_METADATA_BYTES:
+        raise InvalidArgument(
+            field_name, f"keys and values are {size} bytes (UTF-8) together; at most {MAX_METADATA_BYTES}"
+        )
 
 
 @dataclass(frozen=True)
@@ -135,10 +149,10 @@ class Searcher:
         vector = self._embedder.embed([query.text])[0]
         mode = query.search_mode
         want_rerank = query.rerank if query.rerank is not None else self._reranker is not None
-        wanted = max(query.limit, query.candidates if want_rerank else 0)
+        pool = _mmr_pool(query.limit) if query.diversify else 0
+        wanted = max(query.limit, query.candidates if want_rerank else 0, pool)
+        # Already filtered by version and min_score, in the mode's order.
         visible = self._visible(tenant, query, mode, vector, wanted, with_vectors=query.diversify)
-        if query.min_score is not None:
-            visible = [h for h in visible if h.score >= query.min_score]
         reranked, degraded = False, ""
         if want_rerank:
             if self._reranker is None:
@@ -153,7 +167,9 @@ class Searcher:
         elif query.rerank is None and self._reranker_unavailable:
             degraded = self._reranker_unavailable
         if query.diversify and len(visible) > 1:
-            visible = self._diversify(vector, visible, query.limit, reranked)
+            # Reranked: MMR chooses among what the reranker scored, so every relevance is its own.
+            choices = visible[: query.candidates] if reranked else visible
+            visible = self._diversify(vector, choices, query.limit, mode, reranked)
         return SearchResult(visible[: query.limit], mode, reranked, degraded)
 
     def _visible(
@@ -165,29 +181,60 @@ class Searcher:
         wanted: int,
         with_vectors: bool = False,
     ) -> list[ChunkHit]:
-        """The best ``wanted`` chunks whose document still names their version."""
+        """The best ``wanted`` chunks, in the mode's order, whose document still names their
+        version and whose cosine is at least ``min_score``."""
+        minimum = query.min_score
         fetch = min(MAX_QUERY_WINDOW, max(wanted * _OVERFETCH, 20))
         while True:
+            # With a minimum, hybrid keeps its whole fusion (up to 2 × fetch): then every chunk
+            # among the `fetch` nearest by cosine is a candidate, which bounds the search below.
+            fused = 2 * fetch if mode is SearchMode.HYBRID and minimum is not None else None
             candidates = self._store.search_chunks(
-                tenant, mode, keyword_query(query.text), vector, fetch, query.metadata_filter, with_vectors
+                tenant,
+                mode,
+                keyword_query(query.text),
+                vector,
+                fetch,
+                query.metadata_filter,
+                with_vectors,
+                fused_limit=fused,
             )
             current = self._store.current_versions(tenant, (h.document_key for h in candidates))
             # A chunk counts only if its document still names its version: no mixes during a replace.
-            visible = [h for h in candidates if current.get(h.document_key) == h.document_version]
-            # Short because stale chunks took places: look further down the list.
-            short = len(visible) < wanted and len(candidates) == fetch and fetch < MAX_QUERY_WINDOW
-            if not short:
+            visible = [
+                h
+                for h in candidates
+                if current.get(h.document_key) == h.document_version
+                and (minimum is None or h.score >= minimum)
+            ]
+            # Short because stale or low-scoring chunks took places: look further down the list,
+            # unless the store has no more or no chunk further down can reach the minimum.
+            done = (
+                len(visible) >= wanted
+                or len(candidates) < fetch
+                or fetch >= MAX_QUERY_WINDOW
+                or (minimum is not None and _none_deeper_can_pass(mode, candidates, fetch, minimum))
+            )
+            if done:
                 return visible[:wanted]
             fetch = min(MAX_QUERY_WINDOW, fetch * 4)
 
     @staticmethod
-    def _diversify(vector: Vectors, hits: list[ChunkHit], limit: int, reranked: bool) -> list[ChunkHit]:
+    def _diversify(
+        vector: Vectors, hits: list[ChunkHit], limit: int, mode: SearchMode, reranked: bool
+    ) -> list[ChunkHit]:
         matrix = np.stack([h.vector for h in hits if h.vector is not None])
-        relevance = None
+        # Relevance is what ordered the hits, so MMR's first pick is the search's best chunk.
+        relevance = None  # dense: the cosine, which ordered them
         if reranked:
             # The reranker's judgement, scaled to [0, 1] so the redundancy term keeps its weight.
             raw = np.asarray([h.rerank_score or 0.0 for h in hits], dtype=np.float32)
             relevance = (raw - raw.min()) / max(float(raw.max() - raw.min()), 1e-6)
+        elif mode is not SearchMode.DENSE:
+            # BM25 and RRF values have no fixed scale: the place in the mode's order, on the scale
+            # of the full pool (not of what was found, which would make a short list's steps steep).
+            places = max(len(hits), _mmr_pool(limit))
+            relevance = 1.0 - np.arange(len(hits), dtype=np.float32) / places
         order = maximal_marginal_relevance(vector, matrix, limit, relevance=relevance)
         return [hits[i] for i in order]
 
@@ -200,3 +247,25 @@ class Searcher:
         scored = [replace(h, rerank_score=s) for h, s in zip(head, scores, strict=True)]
         # Stable: equal scores keep the search's order.
         return sorted(scored, key=lambda h: -(h.rerank_score or 0.0)) + tail
+
+
+def _mmr_pool(limit: int) -> int:
+    return max(limit * _MMR_POOL_FACTOR, _MMR_MIN_POOL)
+
+
+def _none_deeper_can_pass(
+    mode: SearchMode, candidates: Sequence[ChunkHit], fetch: int, minimum: float
+) -> bool:
+    """Whether no chunk past these ``fetch`` candidates can have a cosine of at least ``minimum``.
+
+    Dense lists by cosine, so its last candidate bounds the rest. Hybrid (fused at 2 × fetch)
+    holds the dense list's ``fetch`` nearest, so its fetch-th best cosine is that list's last.
+    Keyword order says nothing of the cosine: only the end of the list bounds it.
+    """
+    if not candidates:
+        return True
+    if mode is SearchMode.DENSE:
+        return candidates[-1].score < minimum
+    if mode is SearchMode.HYBRID and len(candidates) >= fetch:
+        return sorted((h.score for h in candidates), reverse=True)[fetch - 1] < minimum
+    return False

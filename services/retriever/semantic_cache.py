@@ -40,8 +40,10 @@ class CacheScope:
     def __post_init__(self) -> None:
         if not self.model:
             raise InvalidArgument("model", "must name the model the answer comes from")
-        if len(self.model) > 256 or len(self.params_fingerprint) > 256:
-            raise InvalidArgument("model", "model and params_fingerprint must be at most 256 characters")
+        if len(self.model) > 256:
+            raise InvalidArgument("model", "must be at most 256 characters")
+        if len(self.params_fingerprint) > 256:
+            raise InvalidArgument("params_fingerprint", "must be at most 256 characters")
 
     @property
     def key(self) -> str:
@@ -172,6 +174,14 @@ class SemanticCache:
             now_version = current.get(keys[document_id])
             if now_version is None:
                 raise NotFound(f"cited document {document_id!r} not found")
+            # Refused, not clamped: a version not yet written names no content the answer could
+            # have come from, and the entry would come back to life once re-ingests reach it.
+            if version > now_version:
+                raise InvalidArgument(
+                    "cited.version",
+                    f"document {document_id!r} is at version {now_version}; {version} was never "
+                    "written (0 = its current version)",
+                )
             pinned.append((document_id, version or now_version))
         return pinned
 

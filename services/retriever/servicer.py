@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
-from services.common.errors import DependencyUnavailable, InvalidArgument
+from services.common.errors import DependencyUnavailable, InvalidArgument, Overloaded
 from services.common.metadata import TENANT_KEY, metadata_value
 from services.gen.llmmesh.v1 import common_pb2, retriever_pb2, retriever_pb2_grpc
 from services.retriever import metrics
-from services.retriever.corpus import Corpus, DocumentUpload, SearchQuery
+from services.retriever.corpus import Corpus, DocumentUpload, SearchQuery, encode_page_token
 from services.retriever.embedder import Embedder, Vectors
 from services.retriever.records import AnswerUsage, ChunkHit, DocumentRecord
 from services.retriever.semantic_cache import CacheScope, SemanticCache
@@ -22,6 +25,15 @@ from services.retriever.semantic_cache import CacheScope, SemanticCache
 Context = grpc.aio.ServicerContext[Any, Any]
 MAX_TENANT_CHARS = 256
 MAX_EMBED_TEXTS = 256
+#: Threads for Ingest and DeleteDocument (``--ingest-workers``), apart from the reads' threads.
+DEFAULT_INGEST_WORKERS = 2
+#: Writes that may wait for one of those threads; past that, RESOURCE_EXHAUSTED (retry later).
+MAX_QUEUED_WRITES = 16
+#: A Search or ListDocuments response stops growing here, well under gRPC's 4 MiB message limit
+#: (--max-message-bytes): documents stored before metadata was capped can still carry 64 KiB.
+MAX_RESPONSE_BYTES = 3 * 1024 * 1024
+T = TypeVar("T")
+M = TypeVar("M", retriever_pb2.RetrievedChunk, retriever_pb2.DocumentInfo)
 
 
 @dataclass(frozen=True)
@@ -76,11 +88,43 @@ def retrieved_chunk(hit: ChunkHit) -> retriever_pb2.RetrievedChunk:
 class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
     """Thin handlers; every blocking call (embedding, Milvus) runs off the event loop."""
 
-    def __init__(self, max_document_bytes: int) -> None:
+    def __init__(
+        self,
+        max_document_bytes: int,
+        ingest_workers: int = DEFAULT_INGEST_WORKERS,
+        max_queued_writes: int = MAX_QUEUED_WRITES,
+    ) -> None:
+        if ingest_workers < 1:
+            raise ValueError(f"--ingest-workers must be >= 1, got {ingest_workers}")
         self._max_document_bytes = max_document_bytes
         self._backends: Backends | None = None
         # Why we are not ready yet, for the UNAVAILABLE message.
         self.not_ready_reason = "the retriever is starting (loading the embedding model, opening Milvus)"
+        # Writes (a PDF parse of up to --max-parse-seconds, a wait for another replica's lease)
+        # run on their own threads: on asyncio's default executor, shared with the reads, six
+        # slow parses took every thread and Search and CacheLookup waited behind them.
+        self._writes = ThreadPoolExecutor(ingest_workers, thread_name_prefix="retriever-write")
+        self._ingest_workers = ingest_workers
+        self._max_queued_writes = max_queued_writes
+        self._writes_in_flight = 0  # running and waiting; only touched on the event loop
+
+    def close(self) -> None:
+        self._writes.shutdown(wait=False, cancel_futures=True)
+
+    async def _write(self, call: Callable[..., T], *args: Any) -> T:
+        """``call(*args)`` on a write thread, queued (FIFO) while all are busy, refused past the queue."""
+        if self._writes_in_flight >= self._ingest_workers + self._max_queued_writes:
+            raise Overloaded(
+                f"{self._writes_in_flight} ingests and deletes are running or queued on this "
+                "retriever; retry later"
+            )
+        self._writes_in_flight += 1
+        try:
+            # As asyncio.to_thread does: the call sees this request's context variables.
+            bound = functools.partial(contextvars.copy_context().run, call, *args)
+            return await asyncio.get_running_loop().run_in_executor(self._writes, bound)
+        finally:
+            self._writes_in_flight -= 1
 
     def set_ready(self, backends: Backends) -> None:
         self._backends = backends
@@ -131,7 +175,7 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         tenant = tenant_of(context)
         corpus = self.backends.corpus
         upload = await self._receive_upload(request_iterator)
-        result = await asyncio.to_thread(corpus.ingest, tenant, upload)
+        result = await self._write(corpus.ingest, tenant, upload)
         metrics.INGEST_SECONDS.observe(time.perf_counter() - started)
         if not result.unchanged:
             metrics.CHUNKS.inc(result.chunks)
@@ -161,18 +205,23 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         )
         result = await asyncio.to_thread(self.backends.corpus.find, tenant, query)
         metrics.SEARCH_SECONDS.observe(time.perf_counter() - started)
+        chunks = _fitting([retrieved_chunk(hit) for hit in result.hits])
+        degraded = result.degraded
+        if len(chunks) < len(result.hits):
+            cut = f"{len(chunks)} of {len(result.hits)} results: more would pass the message size limit"
+            degraded = f"{degraded}; {cut}" if degraded else cut
         return retriever_pb2.SearchResponse(
-            chunks=[retrieved_chunk(hit) for hit in result.hits],
+            chunks=chunks,
             mode=result.mode.value,  # type: ignore[arg-type]
             reranked=result.reranked,
-            degraded=result.degraded,
+            degraded=degraded,
         )
 
     async def DeleteDocument(  # type: ignore[override]
         self, request: retriever_pb2.DeleteDocumentRequest, context: Context
     ) -> retriever_pb2.DeleteDocumentResponse:
         tenant = tenant_of(context)
-        deleted = await asyncio.to_thread(self.backends.corpus.delete, tenant, request.document_id)
+        deleted = await self._write(self.backends.corpus.delete, tenant, request.document_id)
         return retriever_pb2.DeleteDocumentResponse(chunks_deleted=deleted)
 
     async def ListDocuments(  # type: ignore[override]
@@ -182,9 +231,11 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         records, next_token = await asyncio.to_thread(
             self.backends.corpus.list, tenant, request.page_size, request.page_token
         )
-        return retriever_pb2.ListDocumentsResponse(
-            documents=[document_info(r) for r in records], next_page_token=next_token
-        )
+        documents = _fitting([document_info(r) for r in records])
+        if len(documents) < len(records):
+            # A shorter page, not an error: the next one starts after the last document sent.
+            next_token = encode_page_token(documents[-1].document_id)
+        return retriever_pb2.ListDocumentsResponse(documents=documents, next_page_token=next_token)
 
     async def CacheLookup(  # type: ignore[override]
         self, request: retriever_pb2.CacheLookupRequest, context: Context
@@ -237,8 +288,11 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
     ) -> retriever_pb2.EmbedResponse:
         if not 1 <= len(request.texts) <= MAX_EMBED_TEXTS:
             raise InvalidArgument("texts", f"must hold 1..{MAX_EMBED_TEXTS} texts, got {len(request.texts)}")
-        embedder = self.backends.embedder
         texts = list(request.texts)
+        for i, text in enumerate(texts):
+            if not text.strip():  # the contract says none empty; a blank text's vector means nothing
+                raise InvalidArgument(f"texts[{i}]", "must not be empty or only whitespace")
+        embedder = self.backends.embedder
         truncate = request.truncate if request.HasField("truncate") else True
         vectors, tokens = await asyncio.to_thread(_embed_counted, embedder, texts, truncate)
         return retriever_pb2.EmbedResponse(
@@ -246,6 +300,16 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             model=embedder.model_name,
             tokens=tokens,
         )
+
+
+def _fitting(messages: list[M]) -> list[M]:
+    """The leading ``messages`` whose encoding fits MAX_RESPONSE_BYTES (at least one)."""
+    size = 0
+    for i, message in enumerate(messages):
+        size += message.ByteSize() + 8  # the field's tag and length prefix, generously
+        if i and size > MAX_RESPONSE_BYTES:
+            return messages[:i]
+    return messages
 
 
 def _embed_counted(embedder: Embedder, texts: list[str], truncate: bool) -> tuple[Vectors, int]:

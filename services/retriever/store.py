@@ -171,8 +171,13 @@ class MilvusStore(MilvusCollections):
         limit: int,
         metadata_filter: Mapping[str, str],
         with_vectors: bool = False,
+        fused_limit: int | None = None,
     ) -> list[ChunkHit]:
         """The ``limit`` best chunks for the query in ``mode``, best first.
+
+        ``fused_limit`` (hybrid only) keeps that many of the fusion of the two ``limit``-long
+        lists instead of ``limit``: at ``2 * limit`` nothing either list found is cut, which
+        lets a caller know every chunk among the dense ``limit`` nearest was seen.
 
         ``score`` is always the cosine similarity to ``vector`` (so ``min_score``
         means the same in every mode); ``retrieval_score`` is what the mode ranked by.
@@ -195,7 +200,7 @@ class MilvusStore(MilvusCollections):
                 self.names.chunks,
                 requests,
                 RRFRanker(RRF_K),
-                limit=limit,
+                limit=min(fused_limit or limit, MAX_QUERY_WINDOW),
                 output_fields=fields,
                 consistency_level=CONSISTENCY,
                 timeout=self._timeout,

@@ -43,6 +43,12 @@ def declared_charset(mime_type: str) -> str | None:
         raise InvalidArgument("header.mime_type", f"unknown charset {name[:64]!r}") from None
     if not getattr(codec, "_is_text_encoding", True):
         raise InvalidArgument("header.mime_type", f"charset {name[:64]!r} is not a text encoding")
+    try:
+        # Python's "undefined" codec is found but refuses to decode anything: it reached the
+        # parsers as a bare UnicodeError, answered without naming the field.
+        codecs.decode(b"", name)
+    except (LookupError, UnicodeError):
+        raise InvalidArgument("header.mime_type", f"charset {name[:64]!r} decodes no text") from None
     return name
 
 
@@ -58,3 +64,5 @@ def decode_text(data: bytes, charset: str | None) -> str:
             else "; declare its encoding in the MIME type, e.g. 'text/plain; charset=windows-1252'"
         )
         raise InvalidArgument("data", f"text is not valid {encoding} (byte {exc.start}){hint}") from exc
+    except (LookupError, UnicodeError) as exc:  # the codec itself failed, not the bytes
+        raise InvalidArgument("header.mime_type", f"charset {encoding[:64]!r} decodes no text") from exc

@@ -192,6 +192,76 @@ def test_metadata_filter_matches_values_with_quotes_and_backslashes(corpus: Corp
     assert stored.value.field == "header.metadata"
 
 
+# Only "xj9q7" is a content word (the rest are stop words), so BM25 ranks by that code alone
+# while the bag-of-words cosine also counts the stop words: the two orders disagree.
+CODE_QUESTION = "what does XJ9Q7 do"
+
+
+def ingest_code_fixture(corpus: Corpus, tenant: str) -> None:
+    """More keyword matches of low cosine than one search window (20) holds, and two chunks of
+    high cosine: one the keyword ranks last, one it does not match at all."""
+    for i in range(24):
+        corpus.ingest(tenant, upload(f"noise-{i:02d}", f"XJ9Q7 XJ9Q7 tomato compost mulch bed {i}"))
+    corpus.ingest(
+        tenant, upload("what-kw", "what does XJ9Q7 do and what does that do in a long relay manual")
+    )
+    corpus.ingest(tenant, upload("what-only", "what does it do and what does that do"))
+
+
+@pytest.mark.parametrize("mode", list(SearchMode), ids=lambda m: m.name.lower())
+def test_min_score_keeps_the_best_top_k_of_the_chunks_that_pass_it(corpus: Corpus, mode: SearchMode) -> None:
+    # min_score was applied after the cut to top_k: in keyword and hybrid order a chunk that
+    # passes it can sit below top_k that do not, and the search answered fewer or none.
+    tenant = "min-score-order"
+    ingest_code_fixture(corpus, tenant)
+    ranked = corpus.search(tenant, SearchQuery(CODE_QUESTION, top_k=100, mode=mode.value))
+    minimum = 0.5
+    passing = [h.chunk_id for h in ranked if h.score >= minimum]
+    assert passing, "the fixture must have chunks above the minimum"
+    for top_k in (1, 2):
+        hits = corpus.search(
+            tenant, SearchQuery(CODE_QUESTION, top_k=top_k, mode=mode.value, min_score=minimum)
+        )
+        assert [h.chunk_id for h in hits] == passing[:top_k]
+        assert all(h.score >= minimum for h in hits)
+    if mode is not SearchMode.DENSE:  # the case that was lost: the first passing chunk ranks below 1
+        assert [h.chunk_id for h in ranked].index(passing[0]) >= 1
+
+
+@pytest.mark.parametrize("mode", list(SearchMode), ids=lambda m: m.name.lower())
+def test_diversify_keeps_the_modes_best_chunk_first(corpus: Corpus, mode: SearchMode) -> None:
+    # MMR ranked by cosine in every mode, so in hybrid the chunk the fusion put first could lose
+    # its place to one the dense list preferred.
+    tenant = "diversify-first"
+    ingest_code_fixture(corpus, tenant)
+    for top_k in (1, 3):
+        plain = corpus.search(tenant, SearchQuery(CODE_QUESTION, top_k=top_k, mode=mode.value))
+        diverse = corpus.search(
+            tenant, SearchQuery(CODE_QUESTION, top_k=top_k, mode=mode.value, diversify=True)
+        )
+        assert diverse[0].chunk_id == plain[0].chunk_id
+        assert len(diverse) == len(plain)
+
+
+def test_diversify_replaces_near_duplicates_with_other_relevant_chunks(corpus: Corpus) -> None:
+    # MMR was given only the top_k, so it could reorder three copies of one text but never let
+    # the next different chunk in.
+    tenant = "diversify-duplicates"
+    for document_id in ("copy-1", "copy-2", "copy-3", "copy-4"):
+        corpus.ingest(tenant, upload(document_id, "pump valve seal check"))
+    corpus.ingest(tenant, upload("other", "pump valve seal torque spec"))
+    for mode in SearchMode:
+        query = SearchQuery("pump valve seal", top_k=3, mode=mode.value)
+        plain = corpus.search(tenant, query)
+        assert len({h.text for h in plain}) == 1, "the fixture's copies must fill the plain top 3"
+        diverse = corpus.search(
+            tenant, SearchQuery("pump valve seal", top_k=3, mode=mode.value, diversify=True)
+        )
+        assert len(diverse) == 3
+        assert len({h.text for h in diverse}) == 2
+        assert diverse[0].chunk_id == plain[0].chunk_id
+
+
 def keyword_hits(corpus: Corpus, tenant: str, query: str) -> list[str]:
     hits = corpus.search(tenant, SearchQuery(query, mode=SearchMode.KEYWORD.value, top_k=10))
     return [h.document_id for h in hits]
@@ -519,3 +589,102 @@ def test_chunks_of_the_schema_before_hybrid_search_are_moved_and_keyword_searcha
         assert {h.document_version for h in hits} == {2} and any("five coins" in h.text for h in hits)
     finally:
         store.close()
+
+
+def test_metadata_past_its_total_size_is_refused_naming_the_field(corpus: Corpus) -> None:
+    # 64 values of 1,024 characters each were accepted, and a page or a search of such
+    # documents passed gRPC's 4 MiB message limit (RESOURCE_EXHAUSTED) for every later reader.
+    tenant = "metadata-size"
+    largest = {f"k{i:02d}": "v" * 1024 for i in range(64)}
+    with pytest.raises(InvalidArgument) as refused:
+        corpus.ingest(tenant, DocumentUpload("big", b"pump manual", "text/plain", metadata=largest))
+    assert refused.value.field == "header.metadata"
+    fits = {f"k{i}": "é" * 500 for i in range(4)}  # 4 × (2 + 1,000) bytes: under 8 KiB
+    assert (
+        corpus.ingest(tenant, DocumentUpload("ok", b"pump manual", "text/plain", metadata=fits)).chunks == 1
+    )
+
+
+def test_a_title_is_limited_in_stored_bytes_so_an_identical_resend_is_unchanged(
+    corpus: Corpus, store: ObservedStore
+) -> None:
+    # 500 CJK characters passed a 512-character check, the store kept their first 1,024 bytes,
+    # and the resend compared the whole title with the cut one: a new version every time.
+    tenant = "long-titles"
+    with pytest.raises(InvalidArgument) as refused:
+        corpus.ingest(tenant, DocumentUpload("cjk", b"alpha beta", "text/plain", title="日" * 500))
+    assert refused.value.field == "header.title"
+    title = "é" * 512  # 1,024 bytes: the most the store keeps
+    first = corpus.ingest(tenant, DocumentUpload("e", b"alpha beta", "text/plain", title=title))
+    again = corpus.ingest(tenant, DocumentUpload("e", b"alpha beta", "text/plain", title=title))
+    assert again.unchanged and again.version == first.version
+    # A title taken from a long `source` skipped the check and was never "unchanged" either.
+    source = "https://example.com/" + "report-" * 1000
+    derived = corpus.ingest(tenant, DocumentUpload("src", b"alpha beta", "text/plain", source=source))
+    resent = corpus.ingest(tenant, DocumentUpload("src", b"alpha beta", "text/plain", source=source))
+    assert resent.unchanged and resent.version == derived.version
+    stored = store.get_document(tenant, "src")
+    assert stored is not None and source.rsplit("/", 1)[-1].startswith(stored.title)
+
+
+def test_long_headings_never_push_a_chunks_own_words_out_of_the_keyword_index(store: ObservedStore) -> None:
+    # The keyword text was title + heading path + text, cut at 64 KiB from the end: six long
+    # nested headings left nothing of the chunk's own text, and a search for its words missed.
+    corpus = Corpus(
+        store,
+        BagOfWordsFakeEmbedder(),
+        TokenChunker(whitespace_token_spans, ChunkingPolicy(max_tokens=4000, overlap_tokens=2)),
+    )
+    tenant = "long-headings"
+    heading = " ".join(["chapter"] * 1600)  # 12.8 KB each, 77 KB for the path of six
+    markdown = "".join(f"{'#' * level} {heading} {level}\n\n" for level in range(1, 7))
+    markdown += "The zebrafish regenerates its heart.\n"
+    corpus.ingest(tenant, DocumentUpload("deep", markdown.encode(), "text/markdown", title="t" * 500))
+    corpus.ingest(tenant, upload("other", "tomatoes grow in compost"))
+    hits = corpus.search(tenant, SearchQuery("zebrafish", mode=SearchMode.KEYWORD.value, top_k=5))
+    assert [h.text for h in hits] == ["The zebrafish regenerates its heart."]
+
+
+def test_a_charset_declared_for_json_and_json_lines_is_honoured(corpus: Corpus, store: ObservedStore) -> None:
+    # Only text/* kept its charset: JSON in Windows-1252 was read as UTF-8 and refused with
+    # advice to declare the charset it had declared.
+    tenant = "json-charset"
+    for document_id, mime_type, data in (
+        ("menu.json", "application/json", '{"dish": "crème brûlée"}'),
+        ("menu.jsonl", "application/x-ndjson", '{"dish": "crème brûlée"}\n{"dish": "café"}\n'),
+        ("menu.csv", "application/csv", "dish,price\ncrème brûlée,7\n"),
+    ):
+        upload_ = DocumentUpload(
+            document_id, data.encode("windows-1252"), f"{mime_type}; charset=windows-1252"
+        )
+        assert corpus.ingest(tenant, upload_).chunks >= 1
+        record = store.get_document(tenant, document_id)
+        assert record is not None and record.mime_type.endswith("charset=windows-1252")
+    hits = corpus.search(tenant, SearchQuery("crème brûlée", mode=SearchMode.KEYWORD.value, top_k=5))
+    assert hits and all("crème brûlée" in h.text for h in hits)
+
+
+def test_a_charset_that_decodes_nothing_is_refused_on_the_mime_type(corpus: Corpus) -> None:
+    # Python's "undefined" codec is found but raises on every decode: a bare UnicodeError.
+    for mime_type in ("text/plain; charset=undefined", "application/json; charset=undefined"):
+        with pytest.raises(InvalidArgument) as refused:
+            corpus.ingest("charsets", DocumentUpload("doc", b'{"a": "b"}', mime_type))
+        assert refused.value.field == "header.mime_type"
+
+
+def test_a_long_params_fingerprint_is_refused_naming_it() -> None:
+    with pytest.raises(InvalidArgument) as fingerprint:
+        CacheScope("cache-fields", "smollm2", "f" * 257)
+    assert fingerprint.value.field == "params_fingerprint"
+
+
+def test_a_cited_version_the_document_never_had_is_refused(cache: SemanticCache, corpus: Corpus) -> None:
+    # A version the document never had would pin the entry to content it was not built from,
+    # and revive it once re-ingests reach that number.
+    tenant = "future-version"
+    scope = CacheScope(tenant, "smollm2", "")
+    current = corpus.ingest(tenant, upload("menu", "soup of the day is tomato")).version
+    with pytest.raises(InvalidArgument) as future:
+        cache.store(scope, "what is the soup", "tomato", cited=[("menu", current + 1)])
+    assert future.value.field == "cited.version"
+    assert cache.store(scope, "what is the soup", "tomato", cited=[("menu", current)])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 
 import pytest
@@ -110,3 +111,24 @@ def test_text_the_tokenizer_drops_between_words_still_counts_towards_a_chunks_si
     assert max(len(c.text) for c in chunks) <= 50 * 2 * MAX_TOKEN_CHARS
     assert chunks[0].text.startswith("Vacation policy: staff get 25 days.")
     assert chunks[-1].text.endswith("Carry-over is capped at 5 days.")
+
+
+def test_no_chunk_is_longer_than_its_tokens_times_the_character_bound() -> None:
+    # The documented bound (--chunk-tokens × 16 characters) was broken twice: a 16-character
+    # token and the 16 characters before it counted once (2×), and the whitespace after a
+    # blank line between two packed paragraphs was not counted at all (70,000 spaces kept).
+    from services.retriever.chunking import MAX_TOKEN_CHARS
+
+    rng = random.Random(7)
+    chunker = TokenChunker(whitespace_token_spans, ChunkingPolicy(max_tokens=20, overlap_tokens=4))
+    for _ in range(40):
+        parts = []
+        for _ in range(rng.randint(1, 60)):
+            word = "w" * rng.choice([1, 5, 15, 16, 17, 40])
+            gap = rng.choice([" ", " " * 15, " " * 16, "\n\n", "\n\n" + " " * rng.randint(1, 500)])
+            parts += [word, gap]
+        text = "".join(parts)
+        chunks = chunker.chunk([Section(text)])
+        assert max(len(c.text) for c in chunks) <= 20 * MAX_TOKEN_CHARS
+        # Nothing lost: every word is in some chunk.
+        assert sum(len(w) for w in text.split()) <= sum(len(w) for c in chunks for w in c.text.split())

@@ -19,6 +19,7 @@ from services.retriever.config import RetrieverConfig
         ({"max_parse_seconds": 0}, "--max-parse-seconds"),
         ({"max_parse_seconds": float("nan")}, "--max-parse-seconds"),
         ({"device": "tpu"}, "--device"),
+        ({"ingest_workers": 0}, "--ingest-workers"),
     ],
 )
 def test_bad_settings_name_their_flag(overrides: dict[str, object], flag: str) -> None:
