@@ -16,7 +16,8 @@ def turns_key(session_id: str) -> str:
 
 
 def requests_key(session_id: str) -> str:
-    """Hash: each AppendTurns request id the session stored -> the digest of its non-assistant turns.
+    """Hash: each AppendTurns request id the session stored -> "<digest> <first index> <turns>"
+    (the digest of its non-assistant turns; where its turns sit in the list).
 
     At most one entry an append, so bounded by the session's turn limit; expires with the session.
     """

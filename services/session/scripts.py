@@ -35,15 +35,34 @@ redis.call('EXPIRE', KEYS[1], ARGV[4])
 return {'ok', redis.call('HGETALL', KEYS[1]), 0}
 """
 
-# ARGV: owner, max_turns (0 = all). Reads the newest turns, refreshes the TTL.
+# ARGV: owner, max_turns (0 = all), before_request_id ('' = none). Reads the newest max_turns
+# turns, or with a request id this session stored, the max_turns before its first turn, and
+# that request's own turns; refreshes the TTL. Reply: 'ok', meta, turn count, the window's
+# turns, the request's turns, and where the window ends (its turns' index past the last).
 GET = (
     _ACCESS
     + _REFRESH
     + """
 local count = redis.call('LLEN', KEYS[2])
-local first = 0
-if tonumber(ARGV[2]) > 0 then first = -tonumber(ARGV[2]) end
-return {'ok', redis.call('HGETALL', KEYS[1]), count, redis.call('LRANGE', KEYS[2], first, -1)}
+local stop = count
+local asked = {}
+if ARGV[3] ~= '' then
+  local stored = redis.call('HGET', KEYS[3], ARGV[3])
+  if stored then
+    local _, _, at, n = string.find(stored, '^%S+ (%d+) (%d+)$')
+    if at then
+      stop = tonumber(at)
+      asked = redis.call('LRANGE', KEYS[2], stop, stop + tonumber(n) - 1)
+    end
+  end
+end
+local window = {}
+if stop > 0 then
+  local first = 0
+  if tonumber(ARGV[2]) > 0 then first = math.max(0, stop - tonumber(ARGV[2])) end
+  window = redis.call('LRANGE', KEYS[2], first, stop - 1)
+end
+return {'ok', redis.call('HGETALL', KEYS[1]), count, window, asked, stop}
 """
 )
 
@@ -51,13 +70,14 @@ return {'ok', redis.call('HGETALL', KEYS[1]), count, redis.call('LRANGE', KEYS[2
 # request_digest, turn_json… The duplicate check, the version check, the limit check and the push
 # happen in one step, so two writers holding the same version cannot both succeed, and a request
 # id is stored once: again with the same digest (its non-assistant turns) it is a duplicate, with
-# another it is refused ('reused').
+# another it is refused ('reused'). A stored id keeps "digest first_index turn_count", so GET
+# finds its turns without reading the others.
 APPEND = (
     _ACCESS
     + """
 if ARGV[5] ~= '' then
   local stored = redis.call('HGET', KEYS[3], ARGV[5])
-  if stored and stored ~= ARGV[6] then return {'reused'} end
+  if stored and string.match(stored, '^(%S+)') ~= ARGV[6] then return {'reused'} end
   if stored then
 """
     + _REFRESH
@@ -72,7 +92,7 @@ local adding = #ARGV - 6
 if count + adding > tonumber(ARGV[4]) then return {'full', count} end
 for i = 7, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
 redis.call('HINCRBY', KEYS[1], 'version', 1)
-if ARGV[5] ~= '' then redis.call('HSET', KEYS[3], ARGV[5], ARGV[6]) end
+if ARGV[5] ~= '' then redis.call('HSET', KEYS[3], ARGV[5], ARGV[6] .. ' ' .. count .. ' ' .. adding) end
 redis.call('HSET', KEYS[1], 'updated_at_ms', ARGV[3])
 """
     + _REFRESH

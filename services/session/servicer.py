@@ -15,7 +15,7 @@ from services.session.limits import SessionLimits
 from services.session.metrics import observe_op
 from services.session.model import NewSession, SessionHeader, TurnRecord
 from services.session.store import SessionStore
-from services.session.window import select_window
+from services.session.window import TURN_OVERHEAD_TOKENS, select_window
 from services.session.wire import UndecodableRequest, tolerant_deserializer
 
 SERVICE_NAME = "llmmesh.v1.Session"
@@ -105,36 +105,28 @@ class SessionServicer:
             owner = owner_of(context)
             session_id = validation.check_session_id(req.session_id)
             before = validation.check_request_id(req.before_request_id, "before_request_id")
-            request_turns: list[TurnRecord] = []
-            if not before:
-                header, turns = await self._store.get(owner, session_id, req.max_turns)
-                # The store already cut to max_turns; omitted counts from the full history.
-                window, _ = select_window(
-                    header.system_prompt,
-                    turns,
-                    token_budget=req.token_budget,
-                    preceded=header.turn_count > len(turns),
-                )
-                older, holds_request = header.turn_count, False
-            else:
-                # The cut comes first, then max_turns and the budget: a retry's window is the one
-                # its first try had (as far as the session still holds it).
-                header, turns = await self._store.get(owner, session_id, 0)
-                older = next((i for i, t in enumerate(turns) if t.request_id == before), len(turns))
-                holds_request = older < len(turns)
-                request_turns = [t for t in turns[older:] if t.request_id == before]
-                window, _ = select_window(
-                    header.system_prompt,
-                    turns[:older],
-                    token_budget=req.token_budget,
-                    max_turns=req.max_turns,
-                )
+            # Redis sends only the turns the window could hold: every turn costs the template's
+            # TURN_OVERHEAD_TOKENS at least. Reading a 1,000-turn session whole for each turn
+            # took every turn's bytes through Redis and the service (up to 64 MiB).
+            fetch = req.max_turns
+            if req.token_budget:
+                most = max(1, req.token_budget // TURN_OVERHEAD_TOKENS)
+                fetch = min(fetch, most) if fetch else most
+            # With before_request_id, the window ends before that request's turns: a retry's
+            # window is the one its first try had (as far as the session still holds it).
+            read = await self._store.get(owner, session_id, fetch, before)
+            window, _ = select_window(
+                read.header.system_prompt,
+                read.turns,
+                token_budget=req.token_budget,
+                preceded=read.stop > len(read.turns),
+            )
             return pb.SessionState(
-                info=self._info(header),
+                info=self._info(read.header),
                 turns=[turn_pb(t) for t in window],
-                omitted_turns=older - len(window),
-                holds_request=holds_request,
-                request_turns=[turn_pb(t) for t in request_turns],
+                omitted_turns=read.stop - len(window),
+                holds_request=read.holds_request,
+                request_turns=[turn_pb(t) for t in read.request_turns],
             )
 
     async def AppendTurns(

@@ -17,6 +17,7 @@ import json
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from redis import exceptions as redis_errors
@@ -77,6 +78,23 @@ def connect(url: str, *, cluster: bool, timeout_s: float, max_connections: int) 
         return RedisCluster.from_url(url, max_connections=max_connections, **common)
     pool = BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=timeout_s, **common)
     return Redis(connection_pool=pool, retry=Retry(NoBackoff(), 0))
+
+
+@dataclass(frozen=True)
+class SessionRead:
+    """What one GetSession read: the header, a window's turns and where they end."""
+
+    header: SessionHeader
+    #: The newest turns asked for, oldest first, ending at ``stop``.
+    turns: list[TurnRecord]
+    #: The turns the asked-for request stored (empty when none or not asked).
+    request_turns: list[TurnRecord]
+    #: The index past the window's last turn: the turn count, or the request's first turn.
+    stop: int
+
+    @property
+    def holds_request(self) -> bool:
+        return bool(self.request_turns)
 
 
 def _pairs(flat: Sequence[str]) -> dict[str, str]:
@@ -224,12 +242,21 @@ class SessionStore:
         return header
 
     async def get(
-        self, owner: str, session_id: str, max_turns: int = 0
-    ) -> tuple[SessionHeader, list[TurnRecord]]:
-        """The header and the newest ``max_turns`` turns (all for 0); refreshes the TTL."""
-        reply = await self._session_script("get", self._get, session_id, owner, max_turns)
+        self, owner: str, session_id: str, max_turns: int = 0, before_request_id: str = ""
+    ) -> SessionRead:
+        """The header and the newest ``max_turns`` turns (all for 0); refreshes the TTL.
+
+        With ``before_request_id`` that the session stored, the turns are the newest before that
+        request's own, which come apart (``SessionRead.request_turns``).
+        """
+        reply = await self._session_script("get", self._get, session_id, owner, max_turns, before_request_id)
         header = decode_header(session_id, _pairs(reply[1]), reply[2])
-        return header, [decode_turn(raw) for raw in reply[3]]
+        return SessionRead(
+            header,
+            [decode_turn(raw) for raw in reply[3]],
+            [decode_turn(raw) for raw in reply[4]],
+            int(reply[5]),
+        )
 
     async def append(
         self,

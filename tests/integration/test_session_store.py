@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
 from services.common import errors
+from services.common.metadata import TENANT_KEY
+from services.gen.llmmesh.v1 import session_pb2 as pb
 from services.session import keys
 from services.session.limits import SessionLimits
 from services.session.model import NewSession, TurnRecord
+from services.session.servicer import SessionServicer
 from services.session.store import PRUNE_GRACE_MS, SessionStore, connect
+from services.session.window import TURN_OVERHEAD_TOKENS, select_window
 from tests.support.redis import RedisServer
 
 
@@ -79,8 +84,8 @@ async def test_append_is_all_or_nothing_at_the_turn_limit(redis_server: RedisSer
         await store.append("acme", "s", [TurnRecord("user", "1"), TurnRecord("assistant", "2")], 0)
         with pytest.raises(errors.LimitExceeded):
             await store.append("acme", "s", [TurnRecord("user", "3"), TurnRecord("assistant", "4")], 1)
-        header, turns = await store.get("acme", "s")
-        assert header.version == 1 and [t.content for t in turns] == ["1", "2"]
+        read = await store.get("acme", "s")
+        assert read.header.version == 1 and [t.content for t in read.turns] == ["1", "2"]
     finally:
         await store.close()
 
@@ -114,5 +119,46 @@ async def test_a_full_redis_is_unavailable_not_internal(redis_server: RedisServe
         await client.config_set("maxmemory", 0)
         header, _ = await store.append("acme", "full", [TurnRecord("user", "hi")], None)
         assert header.turn_count == 1  # the refused append left nothing behind
+    finally:
+        await store.close()
+
+
+class _Context:
+    """The little of a gRPC servicer context GetSession reads: the caller's tenant."""
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((TENANT_KEY, "acme"),)
+
+
+async def test_a_budgeted_read_takes_only_the_turns_the_budget_could_hold(redis_server: RedisServer) -> None:
+    """Each turn costs the template's 5 tokens at least, so a 100-token window holds 20 turns at
+    most: a 600-turn session was read whole (every turn's bytes through Redis) for each turn."""
+    fetched: list[int] = []
+
+    class Recording(SessionStore):
+        async def get(
+            self, owner: str, session_id: str, max_turns: int = 0, before_request_id: str = ""
+        ) -> Any:
+            read = await super().get(owner, session_id, max_turns, before_request_id)
+            fetched.append(len(read.turns))
+            return read
+
+    client = connect(redis_server.url, cluster=False, timeout_s=1.0, max_connections=8)
+    store = Recording(client, SessionLimits(), timeout_s=1.0)
+    servicer = SessionServicer(store, SessionLimits())
+    try:
+        await store.create(new("long"))
+        turns = [TurnRecord("user" if i % 2 == 0 else "assistant", f"turn {i}") for i in range(600)]
+        await store.append("acme", "long", turns, None)
+        budgeted = await servicer.GetSession(
+            pb.GetSessionRequest(session_id="long", token_budget=100), _Context()
+        )
+        assert fetched == [100 // TURN_OVERHEAD_TOKENS]
+        # The same window as one chosen from the whole history.
+        whole = await store.get("acme", "long")
+        expected, _ = select_window("", whole.turns, token_budget=100)
+        assert [t.content for t in budgeted.turns] == [t.content for t in expected] != []
+        assert budgeted.omitted_turns == 600 - len(expected)
+        assert budgeted.turns[0].role == "user"
     finally:
         await store.close()
