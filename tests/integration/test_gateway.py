@@ -158,11 +158,18 @@ def assert_error_body(response: httpx.Response, grpc_code: grpc.StatusCode, *nee
     """The JSON error body: the gRPC code and the router's message, which names the problem."""
     assert response.headers["content-type"].startswith("application/json")
     body: dict[str, Any] = response.json()
+    assert set(body) == {"error", "message", "code", "details"}, body
     assert body["code"] == grpc_code.value[0], body
     assert body["message"], body
     for needle in needles:
         assert needle in body["message"].lower(), body
     return body
+
+
+def assert_no_grpc_trailers(response: httpx.Response) -> None:
+    """No gRPC transport trailer reaches an HTTP client, announced or sent as a header."""
+    leaked = [name for name in response.headers if name == "trailer" or name.startswith("grpc-trailer-")]
+    assert not leaked, dict(response.headers)
 
 
 # --- done when 1: answers as JSON, streams as generated, cancels on disconnect ---
@@ -304,6 +311,26 @@ def test_invalid_argument_is_400_naming_the_field(client: httpx.Client) -> None:
     assert_error_body(misspelt, grpc.StatusCode.INVALID_ARGUMENT, "max_token")
 
 
+def test_a_field_of_the_wrong_type_is_400_naming_its_path(
+    client: httpx.Client, router: ServiceProcess
+) -> None:
+    before = router_requests(router, "Complete")
+    not_a_list = client.post("/v1/complete", json={"messages": 5})
+    not_a_number = client.post("/v1/complete", json={"messages": PROMPT, "sampling": {"max_tokens": "x"}})
+    deep = client.post("/v1/complete", json={"messages": [*PROMPT, {"role": "user", "content": 7}]})
+
+    # Until 2026-12-07 these said only "cannot unmarshal number into Go value of type
+    # []json.RawMessage" or "invalid character 'x' looking for beginning of value".
+    assert not_a_list.status_code == not_a_number.status_code == deep.status_code == 400
+    assert assert_error_body(not_a_list, grpc.StatusCode.INVALID_ARGUMENT)["message"].startswith("messages: ")
+    body = assert_error_body(not_a_number, grpc.StatusCode.INVALID_ARGUMENT)
+    assert body["message"] == 'sampling.max_tokens: invalid value "x", want an integer', body
+    assert assert_error_body(deep, grpc.StatusCode.INVALID_ARGUMENT)["message"].startswith(
+        "messages[1].content: "
+    )
+    assert router_requests(router, "Complete") == before
+
+
 def test_rate_limited_key_gets_429_with_retry_after(
     gateway: GatewayProcess, api_keys: tuple[Path, str, str]
 ) -> None:
@@ -311,12 +338,21 @@ def test_rate_limited_key_gets_429_with_retry_after(
     with httpx.Client(base_url=gateway.url, headers=headers, timeout=60) as c:
         first = c.post("/v1/complete", json=chat_body(2))
         second = c.post("/v1/complete", json=chat_body(2))
+        streamed = c.post("/v1/chat:stream", json=chat_body(2))
 
     assert first.status_code == 200, first.text
     assert second.status_code == 429
     assert_error_body(second, grpc.StatusCode.RESOURCE_EXHAUSTED, "rate limit")
     # The router's RetryInfo becomes the header HTTP clients already honour.
     assert int(second.headers["retry-after"]) >= 1
+    # The refusal came trailers-only; its gRPC content-type trailer was relayed (until 2026-12-07).
+    assert_no_grpc_trailers(second)
+    # A stream refused before its first token is answered the same way, not as a stream's last
+    # line {"error": {…}} without Retry-After (until 2026-12-07).
+    assert streamed.status_code == 429
+    assert_error_body(streamed, grpc.StatusCode.RESOURCE_EXHAUSTED, "rate limit")
+    assert int(streamed.headers["retry-after"]) >= 1
+    assert_no_grpc_trailers(streamed)
 
 
 def test_grpc_timeout_header_is_honoured_as_504(client: httpx.Client, replica: ServiceProcess) -> None:
@@ -330,6 +366,39 @@ def test_grpc_timeout_header_is_honoured_as_504(client: httpx.Client, replica: S
     assert_error_body(response, grpc.StatusCode.DEADLINE_EXCEEDED)
     assert elapsed < 10
     # The deadline reached the replica too: the generation stops there.
+    wait_replica_idle(replica, 15)
+
+
+def test_a_malformed_or_out_of_range_grpc_timeout_is_400_naming_the_header(
+    client: httpx.Client, router: ServiceProcess
+) -> None:
+    before = router_requests(router, "Complete")
+    # Negative, or past time.Duration: a deadline already gone, 504 (until 2026-12-07); zero: no
+    # deadline at all; nine digits: more than gRPC allows.
+    for value in ("-5S", "99999999H", "0S", "100000000S", "1.5S"):
+        response = client.post("/v1/complete", json=chat_body(2), headers={"Grpc-Timeout": value})
+        assert response.status_code == 400, (value, response.text)
+        assert assert_error_body(response, grpc.StatusCode.INVALID_ARGUMENT)["message"].startswith(
+            "Grpc-Timeout: "
+        )
+    assert router_requests(router, "Complete") == before
+
+
+def test_a_stream_cut_by_its_deadline_ends_with_a_whole_error_line(
+    client: httpx.Client, replica: ServiceProcess
+) -> None:
+    # 2,000 tokens take minutes on CPU; the first comes well within the 5 s, so the error is a last line.
+    response = client.post(
+        "/v1/chat:stream", json=chat_body(2000, ignore_eos=True), headers={"Grpc-Timeout": "5S"}
+    )
+
+    assert response.status_code == 200
+    lines = response.content.split(b"\n")
+    # Newline-delimited JSON: the error line too ends with "\n" (it did not until 2026-12-07).
+    assert lines[-1] == b"", response.content[-200:]
+    messages = [json.loads(line) for line in lines[:-1]]
+    assert "delta" in messages[0]["result"]
+    assert messages[-1]["error"]["grpc_code"] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], messages[-1]
     wait_replica_idle(replica, 15)
 
 
