@@ -71,7 +71,9 @@ class TaskKeys:
         return f"{self.prefix}:tasks:open:{tenant}"
 
     def idempotency(self, tenant: str, key: str) -> str:
-        return f"{self.prefix}:task:idem:{tenant}:{key}"
+        # The tenant's length first: tenant "a" with key "b:c" and tenant "a:b" with key "c" were
+        # one key, so one tenant could block another's submits and learn its task ids.
+        return f"{self.prefix}:task:idem:{len(tenant)}:{tenant}:{key}"
 
 
 STANDALONE_KEYS = TaskKeys("llm")

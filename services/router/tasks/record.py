@@ -54,6 +54,8 @@ class TaskRecord:
     token_ids: tuple[int, ...] = ()
     #: An attempt's turn was admitted against the key's request rate: later attempts are not.
     admitted: bool = False
+    #: The run that owns the task (set when it moves to RUNNING); every write of a run checks it.
+    run: str = ""
 
     @property
     def principal(self) -> Principal:
@@ -108,6 +110,7 @@ class TaskRecord:
             checkpoint=s("checkpoint"),
             token_ids=unpack_token_ids(tokens or b""),
             admitted=s("admitted") == "1",
+            run=s("run"),
         )
 
 

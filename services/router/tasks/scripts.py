@@ -50,16 +50,20 @@ return {1, 0, 0}
 # leaves its tenant's open set in the same step.
 # KEYS: hash, events, text, the tenant's open set, token ids. ARGV: allowed from-states (space separated),
 # new state, now_ms, event payload ('' = none), expire seconds (0 = leave; set = a final state),
-# events maxlen, reset text (0/1), task id, then extra field/value pairs for the hash.
-# Returns the state the task is in afterwards (-1 when it does not exist) and 1/0 for "changed".
+# events maxlen, reset text (0/1), task id, the run that must own the task ('' = any), then extra
+# field/value pairs for the hash.
+# Returns the state the task is in afterwards (-1 when it does not exist, -2 when another run owns
+# it) and 1/0 for "changed". A final state drops what only a run reads (the request, up to 4 MiB,
+# and the checkpoint): kept for the result's whole TTL, they held Redis for nobody.
 TRANSITION_LUA = """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return {-1, 0} end
+if ARGV[9] ~= '' and redis.call('HGET', KEYS[1], 'run') ~= ARGV[9] then return {-2, 0} end
 if not string.find(' ' .. ARGV[1] .. ' ', ' ' .. state .. ' ', 1, true) then
   return {tonumber(state), 0}
 end
 redis.call('HSET', KEYS[1], 'state', ARGV[2], 'updated_ms', ARGV[3])
-for i = 9, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for i = 10, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 if ARGV[7] == '1' then
   redis.call('DEL', KEYS[3], KEYS[5])
   redis.call('HDEL', KEYS[1], 'checkpoint')
@@ -70,6 +74,69 @@ end
 if ARGV[5] ~= '0' then
   for _, i in ipairs({1, 2, 3, 5}) do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
   redis.call('ZREM', KEYS[4], ARGV[8])
+  redis.call('HDEL', KEYS[1], 'request', 'checkpoint', 'run')
 end
 return {tonumber(ARGV[2]), 1}
+"""
+
+# A run's writes: each checks that the run still owns its task. A router paused past the
+# visibility timeout (a VM pause, a blocked loop) came back writing into a task another router
+# had taken over: two answers interleaved in one text, reported SUCCEEDED and growing after it.
+
+# KEYS: hash, text, token ids, events. ARGV: run ('' = any), text, packed token ids, event payload,
+# ttl seconds, events maxlen. Returns 1, or 0 when another run owns the task (nothing written).
+APPEND_DELTA_LUA = """
+if ARGV[1] ~= '' and redis.call('HGET', KEYS[1], 'run') ~= ARGV[1] then return 0 end
+redis.call('APPEND', KEYS[2], ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[5])
+redis.call('APPEND', KEYS[3], ARGV[3])
+redis.call('EXPIRE', KEYS[3], ARGV[5])
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', 'k', 'delta', 'p', ARGV[4])
+return 1
+"""
+
+# KEYS: hash. ARGV: run ('' = any), field, value. Returns 1, or 0 when another run owns the task.
+RUN_HSET_LUA = """
+if ARGV[1] ~= '' and redis.call('HGET', KEYS[1], 'run') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
+return 1
+"""
+
+# A router's heartbeat for the entries it runs: each still its own (XPENDING names the consumer)
+# is claimed again (its idle time reset) and its task's keys live on for the unfinished TTL; each
+# another router took over is returned, for its run here to stop. A blind XCLAIM took entries
+# back from the router that had taken them over.
+# KEYS: the work queue, then per entry its task's hash, text, token ids, events.
+# ARGV: group, consumer, unfinished ttl seconds, then the entry ids. Returns the lost entry ids.
+HEARTBEAT_LUA = """
+local lost = {}
+for i = 4, #ARGV do
+  local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if pending[1] and pending[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    local first = 2 + (i - 4) * 4
+    for j = first, first + 3 do redis.call('EXPIRE', KEYS[j], ARGV[3]) end
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+return lost
+"""
+
+# A run a stopping router hands back: the task is QUEUED again under a fresh queue entry, its
+# attempt not counted (a rolling restart is no failure), so another router starts it at once
+# instead of after the visibility timeout, continuing after the tokens already delivered.
+# KEYS: hash, the work queue. ARGV: run, group, entry id, task id, running state, queued state,
+# now_ms. Returns 1, or 0 when the run no longer owns a running task (nothing changed).
+HAND_BACK_LUA = """
+if redis.call('HGET', KEYS[1], 'run') ~= ARGV[1] or redis.call('HGET', KEYS[1], 'state') ~= ARGV[5] then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'state', ARGV[6], 'updated_ms', ARGV[7])
+redis.call('HINCRBY', KEYS[1], 'attempts', -1)
+redis.call('HDEL', KEYS[1], 'run')
+redis.call('XACK', KEYS[2], ARGV[2], ARGV[3])
+redis.call('XDEL', KEYS[2], ARGV[3])
+redis.call('XADD', KEYS[2], '*', 'task_id', ARGV[4])
+return 1
 """

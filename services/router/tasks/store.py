@@ -33,7 +33,6 @@ from services.router.tasks.keys import (
     EVENT_KIND,
     EVENT_PAYLOAD,
     GROUP,
-    KIND_DELTA,
     STANDALONE_KEYS,
     TaskKeys,
 )
@@ -45,7 +44,21 @@ from services.router.tasks.record import (
     pack_token_ids,
     status_hash,
 )
-from services.router.tasks.scripts import CREATE_LUA, TRANSITION_LUA
+from services.router.tasks.scripts import (
+    APPEND_DELTA_LUA,
+    CREATE_LUA,
+    HAND_BACK_LUA,
+    HEARTBEAT_LUA,
+    RUN_HSET_LUA,
+    TRANSITION_LUA,
+)
+
+#: ``transition``'s state when another run owns the task (nothing changed).
+SUPERSEDED = -2
+
+
+class Superseded(Exception):
+    """Another run owns the task now (it was taken over): this run must stop, writing nothing."""
 
 
 class TaskRefused(errors.Overloaded):
@@ -86,6 +99,10 @@ class TaskStore:
         self.max_queued = max_queued
         self._create = redis.register_script(CREATE_LUA)
         self._transition = redis.register_script(TRANSITION_LUA)
+        self._append_delta = redis.register_script(APPEND_DELTA_LUA)
+        self._run_hset = redis.register_script(RUN_HSET_LUA)
+        self._heartbeat = redis.register_script(HEARTBEAT_LUA)
+        self._hand_back = redis.register_script(HAND_BACK_LUA)
 
     async def ensure_group(self) -> None:
         try:
@@ -215,8 +232,12 @@ class TaskStore:
         error: str = "",
         reset_text: bool = False,
         extra: dict[str, str | int] | None = None,
+        run: str = "",
     ) -> tuple[int, bool]:
-        """Move the task to ``new_state`` if it is in one of ``allowed_from``; returns (state now, changed)."""
+        """Move the task to ``new_state`` if it is in one of ``allowed_from``; returns (state now, changed).
+
+        ``run``: the run that must own the task ("" = any); another's: (``SUPERSEDED``, False).
+        """
         now = now_ms()
         record.state, record.updated_ms = new_state, now
         if reset_text:
@@ -240,6 +261,7 @@ class TaskStore:
             self.events_maxlen,
             "1" if reset_text else "0",
             record.task_id,
+            run,
         ]
         for k, v in fields.items():
             args += [k, v]
@@ -253,27 +275,37 @@ class TaskStore:
         state, changed = await self._transition(keys=keys, args=args)
         return int(state), bool(changed)
 
-    async def append_delta(self, task_id: str, delta: router_pb2.TokenDelta) -> None:
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.append(self.keys.text(task_id), delta.text.encode())
-        pipe.expire(self.keys.text(task_id), self.unfinished_ttl_s)
-        pipe.append(self.keys.tokens(task_id), pack_token_ids(delta.token_ids))
-        pipe.expire(self.keys.tokens(task_id), self.unfinished_ttl_s)
-        pipe.xadd(
+    async def append_delta(self, task_id: str, delta: router_pb2.TokenDelta, run: str = "") -> None:
+        """Append a delta to the task's text, token ids and events, in one step; ``Superseded``
+        (nothing written) when ``run`` no longer owns the task ("" = any run)."""
+        keys = [
+            self.keys.task(task_id),
+            self.keys.text(task_id),
+            self.keys.tokens(task_id),
             self.keys.events(task_id),
-            {EVENT_KIND: KIND_DELTA, EVENT_PAYLOAD: delta.SerializeToString()},
-            maxlen=self.events_maxlen,
-            approximate=True,
-        )
-        await pipe.execute()
+        ]
+        args = [
+            run,
+            delta.text.encode(),
+            pack_token_ids(delta.token_ids),
+            delta.SerializeToString(),
+            self.unfinished_ttl_s,
+            self.events_maxlen,
+        ]
+        if not await self._append_delta(keys=keys, args=args):
+            raise Superseded(task_id)
 
-    async def mark_admitted(self, task_id: str) -> None:
+    async def _set_for_run(self, task_id: str, run: str, field: str, value: str) -> None:
+        if not await self._run_hset(keys=[self.keys.task(task_id)], args=[run, field, value]):
+            raise Superseded(task_id)
+
+    async def mark_admitted(self, task_id: str, run: str = "") -> None:
         """The task's turn was admitted against its key's request rate: no later attempt is."""
-        await self.redis.hset(self.keys.task(task_id), "admitted", "1")
+        await self._set_for_run(task_id, run, "admitted", "1")
 
-    async def save_checkpoint(self, task_id: str, checkpoint: str) -> None:
+    async def save_checkpoint(self, task_id: str, checkpoint: str, run: str = "") -> None:
         """Keep the running attempt's checkpoint (before its first token is appended)."""
-        await self.redis.hset(self.keys.task(task_id), "checkpoint", checkpoint)
+        await self._set_for_run(task_id, run, "checkpoint", checkpoint)
 
     async def request_cancel(self, task_id: str) -> None:
         await self.redis.hset(self.keys.task(task_id), "cancel", "1")
@@ -331,12 +363,36 @@ class TaskStore:
                 break
         return claimed
 
-    async def heartbeat(self, consumer: str, entry_ids: list[str]) -> None:
-        """Reset the idle time of entries this router is still running, so nobody reclaims them."""
-        if entry_ids:
-            await self.redis.xclaim(
-                self.keys.stream, GROUP, consumer, min_idle_time=0, message_ids=entry_ids, justid=True
-            )
+    async def heartbeat(self, consumer: str, running: list[tuple[str, str]]) -> list[str]:
+        """Reset the idle time of the entries (entry id, task id) this router still owns, so nobody
+        reclaims them, and keep their tasks' keys alive; returns the entry ids another router took
+        over (their runs here must stop)."""
+        if not running:
+            return []
+        keys = [self.keys.stream]
+        for _, task_id in running:
+            keys += [
+                self.keys.task(task_id),
+                self.keys.text(task_id),
+                self.keys.tokens(task_id),
+                self.keys.events(task_id),
+            ]
+        args: list[Any] = [GROUP, consumer, self.unfinished_ttl_s, *(entry_id for entry_id, _ in running)]
+        lost = await self._heartbeat(keys=keys, args=args)
+        return [e.decode() if isinstance(e, bytes) else str(e) for e in lost]
+
+    async def hand_back(self, entry_id: str, task_id: str, run: str) -> bool:
+        """Queue a task this router's stopping run owns again, at once, its attempt not counted."""
+        args = [
+            run,
+            GROUP,
+            entry_id,
+            task_id,
+            router_pb2.TASK_STATE_RUNNING,
+            router_pb2.TASK_STATE_QUEUED,
+            now_ms(),
+        ]
+        return bool(await self._hand_back(keys=[self.keys.task(task_id), self.keys.stream], args=args))
 
     async def ack(self, entry_id: str) -> None:
         pipe = self.redis.pipeline(transaction=False)

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import socket
+import uuid
 from collections.abc import AsyncGenerator
 from typing import Protocol
 
@@ -24,7 +25,7 @@ from services.router.admission.auth import Principal
 from services.router.tasks.counters import TASKS_FINISHED, TASKS_RECLAIMED, TASKS_RESUMED, TASKS_RUNNING
 from services.router.tasks.record import TaskRecord
 from services.router.tasks.settings import TaskSettings
-from services.router.tasks.store import TaskStore
+from services.router.tasks.store import SUPERSEDED, Superseded, TaskStore
 from services.router.turns.checkpoints import OnAdmitted, OnCheckpoint, OnStopped, ResumePoint, TurnCheckpoint
 
 log = logging.getLogger("llmmesh.router.tasks")
@@ -71,6 +72,10 @@ class TaskWorker:
         self.settings = settings
         self._worker: asyncio.Task[None] | None = None
         self._running: dict[str, asyncio.Task[None]] = {}  # entry id -> task run
+        self._task_ids: dict[str, str] = {}  # entry id -> task id, for the heartbeat
+        # Entries the heartbeat found another router running (this one was paused past the
+        # visibility timeout): their runs here are cancelled and write nothing more.
+        self._taken_over: set[str] = set()
         self._stopping = False
 
     async def start(self) -> None:
@@ -105,12 +110,16 @@ class TaskWorker:
             try:
                 now = loop.time()
                 if now >= next_heartbeat:
-                    await self.store.heartbeat(self.consumer, list(self._running))
+                    running = [(e, self._task_ids[e]) for e in self._running if e in self._task_ids]
+                    for entry_id in await self.store.heartbeat(self.consumer, running):
+                        self._stand_down(entry_id)
                     next_heartbeat = now + self.settings.visibility_timeout_s / 3
                 free = self.settings.concurrency - len(self._running)
                 if free > 0 and now >= next_reclaim:
                     min_idle = int(self.settings.visibility_timeout_s * 1000)
                     for entry_id, task_id in await self.store.reclaim(self.consumer, min_idle, free):
+                        if entry_id in self._running:
+                            continue  # its own run, idle because a heartbeat failed: claimed again now
                         TASKS_RECLAIMED.inc()
                         log.warning("took over task %s left unacknowledged by another router", task_id)
                         self._launch(entry_id, task_id)
@@ -132,13 +141,27 @@ class TaskWorker:
                 log.warning("task worker: %s: %s", type(exc).__name__, exc)
                 await asyncio.sleep(1.0)
 
+    def _stand_down(self, entry_id: str) -> None:
+        """Another router took this entry's task over: this run stops, writing nothing more."""
+        run = self._running.get(entry_id)
+        if run is None:
+            return
+        log.warning(
+            "task %s was taken over by another router: its run here stops", self._task_ids.get(entry_id)
+        )
+        self._taken_over.add(entry_id)
+        run.cancel()
+
     def _launch(self, entry_id: str, task_id: str) -> None:
         run = asyncio.create_task(self._run_task(entry_id, task_id), name=f"task-{task_id}")
         self._running[entry_id] = run
+        self._task_ids[entry_id] = task_id
         TASKS_RUNNING.set(len(self._running))
 
         def done(finished: asyncio.Task[None]) -> None:
             self._running.pop(entry_id, None)
+            self._task_ids.pop(entry_id, None)
+            self._taken_over.discard(entry_id)
             TASKS_RUNNING.set(len(self._running))
             if not finished.cancelled() and (exc := finished.exception()) is not None:
                 # Most likely Redis went away mid-task: the entry stays pending and is retried.
@@ -166,17 +189,20 @@ class TaskWorker:
         # An attempt that delivered tokens after saving its checkpoint is continued after them;
         # any other starts again from nothing (its text and token ids are cleared).
         resume = _resume_point(record)
+        # This run's token: every write checks it, so a run that lost the task writes nothing.
+        run = f"{self.consumer}/{record.attempts + 1}/{uuid.uuid4().hex[:8]}"
         _, changed = await self.store.transition(
             record,
             QUEUED_OR_RUNNING,
             router_pb2.TASK_STATE_RUNNING,
             reset_text=resume is None,
-            extra={"attempts": record.attempts + 1},
+            extra={"attempts": record.attempts + 1, "run": run},
         )
         if not changed:  # cancelled between the read and now
             await self.store.ack(entry_id)
             return
         record.attempts += 1
+        record.run = run
         if resume is None:
             record.checkpoint, record.token_ids = "", ()
         else:
@@ -190,14 +216,24 @@ class TaskWorker:
             log.warning(
                 "task %s goes back to the queue (attempt %d): %s", record.task_id, record.attempts, exc
             )
-            await self.store.transition(record, {router_pb2.TASK_STATE_RUNNING}, router_pb2.TASK_STATE_QUEUED)
+            await self.store.transition(
+                record, {router_pb2.TASK_STATE_RUNNING}, router_pb2.TASK_STATE_QUEUED, run=record.run
+            )
             return
+        except Superseded:
+            log.warning("task %s was taken over by another router: its run here stops", record.task_id)
+            return  # the entry is the other router's now: no finish, no acknowledgement
         except asyncio.CancelledError:
+            if entry_id in self._taken_over:
+                return
             if self._stopping:
-                raise  # left pending on purpose: another router finishes it
+                # Handed back for another router to start at once, the attempt not counted.
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.store.hand_back(entry_id, record.task_id, record.run))
+                raise
             final_state, end, error = router_pb2.TASK_STATE_CANCELLED, b"", "cancelled by the client"
-        await self._finish(record, final_state, end=end, error=error)
-        await self.store.ack(entry_id)
+        if await self._finish(record, final_state, end=end, error=error) != SUPERSEDED:
+            await self.store.ack(entry_id)
 
     async def _generate(self, record: TaskRecord, resume: ResumePoint | None) -> tuple[int, bytes, str]:
         """Run the turn; while the key is over its rate limit, wait and try again instead of failing.
@@ -236,13 +272,13 @@ class TaskWorker:
 
         async def save_checkpoint(checkpoint: TurnCheckpoint) -> None:
             record.checkpoint = checkpoint.to_json()
-            await self.store.save_checkpoint(record.task_id, record.checkpoint)
+            await self.store.save_checkpoint(record.task_id, record.checkpoint, record.run)
 
         async def mark_admitted() -> None:
             # Before the key's request is spent again by a later attempt (a takeover, a
             # redelivery, a retry while the replicas are busy), the task says it was admitted.
             record.admitted = True
-            await self.store.mark_admitted(record.task_id)
+            await self.store.mark_admitted(record.task_id, record.run)
 
         def stopped(response: router_pb2.ChatResponse) -> None:
             # A cancelled turn's end: the tokens the task streamed, and the replica that made them.
@@ -267,7 +303,7 @@ class TaskWorker:
                     if response.HasField("delta"):
                         streamed = True
                         record.text += response.delta.text
-                        await self._append(record.task_id, response.delta)
+                        await self._append(record, response.delta)
                     elif response.HasField("end"):
                         end = response.end
 
@@ -308,10 +344,10 @@ class TaskWorker:
             return router_pb2.TASK_STATE_CANCELLED, _end_bytes(end), "cancelled"
         return router_pb2.TASK_STATE_SUCCEEDED, _end_bytes(end), ""
 
-    async def _append(self, task_id: str, delta: router_pb2.TokenDelta) -> None:
+    async def _append(self, record: TaskRecord, delta: router_pb2.TokenDelta) -> None:
         """Store a delta whole even when the task is cancelled meanwhile: the turn counts it as
         streamed (it left the pipeline), so the task's text and events must hold it too."""
-        write = asyncio.ensure_future(self.store.append_delta(task_id, delta))
+        write = asyncio.ensure_future(self.store.append_delta(record.task_id, delta, record.run))
         try:
             await asyncio.shield(write)
         except asyncio.CancelledError:
@@ -323,10 +359,14 @@ class TaskWorker:
         """Nothing streamed yet and runs left: failing now would only report a passing outage."""
         return not record.text and record.attempts < self.settings.max_attempts
 
-    async def _finish(self, record: TaskRecord, state: int, *, end: bytes = b"", error: str = "") -> None:
-        _, changed = await self.store.transition(record, QUEUED_OR_RUNNING, state, end=end, error=error)
+    async def _finish(self, record: TaskRecord, state: int, *, end: bytes = b"", error: str = "") -> int:
+        """The task's end, if this run still owns it; returns the state now (``SUPERSEDED``: not)."""
+        now, changed = await self.store.transition(
+            record, QUEUED_OR_RUNNING, state, end=end, error=error, run=record.run
+        )
         if changed:
             TASKS_FINISHED.labels(router_pb2.TaskState.Name(state).removeprefix("TASK_STATE_")).inc()  # type: ignore[arg-type]
+        return now
 
 
 def _resume_point(record: TaskRecord) -> ResumePoint | None:

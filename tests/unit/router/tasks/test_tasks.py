@@ -569,3 +569,94 @@ def test_task_caps_must_not_be_negative() -> None:
         TaskSettings(max_per_tenant=-1)
     with pytest.raises(ValueError, match="--task-max-queued"):
         TaskSettings(max_queued=-1)
+
+
+async def test_a_router_paused_past_the_visibility_timeout_writes_nothing_into_its_taken_over_task(
+    redis_client: Any,
+) -> None:
+    """A router whose heartbeats stop (a VM pause, a blocked loop) has its task taken over; when it
+    goes on, its words went into the task beside the new run's: the answer interleaved, reported
+    SUCCEEDED, and still growing after."""
+    settings = TaskSettings(visibility_timeout_s=0.6, block_ms=100)
+    paused = TaskApi(redis_client, FakeRunTurn(delay_s=0.5), "paused", settings)
+
+    async def paused_loop(*args: Any) -> list[Any]:
+        return []  # its loop is "paused" (no heartbeat, no reclaim) while the run itself goes on
+
+    paused.store.heartbeat = paused_loop  # type: ignore[method-assign]
+    paused.store.reclaim = paused_loop  # type: ignore[method-assign]
+    await paused.start()
+    survivor = TaskApi(redis_client, FakeRunTurn(), "survivor", settings)
+    try:
+        task = await paused.SubmitTask(ACME, submit_request())
+        await wait_for_state(paused, task.task_id, router_pb2.TASK_STATE_RUNNING)
+        await survivor.start()
+        done = await wait_for_state(survivor, task.task_id, router_pb2.TASK_STATE_SUCCEEDED, timeout=10)
+        assert done.state == router_pb2.TASK_STATE_SUCCEEDED
+        await asyncio.sleep(2.2)  # the paused run's every remaining word would have come by now
+        after = await survivor.GetTask(ACME, router_pb2.GetTaskRequest(task_id=task.task_id))
+        assert (after.state, after.text) == (router_pb2.TASK_STATE_SUCCEEDED, "The quick brown fox")
+        deltas = await redis_client.xrange(survivor.store.keys.events(task.task_id))
+        indexes = [router_pb2.TokenDelta.FromString(f[b"p"]).index for _, f in deltas if f[b"k"] == b"delta"]
+        assert indexes == [0, 1, 2, 3]  # every word once
+    finally:
+        await paused.stop(grace_s=0.1)
+        await survivor.stop()
+
+
+async def test_a_stopping_router_hands_its_task_back_for_another_at_once_uncounted(redis_client: Any) -> None:
+    """A rolling restart stops routers one after another: each stop counted as a failed attempt,
+    so three of them failed a healthy task, and each left it for the 30 s visibility timeout."""
+    settings = TaskSettings(visibility_timeout_s=30, block_ms=100, max_attempts=3)
+    task_id = ""
+    for i in range(3):
+        api = TaskApi(redis_client, FakeRunTurn(delay_s=0.5), f"rolling-{i}", settings)
+        if not task_id:
+            task_id = (await api.SubmitTask(ACME, submit_request())).task_id
+        await api.start()
+        try:
+            running = await wait_for_state(api, task_id, router_pb2.TASK_STATE_RUNNING, timeout=3)
+            assert running.state == router_pb2.TASK_STATE_RUNNING, f"router {i} did not start it at once"
+            await asyncio.sleep(0.6)  # a word or so delivered
+        finally:
+            await api.stop(grace_s=0.1)
+        queued = await api.GetTask(ACME, router_pb2.GetTaskRequest(task_id=task_id))
+        assert queued.state == router_pb2.TASK_STATE_QUEUED, queued
+    last = TaskApi(redis_client, FakeRunTurn(), "rolling-last", settings)
+    await last.start()
+    try:
+        done = await wait_for_state(last, task_id, router_pb2.TASK_STATE_SUCCEEDED, timeout=3)
+    finally:
+        await last.stop()
+    assert (done.state, done.text) == (router_pb2.TASK_STATE_SUCCEEDED, "The quick brown fox")
+    attempts = await redis_client.hget(last.store.keys.task(task_id), "attempts")
+    assert int(attempts) == 1  # the stops were hand-overs, not failures
+
+
+async def test_a_running_task_outlives_the_unfinished_ttl_and_its_end_keeps_no_request(
+    redis_client: Any,
+) -> None:
+    """The unfinished TTL ran from the submission: a run longer than it lost the task mid-way
+    (NOT_FOUND), leaving its events stream in Redis with no TTL. And an ended task kept its request
+    (up to 4 MiB) for its whole result TTL, read by nobody."""
+    api = TaskApi(
+        redis_client, FakeRunTurn(delay_s=0.6), "r1", TaskSettings(visibility_timeout_s=0.6, block_ms=100)
+    )
+    api.store.unfinished_ttl_s = 1  # the run takes 2.4 s
+    await api.start()
+    try:
+        task = await api.SubmitTask(ACME, submit_request())
+        done = await wait_for_state(api, task.task_id, router_pb2.TASK_STATE_SUCCEEDED, timeout=10)
+    finally:
+        await api.stop()
+    assert (done.state, done.text) == (router_pb2.TASK_STATE_SUCCEEDED, "The quick brown fox")
+    stored = {k.decode() for k in await redis_client.hkeys(api.store.keys.task(task.task_id))}
+    assert not stored & {"request", "checkpoint", "run"} and "state" in stored
+
+
+async def test_idempotency_keys_of_two_tenants_never_meet(redis_client: Any) -> None:
+    api = TaskApi(redis_client, FakeRunTurn(), "r1", TaskSettings(block_ms=100))
+    first = await api.SubmitTask(Principal("a", "a-1"), submit_request(key="b:c"))
+    # Tenant "a:b" with key "c" was the same Redis key: PERMISSION_DENIED naming tenant a's task.
+    second = await api.SubmitTask(Principal("a:b", "ab-1"), submit_request(key="c"))
+    assert second.task_id != first.task_id and second.state == router_pb2.TASK_STATE_QUEUED
