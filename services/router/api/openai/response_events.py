@@ -53,9 +53,11 @@ class ResponseFramer:
         return "fc_" + self.response_id.removeprefix("resp_")
 
     def error(self, exc: BaseException, route: str) -> ApiError:
-        """What the client is told of ``exc``: the replica's ``prompt`` is this request's ``input``,
-        its ``max_tokens`` this request's ``max_output_tokens``."""
+        """What the client is told of ``exc``: the replica's ``messages`` (``prompt`` from a replica
+        before 885ca27) is this request's ``input``, its ``max_tokens`` this request's
+        ``max_output_tokens``."""
         error = renamed(api_error(exc, route), "prompt", "input")
+        error = renamed(error, "messages", "input")
         error = renamed(error, "max_tokens", "max_output_tokens")
         constraint: ConstraintParam | None = self.request.generation.constraint
         return constraint.rename(error) if constraint is not None else error
