@@ -66,7 +66,8 @@ return {'ok', redis.call('HGETALL', KEYS[1]), count, window, asked, stop}
 """
 )
 
-# ARGV: owner, expected_version ('' = any), now_ms, max_turns, request_id ('' = none),
+# ARGV: owner, expected_version ('' = any; "<version>@<created_at_ms>" = that version of the
+# session created then), now_ms, max_turns, request_id ('' = none),
 # request_digest, turn_json… The duplicate check, the version check, the limit check and the push
 # happen in one step, so two writers holding the same version cannot both succeed, and a request
 # id is stored once: again with the same digest (its non-assistant turns) it is a duplicate, with
@@ -86,7 +87,12 @@ if ARGV[5] ~= '' then
   end
 end
 local version = redis.call('HGET', KEYS[1], 'version')
-if ARGV[2] ~= '' and ARGV[2] ~= version then return {'conflict', version} end
+local want_version, want_created = string.match(ARGV[2], '^(%d+)@(%d+)$')
+if not want_version then want_version = ARGV[2] end
+if want_created and want_created ~= redis.call('HGET', KEYS[1], 'created_at_ms') then
+  return {'recreated', version}
+end
+if want_version ~= '' and want_version ~= version then return {'conflict', version} end
 local count = redis.call('LLEN', KEYS[2])
 local adding = #ARGV - 6
 if count + adding > tonumber(ARGV[4]) then return {'full', count} end

@@ -140,7 +140,10 @@ class SessionServicer:
             validation.check_turns(turns, self._limits)
             expected = req.expected_version if req.HasField("expected_version") else None
             request_id = validation.check_request_id(req.request_id, "request_id")
-            header, duplicate = await self._store.append(owner, session_id, turns, expected, request_id)
+            created = req.expected_created_at_ms if req.HasField("expected_created_at_ms") else None
+            header, duplicate = await self._store.append(
+                owner, session_id, turns, expected, request_id, created
+            )
             return pb.AppendTurnsResponse(
                 version=header.version, info=self._info(header), duplicate=duplicate
             )

@@ -265,6 +265,7 @@ class SessionStore:
         turns: Sequence[TurnRecord],
         expected_version: int | None,
         request_id: str = "",
+        expected_created_at_ms: int | None = None,
     ) -> tuple[SessionHeader, bool]:
         """Stores all ``turns`` or none; ABORTED when ``expected_version`` is stale.
 
@@ -277,6 +278,8 @@ class SessionStore:
             for t in turns
         ]
         expected = "" if expected_version is None else str(expected_version)
+        if expected and expected_created_at_ms is not None:
+            expected += f"@{expected_created_at_ms}"
         reply = await self._session_script(
             "append",
             self._append,
@@ -295,6 +298,12 @@ class SessionStore:
             raise errors.AlreadyExists(
                 f"request_id: {request_id!r} already appended other turns to session {session_id!r}; "
                 "send a new one"
+            )
+        if reply[0] == "recreated":
+            raise errors.Conflict(
+                f"session {session_id!r} was deleted and created again since it was read "
+                f"(now at version {reply[1]})",
+                trailing=((SESSION_VERSION_KEY, str(reply[1])),),
             )
         if reply[0] == "conflict":
             current = reply[1]

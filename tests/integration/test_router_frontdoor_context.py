@@ -15,6 +15,7 @@ from services.gen.llmmesh.v1 import (
     retriever_pb2,
     retriever_pb2_grpc,
     router_pb2,
+    session_pb2,
     session_pb2_grpc,
 )
 from services.router.turns.context import ConversationContext, build_messages
@@ -144,4 +145,31 @@ async def test_a_last_answer_too_long_for_the_history_budget_is_said_not_silent(
     assert found is not None and found.turns == [] and found.omitted_turns == 4
     assert state.degraded == [
         "history: none of the session's 4 turns fit the 2048-token history budget (its newest alone is over it)"
+    ]
+
+
+async def test_a_turn_read_from_a_deleted_session_is_not_saved_into_its_successor(
+    context: tuple[ConversationContext, retriever_pb2_grpc.RetrieverStub],
+) -> None:
+    ctx, _ = context
+    await ctx.save_turn("acme", "conv-aba", [("user", "I am Ada.")], "Hello Ada.", 0)
+    read = await ctx.load_history("acme", "conv-aba")
+    assert read.version == 1 and read.created_at_ms > 0
+    # Meanwhile the conversation is deleted and another begins under its id (version 1 again).
+    assert ctx.session is not None
+    tenant = ((TENANT_KEY, "acme"),)
+    await ctx.session.DeleteSession(session_pb2.DeleteSessionRequest(session_id="conv-aba"), metadata=tenant)
+    await ctx.save_turn("acme", "conv-aba", [("user", "I am Bob.")], "Hello Bob.", 0)
+    with pytest.raises(errors.Conflict, match="created again"):
+        await ctx.save_turn(
+            "acme",
+            "conv-aba",
+            [("user", "What is my name?")],
+            "Ada.",
+            read.version,
+            created_at_ms=read.created_at_ms,
+        )
+    assert (await ctx.load_history("acme", "conv-aba")).turns == [
+        ("user", "I am Bob."),
+        ("assistant", "Hello Bob."),
     ]

@@ -217,6 +217,34 @@ async def test_a_retried_append_is_stored_once_and_a_retry_sees_the_history_befo
     assert not fresh.duplicate and fresh.info.turn_count == 1
 
 
+async def test_a_version_read_from_a_deleted_session_does_not_append_to_its_successor(
+    channel: grpc.aio.Channel,
+) -> None:
+    """Versions start at 0 in every session created under an id: a writer holding version 1 of a
+    deleted conversation appended its follow-up into the new one at version 1."""
+    fay = SessionClient(channel, new_owner())
+    old = await fay.create("reused", system_prompt="You are A")
+    await fay.append("reused", [turn("A1"), turn("A1 answer", "assistant")], 0)
+    await fay.delete("reused")
+    await fay.create("reused", system_prompt="You are B")
+    await fay.append("reused", [turn("B1"), turn("B1 answer", "assistant")], 0)
+
+    def follow_up(created_at_ms: int) -> pb.AppendTurnsRequest:
+        return pb.AppendTurnsRequest(
+            session_id="reused",
+            turns=[turn("A2, after A1")],
+            expected_version=1,
+            expected_created_at_ms=created_at_ms,
+        )
+
+    stale = await rpc_error(fay.stub.AppendTurns(follow_up(old.created_at_ms), **fay._kw()))
+    assert stale.code() == grpc.StatusCode.ABORTED and "created again" in (stale.details() or "")
+    state = await fay.get("reused")
+    assert [t.content for t in state.turns] == ["B1", "B1 answer"]
+    current = await fay.stub.AppendTurns(follow_up(state.info.created_at_ms), **fay._kw())
+    assert current.version == 2
+
+
 async def test_another_owners_session_is_permission_denied(channel: grpc.aio.Channel) -> None:
     owner, intruder = SessionClient(channel, new_owner()), SessionClient(channel, new_owner())
     await owner.create("private", system_prompt="secret")

@@ -126,8 +126,10 @@ return lost
 # A run a stopping router hands back: the task is QUEUED again under a fresh queue entry, its
 # attempt not counted (a rolling restart is no failure), so another router starts it at once
 # instead of after the visibility timeout, continuing after the tokens already delivered.
-# KEYS: hash, the work queue. ARGV: run, group, entry id, task id, running state, queued state,
-# now_ms. Returns 1, or 0 when the run no longer owns a running task (nothing changed).
+# Watchers get the QUEUED state as an event, as from any other change of state.
+# KEYS: hash, the work queue, events. ARGV: run, group, entry id, task id, running state, queued
+# state, now_ms, event payload, events maxlen. Returns 1, or 0 when the run no longer owns a
+# running task (nothing changed).
 HAND_BACK_LUA = """
 if redis.call('HGET', KEYS[1], 'run') ~= ARGV[1] or redis.call('HGET', KEYS[1], 'state') ~= ARGV[5] then
   return 0
@@ -138,5 +140,6 @@ redis.call('HDEL', KEYS[1], 'run')
 redis.call('XACK', KEYS[2], ARGV[2], ARGV[3])
 redis.call('XDEL', KEYS[2], ARGV[3])
 redis.call('XADD', KEYS[2], '*', 'task_id', ARGV[4])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[9], '*', 'k', 'task', 'p', ARGV[8])
 return 1
 """

@@ -381,18 +381,25 @@ class TaskStore:
         lost = await self._heartbeat(keys=keys, args=args)
         return [e.decode() if isinstance(e, bytes) else str(e) for e in lost]
 
-    async def hand_back(self, entry_id: str, task_id: str, run: str) -> bool:
+    async def hand_back(self, entry_id: str, record: TaskRecord) -> bool:
         """Queue a task this router's stopping run owns again, at once, its attempt not counted."""
+        now = now_ms()
+        queued = router_pb2.Task()
+        queued.CopyFrom(record.to_proto())
+        queued.state, queued.updated_at_ms = router_pb2.TASK_STATE_QUEUED, now  # type: ignore[assignment]
         args = [
-            run,
+            record.run,
             GROUP,
             entry_id,
-            task_id,
+            record.task_id,
             router_pb2.TASK_STATE_RUNNING,
             router_pb2.TASK_STATE_QUEUED,
-            now_ms(),
+            now,
+            queued.SerializeToString(),
+            self.events_maxlen,
         ]
-        return bool(await self._hand_back(keys=[self.keys.task(task_id), self.keys.stream], args=args))
+        keys = [self.keys.task(record.task_id), self.keys.stream, self.keys.events(record.task_id)]
+        return bool(await self._hand_back(keys=keys, args=args))
 
     async def ack(self, entry_id: str) -> None:
         pipe = self.redis.pipeline(transaction=False)

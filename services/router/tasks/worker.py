@@ -229,7 +229,7 @@ class TaskWorker:
             if self._stopping:
                 # Handed back for another router to start at once, the attempt not counted.
                 with contextlib.suppress(Exception):
-                    await asyncio.shield(self.store.hand_back(entry_id, record.task_id, record.run))
+                    await asyncio.shield(self.store.hand_back(entry_id, record))
                 raise
             final_state, end, error = router_pb2.TASK_STATE_CANCELLED, b"", "cancelled by the client"
         if await self._finish(record, final_state, end=end, error=error) != SUPERSEDED:

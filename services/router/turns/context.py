@@ -49,6 +49,8 @@ class SessionHistory:
     version: int = 0
     exists: bool = False
     omitted_turns: int = 0
+    # When the session was created: a save checks it is still the same one.
+    created_at_ms: int = 0
     # Turns the session holds, and the most it may (0: the session service did not say).
     turn_count: int = 0
     max_turns: int = 0
@@ -213,6 +215,7 @@ class ConversationContext:
             omitted_turns=state.omitted_turns,
             turn_count=state.info.turn_count,
             max_turns=state.info.max_turns,
+            created_at_ms=state.info.created_at_ms,
             holds_request=state.holds_request,
             request_turns=[(t.role, t.content) for t in state.request_turns],
         )
@@ -277,6 +280,7 @@ class ConversationContext:
         expected_version: int | None,
         metadata: Mapping[str, str] | None = None,
         request_id: str = "",
+        created_at_ms: int = 0,
     ) -> int:
         """Append the turn's messages and the answer; creates the session on its first turn.
 
@@ -306,6 +310,9 @@ class ConversationContext:
         request = session_pb2.AppendTurnsRequest(
             session_id=session_id, turns=turns, expected_version=expected_version, request_id=request_id
         )
+        if created_at_ms and expected_version:
+            # The conversation read, not another one created since under its id at version 0.
+            request.expected_created_at_ms = created_at_ms
         try:
             response = await self.session_breaker.call(
                 lambda: session.AppendTurns(request, metadata=_md(tenant), timeout=self.timeout_s)

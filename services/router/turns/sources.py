@@ -167,7 +167,13 @@ async def save_turn(
     expected = state.session.version if state.session.exists else 0
     try:
         return await s.context.save_turn(
-            tenant, request.session_id, new_messages, answer, expected, request_id=state.request_id
+            tenant,
+            request.session_id,
+            new_messages,
+            answer,
+            expected,
+            request_id=state.request_id,
+            created_at_ms=state.session.created_at_ms if state.session.exists else 0,
         )
     except (errors.DependencyUnavailable, errors.Conflict) as exc:
         # The answer already reached the client; losing the save is reported, not fatal.

@@ -631,6 +631,11 @@ async def test_a_stopping_router_hands_its_task_back_for_another_at_once_uncount
     assert (done.state, done.text) == (router_pb2.TASK_STATE_SUCCEEDED, "The quick brown fox")
     attempts = await redis_client.hget(last.store.keys.task(task_id), "attempts")
     assert int(attempts) == 1  # the stops were hand-overs, not failures
+    # A watcher saw each hand-back: submitted, then (running, queued again) three times, then the end.
+    events = await redis_client.xrange(last.store.keys.events(task_id))
+    states = [router_pb2.Task.FromString(f[b"p"]).state for _, f in events if f[b"k"] == b"task"]
+    queued, running = router_pb2.TASK_STATE_QUEUED, router_pb2.TASK_STATE_RUNNING
+    assert states == [queued, *[running, queued] * 3, running, router_pb2.TASK_STATE_SUCCEEDED]
 
 
 async def test_a_running_task_outlives_the_unfinished_ttl_and_its_end_keeps_no_request(
