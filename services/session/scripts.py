@@ -120,10 +120,21 @@ return {'ok', redis.call('HGETALL', KEYS[1]), redis.call('LLEN', KEYS[2])}
 DELETE = (
     _ACCESS
     + """
+local created = redis.call('HGET', KEYS[1], 'created_at_ms') or ''
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
-return {'ok'}
+return {'ok', created}
 """
 )
+
+# KEYS: owner index. ARGV: session_id, the deleted session's created_at_ms. Frees the deleted
+# session's index entry only if it is still that session's (scored at its creation): a create of
+# the same id between the delete and this release holds the entry now, and an unconditional ZREM
+# hid that live session from ListSessions and from the per-owner limit.
+RELEASE = """
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if score and tonumber(score) == tonumber(ARGV[2]) then redis.call('ZREM', KEYS[1], ARGV[1]) end
+return 1
+"""
 
 # KEYS: owner index. ARGV: session_id, now_ms, max_sessions. Reserves a slot in the owner's
 # index before the session is created, so the per-owner limit is checked and taken atomically.

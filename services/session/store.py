@@ -177,6 +177,7 @@ class SessionStore:
         self._delete: AsyncScript = register(scripts.DELETE)
         self._reserve: AsyncScript = register(scripts.RESERVE)
         self._page: AsyncScript = register(scripts.PAGE)
+        self._release: AsyncScript = register(scripts.RELEASE)
 
     def _now_ms(self) -> int:
         return int(self._clock() * 1000)
@@ -323,9 +324,17 @@ class SessionStore:
         return decode_header(session_id, _pairs(reply[1]), reply[2])
 
     async def delete(self, owner: str, session_id: str) -> None:
-        await self._session_script("delete", self._delete, session_id, owner)
+        reply = await self._session_script("delete", self._delete, session_id, owner)
+        await self._release_index(owner, session_id, reply[1])
+
+    async def _release_index(self, owner: str, session_id: str, created_at_ms: str) -> None:
+        """Free a deleted session's index entry, unless a new session under its id holds it now."""
         index = keys.owner_index_key(owner)
-        await self._redis("index_release", lambda: self._client.zrem(index, session_id))
+        if not created_at_ms:
+            return  # a session from before created_at_ms: listing prunes its entry lazily
+        await self._redis(
+            "index_release", lambda: self._release(keys=[index], args=[session_id, created_at_ms])
+        )
 
     async def list_owned(self, owner: str, page_size: int, page_token: str) -> SessionPage:
         """The owner's live sessions in creation order, one page at a time."""

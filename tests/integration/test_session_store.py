@@ -162,3 +162,30 @@ async def test_a_budgeted_read_takes_only_the_turns_the_budget_could_hold(redis_
         assert budgeted.turns[0].role == "user"
     finally:
         await store.close()
+
+
+async def test_a_delete_racing_a_create_of_the_same_id_leaves_the_new_session_listed(
+    redis_server: RedisServer,
+) -> None:
+    """The delete frees the index entry after the session's keys are gone; a create of the same id
+    landing between the two had its entry removed: a live session ListSessions never showed and
+    the per-owner limit did not count."""
+
+    class Racing(SessionStore):
+        async def _release_index(self, owner: str, session_id: str, created_at_ms: str) -> None:
+            self._clock = lambda: 1_800_000_100.0  # the new session is created a little later
+            await self.create(new(session_id))  # lands between the delete and its release
+            await super()._release_index(owner, session_id, created_at_ms)
+
+    client = connect(redis_server.url, cluster=False, timeout_s=1.0, max_connections=8)
+    store = Racing(
+        client, SessionLimits(max_sessions_per_owner=2), timeout_s=1.0, clock=lambda: 1_800_000_000.0
+    )
+    try:
+        await store.create(new("raced"))
+        await store.delete("acme", "raced")
+        assert (await store.get("acme", "raced")).header.session_id == "raced"  # the new one lives
+        page = await store.list_owned("acme", 10, "")
+        assert [h.session_id for h in page.sessions] == ["raced"]
+    finally:
+        await store.close()
