@@ -44,6 +44,7 @@ class TaskApi:
             redis,
             result_ttl_s=self.settings.result_ttl_s,
             max_open_per_tenant=self.settings.max_per_tenant,
+            max_open_bytes_per_tenant=self.settings.max_bytes_per_tenant,
             max_queued=self.settings.max_queued,
             keys=keys,
         )

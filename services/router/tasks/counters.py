@@ -15,6 +15,6 @@ TASKS_RESUMED = Counter(
 TASKS_RUNNING = Gauge("llmmesh_router_tasks_running", "Async tasks this router is running now.")
 TASKS_REFUSED = Counter(
     "llmmesh_router_tasks_refused_total",
-    "Task submissions refused at admission, by reason (tenant_cap, queue_full).",
+    "Task submissions refused at admission, by reason (tenant_cap, tenant_bytes, queue_full).",
     ["reason"],
 )

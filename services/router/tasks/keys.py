@@ -70,6 +70,10 @@ class TaskKeys:
     def open_tasks(self, tenant: str) -> str:
         return f"{self.prefix}:tasks:open:{tenant}"
 
+    def open_bytes(self, tenant: str) -> str:
+        """Hash: each of the tenant's unfinished task ids -> its request's size in bytes."""
+        return f"{self.prefix}:tasks:openbytes:{tenant}"
+
     def idempotency(self, tenant: str, key: str) -> str:
         # The tenant's length first: tenant "a" with key "b:c" and tenant "a:b" with key "c" were
         # one key, so one tenant could block another's submits and learn its task ids.

@@ -3,38 +3,48 @@
 from __future__ import annotations
 
 # Admission and creation of a task in one step: refused (nothing stored) when the tenant has
-# ARGV[4] unfinished tasks already or the work queue holds ARGV[5] entries (0 = no cap).
-# With an idempotency key (KEYS[5]) that names a task still stored, that task is the answer and
+# ARGV[4] unfinished tasks already, or their requests with this one's would pass ARGV[11] bytes,
+# or the work queue holds ARGV[5] entries (0 = no cap).
+# With an idempotency key (KEYS[6]) that names a task still stored, that task is the answer and
 # nothing is created; else the key is set to the new task in the same step. Claimed apart from
 # the creation, two concurrent submits of one key (a client's retry while its first call is in
 # flight) each found the other's claim without its task, took it as expired, and made two tasks.
-# KEYS: hash, events, work queue, the tenant's open set[, idempotency key]. ARGV: now_ms,
-# unfinished ttl seconds, events maxlen, per-tenant cap, queue cap, task id, event payload, the
-# task hash key's text before and after a task id, then the hash's field/value pairs.
+# KEYS: hash, events, work queue, the tenant's open set, the tenant's open bytes[, idempotency
+# key]. ARGV: now_ms, unfinished ttl seconds, events maxlen, per-tenant cap, queue cap, task id,
+# event payload, the task hash key's text before and after a task id, the request's bytes, the
+# per-tenant byte cap, then the hash's field/value pairs.
 # Returns {1, 0, 0} when created, {0, 3, existing task id} for a known key, else {0, reason
-# (1 tenant cap, 2 queue cap), count that hit the cap}.
+# (1 tenant cap, 2 queue cap, 4 byte cap), count that hit the cap}.
 CREATE_LUA = """
 local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
-if KEYS[5] then
-  local existing = redis.call('GET', KEYS[5])
+if KEYS[6] then
+  local existing = redis.call('GET', KEYS[6])
   if existing and redis.call('EXISTS', ARGV[8] .. existing .. ARGV[9]) == 1 then
     return {0, 3, existing}
   end
 end
 -- An id older than the unfinished ttl names a task that expired without finishing (all routers
 -- gone that long): it no longer counts.
+local expired = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now - ttl * 1000)
+for _, id in ipairs(expired) do redis.call('HDEL', KEYS[5], id) end
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - ttl * 1000)
 local per_tenant, queue_cap = tonumber(ARGV[4]), tonumber(ARGV[5])
 if per_tenant > 0 then
   local open = redis.call('ZCARD', KEYS[4])
   if open >= per_tenant then return {0, 1, open} end
 end
+local size, byte_cap = tonumber(ARGV[10]), tonumber(ARGV[11])
+if byte_cap > 0 then
+  local held = size
+  for _, n in ipairs(redis.call('HVALS', KEYS[5])) do held = held + tonumber(n) end
+  if held > byte_cap then return {0, 4, held - size} end
+end
 if queue_cap > 0 then
   local queued = redis.call('XLEN', KEYS[3])
   if queued >= queue_cap then return {0, 2, queued} end
 end
 local fields = {}
-for i = 10, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 12, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[3], '*', 'k', 'task', 'p', ARGV[7])
@@ -42,13 +52,16 @@ redis.call('EXPIRE', KEYS[2], ttl)
 redis.call('XADD', KEYS[3], '*', 'task_id', ARGV[6])
 redis.call('ZADD', KEYS[4], now, ARGV[6])
 redis.call('EXPIRE', KEYS[4], ttl)
-if KEYS[5] then redis.call('SET', KEYS[5], ARGV[6], 'EX', ttl) end
+redis.call('HSET', KEYS[5], ARGV[6], size)
+redis.call('EXPIRE', KEYS[5], ttl)
+if KEYS[6] then redis.call('SET', KEYS[6], ARGV[6], 'EX', ttl) end
 return {1, 0, 0}
 """
 
 # Compare-and-set of a task's state, with its event, in one step; a task reaching a final state
 # leaves its tenant's open set in the same step.
-# KEYS: hash, events, text, the tenant's open set, token ids. ARGV: allowed from-states (space separated),
+# KEYS: hash, events, text, the tenant's open set, token ids, the tenant's open bytes. ARGV: allowed
+# from-states (space separated),
 # new state, now_ms, event payload ('' = none), expire seconds (0 = leave; set = a final state),
 # events maxlen, reset text (0/1), task id, the run that must own the task ('' = any), then extra
 # field/value pairs for the hash.
@@ -74,6 +87,7 @@ end
 if ARGV[5] ~= '0' then
   for _, i in ipairs({1, 2, 3, 5}) do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
   redis.call('ZREM', KEYS[4], ARGV[8])
+  redis.call('HDEL', KEYS[6], ARGV[8])
   redis.call('HDEL', KEYS[1], 'request', 'checkpoint', 'run')
 end
 return {tonumber(ARGV[2]), 1}

@@ -38,6 +38,15 @@ class TaskSettings:
         help="tasks queued or running in all; more are refused RESOURCE_EXHAUSTED (0 = no cap)",
     )
 
+    # What one tenant's unfinished tasks may hold in Redis, their requests (up to 4 MiB each) summed:
+    # a count alone let one tenant keep its 1,000 tasks' worth, 4 GiB, of prompts there.
+    max_bytes_per_tenant: int = flag(
+        256 * 1024 * 1024,
+        name="--task-max-bytes-per-tenant",
+        help="bytes of requests one tenant's unfinished tasks may hold; more are refused RESOURCE_EXHAUSTED"
+        " (0 = no cap)",
+    )
+
     def __post_init__(self) -> None:
         if self.result_ttl_s < 1:
             raise ValueError(f"--task-result-ttl-seconds: must be >= 1, got {self.result_ttl_s}")
@@ -49,6 +58,10 @@ class TaskSettings:
             raise ValueError(f"--task-max-attempts: must be >= 1, got {self.max_attempts}")
         if self.max_per_tenant < 0:
             raise ValueError(f"--task-max-per-tenant: must be >= 0 (0 = no cap), got {self.max_per_tenant}")
+        if self.max_bytes_per_tenant < 0:
+            raise ValueError(
+                f"--task-max-bytes-per-tenant: must be >= 0 (0 = no cap), got {self.max_bytes_per_tenant}"
+            )
         if self.max_queued < 0:
             raise ValueError(f"--task-max-queued: must be >= 0 (0 = no cap), got {self.max_queued}")
 

@@ -80,11 +80,12 @@ class TaskStore:
         events_maxlen: int = 10_000,
         max_open_per_tenant: int = 1000,
         max_queued: int = 100_000,
+        max_open_bytes_per_tenant: int = 256 * 1024 * 1024,
         keys: TaskKeys | None = None,
     ) -> None:
         if result_ttl_s < 1:
             raise ValueError(f"result_ttl_s: must be >= 1, got {result_ttl_s}")
-        if max_open_per_tenant < 0 or max_queued < 0:
+        if max_open_per_tenant < 0 or max_queued < 0 or max_open_bytes_per_tenant < 0:
             raise ValueError("task caps must be >= 0 (0 = no cap)")
         self.redis = redis
         # The layout follows the client unless given: a Redis Cluster needs the one-slot layout.
@@ -95,6 +96,8 @@ class TaskStore:
         self.events_maxlen = events_maxlen
         #: Unfinished (queued or running) tasks one tenant may have; 0 = no cap.
         self.max_open_per_tenant = max_open_per_tenant
+        #: Bytes of requests one tenant's unfinished tasks may hold together; 0 = no cap.
+        self.max_open_bytes_per_tenant = max_open_bytes_per_tenant
         #: Entries the work queue may hold (every unfinished task of every tenant); 0 = no cap.
         self.max_queued = max_queued
         self._create = redis.register_script(CREATE_LUA)
@@ -157,6 +160,8 @@ class TaskStore:
             task_id,
             record.to_proto().SerializeToString(),
             *self.keys.task("\n").split("\n"),  # a task's hash key around its id
+            len(record.request),
+            self.max_open_bytes_per_tenant,
         ]
         for name, value in fields.items():
             args += [name, value]
@@ -165,6 +170,7 @@ class TaskStore:
             self.keys.events(task_id),
             self.keys.stream,
             self.keys.open_tasks(principal.tenant),
+            self.keys.open_bytes(principal.tenant),
         ]
         if idempotency_key:
             keys.append(self.keys.idempotency(principal.tenant, idempotency_key))
@@ -178,6 +184,13 @@ class TaskStore:
                 f"tenant {principal.tenant!r} has {int(count)} unfinished tasks (max {self.max_open_per_tenant}):"
                 " wait for some to finish, or cancel some",
                 "tenant_cap",
+            )
+        if int(reason) == 4:
+            raise TaskRefused(
+                f"tenant {principal.tenant!r} has {int(count):,} bytes of unfinished task requests; this "
+                f"one's {len(record.request):,} would pass the limit of {self.max_open_bytes_per_tenant:,}:"
+                " wait for some to finish, or cancel some",
+                "tenant_bytes",
             )
         raise TaskRefused(
             f"task queue full: {int(count)} tasks queued or running (max {self.max_queued}); retry later",
@@ -271,6 +284,7 @@ class TaskStore:
             self.keys.text(record.task_id),
             self.keys.open_tasks(record.tenant),
             self.keys.tokens(record.task_id),
+            self.keys.open_bytes(record.tenant),
         ]
         state, changed = await self._transition(keys=keys, args=args)
         return int(state), bool(changed)

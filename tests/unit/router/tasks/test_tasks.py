@@ -569,6 +569,27 @@ def test_task_caps_must_not_be_negative() -> None:
         TaskSettings(max_per_tenant=-1)
     with pytest.raises(ValueError, match="--task-max-queued"):
         TaskSettings(max_queued=-1)
+    with pytest.raises(ValueError, match="--task-max-bytes-per-tenant"):
+        TaskSettings(max_bytes_per_tenant=-1)
+
+
+async def test_a_tenant_whose_unfinished_requests_hold_its_bytes_is_refused_until_one_ends(
+    redis_client: Any,
+) -> None:
+    """The count cap alone let one tenant keep 1,000 tasks of up to 4 MiB each in Redis."""
+    api = TaskApi(redis_client, FakeRunTurn(), "r1", TaskSettings(block_ms=100, max_bytes_per_tenant=5000))
+    prompt = "x" * 2000  # each request a little over 2,000 bytes
+    first = await api.SubmitTask(ACME, submit_request(prompt))
+    await api.SubmitTask(ACME, submit_request(prompt))
+    with pytest.raises(errors.Overloaded, match=r"bytes of unfinished task requests") as refused:
+        await api.SubmitTask(ACME, submit_request(prompt))
+    assert refused.value.retry_after_s > 0
+    assert await redis_client.xlen(api.store.keys.stream) == 2  # nothing stored for the refused one
+    await api.SubmitTask(GLOBEX, submit_request(prompt))  # another tenant has its own budget
+    await api.SubmitTask(ACME, submit_request("short"))  # a small one still fits beside them
+    # A task that ends frees its bytes at once.
+    await api.CancelTask(ACME, router_pb2.CancelTaskRequest(task_id=first.task_id))
+    await api.SubmitTask(ACME, submit_request(prompt))
 
 
 async def test_a_router_paused_past_the_visibility_timeout_writes_nothing_into_its_taken_over_task(
