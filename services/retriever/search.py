@@ -45,6 +45,10 @@ _OVERFETCH = 4
 # _MMR_MIN_POOL. Given only the top_k it could reorder them but never swap a near-duplicate out.
 _MMR_POOL_FACTOR = 4
 _MMR_MIN_POOL = 20
+# How deep keyword mode looks for chunks that pass ``min_score``: its order says nothing of the
+# cosine, so nothing else bounds the search, and a query with a high minimum read every match (up
+# to Milvus's 16,384 rows, texts included) for each request.
+_KEYWORD_MIN_SCORE_DEPTH = 1280
 _MODE_NAMES = ", ".join(f"{m.value} ({m.name})" for m in SearchMode)
 
 
@@ -260,7 +264,7 @@ def _none_deeper_can_pass(
 
     Dense lists by cosine, so its last candidate bounds the rest. Hybrid (fused at 2 × fetch)
     holds the dense list's ``fetch`` nearest, so its fetch-th best cosine is that list's last.
-    Keyword order says nothing of the cosine: only the end of the list bounds it.
+    Keyword order says nothing of the cosine: it stops at ``_KEYWORD_MIN_SCORE_DEPTH`` matches.
     """
     if not candidates:
         return True
@@ -268,4 +272,4 @@ def _none_deeper_can_pass(
         return candidates[-1].score < minimum
     if mode is SearchMode.HYBRID and len(candidates) >= fetch:
         return sorted((h.score for h in candidates), reverse=True)[fetch - 1] < minimum
-    return False
+    return mode is SearchMode.KEYWORD and fetch >= _KEYWORD_MIN_SCORE_DEPTH

@@ -11,6 +11,7 @@ import hashlib
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -688,3 +689,24 @@ def test_a_cited_version_the_document_never_had_is_refused(cache: SemanticCache,
         cache.store(scope, "what is the soup", "tomato", cited=[("menu", current + 1)])
     assert future.value.field == "cited.version"
     assert cache.store(scope, "what is the soup", "tomato", cited=[("menu", current)])
+
+
+def test_keyword_mode_looks_for_chunks_over_min_score_no_deeper_than_its_bound(
+    corpus: Corpus, store: ObservedStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Keyword order says nothing of the cosine: a minimum no match reaches read every match, up to
+    Milvus's 16,384 rows with their texts, on each such request."""
+    tenant = "keyword-depth"
+    words = " ".join(f"XJ9Q7 f{i} mulch bed" for i in range(3000))  # ~2,000 chunks, each a match
+    corpus.ingest(tenant, upload("many-matches", words))
+    fetched: list[int] = []
+    search_chunks = store.search_chunks
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        fetched.append(args[4])
+        return search_chunks(*args, **kwargs)
+
+    monkeypatch.setattr(store, "search_chunks", counting)
+    hits = corpus.search(tenant, SearchQuery("XJ9Q7", top_k=3, mode=SearchMode.KEYWORD.value, min_score=0.99))
+    assert hits == []
+    assert max(fetched) <= 1280 and len(fetched) >= 2, fetched  # it did look deeper, within the bound
