@@ -8,7 +8,9 @@ so services can add commands without touching each other.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
 
 # subcommand -> (module, one-line help)
@@ -37,7 +39,18 @@ def main(argv: list[str] | None = None) -> int:
             mod.add_arguments(cmd_parser)
             cmd_parser.set_defaults(_run=mod.run)
     args = parser.parse_args(argv)
-    return int(args._run(args))
+    try:
+        return int(args._run(args))
+    except BrokenPipeError:
+        # The reader of our output left (`llm-mesh ask … | head -1`): stop quietly, as Unix tools
+        # do, with the shell's status for SIGPIPE. Pointing stdout at /dev/null keeps the
+        # interpreter's own flush at exit from raising again.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ NetworkPolicy on Kubernetes: docs/retriever.md, "Who may call the retriever").
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
@@ -126,6 +127,13 @@ def plan(paths: list[Path], id_prefix: str = "") -> tuple[list[PlannedDocument],
             skipped.append((str(root), "no such file or folder"))
             continue
         for path, relative in pairs:
+            try:
+                relative.encode("utf-8")
+            except UnicodeEncodeError:
+                # A name in another encoding (decoded by Python with surrogates): a document id must
+                # be UTF-8, and sending it crashed the whole run.
+                skipped.append((os.fsencode(path).decode("utf-8", "replace"), "file name is not UTF-8"))
+                continue
             if mime_type_for(path) is None:
                 skipped.append((str(path), f"unsupported type {path.suffix or '(no extension)'}"))
             else:
@@ -133,12 +141,16 @@ def plan(paths: list[Path], id_prefix: str = "") -> tuple[list[PlannedDocument],
     return planned, skipped
 
 
+class UsageError(Exception):
+    """A flag the command cannot use: said on stderr, exit 2 (as argparse's own)."""
+
+
 def parse_metadata(pairs: list[str]) -> dict[str, str]:
     metadata = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--metadata wants KEY=VALUE, got {pair!r}")
+            raise UsageError(f"--metadata wants KEY=VALUE, got {pair!r}")
         metadata[key] = value
     return metadata
 
@@ -204,16 +216,20 @@ def ingest_with_retries(
 def refuse_retired_flags(args: argparse.Namespace) -> None:
     for flag, instead in RETIRED_FLAGS.items():
         if getattr(args, retired_dest(flag), None) is not None:
-            raise SystemExit(f"error: {flag} is gone: {instead}")
+            raise UsageError(f"{flag} is gone: {instead}")
 
 
 def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
-    refuse_retired_flags(args)
-    if args.retries < 0 or args.retry_seconds < 0:
-        raise SystemExit("--retries and --retry-seconds must be >= 0")
+    try:
+        refuse_retired_flags(args)
+        if args.retries < 0 or args.retry_seconds < 0:
+            raise UsageError("--retries and --retry-seconds must be >= 0")
+        metadata = parse_metadata(args.metadata)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     planned, skipped = plan(args.paths, args.id_prefix)
-    metadata = parse_metadata(args.metadata)
     report = IngestReport(skipped=skipped)
     with open_client(args) as client:
         if planned and not router_reachable(client):
@@ -234,6 +250,9 @@ def run(args: argparse.Namespace) -> int:
                     summary, retries = ingest_with_retries(
                         send, args.retries, args.retry_seconds, partial(say_retry, console, document)
                     )
+                except (OSError, ValueError) as exc:
+                    # Unreadable, gone since it was listed, or a name the request cannot carry.
+                    report.rejected.append((str(document.path), f"{type(exc).__name__}: {exc}"))
                 except MeshError as exc:
                     if exc.code in FATAL:
                         # Nothing after this document would fare better; say so once and stop.

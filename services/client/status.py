@@ -81,15 +81,15 @@ def cache_summary(metrics_urls: dict[str, str]) -> list[tuple[str, str]]:
             rows.append(
                 ("response cache hits", ratio(router.get("llmmesh_router_cache_hits_total", 0.0), turns))
             )
-        except OSError as exc:
-            rows.append(("response cache hits", f"router metrics unreachable ({exc})"))
+        except (OSError, ValueError) as exc:  # ValueError: a page that is no Prometheus text
+            rows.append(("response cache hits", f"router metrics unreadable ({exc})"))
     hit_tokens = prompt_tokens = 0.0
     for name, url in metrics_urls.items():
         if not name.startswith("inference"):
             continue
         try:
             replica = scrape(url)
-        except OSError:
+        except (OSError, ValueError):
             continue
         hit_tokens += replica.get("llmmesh_prefix_cache_hit_tokens_total", 0.0)
         prompt_tokens += replica.get("llmmesh_prompt_tokens_total", 0.0)

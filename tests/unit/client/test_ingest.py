@@ -3,7 +3,9 @@ refusals it sends a document again after."""
 
 from __future__ import annotations
 
+import os
 import random
+import re
 import time
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from services import cli
 from services.client.ingest import (
     CONNECT_TIMEOUT_S,
     IngestReport,
+    UsageError,
     exit_status,
     ingest_with_retries,
     parse_metadata,
@@ -50,7 +53,7 @@ def test_folders_become_relative_ids_and_unsupported_files_are_skipped_with_a_re
 
 def test_metadata_pairs_need_a_key_and_an_equals_sign() -> None:
     assert parse_metadata(["team=docs", "note=a=b"]) == {"team": "docs", "note": "a=b"}
-    with pytest.raises(SystemExit, match="KEY=VALUE"):
+    with pytest.raises(UsageError, match="KEY=VALUE"):
         parse_metadata(["no-equals"])
 
 
@@ -121,13 +124,35 @@ def test_no_retries_means_one_attempt() -> None:
     ("flag", "instead"), [("--retriever-addr", "--router HOST:PORT"), ("--tenant", "--api-key")]
 )
 def test_the_old_direct_to_retriever_flags_say_what_to_pass_instead(
-    tmp_path: Path, flag: str, instead: str
+    tmp_path: Path, flag: str, instead: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     document = tmp_path / "notes.txt"
     document.write_text("never sent")
-    # Refused before any connection: the router address here listens nowhere.
-    with pytest.raises(SystemExit, match=rf"{flag} is gone: .*{instead}"):
-        cli.main(["ingest", str(document), "--router", "127.0.0.1:1", flag, "somewhere"])
+    # Refused before any connection (the router address here listens nowhere), as a usage error:
+    # exit 2, as the README says (it was 1, by SystemExit's message).
+    assert cli.main(["ingest", str(document), "--router", "127.0.0.1:1", flag, "somewhere"]) == 2
+    assert re.search(rf"{flag} is gone: .*{instead}", capsys.readouterr().err)
+
+
+def test_a_bad_metadata_pair_or_retry_count_is_a_usage_error_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    document = tmp_path / "notes.txt"
+    document.write_text("never sent")
+    for bad in (["--metadata", "no-equals"], ["--retries", "-1"]):
+        assert cli.main(["ingest", str(document), "--router", "127.0.0.1:1", *bad]) == 2
+        assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_a_file_name_that_is_not_utf8_is_skipped_with_its_reason_and_the_rest_planned(tmp_path: Path) -> None:
+    """A document id must be UTF-8: such a name crashed the whole run with UnicodeEncodeError."""
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "z.md").write_text("# Z")
+    (folder / os.fsdecode(b"caf\xe9.md")).write_bytes(b"# cafe")
+    planned, skipped = plan([folder])
+    assert [d.document_id for d in planned] == ["z.md"]
+    assert [(Path(p).name, reason) for p, reason in skipped] == [("caf\ufffd.md", "file name is not UTF-8")]
 
 
 def test_with_no_router_listening_ingest_says_the_mesh_is_not_up_and_exits_2_at_once(
