@@ -29,6 +29,29 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("LLMMESH_API_KEY"),
         help="API key sent as `authorization: Bearer KEY` [env LLMMESH_API_KEY]",
     )
+    # A router started with --tls-cert speaks only TLS: without these the CLI could not reach it,
+    # and said the mesh was down.
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        default=os.environ.get("LLMMESH_TLS", "") not in ("", "0", "false"),
+        help="TLS to the router, trusting the system's roots [env LLMMESH_TLS=1]",
+    )
+    parser.add_argument(
+        "--tls-ca",
+        default=os.environ.get("LLMMESH_TLS_CA"),
+        help="PEM CA that signed the router's certificate (implies --tls) [env LLMMESH_TLS_CA]",
+    )
+    parser.add_argument(
+        "--tls-cert",
+        default=os.environ.get("LLMMESH_TLS_CERT"),
+        help="PEM client certificate, for a router that asks for one (mTLS) [env LLMMESH_TLS_CERT]",
+    )
+    parser.add_argument(
+        "--tls-key",
+        default=os.environ.get("LLMMESH_TLS_KEY"),
+        help="PEM private key of --tls-cert [env LLMMESH_TLS_KEY]",
+    )
 
 
 # --rag-mode's words, as retriever.proto's SearchMode numbers.
@@ -116,9 +139,38 @@ def output_console(stderr: bool = False) -> Console:
     return Console(file=stream, width=None if stream.isatty() else PIPED_WIDTH)
 
 
+def channel_security(args: argparse.Namespace) -> bool | grpc.ChannelCredentials | None:
+    """The client's ``tls`` for the TLS flags: None (plaintext), True (system roots) or credentials.
+
+    A file that cannot be read, or a certificate without its key, is a usage error (SystemExit 2).
+    """
+    ca, cert, key = (getattr(args, name, None) for name in ("tls_ca", "tls_cert", "tls_key"))
+    if (cert is None) != (key is None):
+        print("error: --tls-cert and --tls-key go together", file=sys.stderr)
+        raise SystemExit(2)
+    if not (getattr(args, "tls", False) or ca or cert):
+        return None
+    if not (ca or cert):
+        return True
+
+    def read(path: str | None, flag: str) -> bytes | None:
+        if path is None:
+            return None
+        try:
+            with open(path, "rb") as pem:
+                return pem.read()
+        except OSError as exc:
+            print(f"error: {flag}: {exc}", file=sys.stderr)
+            raise SystemExit(2) from exc
+
+    return grpc.ssl_channel_credentials(
+        read(ca, "--tls-ca"), read(key, "--tls-key"), read(cert, "--tls-cert")
+    )
+
+
 def open_client(args: argparse.Namespace) -> SyncMeshClient:
-    """The client package's blocking client for --router and --api-key."""
-    return SyncMeshClient(args.router, api_key=args.api_key)
+    """The client package's blocking client for --router, --api-key and the TLS flags."""
+    return SyncMeshClient(args.router, api_key=args.api_key, tls=channel_security(args))
 
 
 def describe_error(error: grpc.RpcError | MeshError, address: str) -> str:
@@ -132,7 +184,10 @@ def describe_error(error: grpc.RpcError | MeshError, address: str) -> str:
     name = code.name if code is not None else "ERROR"
     hint = ""
     if code == grpc.StatusCode.UNAVAILABLE:
-        hint = f" (is the mesh up at {address}? start it with `llm-mesh up`)"
+        hint = f" (is the mesh up at {address}? start it with `llm-mesh up`"
+        if "Socket closed" in details or "handshake" in details.lower() or "ssl" in details.lower():
+            hint += "; a router with TLS needs --tls or --tls-ca"
+        hint += ")"
     elif code == grpc.StatusCode.UNAUTHENTICATED:
         hint = " (pass --api-key or set LLMMESH_API_KEY)"
     return f"error: {name}: {details}{hint}"

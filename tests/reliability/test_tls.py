@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.gen.llmmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, session_pb2, session_pb2_grpc
 from tests.support.certs import CertPaths, make_certs
-from tests.support.processes import ServiceProcess
+from tests.support.processes import ROOT, ServiceProcess
 from tests.support.redis import RedisServer
 
 TENANT = (("x-llmmesh-tenant", "acme"),)
@@ -117,6 +119,39 @@ def test_router_front_door_serves_tls_clients_and_refuses_plaintext(
         with pytest.raises(grpc.RpcError) as err:
             router_pb2_grpc.RouterStub(channel).Complete(request, timeout=5)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_cli_reaches_a_tls_router_with_its_ca_and_says_tls_without_it(
+    tls_router: ServiceProcess, certs: CertPaths
+) -> None:
+    """The terminal clients had no TLS flags: against a TLS router they said the mesh was down."""
+    router = f"localhost:{tls_router.port}"
+    ask = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "ask",
+        "hello over TLS",
+        "--router",
+        router,
+        "--max-tokens",
+        "3",
+    ]
+    deadline = time.monotonic() + 60
+    while True:  # the router may still be learning its replica
+        done = subprocess.run(
+            [*ask, "--tls-ca", str(certs.ca)], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
+        if done.returncode == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert done.returncode == 0 and done.stdout.strip(), done.stderr
+    plain = subprocess.run(ask, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert plain.returncode == 1 and "--tls" in plain.stderr, plain.stderr
+    missing = subprocess.run(
+        [*ask, "--tls-ca", "/nonexistent/ca.pem"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert missing.returncode == 2 and "--tls-ca" in missing.stderr, missing.stderr
 
 
 def test_router_reaches_an_mtls_replica_only_with_its_client_certificate(certs: CertPaths) -> None:
