@@ -64,8 +64,9 @@ def run(args: argparse.Namespace) -> int:
         print(describe_error(error, args.router), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        # Leaving the stream cancels the RPC, and the router cancels the generation.
-        print("\n[interrupted]")
+        # Leaving the stream cancels the RPC, and the router cancels the generation. With --json
+        # stdout is for the JSON answer alone: a script must not read this note as one.
+        print("\n[interrupted]", file=sys.stderr if args.json else sys.stdout)
         return 130
     finally:
         client.close()

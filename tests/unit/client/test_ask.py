@@ -167,3 +167,20 @@ def test_json_schema_regex_and_choice_flags_constrain_the_turn(
     assert "is not UTF-8 text" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # one constraint at most: argparse refuses two
         run_ask(monkeypatch, router, "--regex", "a", "--choice", "b", "Both?")
+
+
+class InterruptedRouter(FakeRouter):
+    """Ctrl-C after the first delta."""
+
+    def replies(self) -> Iterator[router_pb2.ChatResponse]:
+        yield router_pb2.ChatResponse(delta=router_pb2.TokenDelta(text="Light"))
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_with_json_leaves_stdout_empty_for_the_script_reading_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    router = InterruptedRouter("", cut_end(1))
+    assert run_ask(monkeypatch, router, "--json", "what?") == 130
+    out, err = capsys.readouterr()
+    assert out == "" and "[interrupted]" in err  # "[interrupted]" on stdout read as a broken JSON answer
