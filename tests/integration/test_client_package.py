@@ -17,6 +17,7 @@ import grpc
 import pytest
 from llm_mesh_client import (
     Conversation,
+    DeadlineExceeded,
     Delta,
     End,
     InvalidArgument,
@@ -31,7 +32,7 @@ from llm_mesh_client.pb import router_pb2
 from services.launcher.readiness import free_port
 from tests.support.processes import ROOT, ServiceProcess
 from tests.support.redis import RedisServer
-from tests.support.router_mesh import running_sequences
+from tests.support.router_mesh import router_process, running_sequences, synthetic_replica
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -247,3 +248,134 @@ def test_a_conversation_carries_several_turns_and_a_cancel_keeps_it_open(mesh: M
     assert cut.finish_reason == "cancelled" and cut.turn.usage.completion_tokens < 400
     assert text and end.finish_reason in ("stop", "length")
     assert end.request_id != cut.request_id
+
+
+# The turn mechanics below run against the synthetic token source (deterministic tokens, no model),
+# paced at 200 tokens/s so a long turn is still running when a test leaves it.
+
+
+@pytest.fixture(scope="module")
+def synthetic_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """A router with Redis (the Resume buffer) in front of one synthetic replica."""
+    redis = RedisServer(tmp_path_factory.mktemp("client-synthetic") / "redis").start()
+    replica = synthetic_replica("--tokens-per-second", "200")
+    router: ServiceProcess | None = None
+    try:
+        replica.start()
+        router = router_process([replica], "--redis-url", redis.url).start()
+        yield Mesh(router, replica)
+    finally:
+        for process in (router, replica):
+            if process is not None:
+                process.stop()
+        redis.kill()
+
+
+async def resumed(client: MeshClient, request_id: str, last_seq: int) -> list[Delta | End]:
+    """Resume, again until the replay buffer (written off the hot path) holds the turn's end."""
+    deadline = time.monotonic() + 5
+    while True:
+        events = [e async for e in client.resume(request_id, last_seq)]
+        if (events and isinstance(events[-1], End)) or time.monotonic() > deadline:
+            return events
+        await asyncio.sleep(0.1)
+
+
+async def test_reading_a_turn_again_goes_on_where_it_stopped_and_asks_nothing_twice(
+    synthetic_mesh: Mesh,
+) -> None:
+    async with MeshClient(synthetic_mesh.router.address) as client:
+        whole = await client.complete("Read me twice.", max_tokens=8)
+        turn = client.chat("Read me twice.", max_tokens=8, request_id=f"twice-{uuid.uuid4().hex[:8]}")
+        events = turn.__aiter__()
+        first = await events.__anext__()
+        assert isinstance(first, Delta)
+        collected = await turn.collect()
+        # The whole answer, the Delta read before collect() included, from one generation.
+        assert collected.text == whole.text and first.text and collected.text.startswith(first.text)
+        assert collected.token_ids == whole.token_ids
+        assert collected.end.usage.completion_tokens == 8 and collected.finish_reason == "length"
+        again = [e async for e in turn]  # read to its end: nothing more, nothing asked again
+        assert await turn.collect() == collected
+    assert again == []
+    assert await wait_idle(synthetic_mesh.replica)
+
+
+async def test_a_turn_knows_its_resume_position_before_its_first_message(synthetic_mesh: Mesh) -> None:
+    request_id = f"position-{uuid.uuid4().hex[:8]}"
+    async with MeshClient(synthetic_mesh.router.address) as client:
+        turn = client.chat("Where am I?", max_tokens=6, request_id=request_id)
+        assert (turn.request_id, turn.last_seq) == (request_id, 0)
+        original = [e async for e in turn]
+        # The docs' recipe, from a resumed stream that has read nothing yet:
+        later = client.resume(request_id, 2)
+        assert (later.request_id, later.last_seq) == (request_id, 2)
+        replayed = await resumed(client, later.request_id, later.last_seq)
+    assert [e.seq for e in replayed] == [e.seq for e in original[2:]]
+    assert "".join(e.text for e in replayed if isinstance(e, Delta)) == "".join(
+        e.text for e in original[2:] if isinstance(e, Delta)
+    )
+
+
+async def test_after_the_client_leaves_resume_replays_the_rest_then_a_cancelled_end(
+    synthetic_mesh: Mesh,
+) -> None:
+    """What docs/clients.md says of a dropped connection: the router cancels the turn whose client
+    left; Resume returns what was generated until then, then the cancelled End."""
+    request_id = f"left-{uuid.uuid4().hex[:8]}"
+    async with MeshClient(synthetic_mesh.router.address) as client:
+        turn = client.chat("Count on and on.", max_tokens=2000, ignore_eos=True, request_id=request_id)
+        events = turn.__aiter__()
+        seen = [await events.__anext__() for _ in range(3)]
+        turn.close()  # the connection is gone: no cancel message reaches the router
+        rest = await resumed(client, turn.request_id, turn.last_seq)
+    end = rest[-1]
+    assert isinstance(end, End) and end.finish_reason == "cancelled"
+    assert [e.seq for e in seen + rest] == list(range(1, len(seen) + len(rest) + 1))
+    assert end.turn.usage.completion_tokens == len(seen) + len(rest) - 1 < 2000
+    assert await wait_idle(synthetic_mesh.replica)
+
+
+async def test_breaking_out_of_the_loop_still_cancels_the_turn(synthetic_mesh: Mesh) -> None:
+    """A turn keeps its place between reads, but leaving an `async for` early still ends the call."""
+    async with MeshClient(synthetic_mesh.router.address) as client:
+        # 8,000 tokens at 200/s (40 s): still running long after wait_idle() gives up, unless cancelled.
+        turn = client.chat("Count on and on.", max_tokens=8000, ignore_eos=True)
+        async for event in turn:
+            assert isinstance(event, Delta)
+            break
+        assert await wait_idle(synthetic_mesh.replica)
+    assert turn.end is None
+
+
+def test_a_client_made_outside_the_event_loop_works_inside_it(synthetic_mesh: Mesh) -> None:
+    """MeshClient built at module level, then used under asyncio.run() (twice: two loops)."""
+    script = textwrap.dedent(f"""
+        import asyncio
+        from llm_mesh_client import MeshClient
+        mesh = MeshClient({synthetic_mesh.router.address!r})
+        async def main():
+            done = await asyncio.wait_for(mesh.complete("outside", max_tokens=2), 20)
+            turn = await asyncio.wait_for(mesh.chat("outside chat", max_tokens=2).collect(), 20)
+            print(done.end.usage.completion_tokens, turn.end.usage.completion_tokens)
+        asyncio.run(main())
+        asyncio.run(main())
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["2", "2", "2", "2"]
+
+
+def test_a_conversation_keeps_the_clients_timeout(synthetic_mesh: Mesh) -> None:
+    with SyncMeshClient(synthetic_mesh.router.address, timeout=0.5) as client:
+        conversation = client.conversation()  # 2000 tokens at 200/s: 10 s, past the deadline
+        try:
+            conversation.send("Count on and on.", max_tokens=2000, ignore_eos=True)
+            with pytest.raises(DeadlineExceeded):
+                read_turn(conversation)
+        finally:
+            conversation.close()
+    deadline = time.monotonic() + 10  # the router cancelled the replica's sequence
+    while running_sequences(synthetic_mesh.replica) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert running_sequences(synthetic_mesh.replica) == 0

@@ -13,7 +13,7 @@ import grpc
 import grpc.aio
 
 from llm_mesh_client._gen.llmmesh.v1 import retriever_pb2, router_pb2, router_pb2_grpc
-from llm_mesh_client.errors import StreamEnded, Unavailable, error_from_rpc
+from llm_mesh_client.errors import MeshError, StreamEnded, Unavailable, error_from_rpc
 from llm_mesh_client.events import ChatEvent, Completion, Delta, End, event_from
 from llm_mesh_client.requests import Prompt, call_metadata, channel_credentials, chat_request, document_source
 
@@ -21,19 +21,39 @@ from llm_mesh_client.requests import Prompt, call_metadata, channel_credentials,
 class ChatTurn:
     """One turn's stream: ``async for event in turn`` yields Delta… then one End.
 
+    The turn's request is sent once, when the turn is first read. Reading it again (another
+    ``async for``, or ``collect()`` after reading some events with ``__anext__()``) goes on where
+    the last read stopped, on the same call: nothing is asked twice. ``collect()`` returns the
+    whole answer, the Deltas already read included.
+
     Leaving the loop early (break, an exception, the ``async with`` block's end) cancels the call,
     and the router stops generating. ``await turn.cancel()`` instead asks the router to end the
     turn: the stream then ends with an End whose finish_reason is "cancelled" (on a ``chat()``
     turn; a ``resume()`` stream has nothing to cancel but the call).
+
+    ``request_id`` and ``last_seq`` are where the turn stands, for ``resume()``: from the start the
+    request id given to ``chat(request_id=…)`` or ``resume()`` (and ``resume()``'s ``last_seq``),
+    then those of the last message read. A ``chat()`` without a request id learns the one the
+    router gives it with the first message.
     """
 
-    def __init__(self, call: Any, first: router_pb2.ChatRequest | None = None) -> None:
+    def __init__(
+        self,
+        call: Any,
+        first: router_pb2.ChatRequest | None = None,
+        *,
+        request_id: str = "",
+        last_seq: int = 0,
+    ) -> None:
         self._call = call
         self._first = first
-        self.request_id = ""
+        self._first_sent = False
+        self.request_id = request_id or (first.request_id if first is not None else "")
         #: The seq of the last message read: pass it to `resume()` after a dropped connection.
-        self.last_seq = 0
+        self.last_seq = last_seq
         self.end: End | None = None
+        self._parts: list[str] = []
+        self._token_ids: list[int] = []
 
     async def __aenter__(self) -> ChatTurn:
         return self
@@ -46,8 +66,11 @@ class ChatTurn:
         return self._events()
 
     async def _events(self) -> AsyncIterator[ChatEvent]:
+        if self.end is not None:
+            return  # read to its end already
         try:
-            if self._first is not None:
+            if self._first is not None and not self._first_sent:
+                self._first_sent = True  # before the write: a failed write is not retried either
                 await self._call.write(self._first)
             while True:
                 reply = await self._call.read()
@@ -56,6 +79,8 @@ class ChatTurn:
                 event = event_from(reply)
                 self.request_id, self.last_seq = reply.request_id, reply.seq
                 if isinstance(event, Delta):
+                    self._parts.append(event.text)
+                    self._token_ids += event.token_ids
                     yield event
                 elif isinstance(event, End):
                     self.end = event
@@ -85,16 +110,13 @@ class ChatTurn:
         self._call.cancel()
 
     async def collect(self) -> Completion:
-        """Read the turn to its end."""
-        parts: list[str] = []
-        ids: list[int] = []
-        async for event in self:
-            if isinstance(event, Delta):
-                parts.append(event.text)
-                ids += event.token_ids
-            else:
-                return Completion("".join(parts), event.turn, event.request_id, ids)
-        raise StreamEnded("the router closed the stream before the turn's end")  # pragma: no cover
+        """Read the turn to its end; the Completion holds every Delta of the stream, those read
+        before ``collect()`` included (a ``resume()`` stream: those after its ``last_seq``)."""
+        async for _ in self:
+            pass
+        if self.end is None:  # pragma: no cover  (the iteration raises StreamEnded first)
+            raise StreamEnded("the router closed the stream before the turn's end")
+        return Completion("".join(self._parts), self.end.turn, self.end.request_id, list(self._token_ids))
 
 
 class MeshClient:
@@ -115,15 +137,33 @@ class MeshClient:
         self.address = address
         self.timeout = timeout
         self._metadata = call_metadata(api_key)
-        credentials = channel_credentials(tls)
-        self._channel = (
-            grpc.aio.secure_channel(address, credentials)
-            if credentials is not None
-            else grpc.aio.insecure_channel(address)
-        )
-        self.stub = router_pb2_grpc.RouterStub(self._channel)
+        self._credentials = channel_credentials(tls)
+        # The grpc.aio channel belongs to the event loop it is made in: it is made on first use,
+        # inside the running loop, so a client built before `asyncio.run()` works in it.
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: router_pb2_grpc.RouterAsyncStub | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _connect(self) -> tuple[grpc.aio.Channel, router_pb2_grpc.RouterAsyncStub]:
+        """The channel and its stub, made in the running loop on first use (or again when the
+        loop they were made in is not the running one: e.g. a second ``asyncio.run()``)."""
+        loop = asyncio.get_running_loop()
+        if self._channel is None or self._stub is None or self._loop is not loop:
+            self._channel = (
+                grpc.aio.secure_channel(self.address, self._credentials)
+                if self._credentials is not None
+                else grpc.aio.insecure_channel(self.address)
+            )
+            self._stub, self._loop = router_pb2_grpc.RouterStub(self._channel), loop
+        return self._channel, self._stub
+
+    @property
+    def stub(self) -> router_pb2_grpc.RouterAsyncStub:
+        """The generated Router stub over this client's channel (needs a running event loop)."""
+        return self._connect()[1]
 
     async def __aenter__(self) -> MeshClient:
+        self._connect()
         return self
 
     async def __aexit__(
@@ -132,12 +172,16 @@ class MeshClient:
         await self.close()
 
     async def close(self) -> None:
-        await self._channel.close(None)
+        channel, loop = self._channel, self._loop
+        self._channel = self._stub = self._loop = None
+        if channel is not None and loop is asyncio.get_running_loop():
+            await channel.close(None)
 
     async def wait_ready(self, timeout: float = 10.0) -> None:
         """Wait until a connection to the router is open; Unavailable if none within ``timeout``."""
+        channel, _ = self._connect()
         try:
-            await asyncio.wait_for(self._channel.channel_ready(), timeout)
+            await asyncio.wait_for(channel.channel_ready(), timeout)
         except TimeoutError:
             raise Unavailable(f"no router answered at {self.address} within {timeout:g} s") from None
 
@@ -162,7 +206,9 @@ class MeshClient:
     def resume(self, request_id: str, last_seq: int = 0, *, timeout: float | None = None) -> ChatTurn:
         """The turn's messages after ``last_seq``, then live ones until its end (Router.Resume)."""
         request = router_pb2.ResumeRequest(request_id=request_id, last_seq=last_seq)
-        return ChatTurn(self.stub.Resume(request, **self._options(timeout)))
+        return ChatTurn(
+            self.stub.Resume(request, **self._options(timeout)), request_id=request_id, last_seq=last_seq
+        )
 
     async def submit_task(
         self, prompt: Prompt, *, idempotency_key: str = "", timeout: float | None = None, **options: Any
@@ -213,7 +259,14 @@ class MeshClient:
             metadata=metadata,
             filename=filename,
         )
-        return await self._unary(self.stub.IngestDocument, document.pieces(), timeout)
+        with document.open() as pieces:  # an unreadable file raises its OSError here
+            try:
+                return await self._unary(self.stub.IngestDocument, pieces, timeout)
+            except (MeshError, asyncio.CancelledError):
+                # grpc.aio cancels the call when the request iterator raises: say why instead.
+                if pieces.error is not None:
+                    raise pieces.error from None
+                raise
 
     async def list_replicas(self, *, timeout: float | None = None) -> router_pb2.ListReplicasResponse:
         return await self._unary(self.stub.ListReplicas, router_pb2.ListReplicasRequest(), timeout)

@@ -23,10 +23,17 @@ from llm_mesh_client.requests import Prompt, chat_request
 class Conversation:
     """``send()`` a turn, then ``next_event()`` until its End; the next ``send()`` is the next turn."""
 
-    def __init__(self, stub: router_pb2_grpc.RouterStub, metadata: tuple[tuple[str, str], ...]) -> None:
+    def __init__(
+        self,
+        stub: router_pb2_grpc.RouterStub,
+        metadata: tuple[tuple[str, str], ...],
+        *,
+        timeout: float | None = None,
+    ) -> None:
         self._outbox: queue.Queue[router_pb2.ChatRequest | None] = queue.Queue()
         self._inbox: queue.Queue[router_pb2.ChatResponse | MeshError] = queue.Queue()
-        self.call = stub.Chat(iter(self._outbox.get, None), metadata=metadata)
+        # ``timeout``: the whole call's deadline (DEADLINE_EXCEEDED from next_event() after it).
+        self.call = stub.Chat(iter(self._outbox.get, None), metadata=metadata, timeout=timeout)
         threading.Thread(target=self._read, name="chat-replies", daemon=True).start()
 
     def _read(self) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
+from typing import BinaryIO
 
 import grpc
 
@@ -84,21 +86,68 @@ def _messages(prompt: str | Sequence[MessageLike]) -> Iterator[common_pb2.ChatMe
 
 @dataclass(frozen=True)
 class DocumentSource:
-    """What `ingest()` sends: a header and the bytes (read lazily from a path)."""
+    """What `ingest()` sends: a header and the bytes (read in pieces from a path)."""
 
     header: retriever_pb2.DocumentHeader
     path: Path | None = None
     data: bytes = b""
 
     def pieces(self) -> Iterator[retriever_pb2.IngestRequest]:
-        yield retriever_pb2.IngestRequest(header=self.header)
-        if self.path is None:
-            for start in range(0, len(self.data), PIECE_BYTES):
-                yield retriever_pb2.IngestRequest(data=self.data[start : start + PIECE_BYTES])
-            return
-        with self.path.open("rb") as f:
-            while piece := f.read(PIECE_BYTES):
+        """The header, then the data in pieces (a path is opened when the iteration starts)."""
+        with self.open() as pieces:
+            yield from pieces
+
+    def open(self) -> DocumentPieces:
+        """The requests to send, with a path's file opened now: an unreadable file raises its
+        OSError here, before any call starts."""
+        return DocumentPieces(self)
+
+
+class DocumentPieces:
+    """The IngestRequests of one document: a gRPC call's request iterator. gRPC swallows what
+    a request iterator raises (the call just fails: CANCELLED, or UNKNOWN "Exception iterating
+    requests!"), so an error reading the file is kept in ``error`` for the caller to raise instead.
+    A context manager: leaving it closes the file."""
+
+    def __init__(self, source: DocumentSource) -> None:
+        self.source = source
+        self.error: Exception | None = None
+        self._file: BinaryIO | None = source.path.open("rb") if source.path is not None else None
+        self._requests = self._generate()
+
+    def __enter__(self) -> DocumentPieces:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+    def __iter__(self) -> DocumentPieces:
+        return self
+
+    def __next__(self) -> retriever_pb2.IngestRequest:
+        return next(self._requests)
+
+    def _generate(self) -> Iterator[retriever_pb2.IngestRequest]:
+        try:
+            yield retriever_pb2.IngestRequest(header=self.source.header)
+            if self._file is None:
+                data = self.source.data
+                for start in range(0, len(data), PIECE_BYTES):
+                    yield retriever_pb2.IngestRequest(data=data[start : start + PIECE_BYTES])
+                return
+            while piece := self._file.read(PIECE_BYTES):
                 yield retriever_pb2.IngestRequest(data=piece)
+        except Exception as error:
+            if isinstance(error, OSError) and error.filename is None and self.source.path is not None:
+                error.filename = str(self.source.path)  # name the file, as open() would have
+            self.error = error
+            raise
 
 
 def document_source(

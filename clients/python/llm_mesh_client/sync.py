@@ -15,7 +15,7 @@ import grpc
 
 from llm_mesh_client._gen.llmmesh.v1 import retriever_pb2, router_pb2, router_pb2_grpc
 from llm_mesh_client.conversation import Conversation
-from llm_mesh_client.errors import StreamEnded, Unavailable, error_from_rpc
+from llm_mesh_client.errors import MeshError, StreamEnded, Unavailable, error_from_rpc
 from llm_mesh_client.events import ChatEvent, Completion, End, event_from
 from llm_mesh_client.requests import Prompt, call_metadata, channel_credentials, chat_request, document_source
 
@@ -63,9 +63,12 @@ class SyncMeshClient:
     def _options(self, timeout: float | None) -> dict[str, Any]:
         return {"metadata": self._metadata, "timeout": timeout if timeout is not None else self.timeout}
 
-    def conversation(self) -> Conversation:
-        """A Router.Chat call for many turns, with cancel that keeps it open (see Conversation)."""
-        return Conversation(self.stub, self._metadata)
+    def conversation(self, *, timeout: float | None = None) -> Conversation:
+        """A Router.Chat call for many turns, with cancel that keeps it open (see Conversation).
+        ``timeout`` (default: the client's) is the deadline of the whole call, every turn in it."""
+        return Conversation(
+            self.stub, self._metadata, timeout=timeout if timeout is not None else self.timeout
+        )
 
     def chat(self, prompt: Prompt, *, timeout: float | None = None, **options: Any) -> Iterator[ChatEvent]:
         """Delta… then one End; leaving the loop early cancels the call."""
@@ -125,9 +128,14 @@ class SyncMeshClient:
             metadata=metadata,
             filename=filename,
         )
-        summary: retriever_pb2.IngestSummary = self._unary(
-            self.stub.IngestDocument, document.pieces(), timeout
-        )
+        with document.open() as pieces:  # an unreadable file raises its OSError here
+            try:
+                summary: retriever_pb2.IngestSummary = self._unary(self.stub.IngestDocument, pieces, timeout)
+            except MeshError:
+                # gRPC fails the call with UNKNOWN "Exception iterating requests!": say why instead.
+                if pieces.error is not None:
+                    raise pieces.error from None
+                raise
         return summary
 
     def list_replicas(self, *, timeout: float | None = None) -> router_pb2.ListReplicasResponse:
