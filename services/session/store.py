@@ -193,10 +193,13 @@ class SessionStore:
                 f"session store unavailable during {op}: {type(exc).__name__}: {exc or 'timed out'}"
             ) from exc
         except redis_errors.ResponseError as exc:
+            # redis-py turns some replies into their own classes and drops the reply's code from
+            # the message ("command not allowed when used memory > 'maxmemory'"), so both count.
             found = UNAVAILABLE_REPLY.search(str(exc))
-            if found is None:
+            reply = "OOM" if isinstance(exc, redis_errors.OutOfMemoryError) else found[1] if found else None
+            if reply is None:
                 raise
-            raise errors.DependencyUnavailable(f"session store unavailable during {op}: {found[1]}") from exc
+            raise errors.DependencyUnavailable(f"session store unavailable during {op}: {reply}") from exc
         finally:
             REDIS_LATENCY.labels(op).observe(time.perf_counter() - started)
 

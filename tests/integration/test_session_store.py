@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from redis import exceptions as redis_exceptions
 
 from services.common import errors
 from services.common.metadata import TENANT_KEY
@@ -116,6 +117,11 @@ async def test_a_full_redis_is_unavailable_not_internal(redis_server: RedisServe
         await client.config_set("maxmemory", 1)  # a byte: every write is over it
         with pytest.raises(errors.DependencyUnavailable, match="unavailable during append: OOM"):
             await store.append("acme", "full", [TurnRecord("user", "hi")], None)
+        # Refused before its script runs (not cached yet: EVAL itself), redis-py raises its own
+        # OutOfMemoryError, whose message lacks the reply's "OOM": the same answer.
+        await client.script_flush()
+        with pytest.raises(errors.DependencyUnavailable, match="unavailable during append: OOM"):
+            await store.append("acme", "full", [TurnRecord("user", "hi")], None)
         await client.config_set("maxmemory", 0)
         header, _ = await store.append("acme", "full", [TurnRecord("user", "hi")], None)
         assert header.turn_count == 1  # the refused append left nothing behind
@@ -187,5 +193,21 @@ async def test_a_delete_racing_a_create_of_the_same_id_leaves_the_new_session_li
         assert (await store.get("acme", "raced")).header.session_id == "raced"  # the new one lives
         page = await store.list_owned("acme", 10, "")
         assert [h.session_id for h in page.sessions] == ["raced"]
+    finally:
+        await store.close()
+
+
+async def test_redis_py_s_own_out_of_memory_error_is_unavailable_too(redis_server: RedisServer) -> None:
+    """redis-py may raise its OutOfMemoryError with the reply's "OOM" cut off the message (seen on
+    a clean checkout): matched by its text alone, it was INTERNAL."""
+    client = connect(redis_server.url, cluster=False, timeout_s=1.0, max_connections=8)
+    store = SessionStore(client, SessionLimits(), timeout_s=1.0)
+
+    async def refused() -> None:
+        raise redis_exceptions.OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")
+
+    try:
+        with pytest.raises(errors.DependencyUnavailable, match="unavailable during append: OOM"):
+            await store._redis("append", refused)
     finally:
         await store.close()
