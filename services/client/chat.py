@@ -43,6 +43,8 @@ class ChatTerminal:
         self.client = client
         self.history: list[common_pb2.ChatMessage] = []
         self.stream: Conversation | None = None
+        # A turn failed: the exit status says so (1) for a script that pipes its questions in.
+        self.failed = False
 
     def loop(self) -> int:
         session = f", session {self.args.session}" if self.args.session else ""
@@ -53,7 +55,7 @@ class ChatTerminal:
                     line = input(PROMPT)
                 except EOFError:
                     print()
-                    return 0
+                    return 1 if self.failed else 0
                 except KeyboardInterrupt:
                     # At the prompt Ctrl-C just clears the line, as in a shell.
                     print()
@@ -101,11 +103,18 @@ class ChatTerminal:
                 print(f" {INTERRUPTED}")
                 return "".join(parts)
             except StreamEnded:
-                print("\nerror: the router closed the conversation; the next message opens a new one")
+                print()
+                print(
+                    "error: the router closed the conversation; the next message opens a new one",
+                    file=sys.stderr,
+                )
+                self.failed = True
                 self.reset_stream()
                 return None
             except MeshError as error:
-                print("\n" + describe_error(error, self.args.router))
+                print()
+                print(describe_error(error, self.args.router), file=sys.stderr)
+                self.failed = True
                 self.reset_stream()
                 return None
 
@@ -115,7 +124,8 @@ class ChatTerminal:
             return
         print()
         if end.finish_reason == common_pb2.FINISH_REASON_ERROR:
-            print(f"error: {end.error_message}")
+            print(f"error: {end.error_message}", file=sys.stderr)
+            self.failed = True
         elif (note := footer(end)) is not None:
             print(note)
         for line in format_citations(list(end.citations)):

@@ -59,3 +59,16 @@ def test_a_pipe_closed_by_its_reader_prints_no_traceback() -> None:
     )  # fmt: skip
     assert done.stdout == "line 0\n"
     assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
+
+
+def test_chat_with_piped_questions_says_a_failed_turn_on_stderr_and_exits_1() -> None:
+    """A script piping its questions in saw exit 0, and the error mixed into the answers on stdout."""
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "chat", "--router", "127.0.0.1:1"],
+        cwd=ROOT, input="hi\n", capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "error: UNAVAILABLE" in done.stderr and "error" not in done.stdout.lower(), (
+        done.stdout,
+        done.stderr,
+    )
