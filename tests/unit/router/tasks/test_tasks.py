@@ -631,14 +631,16 @@ async def test_a_stopping_router_hands_its_task_back_for_another_at_once_uncount
     settings = TaskSettings(visibility_timeout_s=30, block_ms=100, max_attempts=3)
     task_id = ""
     for i in range(3):
-        api = TaskApi(redis_client, FakeRunTurn(delay_s=0.5), f"rolling-{i}", settings)
+        # Words far slower than a stop takes, even on a loaded machine: the run is always stopped
+        # mid-answer (at 0.5 s a word, a slow stop once let the run end first).
+        api = TaskApi(redis_client, FakeRunTurn(delay_s=10.0), f"rolling-{i}", settings)
         if not task_id:
             task_id = (await api.SubmitTask(ACME, submit_request())).task_id
         await api.start()
         try:
             running = await wait_for_state(api, task_id, router_pb2.TASK_STATE_RUNNING, timeout=3)
             assert running.state == router_pb2.TASK_STATE_RUNNING, f"router {i} did not start it at once"
-            await asyncio.sleep(0.6)  # a word or so delivered
+            await asyncio.sleep(0.3)
         finally:
             await api.stop(grace_s=0.1)
         queued = await api.GetTask(ACME, router_pb2.GetTaskRequest(task_id=task_id))
