@@ -291,8 +291,17 @@ class RouterRuntime:
         if self.redis is None:
             return None  # tasks answer FAILED_PRECONDITION "needs --redis-url"
         # On a Redis Cluster client the task keys take their one-slot layout (tasks/store.py).
-        api: TaskBackend = TaskApi(self.redis, self.pipeline.run_turn, settings=self.settings.tasks)
+        api: TaskBackend = TaskApi(
+            self.redis, self.pipeline.run_turn, settings=self.settings.tasks, check_model=self._check_model
+        )
         return api
+
+    def _check_model(self, requested: str) -> None:
+        """Refuses a model name that no replica known now serves, as a turn would; with no replica
+        known yet (a new router, an outage) anything is accepted and waits for one."""
+        known = self.pool.models()
+        if known:
+            self.services.catalog.plan(requested, known)
 
     async def drain(self) -> None:
         if self.http is not None:

@@ -326,3 +326,36 @@ def test_client_chosen_ids_that_could_forge_logs_or_overflow_a_status_are_invali
             assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
     finally:
         router.stop()
+
+
+def test_a_task_for_a_model_no_replica_serves_is_refused_at_submit(
+    mesh: tuple[RedisServer, ServiceProcess],
+) -> None:
+    """A misspelt model used to be accepted, queued, and fail only when a worker ran it: the
+    client polled a task that never had a chance. It is refused as the turn itself would be."""
+    redis, replica = mesh
+    router = start_router(replica, redis)
+    try:
+        channel, stub = stub_for(router)
+        with channel:
+            queued_before = redis_client(redis).xlen(STANDALONE_KEYS.stream)
+            typo = chat_request("Hi.", max_tokens=2)
+            typo.model = "no-such-model"
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.SubmitTask(router_pb2.SubmitTaskRequest(request=typo), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            details = refused.value.details() or ""
+            assert details.startswith("request.model: unknown model 'no-such-model'"), details
+            assert "this router serves:" in details
+            assert redis_client(redis).xlen(STANDALONE_KEYS.stream) == queued_before
+            # The model the replica serves, by name, is accepted and runs.
+            served = stub.Complete(chat_request("Hi.", max_tokens=2), timeout=30).end.model
+            named = chat_request("Hi.", max_tokens=2)
+            named.model = served
+            task = stub.SubmitTask(router_pb2.SubmitTaskRequest(request=named), timeout=10)
+            done = wait_task(
+                stub, task.task_id, {router_pb2.TASK_STATE_SUCCEEDED, router_pb2.TASK_STATE_FAILED}, 30
+            )
+            assert done.state == router_pb2.TASK_STATE_SUCCEEDED, done.error
+    finally:
+        router.stop()

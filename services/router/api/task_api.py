@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -27,6 +27,10 @@ from services.router.turns.validation import validate
 
 MAX_IDEMPOTENCY_KEY = 256
 
+#: Raises the turn's own refusal (INVALID_ARGUMENT naming ``model``) for a model name no known
+#: replica could ever serve; returns quietly when nothing is known yet (a task outlives an outage).
+CheckModel = Callable[[str], None]
+
 
 class TaskApi:
     """Serves the task RPCs for an authenticated principal; starts and stops the task worker."""
@@ -38,8 +42,10 @@ class TaskApi:
         consumer_name: str | None = None,
         settings: TaskSettings | None = None,
         keys: TaskKeys | None = None,
+        check_model: CheckModel | None = None,
     ) -> None:
         self.settings = settings or TaskSettings.from_env()
+        self.check_model = check_model
         self.store = TaskStore(
             redis,
             result_ttl_s=self.settings.result_ttl_s,
@@ -63,6 +69,14 @@ class TaskApi:
             raise errors.InvalidArgument("request.cancel", "a task is a turn to run, not a cancel")
         # Refused now, not accepted and failed later: the same checks the turn itself makes.
         validate(turn, field_prefix="request.")
+        if self.check_model is not None:
+            # A misspelt model would otherwise be accepted, queued, and fail only when a worker
+            # ran it; the refusal names ``request.model`` as the turn's own would name ``model``.
+            try:
+                self.check_model(turn.model)
+            except errors.InvalidArgument as exc:
+                problem = str(exc).removeprefix(f"{exc.field}: ")
+                raise errors.InvalidArgument("request.model", problem) from None
         if len(request.idempotency_key) > MAX_IDEMPOTENCY_KEY:
             raise errors.InvalidArgument("idempotency_key", f"at most {MAX_IDEMPOTENCY_KEY} characters")
         task_id = _new_task_id()
