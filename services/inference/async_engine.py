@@ -63,6 +63,8 @@ class _Pending:
     guide: Guide | None = None
     # A resumed request's text state, its resumed tokens replayed on an executor thread.
     detokenizer: IncrementalDetokenizer | None = None
+    # Its prompt blocks are shared only with requests of the same salt (kv_blocks.py).
+    cache_salt: str = ""
 
 
 @dataclass
@@ -141,10 +143,12 @@ class AsyncEngine:
         params: SamplingParams,
         resume_token_ids: Seq[int] = (),
         prompt_field: str = "prompt",
+        cache_salt: str = "",
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream one request's outputs; leaving early (cancel, error, client gone) aborts it.
 
         ``prompt_field``: the request's name for its prompt, for the refusals that name it.
+        ``cache_salt``: its cached prompt blocks are shared only with requests of the same salt.
         """
         if self.draining:
             raise errors.DependencyUnavailable("replica is shutting down; send work elsewhere")
@@ -189,6 +193,7 @@ class AsyncEngine:
             asyncio.get_running_loop(),
             guide=guide,
             detokenizer=detokenizer,
+            cache_salt=cache_salt,
         )
         with self._cond:
             self._admitting.pop(request_id, None)
@@ -291,6 +296,7 @@ class AsyncEngine:
                         p.resume_token_ids,
                         guide=p.guide,
                         detokenizer=p.detokenizer,
+                        cache_salt=p.cache_salt,
                     )
                     if p.aborted:
                         engine.abort_request(p.request_id)

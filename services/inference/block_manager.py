@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from services.common.kv_blocks import chain_hash
+from services.common.kv_blocks import chain_hash, salt_seed
 from services.inference.kv_events import KvEventLog
 from services.inference.sequence import Sequence
 
@@ -81,7 +81,7 @@ class BlockManager:
         """
         assert not seq.block_table, "prefix matching is only for a sequence with no blocks"
         hashes: list[int] = []
-        parent: int | None = None
+        parent = salt_seed(seq.cache_salt)
         limit = (seq.num_tokens - 1) // self.block_size if reuse else 0
         for i in range(limit):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
@@ -115,7 +115,7 @@ class BlockManager:
         while len(hashes) < full:
             i = len(hashes)
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            h = chain_hash(hashes[-1] if hashes else None, tokens)
+            h = chain_hash(hashes[-1] if hashes else salt_seed(seq.cache_salt), tokens)
             hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is None and h not in self._by_hash:

@@ -222,11 +222,12 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         resume_token_ids: Seq[int] = (),
+        cache_salt: str = "",
     ) -> None:
         """Admit (``admit``) and queue a request, for a caller that drives the engine itself."""
         self.admit(prompt_token_ids, params, resume_token_ids)
         guide = self.make_guide(params, resume_token_ids)
-        self.enqueue(request_id, prompt_token_ids, params, resume_token_ids, guide)
+        self.enqueue(request_id, prompt_token_ids, params, resume_token_ids, guide, cache_salt=cache_salt)
 
     def enqueue(
         self,
@@ -236,6 +237,7 @@ class LLMEngine:
         resume_token_ids: Seq[int] = (),
         guide: Guide | None = None,
         detokenizer: IncrementalDetokenizer | None = None,
+        cache_salt: str = "",
     ) -> None:
         """Queue a request already admitted (the async front admits on arrival, see ``admit``),
         with its ``guide`` from ``make_guide`` when it has an output constraint and its
@@ -250,6 +252,7 @@ class LLMEngine:
             num_resumed_tokens=len(resume_token_ids),
             params=params,
             seed=params.seed if params.seed is not None else random.getrandbits(63),
+            cache_salt=cache_salt,
         )
         if params.prompt_logprobs is not None and not resume_token_ids:
             # (A resumed request's went out with its first token, from the replica that drew it.)

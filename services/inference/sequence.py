@@ -61,6 +61,8 @@ class Sequence:
     # The seed every draw of this request is keyed on (drawn at random when the
     # client gave none), so preemption-and-recompute reproduces the same tokens.
     seed: int = 0
+    #: Cached prompt blocks are shared only among sequences with the same salt (kv_blocks.py).
+    cache_salt: str = ""
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)

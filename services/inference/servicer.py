@@ -10,8 +10,9 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import grpc
 
-from services.common.errors import ContextTooLong, DependencyUnavailable
+from services.common.errors import ContextTooLong, DependencyUnavailable, InvalidArgument
 from services.common.generate_many.server import serve_many, serve_one
+from services.common.kv_blocks import MAX_SALT_BYTES
 from services.common.prompts import Message, prompt_token_ids
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.inference.async_engine import AsyncEngine
@@ -168,6 +169,8 @@ async def start_generation(
         raise ContextTooLong(field, f"{chars:,} characters are more than fit in", context)
     if len(start.messages) > context:
         raise ContextTooLong("messages", f"{len(start.messages):,} messages are more than fit in", context)
+    if len(start.cache_salt.encode("utf-8")) > MAX_SALT_BYTES:
+        raise InvalidArgument("cache_salt", f"at most {MAX_SALT_BYTES:,} bytes")
     messages = [Message(m.role, m.content) for m in start.messages]
     request_id = start.request_id
     if preparing is not None:
@@ -192,7 +195,8 @@ async def start_generation(
     # No await between the check above and the engine knowing the id (generate registers it
     # before its first await): a cancel from here on reaches the engine.
     given = "prompt_token_ids" if start.prompt_token_ids else "prompt" if start.prompt else "messages"
-    async for out in engine.generate(request_id, prompt_ids, params, list(start.resume_token_ids), given):
+    resumed = list(start.resume_token_ids)
+    async for out in engine.generate(request_id, prompt_ids, params, resumed, given, start.cache_salt):
         yield out
 
 

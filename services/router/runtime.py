@@ -23,6 +23,7 @@ from services.router.api.openai.app import OpenAiFront
 from services.router.api.openai.listener import HttpListener, HttpSettings
 from services.router.api.servicer import RouterServicer, TaskBackend
 from services.router.api.task_api import TaskApi
+from services.router.placement import cache_scope
 from services.router.placement.discovery import ReplicaDiscovery, parse_address_list
 from services.router.placement.health import ActiveHealthChecker
 from services.router.placement.kv_events import KvEventsConsumer
@@ -87,6 +88,11 @@ class RouterSettings:
     )
     prefix_approximate_ttl_s: float = flag(
         PrefixSettings.approximate_ttl_s, help="--policy prefix: how long a sent prompt counts as cached"
+    )
+    prefix_cache_scope: str = flag(
+        cache_scope.TENANT,
+        choices=cache_scope.SCOPES,
+        help="whose cached prompt blocks a turn may reuse: its tenant's, or every tenant's (shared)",
     )
     max_in_flight: int = flag(2048, help="turns in flight before shedding load")
     relay: RelayConfig = field(default_factory=RelayConfig)
@@ -194,6 +200,7 @@ class RouterRuntime:
                 settings.semantic_cache_error_budget, settings.semantic_cache_refresh_rate, redis=self.redis
             ),
             semantic_threshold=settings.semantic_cache_threshold,
+            prefix_cache_scope=settings.prefix_cache_scope,
         )
         if self.uses_prompt_prefix:
             # Only the prefix policy scores prefixes: other policies never tokenize a prompt.

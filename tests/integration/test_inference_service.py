@@ -356,6 +356,7 @@ def _invalid_starts() -> list[tuple[str, inference_pb2.GenerateRequest]]:
             start(prompt="", messages=[user, common_pb2.ChatMessage(role="robot", content="x")]),
         ),
         ("start", inference_pb2.GenerateRequest(cancel=inference_pb2.CancelGeneration())),
+        ("cache_salt", start(cache_salt="s" * 1025)),
     ]
 
 

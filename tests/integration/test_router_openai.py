@@ -158,6 +158,25 @@ def test_sdk_chat_answer_carries_id_usage_and_finish_reason(front: Front) -> Non
     assert answer.usage.total_tokens == answer.usage.prompt_tokens + 6
 
 
+def test_cache_salt_keeps_a_cached_prompt_to_its_own_salt_as_vllms_does(front: Front) -> None:
+    """The OpenAI SDK's extra_body cache_salt (vLLM's field): the prompt's cached blocks are
+    reused under the same salt and under no other, as usage.prompt_tokens_details reports."""
+    system = "You keep the minutes of a closed meeting about the Aster project budget. " * 8
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Summarise."}]
+
+    def cached(salt: str) -> int:
+        answer = front.client().chat.completions.create(
+            model=front.model, messages=messages, max_tokens=1, temperature=0,  # type: ignore[arg-type]
+            extra_body={"cache_salt": salt, "cache": "bypass"},
+        )  # fmt: skip
+        assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+        return answer.usage.prompt_tokens_details.cached_tokens or 0
+
+    assert cached("minutes-1") == 0
+    assert cached("minutes-1") >= 96
+    assert cached("minutes-2") == 0
+
+
 def test_fp32_greedy_over_http_equals_router_complete(front: Front) -> None:
     text = greedy(front, HELLO, 12)
     metadata = (("authorization", f"Bearer {KEY}"),)

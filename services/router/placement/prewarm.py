@@ -58,14 +58,16 @@ class SessionMover:
         #: None when the router has no session service: nothing to pre-warm with.
         self.load_messages = load_messages
         self.sessions_per_replica = sessions_per_replica
-        self._recent: dict[str, OrderedDict[tuple[str, str], None]] = {}
+        #: Per replica, its recent sessions (tenant, session id) and their generations' cache salt.
+        self._recent: dict[str, OrderedDict[tuple[str, str], str]] = {}
         self._tasks: set[asyncio.Task[int]] = set()
         pool.on_unavailable.append(self.replica_lost)
 
-    def note(self, replica: str, tenant: str, session_id: str) -> None:
-        """A turn of this session just ran on ``replica``."""
+    def note(self, replica: str, tenant: str, session_id: str, cache_salt: str = "") -> None:
+        """A turn of this session just ran on ``replica``, its prompt blocks salted with ``cache_salt``
+        (the pre-warm must salt them alike, or the next turn would find none of them)."""
         recent = self._recent.setdefault(replica, OrderedDict())
-        recent[(tenant, session_id)] = None
+        recent[(tenant, session_id)] = cache_salt
         recent.move_to_end((tenant, session_id))
         while len(recent) > self.sessions_per_replica:
             recent.popitem(last=False)
@@ -75,15 +77,16 @@ class SessionMover:
         if not sessions or replica.model is None:
             return
         task = asyncio.get_running_loop().create_task(
-            self.move(replica.address, replica.model, list(sessions))
+            self.move(replica.address, replica.model, list(sessions.items()))
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def move(self, lost: str, model: str, sessions: list[tuple[str, str]]) -> int:
-        """Re-pin and pre-warm ``sessions``; returns how many were pre-warmed."""
+    async def move(self, lost: str, model: str, sessions: list[tuple[tuple[str, str], str]]) -> int:
+        """Re-pin and pre-warm ``sessions`` ((tenant, session id), cache salt); returns how many were
+        pre-warmed."""
         warmed = 0
-        for tenant, session_id in sessions:
+        for (tenant, session_id), cache_salt in sessions:
             if await self.pins.get(tenant, session_id) not in (lost, None):
                 continue  # another router or a later turn already moved it
             picked = self.pick([model], f"{tenant}:{session_id}", {lost}, None)
@@ -91,13 +94,13 @@ class SessionMover:
                 return warmed
             target = picked[0]
             await self.pins.set(tenant, session_id, target.address)
-            self.note(target.address, tenant, session_id)
-            if await self.prewarm(target, tenant, session_id):
+            self.note(target.address, tenant, session_id, cache_salt)
+            if await self.prewarm(target, tenant, session_id, cache_salt):
                 warmed += 1
         log.info("moved %d sessions off %s (%d pre-warmed)", len(sessions), lost, warmed)
         return warmed
 
-    async def prewarm(self, target: Replica, tenant: str, session_id: str) -> bool:
+    async def prewarm(self, target: Replica, tenant: str, session_id: str, cache_salt: str = "") -> bool:
         if self.load_messages is None:
             return False
         try:
@@ -111,6 +114,7 @@ class SessionMover:
             request_id=f"prewarm-{session_id}",
             messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
             sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0),
+            cache_salt=cache_salt,
         )
         # On the shared GenerateMany stream, as the session's next turn will be.
         try:

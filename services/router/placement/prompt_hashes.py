@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.common.errors import InvalidArgument
-from services.common.kv_blocks import block_hashes
+from services.common.kv_blocks import block_hashes, salt_seed
 from services.common.prompts import Message, prompt_token_ids
 from services.gen.llmmesh.v1 import inference_pb2
 from services.router import metrics
@@ -175,6 +175,6 @@ class PromptHasher:
         if not ids:
             return size, [], 0
         try:
-            return size, block_hashes(ids, size), len(ids)
+            return size, block_hashes(ids, size, salt_seed(start.cache_salt)), len(ids)
         except ValueError:  # a resumed token id out of range: the replica refuses it
             return size, [], 0

@@ -50,7 +50,7 @@ def cache_plan(
     """A resumed turn never reads: its answer has begun, and a hit would be another answer."""
     cache_mode = request.cache.mode
     caching = s.exact_cache is not None or (request.cache.semantic and s.semantic_cache is not None)
-    key = exact_cache_key(model, messages, request.sampling) if caching else None
+    key = exact_cache_key(model, messages, request.sampling, request.cache_salt) if caching else None
     may_read = not resumed and cache_mode in (
         router_pb2.CACHE_MODE_UNSPECIFIED,
         router_pb2.CACHE_MODE_DEFAULT,

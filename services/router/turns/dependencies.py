@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from services.gen.llmmesh.v1 import inference_pb2
 from services.router.admission.ratelimit import InflightLimiter, RateLimiter
+from services.router.placement import cache_scope
 from services.router.placement.models import ModelCatalog
 from services.router.placement.pins import AffinityPins
 from services.router.placement.pool import ReplicaPool
@@ -47,8 +48,11 @@ class TurnServices:
     semantic_threshold: float = DEFAULT_CANDIDATE_THRESHOLD
     context: ConversationContext | None = None
     replay: ReplayBuffer | None = None
-    #: Told where each session's turn ran, to move and pre-warm sessions off a lost replica.
-    on_session_served: Callable[[str, str, str], None] | None = None
+    #: Told where each session's turn ran (replica, tenant, session id, the generation's cache
+    #: salt), to move and pre-warm sessions off a lost replica.
+    on_session_served: Callable[[str, str, str, str], None] | None = None
     clock: Callable[[], float] = time.monotonic
     #: Where the prompt's prefix blocks come from (the one place they enter placement).
     prompt_prefix: PromptHasher = no_prefix
+    #: Whose cached prompt blocks a turn may reuse (``placement/cache_scope.py``).
+    prefix_cache_scope: str = cache_scope.TENANT

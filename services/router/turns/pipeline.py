@@ -19,6 +19,7 @@ from services.common import errors
 from services.gen.llmmesh.v1 import common_pb2, inference_pb2, router_pb2
 from services.router import metrics
 from services.router.admission.auth import Principal
+from services.router.placement import cache_scope
 from services.router.placement.request import PlacementRequest
 from services.router.streams.relay import RelayOutcome
 from services.router.streams.replay_writer import ReplayWriter
@@ -218,6 +219,7 @@ class TurnPipeline:
                 prompt=request.prompt,
                 prompt_token_ids=request.prompt_token_ids,
                 sampling=request.sampling,
+                cache_salt=cache_scope.generation_salt(s.prefix_cache_scope, tenant, request.cache_salt),
             )
         plan = cache_step.cache_plan(s, request, models[0], messages, resume is not None, state.cited)
         key = plan.key
@@ -284,7 +286,7 @@ class TurnPipeline:
             return
 
         if request.session_id and outcome.replica and s.on_session_served is not None:
-            s.on_session_served(outcome.replica, tenant, request.session_id)
+            s.on_session_served(outcome.replica, tenant, request.session_id, start.cache_salt)
         # The pin and the token charge change nothing in the TurnEnd: they are written while it goes
         # out, and the turn (so the call) ends only once they landed.
         usage = turn_usage(outcome.finished, len(outcome.token_ids))

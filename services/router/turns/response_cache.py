@@ -105,9 +105,13 @@ def sampling_fingerprint(sampling: common_pb2.SamplingParams) -> str:
 
 
 def exact_cache_key(
-    model: str, messages: Sequence[tuple[str, str]], sampling: common_pb2.SamplingParams
+    model: str, messages: Sequence[tuple[str, str]], sampling: common_pb2.SamplingParams, cache_salt: str = ""
 ) -> str | None:
-    """The exact-cache key of a request, or None when its answer is not deterministic."""
+    """The exact-cache key of a request, or None when its answer is not deterministic.
+
+    A ``cache_salt`` (the client's isolation of its KV prefix cache) scopes the answer too: a
+    cached answer is as telling as a cached prefix. No salt keeps the key it always had.
+    """
     if not is_deterministic(sampling):
         return None
     if sampling.logprobs or sampling.top_logprobs or sampling.HasField("prompt_logprobs"):
@@ -126,6 +130,8 @@ def exact_cache_key(
         return None
     doc = {"v": KEY_VERSION, "model": model, "messages": [list(m) for m in messages]}
     doc["sampling"] = sampling_fingerprint(sampling)
+    if cache_salt:
+        doc["salt"] = cache_salt
     return hashlib.sha256(json.dumps(doc, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 

@@ -48,12 +48,14 @@ def scope_fingerprint(
     messages: Sequence[tuple[str, str]],
     cited: Sequence[tuple[str, int]] = (),
     user: str | None = None,
+    cache_salt: str = "",
 ) -> str:
     """The retriever's ``params_fingerprint`` for this question: equal only for the same whole question.
 
     ``cited`` are the (document id, version) pairs the RAG context came from: a new
     version scopes a new question, even where its chunk text did not change.
     ``user`` is set for a personal question; None shares the entry across the tenant.
+    ``cache_salt``: the turn's ``ChatRequest.cache_salt``; a salted question matches only its salt's.
     """
     last = last_user_index(messages)
     doc = {
@@ -64,5 +66,7 @@ def scope_fingerprint(
         "cited": sorted([d, v] for d, v in cited),
         "user": user,
     }
+    if cache_salt:  # absent when unsalted: every entry stored before keeps its fingerprint
+        doc["salt"] = cache_salt
     digest = hashlib.sha256(json.dumps(doc, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
     return f"{SCOPE_VERSION}:{digest}"

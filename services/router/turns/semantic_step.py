@@ -58,7 +58,11 @@ def semantic_plan(
         metrics.SEMANTIC_SKIPPED.labels(reason="personal_without_user").inc()
         return None  # another user's "my order" would look exactly the same
     fingerprint = scope_fingerprint(
-        sampling_fingerprint(request.sampling), messages, cited, policy.user if personal else None
+        sampling_fingerprint(request.sampling),
+        messages,
+        cited,
+        policy.user if personal else None,
+        request.cache_salt,
     )
     return SemanticPlan(prompt, fingerprint, tuple(cited))
 

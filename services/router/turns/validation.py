@@ -14,6 +14,7 @@ from services.common.sampling_limits import (
     MAX_STOP_TOKEN_IDS,
 )
 from services.gen.llmmesh.v1 import router_pb2
+from services.router.placement.cache_scope import MAX_CLIENT_SALT_BYTES
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 # The end user a personal semantic-cache entry belongs to: an id, not a document.
@@ -83,6 +84,10 @@ def validate(request: router_pb2.ChatRequest, field_prefix: str = "") -> None:
             raise errors.InvalidArgument(
                 f"{field_prefix}sampling.{name}", f"at most {limit} entries, got {size}"
             )
+    if len(request.cache_salt.encode("utf-8")) > MAX_CLIENT_SALT_BYTES:
+        raise errors.InvalidArgument(
+            f"{field_prefix}cache_salt", f"must be at most {MAX_CLIENT_SALT_BYTES} bytes"
+        )
     if request.rag.enabled and request.rag.top_k > 20:
         raise errors.InvalidArgument(f"{field_prefix}rag.top_k", f"must be in 0..20, got {request.rag.top_k}")
 

@@ -7,7 +7,7 @@ import struct
 import pytest
 import xxhash
 
-from services.common.kv_blocks import block_hashes, chain_hash
+from services.common.kv_blocks import SALT_DOMAIN, block_hashes, chain_hash, salt_seed
 
 
 def test_values_are_a_fixed_contract_across_processes_and_versions() -> None:
@@ -38,3 +38,16 @@ def test_bad_inputs_are_refused() -> None:
         block_hashes([1, 2], 0)
     with pytest.raises(ValueError, match="token ids"):
         block_hashes([-1, 2], 2)
+
+
+def test_a_salted_chain_shares_no_hash_with_the_unsalted_one_or_another_salt() -> None:
+    tokens = list(range(16))
+    plain = block_hashes(tokens, 4)
+    alice = block_hashes(tokens, 4, salt_seed("alice"))
+    bob = block_hashes(tokens, 4, salt_seed("bob"))
+    assert not set(alice) & set(plain) and not set(alice) & set(bob)
+    assert block_hashes(tokens, 4, salt_seed("alice")) == alice  # the same salt, the same chain
+    # A fixed contract too: the salt's XXH3-64 under the salt domain is the first block's seed.
+    assert salt_seed("alice") == xxhash.xxh3_64_intdigest(b"alice", seed=SALT_DOMAIN)
+    assert alice[0] == chain_hash(salt_seed("alice"), tokens[:4])
+    assert salt_seed("") is None and block_hashes(tokens, 4, salt_seed("")) == plain

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from services.common.kv_blocks import block_hashes, salt_seed
 from services.inference.block_manager import BlockManager
 from services.inference.sampling import SamplingParams
 from services.inference.sequence import Sequence
@@ -9,9 +10,13 @@ from services.inference.sequence import Sequence
 BS = 4
 
 
-def seq(rid: str, tokens: list[int]) -> Sequence:
+def seq(rid: str, tokens: list[int], cache_salt: str = "") -> Sequence:
     return Sequence(
-        request_id=rid, token_ids=list(tokens), num_prompt_tokens=len(tokens), params=SamplingParams()
+        request_id=rid,
+        token_ids=list(tokens),
+        num_prompt_tokens=len(tokens),
+        params=SamplingParams(),
+        cache_salt=cache_salt,
     )
 
 
@@ -115,3 +120,15 @@ def test_shared_block_is_only_released_when_its_last_holder_frees_it() -> None:
     assert bm.usage().used == 1
     bm.free(b)
     assert bm.blocks[shared].ref_count == 0 and bm.usage().used == 0 and bm.usage().cached == 1
+
+
+def test_cached_blocks_are_reused_only_by_a_sequence_of_the_same_salt() -> None:
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    prompt = list(range(13))  # three full blocks and one token
+    computed(bm, seq("alice-1", prompt, cache_salt="alice"))
+    assert bm.match_prefix(seq("bob", prompt, cache_salt="bob")) == 0
+    assert bm.match_prefix(seq("plain", prompt)) == 0
+    assert bm.match_prefix(seq("alice-2", prompt, cache_salt="alice")) == 12
+    # The blocks it offers are under the salted chain, as the router computes it.
+    stored = {b.block_hash for b in bm.blocks if b.block_hash is not None}
+    assert stored == set(block_hashes(prompt, BS, salt_seed("alice")))

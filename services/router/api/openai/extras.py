@@ -17,9 +17,12 @@ from typing import Any
 from services.gen.llmmesh.v1 import router_pb2
 from services.router.api.openai.body import finite_number
 from services.router.api.openai.errors import bad_request
+from services.router.placement.cache_scope import MAX_CLIENT_SALT_BYTES
 
 #: Body fields this module reads: ``params`` treats them as known.
-FIELDS = frozenset({"session_id", "session_required", "session_must_exist", "rag", "cache", "resumable"})
+FIELDS = frozenset(
+    {"session_id", "session_required", "session_must_exist", "rag", "cache", "resumable", "cache_salt"}
+)
 MAX_RAG_TOP_K = 20
 # A request id becomes part of Redis keys (``llm:replay:{id}``, a Cluster hash tag) and SSE ``id:``
 # lines: no braces, no whitespace, no newlines. 120 leaves room for the ``-<choice>`` suffix
@@ -51,6 +54,10 @@ class Extras:
     cache: router_pb2.CachePolicy | None = None
     #: Keep generating when the client disconnects, so it can come back with ``Last-Event-ID``.
     resumable: bool = False
+    #: vLLM's ``cache_salt``: the turn's prompt blocks are reused only among turns with this salt
+    #: (within the tenant's own scope; ``placement/cache_scope.py``). Not in ``any``: it changes
+    #: nothing the answer reports.
+    cache_salt: str = ""
 
     @property
     def any(self) -> bool:
@@ -65,6 +72,7 @@ class Extras:
             turn.rag.CopyFrom(self.rag)
         if self.cache is not None:
             turn.cache.CopyFrom(self.cache)
+        turn.cache_salt = self.cache_salt
 
 
 def extras(body: Mapping[str, Any], choices: int) -> Extras:
@@ -91,6 +99,7 @@ def extras(body: Mapping[str, Any], choices: int) -> Extras:
         _rag(body.get("rag")),
         _cache(body.get("cache"), body.get("user")),
         resumable,
+        _cache_salt(body.get("cache_salt")),
     )
 
 
@@ -126,6 +135,21 @@ def response_extras(end: router_pb2.TurnEnd) -> dict[str, Any]:
         "degraded_reasons": list(end.degraded_reasons),
         "replica": end.replica or None,
     }
+
+
+def _cache_salt(raw: Any) -> str:
+    """vLLM's ``cache_salt``: absent or null = none; otherwise a non-empty string, as vLLM checks it."""
+    if raw is None:
+        return ""
+    if not isinstance(raw, str) or not raw:
+        raise bad_request("cache_salt", "cache_salt: a non-empty string if given")
+    try:
+        size = len(raw.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise bad_request("cache_salt", "cache_salt: must be valid Unicode text") from None
+    if size > MAX_CLIENT_SALT_BYTES:
+        raise bad_request("cache_salt", f"cache_salt: at most {MAX_CLIENT_SALT_BYTES} bytes")
+    return raw
 
 
 def _rag(raw: Any) -> router_pb2.RagOptions | None:

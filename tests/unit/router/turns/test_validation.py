@@ -60,6 +60,8 @@ def test_a_raw_prompt_alone_is_a_valid_turn_as_are_messages_alone() -> None:
             router_pb2.ChatRequest(messages=USER, sampling=common_pb2.SamplingParams(stop=["x"] * 65)),
             "sampling.stop",
         ),
+        # 86 three-byte characters: 258 bytes (the limit is in bytes, as the replica's is).
+        (router_pb2.ChatRequest(messages=USER, cache_salt="€" * 86), "cache_salt"),
     ],
 )
 def test_a_turn_that_is_neither_or_both_is_refused_naming_the_field(
@@ -78,6 +80,10 @@ def test_a_malformed_session_id_is_refused_by_the_router_itself(session_id: str)
         validate(router_pb2.ChatRequest(messages=USER, session_id=session_id))
     assert refused.value.field == "session_id"
     assert len(str(refused.value)) < 200
+
+
+def test_a_cache_salt_of_up_to_256_bytes_passes() -> None:
+    validate(router_pb2.ChatRequest(messages=USER, cache_salt="€" * 85))
 
 
 def test_a_well_formed_session_id_passes() -> None:

@@ -69,6 +69,10 @@ def test_rag_mode_and_rerank_reach_the_search() -> None:
         ({"session_id": "s", "n": 2}, "n"),
         ({"resumable": True}, "resumable"),  # not a stream
         ({"resumable": "yes", "stream": True}, "resumable"),
+        ({"cache_salt": ""}, "cache_salt"),  # vLLM refuses an empty salt too
+        ({"cache_salt": 7}, "cache_salt"),
+        ({"cache_salt": "s" * 257}, "cache_salt"),
+        ({"cache_salt": "\ud800"}, "cache_salt"),
     ],
 )
 def test_bad_extras_are_refused_naming_the_field(body: dict[str, Any], param: str) -> None:
@@ -161,3 +165,10 @@ def test_openai_user_and_cache_personal_scope_the_semantic_cache() -> None:
 )
 def test_bad_personal_or_user_is_refused_naming_the_field(body: dict[str, Any], param: str) -> None:
     assert param_of(body) == param
+
+
+def test_cache_salt_reaches_every_turn_and_asks_for_no_llm_mesh_field() -> None:
+    g = chat_generation({"messages": USER, "n": 2, "cache_salt": "user-42"}, "r")
+    assert [t.cache_salt for t in g.turns] == ["user-42", "user-42"]
+    assert not g.extras.any  # nothing in the answer changes
+    assert chat_generation({"messages": USER, "cache_salt": None}, "r").turns[0].cache_salt == ""
