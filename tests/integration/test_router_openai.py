@@ -1394,6 +1394,11 @@ def test_413_for_a_body_over_the_limit(front: Front) -> None:
 
 def test_429_with_retry_after_when_the_key_is_over_its_rate(front: Front) -> None:
     body = {"model": front.model, "messages": HELLO, "max_tokens": 1}
+    # More choices than the key's burst of 1 could never be admitted: a 400 on n, which spends
+    # nothing (it was a 429 a client retried forever, each try spending the key's one request).
+    too_many = front.post("/v1/chat/completions", {**body, "n": 2}, key=LIMITED_KEY)
+    assert_error(too_many, 400, param="n")
+    assert "burst of 1" in too_many.json()["error"]["message"]
     assert front.post("/v1/chat/completions", body, key=LIMITED_KEY).status_code == 200
     refused = front.post("/v1/chat/completions", body, key=LIMITED_KEY)
     assert_error(refused, 429, code="rate_limit_exceeded")

@@ -13,7 +13,6 @@ slot and are updated by one Lua script, so concurrent routers never double-spend
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -67,7 +66,9 @@ if rr > 0 then
 end
 if tr > 0 then
   tlevel = level(KEYS[2], tr, tc)
-  if tlevel <= 0 then return {0, math.ceil((1 - tlevel) * 1000 / tr), 2} end
+  -- Only an admission (a request taken) is refused by the debt; a charge of tokens already
+  -- generated always lands, or every answer that ended while the key was in debt was free.
+  if rcost > 0 and tlevel <= 0 then return {0, math.ceil((1 - tlevel) * 1000 / tr), 2} end
 end
 if rr > 0 and rcost > 0 then store(KEYS[1], rlevel - rcost, rr, rc) end
 if tr > 0 and tcost > 0 then store(KEYS[2], tlevel - tcost, tr, tc) end
@@ -125,7 +126,7 @@ class LocalBuckets:
             )
         if not req.unlimited and levels[0] < req_cost:
             return False, (req_cost - levels[0]) / req.rate_per_s, 1
-        if not tok.unlimited and levels[1] <= 0:
+        if not tok.unlimited and req_cost > 0 and levels[1] <= 0:  # a charge always lands (as in Lua)
             return False, (1 - levels[1]) / tok.rate_per_s, 2
         if not req.unlimited and req_cost > 0:
             self._levels[keys[0]] = (levels[0] - req_cost, now)
@@ -168,24 +169,34 @@ class RateLimiter:
         """Whether the key has a token budget (else ``record_tokens`` has nothing to do)."""
         return not token_bucket(self.limits_for(principal, limits)).unlimited
 
-    async def admit_request(self, principal: Principal, limits: KeyLimits | None = None) -> None:
-        """Take one request; ``Overloaded`` (with retry-after) when the key is over its limits."""
+    async def admit_request(
+        self, principal: Principal, limits: KeyLimits | None = None, requests: int = 1, field: str = "n"
+    ) -> None:
+        """Take ``requests`` requests at once, all or none; ``Overloaded`` (with retry-after) when the
+        key is over its limits. More than the key's burst could never be taken: ``InvalidArgument``
+        naming ``field`` (the caller's name for the count), not a 429 a client would retry forever
+        while each try spent the requests it did get."""
         spec = self.limits_for(principal, limits)
         if spec.requests_per_second is None and spec.tokens_per_minute is None:
             return  # an unlimited key: nothing to take (the common case, on every request's path)
-        await self._take(principal, request_bucket(spec), 1.0, token_bucket(spec), 0.0)
+        bucket = request_bucket(spec)
+        if not bucket.unlimited and requests > bucket.capacity:
+            raise errors.InvalidArgument(
+                field,
+                f"{requests} requests at once are more than this key's burst of {bucket.capacity:g}: "
+                "send fewer at a time",
+            )
+        await self._take(principal, bucket, float(requests), token_bucket(spec), 0.0)
 
-    async def charge_tokens(self, principal: Principal, n: int, limits: KeyLimits | None = None) -> None:
-        """Charge ``n`` tokens; ``Overloaded`` when the key's token bucket is already empty."""
+    async def record_tokens(self, principal: Principal, n: int, limits: KeyLimits | None = None) -> None:
+        """Charge ``n`` tokens already generated, in full, whatever the bucket holds: never refused
+        (the debt refuses the key's next request). Before 2026-12-07 a charge that found the bucket
+        already in debt was dropped, so every answer that ended while the key was in debt was free:
+        30 parallel answers against a 600 tokens/min key left its bucket at −15, not −600."""
         if n < 0:
             raise ValueError(f"n: tokens to charge must be >= 0, got {n}")
         spec = self.limits_for(principal, limits)
         await self._take(principal, BucketSpec(0.0, 0.0), 0.0, token_bucket(spec), float(n))
-
-    async def record_tokens(self, principal: Principal, n: int, limits: KeyLimits | None = None) -> None:
-        """Charge tokens already generated; never refuses (the debt refuses the next request)."""
-        with contextlib.suppress(errors.Overloaded):
-            await self.charge_tokens(principal, n, limits)
 
     async def _take(
         self, principal: Principal, req: BucketSpec, req_cost: float, tok: BucketSpec, tok_cost: float

@@ -274,7 +274,8 @@ class OpenAiFront:
             )
         else:
             await self._refuse_reused_id(given_id, generation, principal.tenant)
-            streams = ChoiceStreams.of_turns(self.pipeline, principal, generation.turns, deadline)
+            admitted = await self._admit_choices(principal, generation)
+            streams = ChoiceStreams.of_turns(self.pipeline, principal, generation.turns, deadline, admitted)
         with_extras = generation.extras.any
         if not generation.stream:
             answers = await _whole_answers(streams, request)
@@ -382,7 +383,8 @@ class OpenAiFront:
         headers: dict[str, str],
     ) -> Any:
         generation = wanted.generation
-        streams = ChoiceStreams.of_turns(self.pipeline, principal, generation.turns, deadline)
+        admitted = await self._admit_choices(principal, generation)
+        streams = ChoiceStreams.of_turns(self.pipeline, principal, generation.turns, deadline, admitted)
         if not generation.stream:
             answers = await _whole_answers(streams, request)
             if isinstance(answers, Response):
@@ -458,6 +460,18 @@ class OpenAiFront:
                 raise too_large(limit)
             chunks.append(chunk)
         return parsed(decoded(b"".join(chunks), request.headers.get("content-encoding"), limit))
+
+    async def _admit_choices(self, principal: Principal, generation: Generation) -> bool:
+        """Takes the key's requests for every choice at once, all or none; False for one choice,
+        which its turn admits itself. Choice by choice, ``n`` past the key's burst was a 429
+        forever, each try spending the requests its first choices got."""
+        limiter = self.pipeline.s.rate_limiter
+        count = len(generation.turns)
+        if limiter is None or count <= 1:
+            return False
+        field = "n" if generation.per_prompt > 1 else "prompt"
+        await limiter.admit_request(principal, requests=count, field=field)
+        return True
 
     def _known(self) -> set[str]:
         return self.pipeline.s.pool.models()

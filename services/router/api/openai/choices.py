@@ -92,8 +92,10 @@ class ChoiceStreams:
         principal: Principal,
         turns: Sequence[router_pb2.ChatRequest],
         deadline: float | None,
+        admitted: bool = False,
     ) -> ChoiceStreams:
-        return cls([pipeline.run_turn(principal, turn, deadline) for turn in turns])
+        """``admitted``: the caller took the key's requests for every turn at once (``admit_choices``)."""
+        return cls([pipeline.run_turn(principal, turn, deadline, admitted=admitted) for turn in turns])
 
     @classmethod
     def of_replay(cls, replay: ReplayBuffer, tenant: str, request_ids: Sequence[str]) -> ChoiceStreams:

@@ -80,10 +80,27 @@ async def test_token_debt_refuses_the_next_request_until_refilled(redis_client: 
     with pytest.raises(errors.Overloaded, match="600 tokens/min") as refused:
         await limiter.admit_request(key)
     assert refused.value.retry_after_s == pytest.approx(10.1, abs=0.05)
-    with pytest.raises(errors.Overloaded):
-        await limiter.charge_tokens(key, 1)
     clock.now += 10.1
     await limiter.admit_request(key)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["redis", "local"])
+async def test_every_answer_is_charged_in_full_even_while_the_key_is_in_debt(
+    redis_client: aioredis.Redis, shared: bool
+) -> None:
+    """Answers admitted together end together: each one's tokens are owed. A charge that found the
+    bucket already in debt was dropped, so 30 parallel answers against a 600 tokens/min key left
+    it at −15 instead of −600 (the audit's measurement)."""
+    clock = FakeClock()
+    limiter = RateLimiter(redis_client if shared else None, clock=clock, use_redis_time=False)
+    key = Principal("acme", f"parallel-{shared}", KeyLimits(tokens_per_minute=600))  # 10 tokens/s
+    for _ in range(3):
+        await limiter.admit_request(key)  # all three admitted while the bucket is full
+    for _ in range(3):
+        await limiter.record_tokens(key, 500)  # then each ends: 1,500 owed, a debt of 900
+    with pytest.raises(errors.Overloaded) as refused:
+        await limiter.admit_request(key)
+    assert refused.value.retry_after_s == pytest.approx(90.1, abs=0.05)
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["redis", "local"])
@@ -150,3 +167,23 @@ def test_invalid_limits_name_the_field() -> None:
         KeyLimits(requests_per_second=0)
     with pytest.raises(ValueError, match="max-in-flight"):
         InflightLimiter(0)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["redis", "local"])
+async def test_several_requests_are_taken_all_or_none_and_past_the_burst_is_invalid(
+    redis_client: aioredis.Redis, shared: bool
+) -> None:
+    """An OpenAI request with n choices takes n of the key's requests at once: a refusal spends
+    none, and n past the burst, which no wait could ever admit, names the field instead of a 429."""
+    clock = FakeClock()
+    limiter = RateLimiter(redis_client if shared else None, clock=clock, use_redis_time=False)
+    key = Principal("acme", f"choices-{shared}", KeyLimits(requests_per_second=1, burst=3))
+    await limiter.admit_request(key, requests=2)
+    with pytest.raises(errors.Overloaded) as refused:
+        await limiter.admit_request(key, requests=2)  # one left: not enough for two
+    assert refused.value.retry_after_s == pytest.approx(1.0, abs=0.01)
+    await limiter.admit_request(key)  # the refusal took nothing: the one left is still there
+    with pytest.raises(errors.InvalidArgument, match=r"^n: 4 requests at once .* burst of 3"):
+        await limiter.admit_request(key, requests=4)
+    with pytest.raises(errors.InvalidArgument, match=r"^prompt: "):
+        await limiter.admit_request(key, requests=5, field="prompt")
