@@ -498,6 +498,38 @@ def test_no_replica_is_unavailable_or_a_flagged_degraded_answer() -> None:
                 p.stop()
 
 
+def test_a_degraded_answer_is_stale_only_for_a_turn_that_may_read_the_cache(
+    redis_module: RedisServer,
+) -> None:
+    """With every replica gone and allow_degraded, a turn that may read the cache gets the stale
+    cached answer; one that said bypass or refresh (do not read it: a client clearing a wrong
+    answer) got that very answer back before, and now gets the fixed busy reply."""
+    replica = synthetic_replica()
+    router: ServiceProcess | None = None
+    try:
+        replica.start()
+        router = router_process([replica], "--redis-url", redis_module.url).start()
+        stub = router_stub(router)
+        question = user_turn("What is stale?", 3)
+        fresh = stub.Complete(question, timeout=10)
+        assert fresh.text and not fresh.end.degraded
+        replica.kill()
+        time.sleep(0.5)  # the health poll notices
+        stale = stub.Complete(user_turn("What is stale?", 3, allow_degraded=True), timeout=10)
+        assert stale.end.cache_layer == router_pb2.CACHE_LAYER_EXACT and stale.text == fresh.text
+        for mode in (router_pb2.CACHE_MODE_BYPASS, router_pb2.CACHE_MODE_REFRESH):
+            policy = router_pb2.CachePolicy(mode=mode)
+            busy = stub.Complete(
+                user_turn("What is stale?", 3, allow_degraded=True, cache=policy), timeout=10
+            )
+            assert busy.end.degraded and busy.text != fresh.text, mode
+            assert busy.end.cache_layer == router_pb2.CACHE_LAYER_UNSPECIFIED, mode
+    finally:
+        for p in [router, replica]:
+            if p is not None:
+                p.stop()
+
+
 async def test_replay_writer_batches_messages_without_losing_or_reordering_any(
     redis_module: RedisServer,
 ) -> None:

@@ -74,8 +74,8 @@ async def cache_lookup(
         try:
             with tracing.stage("exact cache lookup"):
                 hit = await s.exact_cache.get(tenant, key)
-        except errors.DependencyUnavailable as exc:
-            state.degraded.append(f"exact cache: {exc}")
+        except Exception as exc:  # a cache that fails degrades the turn, never fails it
+            state.degraded.append(f"exact cache: {_lookup_why(exc)}")
         else:
             if hit is not None:
                 return hit, router_pb2.CACHE_LAYER_EXACT
@@ -90,8 +90,8 @@ async def cache_lookup(
             hit = await s.semantic_cache.lookup(
                 tenant, semantic.prompt, model, semantic.fingerprint, threshold
             )
-        except errors.DependencyUnavailable as exc:
-            state.degraded.append(f"semantic cache: {exc}")
+        except Exception as exc:  # any refusal too (INTERNAL reached the client before)
+            state.degraded.append(f"semantic cache: {_lookup_why(exc)}")
         else:
             if hit is not None and await serve_or_learn(s, tenant, semantic, hit, state):
                 return hit, router_pb2.CACHE_LAYER_SEMANTIC
@@ -131,13 +131,31 @@ async def cache_fill(
             state.degraded.append(f"exact cache: {_why(exc)}")
     semantic = plan.semantic
     # A refresh that agreed stores nothing new: the entry it checked holds this answer already.
-    if semantic is not None and s.semantic_cache is not None and not await learn(s, tenant, state, answer):
+    # An empty answer (an end of sequence at once) is nothing to serve another question: the
+    # retriever refuses it, which marked a normal turn degraded.
+    if (
+        semantic is not None
+        and s.semantic_cache is not None
+        and answer
+        and not await learn(s, tenant, state, answer)
+    ):
         try:
             await s.semantic_cache.store(
                 tenant, semantic.prompt, outcome.model, semantic.fingerprint, cached, semantic.cited
             )
         except Exception as exc:  # an answer it refuses (past its size) too: the client has it
             state.degraded.append(f"semantic cache: {_why(exc)}")
+
+
+def _lookup_why(exc: Exception) -> str:
+    """A cache lookup's failure as a degradation note: an outage's own message, else its status."""
+    if isinstance(exc, errors.DependencyUnavailable):
+        return str(exc)
+    if isinstance(exc, grpc.aio.AioRpcError):
+        log.warning("cache lookup refused: %s: %s", exc.code().name, exc.details())
+        return f"not looked up ({exc.code().name}: {exc.details()})"
+    log.warning("cache lookup failed", exc_info=exc)
+    return f"not looked up ({type(exc).__name__})"
 
 
 def _why(exc: Exception) -> str:

@@ -281,7 +281,9 @@ class TurnPipeline:
                 return
             if not request.allow_degraded:
                 raise
-            async for response in self._degraded(principal, request, key, str(exc), state):
+            # A client that said not to read the cache (bypass, refresh) gets no stale answer either.
+            stale_key = key if plan.may_read else None
+            async for response in self._degraded(principal, request, stale_key, str(exc), state):
                 yield response
             return
 

@@ -49,6 +49,10 @@ def semantic_plan(
         metrics.SEMANTIC_SKIPPED.labels(reason="raw_prompt").inc()
         return None
     prompt = messages[last_user_index(messages)][1]
+    if not prompt.strip():
+        # Nothing to compare: the retriever refuses an empty text, which failed the whole turn.
+        metrics.SEMANTIC_SKIPPED.labels(reason="blank").inc()
+        return None
     if len(prompt) > MAX_VERIFIED_CHARS:
         metrics.SEMANTIC_SKIPPED.labels(reason="too_long").inc()
         return None

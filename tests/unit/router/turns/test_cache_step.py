@@ -7,10 +7,10 @@ from typing import Any
 
 import grpc
 
-from services.gen.llmmesh.v1 import common_pb2, inference_pb2
+from services.gen.llmmesh.v1 import common_pb2, inference_pb2, router_pb2
 from services.router.streams.relay import RelayOutcome
-from services.router.turns.cache_step import CachePlan, cache_fill
-from services.router.turns.semantic_step import SemanticPlan
+from services.router.turns.cache_step import CachePlan, cache_fill, cache_lookup
+from services.router.turns.semantic_step import SemanticPlan, semantic_plan
 from services.router.turns.turn_end import TurnState
 
 
@@ -86,3 +86,40 @@ async def test_a_cache_that_refuses_the_answer_degrades_the_turn_and_never_fails
     assert state.degraded == [
         "semantic cache: not stored (INVALID_ARGUMENT: answer: must be at most 65536 bytes)"
     ]
+
+
+async def test_an_empty_answer_is_not_offered_to_the_semantic_cache_and_the_turn_is_not_degraded() -> None:
+    """An answer that ended at once (end of sequence first) is nothing to serve another question;
+    the retriever refused it, and a normal turn came back flagged degraded."""
+    state = TurnState("r", 0.0)
+    caches = Caches(semantic_refuses=True)  # as the retriever refuses an empty answer
+    await cache_fill(services(caches), "t", PLAN, finished_by("primary"), common_pb2.Usage(), "", state)
+    assert state.degraded == []
+    assert caches.exact["key-1"].text == ""  # the exact layer keeps it: the same request ends alike
+
+
+class RefusingLookups:
+    """A semantic cache whose retriever refuses the lookup with a status that is no outage."""
+
+    async def lookup(self, *args: Any) -> None:
+        raise Refused()
+
+
+async def test_a_semantic_lookup_the_retriever_refuses_degrades_the_turn_and_never_fails_it() -> None:
+    state = TurnState("r", 0.0)
+    s = SimpleNamespace(exact_cache=None, semantic_cache=RefusingLookups(), semantic_threshold=0.7)
+    request = router_pb2.ChatRequest(cache=router_pb2.CachePolicy(semantic=True))
+    assert await cache_lookup(s, "t", PLAN, request, "primary", state) is None  # type: ignore[arg-type]
+    assert state.degraded == [
+        "semantic cache: not looked up (INVALID_ARGUMENT: answer: must be at most 65536 bytes)"
+    ]
+
+
+def test_a_blank_question_skips_the_semantic_cache() -> None:
+    """The retriever refuses an empty text: a blank last user message with cache.semantic failed
+    the whole turn with INTERNAL (a 400 naming messages over HTTP, for valid messages)."""
+    s = SimpleNamespace(semantic_cache=object())
+    request = router_pb2.ChatRequest(cache=router_pb2.CachePolicy(semantic=True))
+    for blank in ("", "  \n\t "):
+        assert semantic_plan(s, request, [("user", blank)], ()) is None  # type: ignore[arg-type]
+    assert semantic_plan(s, request, [("user", "What is the capital?")], ()) is not None  # type: ignore[arg-type]
