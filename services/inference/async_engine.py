@@ -86,7 +86,13 @@ def merge_outputs(outputs: Seq[RequestOutput]) -> RequestOutput:
     logprobs = tuple(lp for o in outputs for lp in o.logprobs)
     scored = tuple(lp for o in outputs for lp in o.prompt_logprobs)  # the first output's, if any
     return dataclasses.replace(
-        last, new_token_ids=token_ids, text=text, index=index, logprobs=logprobs, prompt_logprobs=scored
+        last,
+        new_token_ids=token_ids,
+        text=text,
+        index=index,
+        logprobs=logprobs,
+        prompt_logprobs=scored,
+        prompt_tokens=max(o.prompt_tokens for o in outputs),  # the first output's, if among them
     )
 
 

@@ -387,8 +387,10 @@ class LLMEngine:
             index = seq.num_output_tokens
             seq.token_ids.append(token)
             generated += 1
+            first = 0
             if seq.first_token_time is None:
                 seq.first_token_time = now
+                first = seq.num_prompt_tokens
             scored = self._take_prompt_logprobs(seq)
             status = self._check_stop(req, token)
             if (
@@ -408,7 +410,13 @@ class LLMEngine:
             if status is None:
                 outputs.append(
                     RequestOutput(
-                        seq.request_id, [token], update.text, index, logprobs=logprobs, prompt_logprobs=scored
+                        seq.request_id,
+                        [token],
+                        update.text,
+                        index,
+                        logprobs=logprobs,
+                        prompt_logprobs=scored,
+                        prompt_tokens=first,
                     )
                 )
                 continue
@@ -418,7 +426,13 @@ class LLMEngine:
             final = final_output(req.seq, [token], text, index, update.matched_stop or "")
             refused = req.guide.field if req.guide and status is SequenceStatus.FINISHED_ERROR else ""
             outputs.append(
-                dataclasses.replace(final, logprobs=logprobs, prompt_logprobs=scored, invalid_field=refused)
+                dataclasses.replace(
+                    final,
+                    logprobs=logprobs,
+                    prompt_logprobs=scored,
+                    invalid_field=refused,
+                    prompt_tokens=first,
+                )
             )
         if generated:
             self._recent.append((now, generated))

@@ -58,6 +58,9 @@ class RequestOutput:
     #: In the request's first output, when it asked for prompt logprobs: one per prompt token, in
     #: order (``token`` is the prompt's own; the first's logprob is NaN: nothing precedes it).
     prompt_logprobs: tuple[SampledToken, ...] = ()
+    #: In the request's first output with a new token: its prompt's token count (resumed tokens
+    #: not counted); 0 in the others. What a cancelled request's prompt cost, for the router.
+    prompt_tokens: int = 0
     #: The request's own input cannot go on (its output constraint dead-ended): the field to
     #: name in its INVALID_ARGUMENT, ``error`` saying why. Not a fault: the engine is fine.
     invalid_field: str = ""

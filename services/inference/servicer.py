@@ -101,7 +101,9 @@ def chunk_and_finished(
     text, for a scored prompt's ``prompt_text``)."""
     chunk = None
     if out.new_token_ids or out.text:
-        chunk = inference_pb2.TokenChunk(text=out.text, token_ids=out.new_token_ids, index=out.index)
+        chunk = inference_pb2.TokenChunk(
+            text=out.text, token_ids=out.new_token_ids, index=out.index, prompt_tokens=out.prompt_tokens
+        )
         if out.logprobs:
             chunk.logprobs.extend(logprobs_pb(out.logprobs, text_of))
         if out.prompt_logprobs:

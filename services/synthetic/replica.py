@@ -154,7 +154,11 @@ class SyntheticInference(inference_pb2_grpc.InferenceServicer):
             ids = [synthetic_token(key, index + i) for i in range(n)]
             yield inference_pb2.GenerationEvent(
                 chunk=inference_pb2.TokenChunk(
-                    text="".join(synthetic_text(t) for t in ids), token_ids=ids, index=index
+                    text="".join(synthetic_text(t) for t in ids),
+                    token_ids=ids,
+                    index=index,
+                    # In the first chunk only, as a replica says it (inference.proto).
+                    prompt_tokens=prompt_tokens(start) if generated == 0 else 0,
                 )
             )
             index += n

@@ -192,6 +192,26 @@ async def test_cancel_mid_stream_frees_the_kv_blocks(stub: inference_pb2_grpc.In
     assert after.kv_blocks_used == before.kv_blocks_used == 0
 
 
+async def test_the_first_chunk_says_the_prompts_size_so_a_cancelled_generation_knows_its_cost(
+    stub: inference_pb2_grpc.InferenceStub, reference: tuple[Any, Any]
+) -> None:
+    """Usage comes with the end, which a client that cancels never gets: the first chunk carries
+    the prompt's token count (a router charges a cancelled turn's prompt with it)."""
+    prompt = "Count slowly from one to one thousand, in words:"
+    prompt_ids = prompt_token_ids(reference[1], [], prompt)
+    start = inference_pb2.GenerateStart(prompt=prompt, sampling=greedy(400, ignore_eos=True))
+    cancelled = await generate(stub, start, cancel_after_tokens=3)
+    assert cancelled.finish_reason == common_pb2.FINISH_REASON_CANCELLED
+    assert cancelled.prompt_tokens[0] == len(prompt_ids)
+    assert set(cancelled.prompt_tokens[1:]) <= {0}
+    # A resumed generation's prompt is the prompt alone: its resumed tokens are answer.
+    resumed = inference_pb2.GenerateStart(
+        prompt=prompt, sampling=greedy(8), resume_token_ids=cancelled.token_ids[:3]
+    )
+    whole = await generate(stub, resumed)
+    assert whole.prompt_tokens[0] == len(prompt_ids) == whole.finished.usage.prompt_tokens  # type: ignore[union-attr]
+
+
 async def test_client_going_away_frees_the_sequence(stub: inference_pb2_grpc.InferenceStub) -> None:
     call = stub.Generate()
     start = inference_pb2.GenerateStart(

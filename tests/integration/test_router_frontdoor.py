@@ -42,6 +42,7 @@ def door(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FrontDoor]:
         "globex": add_key(keys_file, "globex", "globex-1")[0],
         "revoked": add_key(keys_file, "acme", "acme-old")[0],
         "metered": add_key(keys_file, "acme", "acme-metered", KeyLimits(tokens_per_minute=60))[0],
+        "prompty": add_key(keys_file, "acme", "acme-prompty", KeyLimits(tokens_per_minute=600))[0],
     }
     redis = RedisServer(tmp / "redis").start()
     # Paced, so a long answer is still streaming when its client cancels it.
@@ -183,3 +184,37 @@ def test_an_answer_cancelled_part_way_is_charged_the_tokens_it_streamed(door: Fr
         door.stub.Complete(turn(), metadata=door.auth("metered"), timeout=10)
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
     assert "60 tokens/min" in refused.value.details()  # type: ignore[attr-defined]
+
+
+def test_a_stream_cancelled_after_its_first_tokens_is_charged_its_prompt_too(door: FrontDoor) -> None:
+    """The replica counted the prompt only in its end, so a stream cancelled after one token
+    prefilled any prompt for free: ten 7,500-token prompts went through a 600 tokens/min key and
+    left it full. The first chunk now says the prompt's size: the turn reports it and is charged it."""
+    enough = threading.Event()
+    long_prompt = "lorem ipsum dolor " * 400  # 7,200 characters: 1,801 tokens as the replica counts
+
+    def client_messages() -> Iterator[router_pb2.ChatRequest]:
+        request = turn(long_prompt)
+        request.sampling.max_tokens = 4000
+        yield request
+        enough.wait(20)
+        yield router_pb2.ChatRequest(cancel=True)
+
+    streamed = 0
+    ended = None
+    for response in door.stub.Chat(client_messages(), metadata=door.auth("prompty"), timeout=30):
+        streamed += len(response.delta.token_ids)
+        if streamed:
+            enough.set()
+        if response.HasField("end"):
+            ended = response.end
+    assert ended is not None and ended.finish_reason == common_pb2.FINISH_REASON_CANCELLED
+    assert ended.usage.prompt_tokens == (len(long_prompt) + 4) // 4
+    assert ended.usage.completion_tokens == streamed
+    time.sleep(0.5)  # the charge is written beside the turn's end
+    with pytest.raises(grpc.RpcError) as refused:
+        door.stub.Complete(turn(), metadata=door.auth("prompty"), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+    # In debt by the prompt and the streamed tokens past the minute's 600, at 10 tokens a second.
+    owed = ended.usage.prompt_tokens + streamed - 600
+    assert retry_delay_s(refused.value) == pytest.approx(owed / 10, abs=3.0)

@@ -18,6 +18,8 @@ class Generation:
     indices: list[int] = field(default_factory=list)
     #: Each chunk's text, in order (``text`` is their concatenation).
     pieces: list[str] = field(default_factory=list)
+    #: Each chunk's ``prompt_tokens`` (the first's is the prompt's size, the others' 0).
+    prompt_tokens: list[int] = field(default_factory=list)
     finished: inference_pb2.GenerationFinished | None = None
 
     @property
@@ -50,6 +52,7 @@ async def generate(
             result.text += response.chunk.text
             result.pieces.append(response.chunk.text)
             result.indices.append(response.chunk.index)
+            result.prompt_tokens.append(response.chunk.prompt_tokens)
             if (
                 cancel_after_tokens is not None
                 and not cancelled

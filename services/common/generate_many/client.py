@@ -113,6 +113,7 @@ class GenerationHandle:
             merged.logprobs.extend(e.chunk.logprobs)
             merged.prompt_logprobs.extend(e.chunk.prompt_logprobs)  # the first chunk's, if asked for
             merged.prompt_text += e.chunk.prompt_text  # likewise
+            merged.prompt_tokens = max(merged.prompt_tokens, e.chunk.prompt_tokens)  # likewise
         self._events = [inference_pb2.GenerationEvent(tag=self.tag, chunk=merged), *last]
         if len(merged.token_ids) >= PAUSE_AFTER_TOKENS and not self._paused and not last:
             self._paused = True

@@ -73,6 +73,9 @@ class RelayOutcome:
     text_parts: list[str] = field(default_factory=list)
     first_token_at: float | None = None
     replicas_used: list[str] = field(default_factory=list)
+    #: The prompt's token count, from an attempt's first chunk (0 until one came): what a turn that
+    #: stops before the replica's end is charged for its prompt.
+    prompt_tokens: int = 0
 
 
 class Relay:
@@ -254,6 +257,8 @@ class Relay:
                     else:
                         watchdog.started = True
                         replica.ttft.observe(now - sent_at)
+                        # The attempt's first chunk says what its prompt has (read once an attempt).
+                        outcome.prompt_tokens = max(outcome.prompt_tokens, *(c.prompt_tokens for c in batch))
                         if outcome.first_token_at is None:
                             outcome.first_token_at = now
                     last_at = watchdog.last_progress = now

@@ -130,14 +130,17 @@ class TurnPipeline:
                 await writer.close()
 
     def _charge_streamed(self, principal: Principal, state: TurnState) -> None:
-        """A turn that stopped without its replica's end (cancelled, failed part-way) is charged
-        end paid nothing. The prompt's count came only with that end, so it is not charged.
-        A turn whose TurnEnd went out was charged with it (``_bookkeeping``), or here before it."""
+        """A turn that stopped without its replica's end (cancelled, failed part-way) is charged its
+        prompt and the tokens it streamed. The prompt's count comes with the first token: before
+        2026-12-07 it came only with the end, so a stream cancelled after one token prefilled any
+        prompt for free. A resumed task's prompt was an earlier attempt's to charge. A turn whose
+        TurnEnd went out was charged with it (``_bookkeeping``), or here before it."""
         limiter = self.s.rate_limiter
         new = state.streamed - state.resumed
         if limiter is None or state.ended or new <= 0 or not limiter.counts_tokens(principal):
             return
-        self._in_background(limiter.record_tokens(principal, new))
+        prompt = state.outcome.prompt_tokens if state.outcome is not None and not state.resumed else 0
+        self._in_background(limiter.record_tokens(principal, prompt + new))
 
     def _stop(
         self,

@@ -82,8 +82,9 @@ def turn_usage(finished: inference_pb2.GenerationFinished | None, completion_tok
     counts only what it generated itself, not the tokens it resumed after). Every attempt
     reads the same prompt, so the prompt is counted once, with ``cached_prompt_tokens``, from
     the attempt that finished (capped at the prompt: its prefix cache may also hold resumed
-    tokens, which are answer, not prompt). Failed and cancelled attempts report nothing, so
-    a turn no attempt finished has prompt_tokens 0: unknown, never guessed.
+    tokens, which are answer, not prompt). A turn no attempt finished takes ``prompt_tokens``
+    from an attempt's first chunk (``RelayOutcome.prompt_tokens``; 0 before any token came:
+    unknown, never guessed).
     """
     usage = common_pb2.Usage(completion_tokens=completion_tokens)
     if finished is not None:
@@ -141,7 +142,8 @@ def stopped_end(
 ) -> router_pb2.ChatResponse:
     """The TurnEnd of a turn that did not end by itself (cancelled, or failed with a status).
 
-    Its usage is the tokens streamed before it stopped, and its replica the one that made them.
+    Its usage is the tokens streamed before it stopped (and the prompt's, once its first token
+    came), and its replica the one that made them.
     """
     state.ended = True
     outcome = state.outcome or RelayOutcome()
@@ -153,7 +155,7 @@ def stopped_end(
         request,
         outcome,
         reason=reason,
-        usage=turn_usage(None, state.streamed),
+        usage=common_pb2.Usage(prompt_tokens=outcome.prompt_tokens, completion_tokens=state.streamed),
         timings=timings,
         replica=state.streamed_by,
         error=error,

@@ -583,7 +583,12 @@ def test_chunks_merged_for_a_slow_consumer_keep_the_first_chunks_prompt_logprobs
         inference_pb2.GenerationEvent(
             tag=1,
             chunk=inference_pb2.TokenChunk(
-                text="a", token_ids=[7], index=0, prompt_logprobs=scored, prompt_text="The 世"
+                text="a",
+                token_ids=[7],
+                index=0,
+                prompt_logprobs=scored,
+                prompt_text="The 世",
+                prompt_tokens=2,
             ),
         ),
         inference_pb2.GenerationEvent(
@@ -595,3 +600,4 @@ def test_chunks_merged_for_a_slow_consumer_keep_the_first_chunks_prompt_logprobs
     assert list(merged.chunk.token_ids) == [7, 8] and merged.chunk.text == "ab"
     assert list(merged.chunk.prompt_logprobs) == scored
     assert merged.chunk.prompt_text == "The 世"  # what an echo shows, kept whole
+    assert merged.chunk.prompt_tokens == 2  # what a cancelled turn's prompt cost

@@ -163,13 +163,14 @@ async def test_a_refusal_of_the_engine_reaches_the_caller_and_aborts_nothing(whe
 
 def test_merge_keeps_the_first_index_and_the_last_outputs_end() -> None:
     outs = [
-        RequestOutput("r", [7], "a", 4),
+        RequestOutput("r", [7], "a", 4, prompt_tokens=12),  # the first output says the prompt's size
         RequestOutput("r", [8], "", 5),  # a token whose text is still held back by the detokenizer
         RequestOutput("r", [9], "bc", 6, finished=True, finish_reason=FinishReason.STOP, matched_stop="c"),
     ]
     merged = merge_outputs(outs)
     assert (merged.new_token_ids, merged.text, merged.index) == ([7, 8, 9], "abc", 4)
     assert merged.finished and merged.finish_reason == FinishReason.STOP and merged.matched_stop == "c"
+    assert merged.prompt_tokens == 12
     assert merge_outputs(outs[:1]) is outs[0]
 
 
