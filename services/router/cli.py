@@ -136,6 +136,9 @@ def main(argv: list[str] | None = None) -> None:
                     limits=FrontLimits(args.http_max_body_bytes, args.http_keepalive_s),
                     grace_s=args.grace_seconds,
                     cors_origins=tuple(args.http_cors_origin),
+                    tls_cert=args.tls_cert,
+                    tls_key=args.tls_key,
+                    tls_client_ca=args.tls_client_ca,
                 ),
             )
         runtime = RouterRuntime(settings)

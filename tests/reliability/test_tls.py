@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 import subprocess
 import sys
 import time
@@ -9,11 +10,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.gen.llmmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, session_pb2, session_pb2_grpc
 from tests.support.certs import CertPaths, make_certs
+from tests.support.openai_front import HTTP_RE
 from tests.support.processes import ROOT, ServiceProcess
 from tests.support.redis import RedisServer
 
@@ -119,6 +122,56 @@ def test_router_front_door_serves_tls_clients_and_refuses_plaintext(
         with pytest.raises(grpc.RpcError) as err:
             router_pb2_grpc.RouterStub(channel).Complete(request, timeout=5)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def https_port(router: ServiceProcess, timeout: float = 30.0) -> int:
+    """The HTTP front's port, from its ``http on`` line, which says it is HTTPS."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in router.lines:
+            if (m := HTTP_RE.search(line)) is not None:
+                assert "(https: TLS)" in line, line
+                return int(m.group(2))
+        time.sleep(0.05)
+    raise TimeoutError(router.output())
+
+
+def test_the_openai_front_of_a_tls_router_is_https_and_refuses_plaintext(
+    tls_router: ServiceProcess, certs: CertPaths
+) -> None:
+    """The router's gRPC port took TLS while its HTTP front served the same API keys in plaintext
+    beside it. With --tls-cert the HTTP front is HTTPS with the same certificate."""
+    port = https_port(tls_router)
+    trusting = ssl.create_default_context(cafile=str(certs.ca))
+    listed = httpx.get(f"https://localhost:{port}/v1/models", verify=trusting, timeout=10)
+    assert listed.status_code == 200 and listed.json()["object"] == "list"
+    with pytest.raises(httpx.HTTPError):  # TLS only: a plaintext request is not answered
+        httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5)
+
+
+def test_the_openai_front_of_an_mtls_router_needs_a_client_certificate(certs: CertPaths) -> None:
+    replica = ServiceProcess("services.synthetic", ["--log-level", "WARNING"])
+    router: ServiceProcess | None = None
+    try:
+        replica.start(timeout=120)
+        router = ServiceProcess(
+            "services.router",
+            [
+                "--replicas", replica.address, "--probe-interval-s", "0", "--log-level", "WARNING",
+                "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
+                "--tls-client-ca", str(certs.ca),
+            ],
+        ).start(wait_serving=False, timeout=120)  # fmt: skip
+        url = f"https://localhost:{https_port(router)}/v1/models"
+        with_certificate = ssl.create_default_context(cafile=str(certs.ca))
+        with_certificate.load_cert_chain(str(certs.client_cert), str(certs.client_key))
+        assert httpx.get(url, verify=with_certificate, timeout=10).status_code == 200
+        with pytest.raises(httpx.HTTPError):  # the handshake (or the first read) fails without one
+            httpx.get(url, verify=ssl.create_default_context(cafile=str(certs.ca)), timeout=5)
+    finally:
+        if router is not None:
+            router.stop()
+        replica.stop()
 
 
 def test_the_cli_reaches_a_tls_router_with_its_ca_and_says_tls_without_it(

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import math
 import socket
+import ssl
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,12 @@ class HttpSettings:
     #: Browser origins (``https://app.example``, or ``*``) whose pages may call the front
     #: directly; none by default, as a browser then refuses a page on another origin.
     cors_origins: tuple[str, ...] = ()
+    #: The router's own --tls-cert / --tls-key / --tls-client-ca: with them the front is HTTPS
+    #: (and asks for a client certificate signed by the CA), as the gRPC port is. Without this,
+    #: a router whose gRPC port took TLS served the same API keys over plaintext HTTP.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -99,6 +106,10 @@ class HttpListener:
             timeout_graceful_shutdown=math.ceil(settings.grace_s),
             # Clients reuse connections (the OpenAI SDK pools them); an idle one is closed after this.
             timeout_keep_alive=30,
+            ssl_certfile=settings.tls_cert,
+            ssl_keyfile=settings.tls_key,
+            ssl_ca_certs=settings.tls_client_ca,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if settings.tls_client_ca else ssl.CERT_NONE,
         )
         self._server = _EmbeddedServer(config)
         self._task: asyncio.Task[None] | None = None
@@ -118,7 +129,8 @@ class HttpListener:
         if self._task.done():
             self._task.result()  # it failed to start: say why
         # Tests and the launcher read this line (like the gRPC one) to learn the port.
-        print(f"llm-mesh {service} http on {s.host}:{self.port}", flush=True)
+        scheme = " (https: TLS)" if s.tls_cert else ""
+        print(f"llm-mesh {service} http on {s.host}:{self.port}{scheme}", flush=True)
 
     def begin_shutdown(self) -> None:
         """Stop accepting connections; open responses finish within the grace period."""
