@@ -498,6 +498,42 @@ def test_no_replica_is_unavailable_or_a_flagged_degraded_answer() -> None:
                 p.stop()
 
 
+def test_a_constrained_turn_slow_to_its_first_token_does_not_eject_the_replica() -> None:
+    """A request with an output constraint waits for its grammar to compile before its first
+    token (seconds for a big schema, queued behind others' compiles): its TTFT timeout was
+    counted as the replica failing, so a few big schemas ejected a healthy replica for every
+    other client. It still times out; only free-text first tokens count against the replica."""
+    replicas = [synthetic_replica("--ttft-ms", "1500") for _ in range(2)]
+    router: ServiceProcess | None = None
+    try:
+        for r in replicas:
+            r.start()
+        router = router_process(
+            replicas, "--ttft-timeout-s", "0.3", "--ejection-failures", "2", "--probe-interval-s", "0"
+        ).start()
+        stub = router_stub(router)
+
+        def ejections() -> int:
+            listed = stub.ListReplicas(router_pb2.ListReplicasRequest(), timeout=5).replicas
+            return sum(r.ejection_count for r in listed)
+
+        schema = user_turn("Give me JSON.", 3)
+        schema.sampling.json_object = True
+        for _ in range(3):
+            with pytest.raises(grpc.RpcError) as slow:
+                stub.Complete(schema, timeout=20)
+            assert "ttft_timeout" in (slow.value.details() or "")
+        assert ejections() == 0
+        for _ in range(3):  # the same silence on free text does count
+            with pytest.raises(grpc.RpcError):
+                stub.Complete(user_turn("Say hi.", 3), timeout=20)
+        assert ejections() >= 1
+    finally:
+        for p in [router, *replicas]:
+            if p is not None:
+                p.stop()
+
+
 def test_a_degraded_answer_is_stale_only_for_a_turn_that_may_read_the_cache(
     redis_module: RedisServer,
 ) -> None:

@@ -208,7 +208,14 @@ class Relay:
             request.resume_token_ids.extend(outcome.token_ids)
         timeout = None if deadline is None else max(0.001, deadline - self._clock())
         generation = replica.mux.open(request, timeout)
-        watchdog = Watchdog(generation, self.config.ttft_timeout_s, self.config.stall_timeout_s, self._clock)
+        constrained = request.sampling.WhichOneof("constraint") is not None
+        watchdog = Watchdog(
+            generation,
+            self.config.ttft_timeout_s,
+            self.config.stall_timeout_s,
+            self._clock,
+            ttft_blames_replica=not constrained,
+        )
         replica.in_flight += 1
         clock = self._clock
         sent_at = clock()

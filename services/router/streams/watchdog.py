@@ -21,14 +21,26 @@ class Watchdog:
         "last_progress",
         "stall_s",
         "started",
+        "ttft_blames_replica",
         "ttft_s",
         "with_client",
     )
 
     def __init__(
-        self, generation: GenerationStream, ttft_s: float, stall_s: float, clock: Callable[[], float]
+        self,
+        generation: GenerationStream,
+        ttft_s: float,
+        stall_s: float,
+        clock: Callable[[], float],
+        ttft_blames_replica: bool = True,
     ) -> None:
         self.generation = generation
+        #: False for a generation with an output constraint: its first token waits for the grammar
+        #: to compile (seconds for a big schema, queued behind others' compiles), which says
+        #: nothing of the replica's health. It still times out and is tried elsewhere, but is not
+        #: counted towards ejecting a replica that is only busy compiling (the one-token health
+        #: probe, unconstrained, still finds a wedged one).
+        self.ttft_blames_replica = ttft_blames_replica
         self.ttft_s = ttft_s
         self.stall_s = stall_s
         self.clock = clock
@@ -44,7 +56,8 @@ class Watchdog:
         idle = 0.0 if self.with_client else self.clock() - self.last_progress
         if idle >= limit:
             kind = FailureKind.STALL if self.started else FailureKind.TTFT_TIMEOUT
-            self.generation.fail(AttemptFailed(f"{kind.value} after {idle:.1f} s", kind))
+            blamed = self.started or self.ttft_blames_replica
+            self.generation.fail(AttemptFailed(f"{kind.value} after {idle:.1f} s", kind if blamed else None))
             return
         self._handle = self._loop.call_later(limit - idle, self._check)
 
