@@ -1298,6 +1298,77 @@ def test_a_named_tool_choice_answers_with_a_call_whose_arguments_fit_the_schema(
             assert deltas[-1]["finish_reason"] == "stop"
 
 
+def test_a_required_call_of_a_pydantic_tool_with_nested_models_compiles_and_streams_its_logprobs(
+    front: Front,
+) -> None:
+    """A tool made from a pydantic model with a nested model refers to it by "#/$defs/…": joined
+    into the `required` schema those pointers resolved against the join, a 400 for every such
+    tool. And a streamed call dropped the logprobs the whole answer gives."""
+    parameters = {
+        "$defs": {
+            "Unit": {
+                "type": "object",
+                "properties": {"name": {"enum": ["celsius", "fahrenheit"]}},
+                "required": ["name"],
+                "additionalProperties": False,
+            }
+        },
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"$ref": "#/$defs/Unit"}},
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    }
+    body = {
+        "model": front.model,
+        "messages": [{"role": "user", "content": "What is the weather in Paris, in celsius?"}],
+        "max_tokens": 60,
+        "temperature": 0,
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": parameters}}],
+        "tool_choice": "required",
+        "logprobs": True,
+    }
+    whole = front.post("/v1/chat/completions", body)
+    assert whole.status_code == 200, whole.text
+    (choice,) = whole.json()["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), parameters)
+    streamed = front.post("/v1/chat/completions", {**body, "stream": True})
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    (called,) = [
+        c["choices"][0] for c in chunks if c.get("choices") and "tool_calls" in c["choices"][0]["delta"]
+    ]
+    assert called["delta"]["tool_calls"][0]["function"] == call["function"]
+    assert [t["token"] for t in called["logprobs"]["content"]] == [
+        t["token"] for t in choice["logprobs"]["content"]
+    ]
+
+
+def test_a_tool_whose_parameters_are_no_object_is_refused_and_an_empty_one_takes_an_object(
+    front: Front,
+) -> None:
+    """A function's arguments are a JSON object: `{"type": "string"}` made the forced call come
+    back as text with finish_reason stop, never a call. `{}` now means any object."""
+
+    def forced(parameters: dict) -> httpx.Response:
+        return front.post("/v1/chat/completions", {
+            "model": front.model, "messages": [{"role": "user", "content": "Run it."}],
+            "max_tokens": 12, "temperature": 0,
+            "tools": [{"type": "function", "function": {"name": "run", "parameters": parameters}}],
+            "tool_choice": {"type": "function", "function": {"name": "run"}},
+        })  # fmt: skip
+
+    for wrong in ({"type": "string"}, {"type": "array", "items": {"type": "integer"}}):
+        error = assert_error(forced(wrong), 400, param="tools[0].function.parameters")
+        assert "JSON object" in error["message"]
+    (choice,) = forced({}).json()["choices"]
+    if choice["finish_reason"] == "tool_calls":  # 12 tokens may cut a long object short
+        assert isinstance(json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]), dict)
+    else:
+        assert choice["finish_reason"] == "length" and choice["message"]["content"].startswith("{")
+
+
 def test_a_call_and_its_result_given_back_get_the_answer_the_model_reads_from_them(
     front: Front, hf_tokenizer: Any
 ) -> None:

@@ -252,14 +252,18 @@ class Framer:
         """Choice ``index``'s ``tool_calls`` entry, when the request has a tool mode and the text is a call."""
         return None if self.tool is None else self.tool.call(text, f"call_{self.completion_id}_{index}")
 
-    def tool_delta(self, index: int, text: str, with_usage: bool) -> dict[str, Any] | None:
-        """A stream's whole call as one delta (sent once the answer ended), or None if it is no call."""
+    def tool_delta(
+        self, index: int, text: str, with_usage: bool, logprobs: Sequence[common_pb2.TokenLogprobs] = ()
+    ) -> dict[str, Any] | None:
+        """A stream's whole call as one delta (sent once the answer ended), with the call's token
+        logprobs when asked (the whole answer has them), or None if it is no call."""
         call = self.tool_call(index, text)
         if call is None:
             return None
         delta = {"tool_calls": [{"index": 0, **call}]}
+        lp = self._logprobs(logprobs, index)
         return self._chunk(
-            {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}, with_usage
+            {"index": index, "delta": delta, "logprobs": lp, "finish_reason": None}, with_usage
         )
 
     def finish(self, index: int, reason: int, with_usage: bool, called: bool = False) -> dict[str, Any]:

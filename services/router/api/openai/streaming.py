@@ -119,6 +119,7 @@ async def _events(
     opened: set[int] = set()
     usages: dict[int, common_pb2.Usage] = {}
     calls: dict[int, str] = {}  # tool mode: each choice's answer so far
+    call_logprobs: dict[int, list[common_pb2.TokenLogprobs]] = {}  # …and its logprobs, if asked
     pending: ChoiceEvent | None = None
     if isinstance(first, NoEventYet):
         yield keepalive
@@ -152,6 +153,8 @@ async def _events(
             if framer.tool is not None:
                 # A call is sent whole once it ended: its name may come last (``required``).
                 calls[index] = calls.get(index, "") + response.delta.text
+                if response.delta.logprobs:  # sent with the call, as the whole answer has them
+                    call_logprobs.setdefault(index, []).extend(response.delta.logprobs)
             elif framer.echo and response.delta.prompt_logprobs:
                 yield event(index, framer.echo_delta(index, response.delta, include_usage))
             elif framer.score_only:
@@ -174,7 +177,7 @@ async def _events(
         call = None
         if framer.tool is not None:
             held = calls.get(index, "")
-            call = framer.tool_delta(index, held, include_usage)
+            call = framer.tool_delta(index, held, include_usage, call_logprobs.get(index, ()))
             if call is not None:
                 yield event(index, call)
             elif held:

@@ -304,11 +304,11 @@ def tool_mode(body: Mapping[str, Any], sampling: common_pb2.SamplingParams) -> T
             "anyOf": [
                 {
                     "type": "object",
-                    "properties": {"name": {"const": name}, "arguments": parameters},
+                    "properties": {"name": {"const": name}, "arguments": _own_root(parameters, index)},
                     "required": ["name", "arguments"],
                     "additionalProperties": False,
                 }
-                for name, (_, parameters) in functions.items()
+                for name, (index, parameters) in functions.items()
             ]
         }
         sampling.json_schema = json.dumps(schema, ensure_ascii=False)
@@ -325,6 +325,31 @@ def tool_mode(body: Mapping[str, Any], sampling: common_pb2.SamplingParams) -> T
     index, parameters = functions[named["name"]]
     sampling.json_schema = json.dumps(parameters, ensure_ascii=False)
     return ToolMode(named["name"], f"tools[{index}].function.parameters")
+
+
+def _own_root(parameters: dict[str, Any], index: int) -> dict[str, Any]:
+    """A function's ``parameters`` nested in the joined ``required`` schema, with a base URI of its
+    own: a pydantic model's ``#/$defs/…`` references resolve against the schema they sit in,
+    which nested under ``anyOf[i].properties.arguments`` was the joined one (a 400: "Pointer
+    '/$defs/Unit' does not exist", for every tool made from a model with a nested model)."""
+    if "$id" in parameters:
+        return parameters
+    return {**parameters, "$id": f"urn:llm-mesh:tool:{index}"}
+
+
+def _object_schema(parameters: dict[str, Any], where: str) -> dict[str, Any]:
+    """``parameters`` as the schema of a JSON object: a function's arguments are one (OpenAI's
+    rule). Without a ``type`` it is made one (``{}`` took any JSON value, so the forced call came
+    back as text, never a call); another type is refused naming the field."""
+    kind = parameters.get("type")
+    if kind is None:
+        return {**parameters, "type": "object"}
+    if kind == "object" or (isinstance(kind, list) and "object" in kind):
+        return parameters if kind == "object" else {**parameters, "type": "object"}
+    raise bad_request(
+        f"{where}.function.parameters",
+        f"{where}.function.parameters: must describe a JSON object (a function's arguments), not {kind!r}",
+    )
 
 
 def _functions(tools: Any) -> dict[str, tuple[int, dict[str, Any]]]:
@@ -352,5 +377,5 @@ def _functions(tools: Any) -> dict[str, tuple[int, dict[str, Any]]]:
                 f"{where}.function.name",
                 f"{where}.function.name: {function['name'][:64]!r} names an earlier tool too",
             )
-        functions[function["name"]] = (i, parameters)
+        functions[function["name"]] = (i, _object_schema(parameters, where))
     return functions
