@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import socket
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -337,3 +338,31 @@ def test_an_alias_a_served_model_answers_is_listed_and_retrievable(base: str) ->
         model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}], max_tokens=1
     )
     assert answer.model == "synthetic"
+
+
+def test_embeddings_hold_an_in_flight_place_like_turns() -> None:
+    """--max-in-flight bounds what a router has waiting downstream; embeddings took no place, so
+    a flood of them queued on the retriever past the cap."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nowhere = f"127.0.0.1:{s.getsockname()[1]}"  # closed: the retriever is unreachable
+    replica = synthetic_replica("--tokens-per-second", "4").start()
+    router = router_process(
+        [replica], "--http-port", "0", "--max-in-flight", "1", "--retriever-addr", nowhere
+    )
+    try:
+        v1 = f"{http_base(router.start())}/v1"
+        embed = {"input": "a cat sat on the mat"}
+        with httpx.stream(
+            "POST", f"{v1}/chat/completions", json={**BODY, "max_tokens": 8}, timeout=30
+        ) as turn:
+            lines = turn.iter_lines()
+            next(lines)  # the turn holds the router's one place while it streams
+            busy = httpx.post(f"{v1}/embeddings", json=embed, timeout=10)
+            assert "[DONE]" in "".join(lines)
+        assert busy.status_code == 429 and "in flight" in busy.json()["error"]["message"], busy.text
+        # With the place free, the embedding goes on to the retriever (unreachable here).
+        assert httpx.post(f"{v1}/embeddings", json=embed, timeout=30).status_code == 503
+    finally:
+        router.stop()
+        replica.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -184,14 +185,19 @@ class OpenAiFront:
         if (limiter := self.pipeline.s.rate_limiter) is not None:
             await limiter.admit_request(principal)  # an embedding request is a request like a turn
         timeout = None if deadline is None else max(0.001, deadline - self._clock())
+        # One of the router's in-flight places, as a turn holds one: --max-in-flight bounds the
+        # embeddings waiting on the retriever too (they took none, so a flood of them queued there).
+        inflight = self.pipeline.s.inflight
+        slot = inflight.slot() if inflight is not None else contextlib.nullcontext()
         try:
-            # Refused when over-long, as OpenAI and vLLM refuse it: a cut text's vector would
-            # silently say nothing of its end.
-            reply = await stub.Embed(
-                retriever_pb2.EmbedRequest(texts=wanted.texts, truncate=False),
-                metadata=downstream_metadata(principal),
-                timeout=timeout,
-            )
+            with slot:
+                # Refused when over-long, as OpenAI and vLLM refuse it: a cut text's vector would
+                # silently say nothing of its end.
+                reply = await stub.Embed(
+                    retriever_pb2.EmbedRequest(texts=wanted.texts, truncate=False),
+                    metadata=downstream_metadata(principal),
+                    timeout=timeout,
+                )
         except grpc.aio.AioRpcError as exc:
             raise input_error(api_error(exc, request.url.path)) from None
         check_model(wanted.model, reply.model)
