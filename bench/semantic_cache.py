@@ -41,11 +41,16 @@ from services.router.turns.semantic_verify import DEFAULT_CANDIDATE_THRESHOLD, R
 DATA = Path(__file__).parent / "data"
 # The set the checks were written against, one written after them, and the look-alikes an
 # audit found served (2026-12-07), against which the asks/modal/particle/choice checks were
-# written (see docs/benchmarks.md).
+# written; then the look-alikes a second audit found served (tense, to/from, swapped
+# neighbours, "only", a minus sign, near names, "how"/"when"), which the tense/only checks
+# and the stricter typo rule were written against, and more of each kind written before
+# those checks were run on them (see docs/benchmarks.md).
 PAIRS = (
     DATA / "semantic_cache_pairs.jsonl",
     DATA / "semantic_cache_pairs_heldout.jsonl",
     DATA / "semantic_cache_pairs_audit.jsonl",
+    DATA / "semantic_cache_pairs_lookalikes.jsonl",
+    DATA / "semantic_cache_pairs_lookalikes_heldout.jsonl",
 )
 OLD_THRESHOLD = 0.92
 # The candidate threshold the router asks the retriever for (before verification).

@@ -18,8 +18,13 @@ One wrong refresh therefore stops an entry at once; it needs about 1/ε agreeing
 refreshes to serve again. With Redis the counts are shared by every router
 (``llm:cache:semconf:{tenant}:{entry}``, one hash, kept as long as an entry can
 live); each router also keeps what it saw in a bounded in-memory map, which is
-the store without Redis and the fallback while Redis is down (least recently
-used entries are forgotten there, and start again from the prior).
+the store without Redis, the fallback while Redis is down, and merged with
+Redis's counts when it is up, so that what a router learned during an outage
+is not lost when Redis returns (least recently used entries are forgotten
+there, and start again from the prior).
+
+An entry's first hit is served on the prior (or refreshed at the refresh rate):
+see ``EntryConfidence.decide`` for why it is not forced to a refresh.
 """
 
 from __future__ import annotations
@@ -115,18 +120,40 @@ class EntryConfidence:
         return (stats.wrong + 1) / (stats.refreshes + 1 / self.error_budget)
 
     async def stats(self, tenant: str, entry_id: str) -> EntryStats | None:
-        """What is known of an entry: Redis's shared counts, else (no Redis, or down) this router's."""
+        """What is known of an entry: Redis's shared counts merged with this router's own.
+
+        This router's record covers refreshes Redis never got (it was down when they
+        were recorded), so it is never dropped for Redis's: each count is the larger of
+        the two, and the learned threshold the higher. An entry this router found wrong
+        during an outage therefore stays refused once Redis answers again (it has no
+        key there, or one from before).
+        """
+        shared: EntryStats | None = None
         if self.redis is not None:
-            try:
-                return await self._load(tenant, entry_id)
-            except errors.DependencyUnavailable:
-                pass  # what this router saw itself is the next best
+            with contextlib.suppress(errors.DependencyUnavailable):
+                shared = await self._load(tenant, entry_id)
         local = self._local.get((tenant, entry_id))
-        if local is not None:
-            self._local.move_to_end((tenant, entry_id))
-        return local
+        if local is None:
+            return shared
+        self._local.move_to_end((tenant, entry_id))
+        if shared is None:
+            return local
+        return EntryStats(
+            refreshes=max(shared.refreshes, local.refreshes),
+            wrong=max(shared.wrong, local.wrong),
+            wrong_at=max(shared.wrong_at, local.wrong_at),
+        )
 
     async def decide(self, tenant: str, entry_id: str, similarity: float) -> Decision:
+        """Serve, refresh or refuse one verified hit on an entry.
+
+        An entry never refreshed is served (or refreshed at ``refresh_rate``) on the
+        prior alone: its first hit is not forced to a refresh. That hit is what the
+        verifier already judged; a forced refresh would answer every entry's first hit
+        fresh — each pair of bench/semantic_cache.py is such a first hit — and, since
+        agreement is the same words, a refreshed paraphrase a model words differently
+        stops the entry (docs/router-frontdoor.md, "Response caches").
+        """
         stats = await self.stats(tenant, entry_id)
         if stats is not None:
             # A tiny tolerance: the budget itself (1/(1/ε)) must not refuse for float rounding.

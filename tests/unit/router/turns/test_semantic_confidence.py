@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import redis.asyncio as aioredis
 
 from services.router.admission.breaker import CircuitBreaker
-from services.router.turns.semantic_confidence import Decision, EntryConfidence, answers_agree
+from services.router.turns.semantic_confidence import Decision, EntryConfidence, EntryStats, answers_agree
 from tests.support.redis import RedisServer
 
 T = "acme"
@@ -87,6 +89,52 @@ async def test_with_redis_down_a_router_goes_on_with_what_it_saw_itself(redis_se
         assert await confidence.decide(T, "unseen", 0.95) is Decision.SERVE
     finally:
         await client.aclose()
+
+
+async def test_a_wrong_refresh_during_a_redis_outage_is_kept_once_redis_is_back(
+    redis_server: RedisServer,
+) -> None:
+    client = aioredis.from_url(redis_server.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    confidence = EntryConfidence(
+        refresh_rate=0.0, redis=client, breaker=CircuitBreaker("t", failure_threshold=5)
+    )
+    try:
+        redis_server.kill()
+        await confidence.record(T, "e", 0.95, agreed=False)  # kept locally: Redis never hears of it
+        assert await confidence.decide(T, "e", 0.99) is Decision.REFUSE
+        redis_server.start()
+        await asyncio.sleep(0.2)
+        # Redis answers again, with no key for the entry: what this router saw still counts.
+        assert await client.exists(EntryConfidence.redis_key(T, "e")) == 0
+        assert await confidence.decide(T, "e", 0.99) is Decision.REFUSE
+        stats = await confidence.stats(T, "e")
+        assert stats is not None and (stats.refreshes, stats.wrong, stats.wrong_at) == (1, 1, 0.95)
+    finally:
+        await client.aclose()
+
+
+async def test_local_and_shared_counts_merge_to_the_larger_of_each(redis_server: RedisServer) -> None:
+    client = aioredis.from_url(redis_server.url)
+    try:
+        mine, other = (EntryConfidence(refresh_rate=0.0, redis=client) for _ in range(2))
+        for _ in range(3):
+            await other.record(T, "e", 0.9, agreed=True)  # shared: 3 agreeing refreshes
+        mine._local[(T, "e")] = EntryStats(refreshes=1, wrong=1, wrong_at=0.97)  # seen in an outage
+        stats = await mine.stats(T, "e")
+        assert stats is not None and (stats.refreshes, stats.wrong, stats.wrong_at) == (3, 1, 0.97)
+        assert await mine.decide(T, "e", 0.99) is Decision.REFUSE
+        assert await other.decide(T, "e", 0.99) is Decision.SERVE  # it never saw the wrong one
+    finally:
+        await client.aclose()
+
+
+async def test_a_first_hit_is_served_on_the_prior_and_refreshed_only_at_the_refresh_rate() -> None:
+    # The choice documented in decide(): no forced refresh of an entry's first hit.
+    draws = iter([0.06, 0.04])
+    confidence = EntryConfidence(refresh_rate=0.05, rng=lambda: next(draws))
+    assert await confidence.stats(T, "new") is None
+    assert await confidence.decide(T, "new", 0.75) is Decision.SERVE
+    assert await confidence.decide(T, "other", 0.75) is Decision.REFRESH
 
 
 def test_answers_agree_on_the_same_words_only() -> None:

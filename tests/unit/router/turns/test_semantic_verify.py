@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from services.router.turns.semantic_text import Question, edit_distance
+from services.router.turns.semantic_text import Question
 from services.router.turns.semantic_verify import (
     check_alignment,
     check_asks,
@@ -108,7 +108,9 @@ def test_the_order_of_a_directional_pair_must_agree(a: str, b: str, same: bool) 
         ("Do you ship to Norway?", "Do you ship to Sweden?", False),
         ("How do I use hooks in React?", "How do I use hooks in Svelte?", False),
         ("How do I use hooks in React?", "how do i use hooks in react", True),  # casing only
-        ("Is the Pixel 8 sold in Toronto?", "Is the Pixel 8 sold in Torronto?", True),  # a typo in a name
+        ("Is the Pixel 8 sold in Toronto?", "Is the Pixel 8 sold in torronto?", True),  # a typo, lower case
+        # Capitalised, a near spelling may be another name: "Novolin" / "Novolog", "MSSQL" / "MySQL".
+        ("Is the Pixel 8 sold in Toronto?", "Is the Pixel 8 sold in Torronto?", False),
         ("Can I call a C# library from F#?", "Can I call a C# library from VB.NET?", False),
     ],
 )
@@ -220,15 +222,15 @@ def test_refusal_names_the_first_check_that_refuses_and_none_for_a_rephrasing() 
     assert refusal("Is 250 mg safe?", "Is 500 mg safe?", checks=("units",)) is None
 
 
-def test_edit_distance_counts_a_transposition_as_one() -> None:
-    assert edit_distance("recieve", "receive") == 1
-    assert edit_distance("kitten", "sitting", limit=5) == 3
-    assert edit_distance("kitten", "sitting", limit=1) == 2  # cut off: more than the limit
-
-
 def test_more_typos_than_a_rephrasing_has_is_another_question() -> None:
-    three = ("How do I configure the nginx reverse proxy?", "How do I configre the ngnix reverse prxy?")
-    four = ("How do I configure the nginx reverse proxy?", "How do I configre the ngnix revrese prxy?")
+    three = (
+        "How do I configure the nginx reverse proxy server?",
+        "How do I configre the nginx revrse prxy server?",
+    )
+    four = (
+        "How do I configure the nginx reverse proxy server?",
+        "How do I configre the nginx revrse prxy servr?",
+    )
     assert check_alignment(q(three[0]), q(three[1]))
     assert not check_alignment(q(four[0]), q(four[1]))
 
