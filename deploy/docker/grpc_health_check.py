@@ -2,7 +2,11 @@
 
 Used by the Dockerfiles' HEALTHCHECK, and by the Kubernetes exec probes of services whose port
 speaks mutual TLS (the kubelet's own gRPC probes speak plaintext, which such a port refuses).
-Usage: grpc_health_check.py [--tls-ca CA --tls-cert CERT --tls-key KEY [--server-name NAME]]
+``--alive`` (a liveness probe): exit 0 when the health service answers at all, NOT_SERVING
+included. A session service reports NOT_SERVING while Redis is unreachable, a retriever while
+Milvus is: a liveness probe that asked for SERVING restarted every such pod during the store's
+outage (and CrashLoopBackOff kept them down after it), though a restart mends nothing there.
+Usage: grpc_health_check.py [--alive] [--tls-ca CA --tls-cert CERT --tls-key KEY [--server-name NAME]]
                             [HOST:PORT] [SERVICE]
 """
 
@@ -25,6 +29,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
     # The probe dials 127.0.0.1, but the certificate names the Service: check it against that name.
     parser.add_argument("--server-name", help="name the service's certificate must carry")
+    parser.add_argument(
+        "--alive", action="store_true", help="succeed on any answer, NOT_SERVING too (liveness)"
+    )
     args = parser.parse_args(argv)
     if (args.tls_cert is None) != (args.tls_key is None):
         parser.error("--tls-cert and --tls-key go together")
@@ -60,7 +67,7 @@ def main(argv: list[str]) -> int:
         return 1
     serving = reply.status == health_pb2.HealthCheckResponse.SERVING
     print(f"{args.address}: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
-    return 0 if serving else 1
+    return 0 if serving or args.alive else 1
 
 
 if __name__ == "__main__":

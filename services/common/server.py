@@ -45,8 +45,22 @@ class HealthReporter:
         self._servicer = servicer
         self._names = ["", *names]
         self.serving = False
+        #: Shutting down: NOT_SERVING for good, whatever a service's own watcher says after.
+        self.stopping = False
+
+    async def stop_serving(self) -> None:
+        """NOT_SERVING from now on: the server is shutting down. A runtime's watcher (the session
+        service's Redis check) that reports SERVING later changes nothing: during the drain window
+        the service still takes work, but says it is leaving."""
+        self.stopping = True
+        await self._set(False)
 
     async def set_serving(self, serving: bool) -> None:
+        if self.stopping:
+            return
+        await self._set(serving)
+
+    async def _set(self, serving: bool) -> None:
         status = (
             health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         )
@@ -261,12 +275,16 @@ async def serve(options: ServerOptions, runtime: ServiceRuntime) -> None:
     await stop_task
 
     log.info("%s draining", options.service)
-    await reporter.set_serving(False)
+    await reporter.stop_serving()
     if not start_task.done():
         start_task.cancel()
-    await runtime.drain()
     if options.drain_seconds > 0:
+        # Still taking work while it says NOT_SERVING, as --drain-seconds promises: callers that
+        # have not seen the health change yet (a router's next poll, a Service's endpoints) are
+        # served, not refused. Before 2026-12-07 the runtime drained first, so a replica refused
+        # and a router's HTTP front closed its door for the whole window.
         await asyncio.sleep(options.drain_seconds)
+    await runtime.drain()
     await server.stop(options.grace_seconds)
     await runtime.close()
     tracing.shutdown()

@@ -50,6 +50,11 @@ def test_router_pods_get_a_gateway_sidecar_that_follows_router_health() -> None:
     upstream = gateway["args"][gateway["args"].index("--upstream") + 1]
     assert upstream == f"127.0.0.1:{next(p['containerPort'] for p in router['ports'] if p['name'] == 'grpc')}"
     assert gateway["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    # /healthz waits up to the gateway's --health-timeout (2 s) for the router: the probe must wait longer.
+    assert gateway["readinessProbe"]["timeoutSeconds"] > 2
+    # kubectl logs/exec on the Deployment reach the router, not the distroless sidecar.
+    annotations = find(objects, "Deployment", "router")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["kubectl.kubernetes.io/default-container"] == "router"
     assert "httpGet" not in gateway["livenessProbe"]
     grace = gateway["args"][gateway["args"].index("--shutdown-grace") + 1]
     assert int(grace.rstrip("s")) + 5 <= pod["terminationGracePeriodSeconds"]

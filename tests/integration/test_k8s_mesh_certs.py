@@ -8,6 +8,7 @@ it (plaintext, TLS with no certificate, or a certificate from another CA) is ref
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -183,3 +184,33 @@ def test_a_caller_without_the_routers_certificate_is_refused(
             with pytest.raises(grpc.RpcError) as refused:
                 list_documents(channel)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, caller
+
+
+def test_a_session_service_whose_redis_is_down_is_not_ready_but_alive() -> None:
+    """The session service says NOT_SERVING while Redis is unreachable. Its liveness probe asked
+    for SERVING, so a Redis restart restarted every session pod (and CrashLoopBackOff kept them
+    down after Redis was back); liveness now only asks that the server answers (--alive)."""
+    probes = container("session")
+    assert "--alive" in probes["livenessProbe"]["exec"]["command"]
+    assert "--alive" not in probes["readinessProbe"]["exec"]["command"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    session = ServiceProcess("services.session", ["--redis-url", f"redis://127.0.0.1:{closed}/0"])
+    try:
+        session.start(wait_serving=False, timeout=120)
+        address = f"127.0.0.1:{session.port}"
+
+        def check(*flags: str) -> subprocess.CompletedProcess[str]:
+            command = [sys.executable, str(HEALTH_CHECK), *flags, address]
+            return subprocess.run(command, capture_output=True, text=True, timeout=20)
+
+        deadline = time.monotonic() + 30
+        while "NOT_SERVING" not in (ready := check()).stdout:
+            assert time.monotonic() < deadline, ready.stdout + ready.stderr
+            time.sleep(0.5)
+        assert ready.returncode == 1  # readiness: out of the Service while Redis is away
+        alive = check("--alive")
+        assert alive.returncode == 0 and "NOT_SERVING" in alive.stdout  # liveness: not restarted
+    finally:
+        session.stop()

@@ -212,6 +212,21 @@ def test_replicas_are_told_their_memory_limit_so_the_kv_cache_fits_it(overlay: s
     assert field == {"containerName": "inference", "resource": "limits.memory", "divisor": "1Mi"}
     # The container has a memory limit for it to report (else Kubernetes reports the node's RAM).
     assert "memory" in inference["resources"]["limits"]
+    if overlay == "cpu":
+        # On CPU it sizes its KV cache to the limit and uses nearly all of it: a smaller request
+        # made it the first pod evicted. (On a GPU the cache is in GPU memory.)
+        assert inference["resources"]["requests"]["memory"] == inference["resources"]["limits"]["memory"]
+
+
+def test_a_gpu_rollout_and_a_node_drain_never_wait_for_a_gpu_that_is_not_there() -> None:
+    """With replicas equal to the GPUs, a surge replica can never be scheduled (the rollout
+    stalls), and at one replica the disruption budget blocks every node drain."""
+    objects = rendered("gpu")
+    strategy = find(objects, "Deployment", "inference")["spec"]["strategy"]["rollingUpdate"]
+    assert strategy["maxSurge"] == 0 and strategy["maxUnavailable"] == 1
+    budget = find(objects, "PodDisruptionBudget", "inference")["spec"]
+    hpa = find(objects, "HorizontalPodAutoscaler", "inference")["spec"]
+    assert hpa["minReplicas"] > budget.get("minAvailable", 0)
 
 
 def test_redis_and_milvus_come_from_their_charts_not_from_here() -> None:
