@@ -145,6 +145,12 @@ class ServerOptions:
             raise ValueError("grace and drain seconds must be >= 0")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca and not (self.tls_cert and self.tls_key):
+            # Without a certificate the service served plaintext, checking no client at all.
+            raise ValueError(
+                "--tls-client-ca needs --tls-cert and --tls-key: without them the service would serve "
+                "plaintext and check no client certificate"
+            )
 
 
 def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:

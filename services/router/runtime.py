@@ -209,6 +209,10 @@ class RouterRuntime:
         known_words()  # the semantic verifier's vocabulary, read now rather than on the first lookup
         if settings.api_keys_file:
             self.authenticator = Authenticator.from_file(settings.api_keys_file, redis=self.redis)
+        elif self.redis is not None:
+            # Keys kept in Redis (`keys add --redis-url`) are required as soon as it holds any:
+            # open only while it holds none, and never again once it has (auth.py).
+            self.authenticator = Authenticator.from_redis(self.redis, open_tenant_while_empty="default")
         else:
             self.authenticator = Authenticator.open()
         self.tasks: Any = None
@@ -279,8 +283,7 @@ class RouterRuntime:
         await self.health.check_all()  # know the pool before admitting the first request
         self.pool.mark_started()  # turns that came in meanwhile waited for this (turns/pipeline.py)
         self.health.start()
-        if self.authenticator.redis is not None:
-            self.authenticator.start_refresh()
+        await self.authenticator.start()  # logs where keys come from; Redis's read now, then every 5 s
         if self.tasks is not None:
             # Only now: a task taken over from a dead router would otherwise run against an empty pool.
             try:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from redis import exceptions as redis_exceptions
 
 from services.common import errors
 from services.common.metadata import AUTHORIZATION_KEY, TENANT_KEY, USER_KEY
@@ -98,7 +99,11 @@ class ApiKeyRecord:
             raise ValueError(f"sha256: must be 64 lowercase hex digits (key {self.key_id})")
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> ApiKeyRecord:
+    def from_dict(cls, raw: Any) -> ApiKeyRecord:
+        """A record from its stored form (a keys-file entry, a Redis value); every way it can be
+        malformed (not a mapping, a field of the wrong type) is a ValueError naming the key."""
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"a key record must be a mapping of fields, got {type(raw).__name__}")
         unknown = set(raw) - {
             "id",
             "tenant",
@@ -110,17 +115,21 @@ class ApiKeyRecord:
             "created_at",
         }
         if unknown:
-            raise ValueError(f"keys file: unknown field(s) {sorted(unknown)} in key {raw.get('id')!r}")
+            raise ValueError(f"unknown field(s) {sorted(map(str, unknown))} in key {raw.get('id')!r}")
+        try:
+            limits = KeyLimits(
+                requests_per_second=_opt_float(raw.get("requests_per_second")),
+                tokens_per_minute=_opt_float(raw.get("tokens_per_minute")),
+                burst=None if raw.get("burst") is None else int(raw["burst"]),
+            )
+        except TypeError as exc:  # "burst": [1], "requests_per_second": {}: a field of the wrong type
+            raise ValueError(f"a limit of key {raw.get('id')!r} has the wrong type: {exc}") from exc
         return cls(
             key_id=str(raw.get("id", "")),
             tenant=str(raw.get("tenant", "")),
             key_sha256=str(raw.get("sha256", "")).lower(),
             revoked=bool(raw.get("revoked", False)),
-            limits=KeyLimits(
-                requests_per_second=_opt_float(raw.get("requests_per_second")),
-                tokens_per_minute=_opt_float(raw.get("tokens_per_minute")),
-                burst=None if raw.get("burst") is None else int(raw["burst"]),
-            ),
+            limits=limits,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -143,9 +152,13 @@ def hash_key(key: str) -> str:
 
 
 def load_key_records(path: Path) -> list[ApiKeyRecord]:
-    """Read a keys file (YAML or JSON: ``{"keys": [ {id, tenant, sha256, …}, … ]}``)."""
-    # Every way the file can be malformed is a ValueError: a reload keeps the keys it has on one
-    # (a YAML syntax error, a typo in an entry), where any other error locked every client out.
+    """Read a keys file (YAML or JSON: ``{"keys": [ {id, tenant, sha256, …}, … ]}``); a file
+    that does not exist holds no keys.
+
+    Every way the file can be malformed is a ValueError, and a file that cannot be read (its
+    mode, its owner) an OSError: a reload keeps the keys it has on either (a YAML syntax error, a
+    typo in an entry, a file the CLI rewrote as root), where any other error locked every client out.
+    """
     text = path.read_text() if path.exists() else ""
     try:
         raw = (json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)) if text.strip() else None
@@ -165,6 +178,20 @@ def load_key_records(path: Path) -> list[ApiKeyRecord]:
     if len(set(ids)) != len(ids):
         raise ValueError(f"{path}: duplicate key ids")
     return records
+
+
+def parse_redis_record(value: bytes | str) -> ApiKeyRecord:
+    """One value of the Redis hash ``llm:apikeys`` (the record as JSON); ValueError when malformed."""
+    try:
+        raw = json.loads(value)
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise ValueError(f"not a JSON key record: {exc}") from exc
+    return ApiKeyRecord.from_dict(raw)
+
+
+def redis_field_name(field_name: bytes | str) -> str:
+    """A field of ``llm:apikeys`` (a key's SHA-256) as text, for messages."""
+    return field_name.decode(errors="replace") if isinstance(field_name, bytes) else str(field_name)
 
 
 def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
@@ -200,9 +227,15 @@ def downstream_metadata(principal: Principal) -> tuple[tuple[str, str], ...]:
 class Authenticator:
     """Turns ``authorization`` metadata into a ``Principal``.
 
-    Open mode (no keys configured) admits everyone as one tenant, for local use.
-    With a keys file the file is re-read when it changes; with Redis, keys added
-    by ``keys.py --redis-url`` are picked up by ``refresh()``.
+    Where the keys come from (the router's flags, ``RouterRuntime``):
+
+    - a keys file (``--api-keys-file``), re-read when it changes, and with ``--redis-url`` the
+      keys in Redis as well, refreshed every few seconds: a key is accepted when either holds it
+      and refused when either holds it revoked;
+    - Redis alone (``--redis-url`` without a keys file, ``from_redis(..., open_tenant_while_empty=)``):
+      the keys in the Redis hash ``llm:apikeys``. While that hash holds no record at all the
+      router is open (as with no keys anywhere); the first record seen ends open mode for good;
+    - neither: open mode, every caller is one tenant, for local use.
     """
 
     def __init__(
@@ -212,14 +245,24 @@ class Authenticator:
         open_tenant: str | None = None,
         path: Path | None = None,
         redis: Any = None,
+        open_tenant_while_empty: str | None = None,
     ) -> None:
         self.open_tenant = open_tenant
         self.path = path
         self.redis = redis
         self._file_records: dict[str, ApiKeyRecord] = {}
         self._redis_records: dict[str, ApiKeyRecord] = {}
-        self._mtime: tuple[int, int, int] | None = None
+        self._mtime: tuple[int, int, int, int] | None = None
         self._refresh_task: asyncio.Task[None] | None = None
+        #: Redis alone: the tenant every caller is while ``llm:apikeys`` is empty; None once a
+        #: record has been seen there (open mode never comes back) or in any other mode.
+        self._open_while_empty = open_tenant_while_empty
+        #: False until Redis has been read once, in the Redis-alone mode: callers are refused
+        #: (UNAVAILABLE) meanwhile rather than let in by an open mode nobody chose.
+        self._loaded = open_tenant_while_empty is None
+        #: Malformed Redis records last seen, field → why: each is logged once, not every refresh.
+        self._bad_redis: dict[str, str] = {}
+        self._warned_empty = False
         self._set_file_records(records)
 
     @classmethod
@@ -232,16 +275,29 @@ class Authenticator:
     @classmethod
     def from_file(cls, path: str | Path, redis: Any = None) -> Authenticator:
         path = Path(path)
-        if not path.exists():
-            raise ValueError(f"--api-keys-file: {path} does not exist")
-        auth = cls(load_key_records(path), path=path, redis=redis)
-        auth._mtime = _file_version(path)
+        try:
+            if not path.exists():
+                raise ValueError(f"--api-keys-file: {path} does not exist")
+            version = _file_version(path)
+            records = load_key_records(path)
+        except OSError as exc:  # its mode or owner: the router runs as another user than the CLI did
+            raise ValueError(
+                f"--api-keys-file: cannot read {path}: {exc.strerror or exc} (make it readable to the "
+                "user the router runs as)"
+            ) from None
+        auth = cls(records, path=path, redis=redis)
+        auth._mtime = version
         return auth
 
     @classmethod
-    def from_redis(cls, redis: Any) -> Authenticator:
-        """Keys live only in Redis; call ``await refresh()`` (or ``start_refresh``) to load them."""
-        return cls(redis=redis)
+    def from_redis(cls, redis: Any, *, open_tenant_while_empty: str | None = None) -> Authenticator:
+        """Keys live only in Redis; ``await start()`` (or ``refresh()``) loads them.
+
+        ``open_tenant_while_empty``: while the hash ``llm:apikeys`` holds no record every caller is
+        this tenant; before the first read every caller is refused (UNAVAILABLE), and once any
+        record has been seen keys are required for good, even if the hash is emptied later.
+        """
+        return cls(redis=redis, open_tenant_while_empty=open_tenant_while_empty)
 
     @property
     def is_open(self) -> bool:
@@ -251,33 +307,56 @@ class Authenticator:
         """The caller's principal; ``Unauthenticated`` when the key is missing, unknown or revoked."""
         if self.open_tenant is not None:
             return Principal(self.open_tenant, ANONYMOUS_KEY_ID)
+        if not self._loaded:
+            raise errors.DependencyUnavailable("API keys are not loaded from Redis yet: retry shortly")
         token = bearer_token(metadata)
         if token is None:
             raise errors.Unauthenticated("missing API key: send metadata 'authorization: Bearer <api key>'")
         self._reload_file_if_changed()
         digest = hash_key(token)
-        record = self._redis_records.get(digest) or self._file_records.get(digest)
-        if record is None or not hmac.compare_digest(record.key_sha256, digest):
+        found = [
+            r
+            for r in (self._redis_records.get(digest), self._file_records.get(digest))
+            if r is not None and hmac.compare_digest(r.key_sha256, digest)
+        ]
+        if not found:
             raise errors.Unauthenticated("invalid API key")
-        if record.revoked:
-            raise errors.Unauthenticated(f"API key {record.key_id} has been revoked")
+        # Revoked in either store is revoked: `keys revoke --file` must stop a key that Redis
+        # also holds, and the other way round.
+        for record in found:
+            if record.revoked:
+                raise errors.Unauthenticated(f"API key {record.key_id} has been revoked")
+        record = found[0]  # Redis's record first: its limits and tenant, as before
         return Principal(record.tenant, record.key_id, record.limits)
+
+    async def start(self, interval_s: float = 5.0) -> None:
+        """Log where the keys come from; with Redis, read the keys there now (a RuntimeError
+        naming ``--redis-url`` when it cannot be reached), then every ``interval_s`` in the background."""
+        if self.path is not None:
+            log.info(
+                "API keys: %d from %s%s; keys are required",
+                len(self._file_records),
+                self.path,
+                f" and Redis {REDIS_KEYS_HASH}" if self.redis is not None else "",
+            )
+        if self.redis is None:
+            return
+        try:
+            await self.refresh()
+        except (OSError, redis_exceptions.ConnectionError, redis_exceptions.TimeoutError) as exc:
+            raise RuntimeError(
+                f"API keys: Redis at --redis-url is unreachable ({exc}): start it, or fix --redis-url "
+                "(LLMMESH_REDIS_URL)"
+            ) from None
+        self.start_refresh(interval_s)
 
     async def refresh(self) -> None:
         """Re-read keys from the file (if changed) and from Redis."""
         self._reload_file_if_changed()
         if self.redis is None:
             return
-        raw = await self.redis.hgetall(REDIS_KEYS_HASH)
-        records: dict[str, ApiKeyRecord] = {}
-        for value in raw.values():
-            try:
-                record = ApiKeyRecord.from_dict(json.loads(value))
-            except ValueError as exc:
-                log.error("skipping bad key record in Redis: %s", exc)
-                continue
-            records[record.key_sha256] = record
-        self._redis_records = records
+        raw: Mapping[Any, Any] = await self.redis.hgetall(REDIS_KEYS_HASH)
+        self._set_redis_records(raw)
 
     def start_refresh(self, interval_s: float = 5.0) -> None:
         """Refresh in the background so revocations reach every router within ``interval_s``."""
@@ -303,27 +382,89 @@ class Authenticator:
     def _set_file_records(self, records: Iterable[ApiKeyRecord]) -> None:
         self._file_records = {r.key_sha256: r for r in records}
 
+    def _set_redis_records(self, raw: Mapping[Any, Any]) -> None:
+        # One malformed record (a hand edit, another tool's) is skipped: it must not stop the
+        # others from loading, or a revocation written after it would never take effect.
+        records: dict[str, ApiKeyRecord] = {}
+        bad: dict[str, str] = {}
+        for field_name, value in raw.items():
+            name = redis_field_name(field_name)
+            try:
+                record = parse_redis_record(value)
+            except ValueError as exc:
+                bad[name] = str(exc)
+                if self._bad_redis.get(name) != bad[name]:
+                    log.warning(
+                        "skipping bad API key record in Redis %s field %s: %s", REDIS_KEYS_HASH, name, exc
+                    )
+                continue
+            kept = records.get(record.key_sha256)
+            if kept is None or (record.revoked and not kept.revoked):  # two copies: revoked wins
+                records[record.key_sha256] = record
+        self._bad_redis = bad
+        self._redis_records = records
+        self._loaded = True
+        if self._open_while_empty is None:
+            if not raw and self.path is None and not self._warned_empty:
+                self._warned_empty = True
+                log.error(
+                    "Redis hash %s holds no API keys: every caller is refused (a router that has "
+                    "required keys never falls back to open mode)",
+                    REDIS_KEYS_HASH,
+                )
+            elif raw:
+                self._warned_empty = False
+        elif raw:
+            # Any record, even a malformed one, means keys are meant to be required here.
+            was_open = self.open_tenant is not None
+            self._open_while_empty = self.open_tenant = None
+            if was_open:
+                log.warning(
+                    "API keys appeared in Redis %s: keys are required from now on (open mode ended)",
+                    REDIS_KEYS_HASH,
+                )
+            else:
+                log.info("API keys: %d from Redis %s; keys are required", len(records), REDIS_KEYS_HASH)
+        elif self.open_tenant is None:
+            self.open_tenant = self._open_while_empty
+            log.warning(
+                "no API keys: no --api-keys-file and Redis %s is empty, so every caller is tenant %r "
+                "until a key is added there (llm-mesh keys add --redis-url ...); do not expose this router",
+                REDIS_KEYS_HASH,
+                self.open_tenant,
+            )
+
     def _reload_file_if_changed(self) -> None:
         if self.path is None:
             return
         try:
-            mtime = _file_version(self.path)
+            version = _file_version(self.path)
         except OSError:
             return  # keep the keys we have rather than lock everyone out
-        if mtime == self._mtime:
+        if version == self._mtime:
             return
+        # Tried once per version of the file (a chmod or chown is a new one): a file that cannot
+        # be used is logged once, not on every request, and the keys it replaced stay in force.
+        self._mtime = version
         try:
             self._set_file_records(load_key_records(self.path))
-            self._mtime = mtime
             log.info("reloaded API keys from %s", self.path)
         except ValueError as exc:
             log.error("keeping previous API keys: %s", exc)
+        except OSError as exc:  # e.g. the keys CLI, run as root, left it unreadable to the router
+            log.error(
+                "keeping previous API keys: cannot read --api-keys-file %s: %s (make it readable to "
+                "the user the router runs as)",
+                self.path,
+                exc.strerror or exc,
+            )
 
 
-def _file_version(path: Path) -> tuple[int, int, int]:
-    # The keys CLI replaces the file (new inode), so this changes even within one mtime tick.
+def _file_version(path: Path) -> tuple[int, int, int, int]:
+    # The keys CLI replaces the file (new inode), so this changes even within one mtime tick; the
+    # ctime changes with a chmod or chown too, so a file made readable again is read again.
     st = os.stat(path)
-    return (st.st_mtime_ns, st.st_ino, st.st_size)
+    return (st.st_mtime_ns, st.st_ino, st.st_size, st.st_ctime_ns)
 
 
 def _opt_float(value: Any) -> float | None:

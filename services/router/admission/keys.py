@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import secrets
+import stat
 import sys
 import tempfile
 from datetime import UTC, datetime
@@ -26,6 +28,8 @@ from services.router.admission.auth import (
     KeyLimits,
     hash_key,
     load_key_records,
+    parse_redis_record,
+    redis_field_name,
 )
 
 KEY_PREFIX = "llmk_"
@@ -39,17 +43,45 @@ def new_key() -> str:
 
 
 def write_key_records(path: Path, records: list[ApiKeyRecord]) -> None:
-    """Write the keys file atomically (temp file + rename), so a router never reads half a file."""
+    """Write the keys file atomically (temp file + rename), so a router never reads half a file.
+
+    A file that exists keeps its mode, and its owner and group when this runs as root (else its
+    group where this user may set it): the router usually runs as another user, and a file
+    rewritten 0600 by root locked it out of every key. A new file is created 0600.
+    """
     doc = {"keys": [r.to_dict() for r in records]}
     text = (
         json.dumps(doc, indent=2) + "\n" if path.suffix == ".json" else yaml.safe_dump(doc, sort_keys=False)
     )
+    try:
+        before: os.stat_result | None = os.stat(path)
+    except FileNotFoundError:
+        before = None
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        if before is None:
+            os.chmod(tmp, 0o600)
+        else:
+            _keep_owner(tmp, before)
+            os.chmod(tmp, stat.S_IMODE(before.st_mode))  # after chown, which may clear set-id bits
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _keep_owner(tmp: str, before: os.stat_result) -> None:
+    if (before.st_uid, before.st_gid) == (os.geteuid(), os.getegid()):
+        return
+    if os.geteuid() == 0:
+        os.chown(tmp, before.st_uid, before.st_gid)
+        return
+    with contextlib.suppress(OSError):  # only a group this user belongs to may be set
+        os.chown(tmp, -1, before.st_gid)
 
 
 def add_key(
@@ -87,26 +119,79 @@ def _client(url: str, cluster: bool) -> Any:
     return RedisCluster.from_url(url) if cluster else aioredis.from_url(url)
 
 
+# Adds the record unless a record in the hash already has its id, in one step: two `keys add
+# --id X` at once cannot both succeed. A value that is not a JSON object is skipped, as the
+# router skips it. KEYS[1] the hash; ARGV: the new record's field (its key's hash), JSON, id.
+_ADD_UNLESS_ID_TAKEN = """
+for _, value in ipairs(redis.call('HVALS', KEYS[1])) do
+  local ok, record = pcall(cjson.decode, value)
+  if ok and type(record) == 'table' and record['id'] ~= nil and tostring(record['id']) == ARGV[3] then
+    return 0
+  end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+
 async def _store_in_redis(url: str, cluster: bool, record: ApiKeyRecord) -> None:
     client = _client(url, cluster)
     try:
-        await client.hset(REDIS_KEYS_HASH, record.key_sha256, json.dumps(record.to_dict()))
+        added = await client.eval(
+            _ADD_UNLESS_ID_TAKEN,
+            1,
+            REDIS_KEYS_HASH,
+            record.key_sha256,
+            json.dumps(record.to_dict()),
+            record.key_id,
+        )
     finally:
         await client.aclose()
+    if not added:
+        raise ValueError(f"--id: key id {record.key_id!r} already exists in Redis {REDIS_KEYS_HASH}")
 
 
-async def _revoke_in_redis(url: str, cluster: bool, key_id: str) -> ApiKeyRecord:
+def _warn_bad_record(field_name: Any, exc: ValueError) -> None:
+    print(
+        f"warning: skipping malformed record in Redis {REDIS_KEYS_HASH} field "
+        f"{redis_field_name(field_name)}: {exc}",
+        file=sys.stderr,
+    )
+
+
+async def _revoke_in_redis(url: str, cluster: bool, key_id: str) -> list[ApiKeyRecord]:
+    """Revoke every record with id ``key_id`` (before ids were checked, one id could have several)."""
     client = _client(url, cluster)
+    revoked: list[ApiKeyRecord] = []
     try:
         for digest, value in (await client.hgetall(REDIS_KEYS_HASH)).items():
-            record = ApiKeyRecord.from_dict(json.loads(value))
+            try:
+                record = parse_redis_record(value)
+            except ValueError as exc:
+                _warn_bad_record(digest, exc)
+                # A malformed record of this id is marked too (the router skips it meanwhile), so
+                # a later fix of its fields does not bring a revoked key back.
+                raw = _json_object(value)
+                if raw is not None and str(raw.get("id")) == key_id and raw.get("revoked") is not True:
+                    await client.hset(REDIS_KEYS_HASH, digest, json.dumps({**raw, "revoked": True}))
+                continue
             if record.key_id == key_id:
-                revoked = ApiKeyRecord(record.key_id, record.tenant, record.key_sha256, True, record.limits)
-                await client.hset(REDIS_KEYS_HASH, digest, json.dumps(revoked.to_dict()))
-                return revoked
+                record = ApiKeyRecord(record.key_id, record.tenant, record.key_sha256, True, record.limits)
+                await client.hset(REDIS_KEYS_HASH, digest, json.dumps(record.to_dict()))
+                revoked.append(record)
     finally:
         await client.aclose()
-    raise ValueError(f"--id: no key {key_id!r} in Redis")
+    if not revoked:
+        raise ValueError(f"--id: no key {key_id!r} in Redis {REDIS_KEYS_HASH}")
+    return revoked
+
+
+def _json_object(value: bytes | str) -> dict[str, Any] | None:
+    try:
+        raw = json.loads(value)
+    except ValueError:
+        return None
+    return raw if isinstance(raw, dict) else None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -127,7 +212,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             type=Path,
             help=f"keys file (YAML, or JSON by .json suffix); default {DEFAULT_KEYS_FILE} unless --redis-url",
         )
-        where.add_argument("--redis-url", help="store keys in Redis instead of a file")
+        where.add_argument(
+            "--redis-url",
+            help=f"keys in Redis (hash {REDIS_KEYS_HASH}) instead of a file: a router given the same "
+            "--redis-url and no --api-keys-file requires them",
+        )
         p.add_argument("--redis-cluster", action="store_true", help="--redis-url names a Redis Cluster node")
 
 
@@ -154,10 +243,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"created key id={record.key_id} tenant={record.tenant} at {_now()}", file=sys.stderr)
         elif args.action == "revoke":
             if args.file is not None:
-                record = revoke_key(args.file, args.key_id)
+                revoked = [revoke_key(args.file, args.key_id)]
             else:
-                record = asyncio.run(_revoke_in_redis(args.redis_url, args.redis_cluster, args.key_id))
-            print(f"revoked {record.key_id} (tenant {record.tenant})")
+                revoked = asyncio.run(_revoke_in_redis(args.redis_url, args.redis_cluster, args.key_id))
+            for record in revoked:
+                print(f"revoked {record.key_id} (tenant {record.tenant})")
         else:
             records = (
                 load_key_records(args.file)
@@ -178,7 +268,13 @@ async def _list_redis(url: str, cluster: bool) -> list[ApiKeyRecord]:
         values: dict[Any, Any] = await client.hgetall(REDIS_KEYS_HASH)
     finally:
         await client.aclose()
-    return [ApiKeyRecord.from_dict(json.loads(v)) for v in values.values()]
+    records = []
+    for field_name, value in values.items():
+        try:
+            records.append(parse_redis_record(value))
+        except ValueError as exc:  # reported, and the others still listed
+            _warn_bad_record(field_name, exc)
+    return records
 
 
 def _now() -> str:
