@@ -158,5 +158,14 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     add_flags(parser, ServerOptions, port=default_port)
 
 
-def server_options(service: str, args: argparse.Namespace) -> ServerOptions:
-    return from_flags(ServerOptions, args, service=service)
+def server_options(
+    service: str, args: argparse.Namespace, parser: argparse.ArgumentParser | None = None
+) -> ServerOptions:
+    """The server flags as options; with ``parser``, a bad combination is its usage error (one
+    line naming the flags, exit 2), not a traceback."""
+    try:
+        return from_flags(ServerOptions, args, service=service)
+    except ValueError as exc:
+        if parser is None:
+            raise
+        parser.error(str(exc))

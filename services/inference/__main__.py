@@ -33,11 +33,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     config = from_flags(EngineConfig, args)
+    options = server_options("inference", args, parser)  # the flags first, then the files
     try:
         check_model_path(config.model)  # one line and exit 2, not a traceback from transformers
     except FileNotFoundError as exc:
         parser.error(str(exc))
-    run(server_options("inference", args), InferenceRuntime(config))
+    run(options, InferenceRuntime(config))
 
 
 if __name__ == "__main__":

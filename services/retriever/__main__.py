@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
         config = from_flags(RetrieverConfig, args, redis_url=args.redis_url or None)
     except ValueError as exc:
         parser.error(str(exc))
-    run(server_options("retriever", args), RetrieverRuntime(config))
+    run(server_options("retriever", args, parser), RetrieverRuntime(config))
 
 
 if __name__ == "__main__":

@@ -144,4 +144,4 @@ def main(argv: list[str] | None = None) -> None:
         runtime = RouterRuntime(settings)
     except ValueError as exc:
         parser.error(str(exc))
-    run(server_options("router", args), runtime)
+    run(server_options("router", args, parser), runtime)

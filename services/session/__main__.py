@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     runtime = SessionRuntime(
         SessionStore(client, limits, timeout_s), limits, args.redis_ping_interval_ms / 1000
     )
-    run(server_options("session", args), runtime)
+    run(server_options("session", args, parser), runtime)
 
 
 if __name__ == "__main__":

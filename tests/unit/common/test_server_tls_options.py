@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from services.common.server import server_credentials
 from services.common.settings import EnvArgumentParser, ServerOptions, add_server_args, server_options
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_a_client_ca_without_a_server_certificate_is_refused() -> None:
@@ -22,3 +28,24 @@ def test_tls_flags_that_belong_together_are_accepted() -> None:
     options = ServerOptions(service="session", tls_cert="s.pem", tls_key="s.key", tls_client_ca="ca.pem")
     assert options.tls_client_ca == "ca.pem"
     assert ServerOptions(service="session", tls_client_ca="").tls_client_ca == ""  # empty env = unset
+
+
+@pytest.mark.parametrize("service", ["session", "retriever", "inference", "router"])
+def test_each_service_says_the_refusal_in_one_line_and_exits_2(service: str) -> None:
+    """Each service's command line: a usage error naming the flags, not a traceback."""
+    command = [sys.executable, "-m", f"services.{service}", "--tls-client-ca", "ca.pem"]
+    if service == "router":
+        command += ["--replicas", "127.0.0.1:1"]
+    if service == "inference":
+        command += ["--model", "no-such-model"]  # the flags are checked before the files
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .endswith(
+            "error: --tls-client-ca needs --tls-cert and --tls-key: without them the service would serve "
+            "plaintext and check no client certificate"
+        )
+    ), done.stderr
