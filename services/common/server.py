@@ -135,9 +135,32 @@ def _code_name(context: grpc.aio.ServicerContext[Any, Any], default: str) -> str
     return default
 
 
-def error_mapping(service: str) -> MethodWrapper:
+def peer_names(context: Any) -> set[str]:
+    """The names the client's certificate carries: its common name and subject alternative names."""
+    auth = context.auth_context()
+    return {
+        value.decode(errors="replace")
+        for key in ("x509_common_name", "x509_subject_alternative_name")
+        for value in auth.get(key, ())
+    }
+
+
+def check_peer(context: Any, admitted: frozenset[str]) -> None:
+    """``PermissionDenied`` unless the client's certificate names one of ``admitted``. The CA alone
+    admitted any certificate it signed: the session and retriever pods' own (issued for client auth
+    too, for their probes) could call each other as any tenant."""
+    names = peer_names(context)
+    if not names & admitted:
+        shown = ", ".join(sorted(names))[:200] or "none"
+        raise errors.PermissionDenied(
+            f"client certificate ({shown}) is not one this service admits (--tls-client-names)"
+        )
+
+
+def error_mapping(service: str, client_names: frozenset[str] = frozenset()) -> MethodWrapper:
     """Wraps a method so its exceptions become the status codes the error table gives, and every
-    RPC is counted by outcome. Applied once per method, at registration (``HandlerWrappingServer``)."""
+    RPC is counted by outcome. Applied once per method, at registration (``HandlerWrappingServer``).
+    ``client_names``: with mTLS, the names a client certificate must carry (empty: any)."""
 
     def wrap(full_method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         method = full_method.rsplit("/", 1)[-1]
@@ -154,6 +177,8 @@ def error_mapping(service: str) -> MethodWrapper:
             started = time.perf_counter()
             code = "OK"
             try:
+                if client_names:
+                    check_peer(context, client_names)
                 yield
             except asyncio.CancelledError:
                 code = "CANCELLED"
@@ -197,6 +222,13 @@ def server_channel_options(options: ServerOptions) -> list[tuple[str, Any]]:
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.so_reuseport", 0),
+        # A client dialling a Service's one address keeps one connection to one pod for good: a
+        # bounded age makes it reconnect (and land on any pod) now and then. Calls in flight finish.
+        *(
+            [("grpc.max_connection_age_ms", int(options.max_connection_age_s * 1000))]
+            if options.max_connection_age_s
+            else []
+        ),
     ]
 
 
@@ -232,7 +264,7 @@ async def serve(options: ServerOptions, runtime: ServiceRuntime) -> None:
     interceptors = [ServerTracingInterceptor(options.service)] if tracing.enabled() else []
     server = HandlerWrappingServer(
         grpc.aio.server(interceptors=interceptors, options=server_channel_options(options)),
-        error_mapping(options.service),
+        error_mapping(options.service, options.client_names),
     )
     runtime.register(server)
     health_servicer = AsyncHealthServicer()

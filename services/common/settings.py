@@ -136,6 +136,16 @@ class ServerOptions:
     tls_cert: str | None = flag(None, help="PEM server certificate (enables TLS)")
     tls_key: str | None = flag(None, help="PEM private key of --tls-cert")
     tls_client_ca: str | None = flag(None, help="PEM CA for client certificates (enables mTLS)")
+    tls_client_names: str = flag(
+        "",
+        help="with --tls-client-ca: names a client certificate must carry (CN or DNS SAN), comma-separated;"
+        " empty = any the CA signed",
+    )
+    max_connection_age_s: float = flag(
+        0.0,
+        help="close each client connection after this long (GOAWAY; calls on it finish) so clients"
+        " behind one Service address spread over its pods; 0 = never",
+    )
     log_level: str = flag("INFO", help="logging level")
 
     def __post_init__(self) -> None:
@@ -151,6 +161,17 @@ class ServerOptions:
                 "--tls-client-ca needs --tls-cert and --tls-key: without them the service would serve "
                 "plaintext and check no client certificate"
             )
+        if self.client_names and not self.tls_client_ca:
+            raise ValueError(
+                "--tls-client-names needs --tls-client-ca: without it no client shows a certificate"
+            )
+        if self.max_connection_age_s < 0:
+            raise ValueError("--max-connection-age-s must be >= 0")
+
+    @property
+    def client_names(self) -> frozenset[str]:
+        """``--tls-client-names`` as a set (empty: any certificate the client CA signed)."""
+        return frozenset(n.strip() for n in self.tls_client_names.split(",") if n.strip())
 
 
 def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:

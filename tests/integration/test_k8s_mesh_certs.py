@@ -186,6 +186,26 @@ def test_a_caller_without_the_routers_certificate_is_refused(
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, caller
 
 
+def test_another_mesh_pods_certificate_is_refused_though_the_mesh_ca_signed_it(
+    retriever: ServiceProcess, secrets: Path
+) -> None:
+    """The session pod's certificate (the mesh CA's, issued for client auth too, for its probes)
+    got a full answer from the retriever: a compromised session pod could read any tenant's
+    documents. --tls-client-names admits the router's and the retriever's own only."""
+    name = [("grpc.ssl_target_name_override", "retriever.llm-mesh.svc.cluster.local")]
+    session_pod = secrets / "llm-mesh-session-tls"
+    creds = grpc.ssl_channel_credentials(
+        (session_pod / "ca.crt").read_bytes(),
+        (session_pod / "tls.key").read_bytes(),
+        (session_pod / "tls.crt").read_bytes(),
+    )
+    with grpc.secure_channel(retriever.address, creds, name) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            list_documents(channel)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "session.llm-mesh.svc" in (refused.value.details() or "")
+
+
 def test_a_session_service_whose_redis_is_down_is_not_ready_but_alive() -> None:
     """The session service says NOT_SERVING while Redis is unreachable. Its liveness probe asked
     for SERVING, so a Redis restart restarted every session pod (and CrashLoopBackOff kept them

@@ -79,6 +79,42 @@ def test_plaintext_client_is_refused(mtls_service: ServiceProcess) -> None:
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+def test_a_service_with_client_names_admits_only_certificates_that_carry_one(
+    tmp_path: Path, certs: CertPaths
+) -> None:
+    """The client CA alone admitted any certificate it signed: in Kubernetes the session and
+    retriever pods' own certificates (client auth too, for their probes) could call each other
+    as any tenant. --tls-client-names admits only the names it lists."""
+    redis = RedisServer(tmp_path / "redis").start()
+    args = [
+        "--redis-url", redis.url,
+        "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
+        "--tls-client-ca", str(certs.ca), "--tls-client-names", "llm-mesh client",
+    ]  # fmt: skip
+    service = ServiceProcess("services.session", args).start(wait_serving=False)
+    try:
+
+        def dial(cert: Path, key: Path) -> grpc.Channel:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=certs.ca.read_bytes(),
+                private_key=key.read_bytes(),
+                certificate_chain=cert.read_bytes(),
+            )
+            return grpc.secure_channel(f"localhost:{service.port}", creds)
+
+        with dial(certs.client_cert, certs.client_key) as admitted:
+            assert create(admitted).session_id
+        with dial(certs.other_client_cert, certs.other_client_key) as other:
+            with pytest.raises(grpc.RpcError) as refused:
+                create(other)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "llm-mesh other client" in (refused.value.details() or "")
+            assert "--tls-client-names" in (refused.value.details() or "")
+    finally:
+        service.stop()
+        redis.kill()
+
+
 @pytest.fixture(scope="module")
 def tls_router(certs: CertPaths) -> Iterator[ServiceProcess]:
     """The router's front door with TLS, in front of a synthetic token source (fake replica)."""

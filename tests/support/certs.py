@@ -19,6 +19,10 @@ class CertPaths:
     server_key: Path
     client_cert: Path
     client_key: Path
+    #: Another client certificate the same CA signed ("llm-mesh other client"): a peer that only
+    #: ``--tls-client-names`` can tell from the admitted one.
+    other_client_cert: Path
+    other_client_key: Path
 
 
 def _name(cn: str) -> x509.Name:
@@ -76,16 +80,21 @@ def make_certs(directory: Path) -> CertPaths:
         [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
     )
     client_cert, client_key = leaf("llm-mesh client", ExtendedKeyUsageOID.CLIENT_AUTH, [])
+    other_cert, other_key = leaf("llm-mesh other client", ExtendedKeyUsageOID.CLIENT_AUTH, [])
     paths = CertPaths(
         ca=directory / "ca.pem",
         server_cert=directory / "server.pem",
         server_key=directory / "server.key",
         client_cert=directory / "client.pem",
         client_key=directory / "client.key",
+        other_client_cert=directory / "other-client.pem",
+        other_client_key=directory / "other-client.key",
     )
     paths.ca.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
     paths.server_cert.write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
     paths.client_cert.write_bytes(client_cert.public_bytes(serialization.Encoding.PEM))
     _write_key(server_key, paths.server_key)
     _write_key(client_key, paths.client_key)
+    paths.other_client_cert.write_bytes(other_cert.public_bytes(serialization.Encoding.PEM))
+    _write_key(other_key, paths.other_client_key)
     return paths

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.server import server_credentials
+from services.common.server import server_channel_options, server_credentials
 from services.common.settings import EnvArgumentParser, ServerOptions, add_server_args, server_options
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -49,3 +49,22 @@ def test_each_service_says_the_refusal_in_one_line_and_exits_2(service: str) -> 
             "plaintext and check no client certificate"
         )
     ), done.stderr
+
+
+def test_client_names_need_a_client_ca_and_are_read_as_a_set() -> None:
+    with pytest.raises(ValueError, match="--tls-client-names needs --tls-client-ca"):
+        ServerOptions(service="session", tls_client_names="router")
+    options = ServerOptions(
+        service="session", tls_cert="s.pem", tls_key="s.key", tls_client_ca="ca.pem",
+        tls_client_names=" router, session ,",
+    )  # fmt: skip
+    assert options.client_names == {"router", "session"}
+
+
+def test_a_connection_age_bound_reaches_grpc_core_and_none_is_the_default() -> None:
+    default = dict(server_channel_options(ServerOptions(service="retriever")))
+    assert "grpc.max_connection_age_ms" not in default
+    aged = dict(server_channel_options(ServerOptions(service="retriever", max_connection_age_s=300)))
+    assert aged["grpc.max_connection_age_ms"] == 300_000
+    with pytest.raises(ValueError, match="--max-connection-age-s"):
+        ServerOptions(service="retriever", max_connection_age_s=-1)
