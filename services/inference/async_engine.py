@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -38,6 +39,13 @@ from services.inference.sampling import SamplingParams
 from services.inference.sequence import FinishReason
 
 log = logging.getLogger("llmmesh.inference.engine")
+
+#: New output constraints (distinct ones) that may wait for the replica's one compiler thread.
+#: A request whose constraint is among them waits for that compile and adds none, so this bounds
+#: distinct grammars, not requests: the structured-output test sends 24 new ones in one batch,
+#: and 32 of the slowest within the schema budget (0.4-0.65 s each, docs/inference.md) compile
+#: in 13-21 s, inside the router's 60 s TTFT timeout; typical ones (1-20 ms) in under a second.
+MAX_QUEUED_COMPILES = 32
 
 
 @dataclass
@@ -128,6 +136,9 @@ class AsyncEngine:
         #: requests with no constraint (bad words, a resume) waited 46 s behind six of them.
         #: A copy of a compiled grammar stays on the default executor.
         self._grammar_compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        #: The new grammars queued on (or compiling on) that thread: how many requests wait for
+        #: each (loop thread only). Past ``MAX_QUEUED_COMPILES`` a new one is refused at once.
+        self._compiling: dict[tuple[str, str, tuple[str, ...]], int] = {}
         self._thread = thread or EngineThread()
         self._loop_done = self._thread.submit(self._run)
         self._loop_done.add_done_callback(_report_loop_end)
@@ -176,10 +187,12 @@ class AsyncEngine:
             # request is handed over: a compile never holds up a step, and a bad one is refused here.
             guide = None
             if params.constraint is not None:
-                pool = None if self.engine.grammar_compiled(params) else self._grammar_compiler
-                guide = await asyncio.get_running_loop().run_in_executor(
-                    pool, self.engine.make_guide, params, resume_token_ids
-                )
+                if self.engine.grammar_compiled(params):
+                    guide = await asyncio.get_running_loop().run_in_executor(
+                        None, self.engine.make_guide, params, resume_token_ids
+                    )
+                else:
+                    guide = await self._compile_guide(params, resume_token_ids)
             if params.bad_words:  # tokenized here, not on the engine thread that steps every request
                 params = await asyncio.to_thread(self.engine.with_bad_word_ids, params)
             detokenizer = None
@@ -248,6 +261,40 @@ class AsyncEngine:
         finally:
             if not finished and not pending.gone:
                 self.abort(request_id)
+
+    async def _compile_guide(self, params: SamplingParams, resume_token_ids: Seq[int]) -> Guide | None:
+        """``make_guide`` for a constraint not compiled yet, on the one compiler thread.
+
+        A constraint already queued there adds no new grammar (its request's copy follows that
+        compile); a new one while ``MAX_QUEUED_COMPILES`` are queued is refused at once with
+        ``Overloaded`` (RESOURCE_EXHAUSTED, retry-after): the queue had no bound, and a client
+        sending new schemas faster than they compiled made every later one wait minutes. A
+        compile counts until the thread is done with it (or drops it unstarted), not until its
+        request leaves: a client that cancels does not take its compile off the queue.
+        """
+        assert params.constraint is not None
+        key = params.constraint.key
+        if key not in self._compiling and len(self._compiling) >= MAX_QUEUED_COMPILES:
+            raise errors.Overloaded(
+                f"{len(self._compiling)} new output constraints are waiting to compile on this "
+                "replica; retry later",
+                retry_after_s=1.0,
+            )
+        loop = asyncio.get_running_loop()
+        work = self._grammar_compiler.submit(self.engine.make_guide, params, resume_token_ids)
+        self._compiling[key] = self._compiling.get(key, 0) + 1
+
+        def compiled(_: Future[Guide | None]) -> None:  # on the compiler thread, or a canceller's
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody counts any more
+                loop.call_soon_threadsafe(self._compile_done, key)
+
+        work.add_done_callback(compiled)
+        return await asyncio.wrap_future(work)
+
+    def _compile_done(self, key: tuple[str, str, tuple[str, ...]]) -> None:
+        left = self._compiling.pop(key, 1) - 1
+        if left:
+            self._compiling[key] = left
 
     def _arrive(self, pending: _Pending, out: RequestOutput) -> None:
         """An output reaches its stream (loop thread); a stream nobody reads gets its sequence parked."""
