@@ -30,8 +30,8 @@ from services.router.turns.semantic_text import (
 # since the verifier, not the threshold, keeps wrong answers out (docs/benchmarks.md).
 DEFAULT_CANDIDATE_THRESHOLD = 0.70
 # Longer last messages skip the semantic cache: the direction check's cost grows with the
-# square of the words (under 10 ms at 1,000 characters, docs/retriever.md), and a long
-# prompt is rarely asked twice in other words.
+# square of the words (up to 130-190 ms at 1,000 characters in its worst case, on a worker
+# thread: docs/retriever.md), and a long prompt is rarely asked twice in other words.
 MAX_VERIFIED_CHARS = 1000
 # Typo'd words a rephrasing may have per question (each is tested against every word).
 MAX_TYPOS = 3
