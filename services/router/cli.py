@@ -103,6 +103,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     add_task_arguments(parser)
     args = parser.parse_args(argv)
+    for peer in ("session", "retriever"):
+        # Said before the files are read: a peer's TLS without the peer is the first thing wrong.
+        given = [getattr(args, f"{peer}_tls_{part}") for part in ("ca", "cert", "key")]
+        if any(given) and not getattr(args, f"{peer}_addr"):
+            parser.error(f"--{peer}-tls-* without --{peer}-addr: nothing to dial with them")
     try:
         settings = from_flags(
             RouterSettings,

@@ -661,6 +661,46 @@ async def test_a_stopping_router_hands_its_task_back_for_another_at_once_uncount
     assert states == [queued, *[running, queued] * 3, running, router_pb2.TASK_STATE_SUCCEEDED]
 
 
+class SwallowsFirstCancel(FakeRunTurn):
+    """A turn whose first cancellation is lost, as one landing inside a Redis client's own timeout
+    handling can be: it goes on as if nothing happened."""
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> AsyncGenerator[router_pb2.ChatResponse, None]:  # type: ignore[override]
+        swallowed = False
+        inner = super().__call__(*args, **kwargs)
+        while True:
+            try:
+                response = await inner.__anext__()
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                if swallowed:
+                    raise
+                swallowed = True
+                inner = FakeRunTurn(self.delay_s).__call__(*args, **kwargs)  # on as if uncancelled
+                continue
+            yield response
+
+
+async def test_a_stop_whose_cancellation_is_lost_cancels_again_instead_of_waiting_for_the_answer(
+    redis_client: Any,
+) -> None:
+    """A lost cancellation let the run go on to its end (four words at 10 s: 40 s) while the
+    stopping router waited for it, which held a rolling restart that long."""
+    settings = TaskSettings(visibility_timeout_s=30, block_ms=100, max_attempts=3)
+    api = TaskApi(redis_client, SwallowsFirstCancel(delay_s=10.0), "swallowing", settings)
+    task_id = (await api.SubmitTask(ACME, submit_request())).task_id
+    await api.start()
+    running = await wait_for_state(api, task_id, router_pb2.TASK_STATE_RUNNING, timeout=3)
+    assert running.state == router_pb2.TASK_STATE_RUNNING
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    await api.stop(grace_s=0.1)
+    assert loop.time() - began < 15, "the stop waited for the run's answer"
+    queued = await api.GetTask(ACME, router_pb2.GetTaskRequest(task_id=task_id))
+    assert queued.state == router_pb2.TASK_STATE_QUEUED, queued
+
+
 async def test_a_running_task_outlives_the_unfinished_ttl_and_its_end_keeps_no_request(
     redis_client: Any,
 ) -> None:
