@@ -157,14 +157,15 @@ def test_tenants_cannot_reach_each_others_tasks_or_streams(door: FrontDoor) -> N
     assert replayed[-1].HasField("end")
 
 
-def test_an_answer_cancelled_part_way_is_charged_the_tokens_it_streamed(door: FrontDoor) -> None:
-    """A client that read an answer and cancelled before its end paid nothing: its key could take
-    any number of tokens that way. Now the tokens streamed are charged, so past the key's budget
-    (60 tokens/min) its next turn is refused."""
+def cancelled_after(
+    door: FrontDoor, key: str, text: str, tokens: int
+) -> tuple[int, router_pb2.TurnEnd | None]:
+    """A long answer to ``text`` on the Chat stream, cancelled once ``tokens`` have come: how many
+    came, and the turn's end."""
     enough = threading.Event()
 
     def client_messages() -> Iterator[router_pb2.ChatRequest]:
-        request = turn("a long answer")
+        request = turn(text)
         request.sampling.max_tokens = 4000
         yield request
         enough.wait(20)
@@ -172,12 +173,20 @@ def test_an_answer_cancelled_part_way_is_charged_the_tokens_it_streamed(door: Fr
 
     streamed = 0
     ended = None
-    for response in door.stub.Chat(client_messages(), metadata=door.auth("metered"), timeout=30):
+    for response in door.stub.Chat(client_messages(), metadata=door.auth(key), timeout=30):
         streamed += len(response.delta.token_ids)
-        if streamed >= 90:
+        if streamed >= tokens:
             enough.set()
         if response.HasField("end"):
             ended = response.end
+    return streamed, ended
+
+
+def test_an_answer_cancelled_part_way_is_charged_the_tokens_it_streamed(door: FrontDoor) -> None:
+    """A client that read an answer and cancelled before its end paid nothing: its key could take
+    any number of tokens that way. Now the tokens streamed are charged, so past the key's budget
+    (60 tokens/min) its next turn is refused."""
+    _, ended = cancelled_after(door, "metered", "a long answer", 90)
     assert ended is not None and ended.finish_reason == common_pb2.FINISH_REASON_CANCELLED
     time.sleep(0.5)  # the charge is written beside the turn's end
     with pytest.raises(grpc.RpcError) as refused:
@@ -190,24 +199,8 @@ def test_a_stream_cancelled_after_its_first_tokens_is_charged_its_prompt_too(doo
     """The replica counted the prompt only in its end, so a stream cancelled after one token
     prefilled any prompt for free: ten 7,500-token prompts went through a 600 tokens/min key and
     left it full. The first chunk now says the prompt's size: the turn reports it and is charged it."""
-    enough = threading.Event()
     long_prompt = "lorem ipsum dolor " * 400  # 7,200 characters: 1,801 tokens as the replica counts
-
-    def client_messages() -> Iterator[router_pb2.ChatRequest]:
-        request = turn(long_prompt)
-        request.sampling.max_tokens = 4000
-        yield request
-        enough.wait(20)
-        yield router_pb2.ChatRequest(cancel=True)
-
-    streamed = 0
-    ended = None
-    for response in door.stub.Chat(client_messages(), metadata=door.auth("prompty"), timeout=30):
-        streamed += len(response.delta.token_ids)
-        if streamed:
-            enough.set()
-        if response.HasField("end"):
-            ended = response.end
+    streamed, ended = cancelled_after(door, "prompty", long_prompt, 1)
     assert ended is not None and ended.finish_reason == common_pb2.FINISH_REASON_CANCELLED
     assert ended.usage.prompt_tokens == (len(long_prompt) + 4) // 4
     assert ended.usage.completion_tokens == streamed

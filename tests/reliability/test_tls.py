@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ssl
 import subprocess
 import sys
@@ -115,9 +116,9 @@ def test_a_service_with_client_names_admits_only_certificates_that_carry_one(
         redis.kill()
 
 
-@pytest.fixture(scope="module")
-def tls_router(certs: CertPaths) -> Iterator[ServiceProcess]:
-    """The router's front door with TLS, in front of a synthetic token source (fake replica)."""
+@contextlib.contextmanager
+def tls_router_over_a_fake_replica(certs: CertPaths, *extra: str) -> Iterator[ServiceProcess]:
+    """A router with TLS on its ports, in front of a synthetic token source (fake replica)."""
     replica = ServiceProcess("services.synthetic", ["--log-level", "WARNING"])
     router: ServiceProcess | None = None
     try:
@@ -126,7 +127,7 @@ def tls_router(certs: CertPaths) -> Iterator[ServiceProcess]:
             "services.router",
             [
                 "--replicas", replica.address, "--probe-interval-s", "0", "--log-level", "WARNING",
-                "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
+                "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key), *extra,
             ],
         )  # fmt: skip
         # Health checks speak plaintext: wait for the TLS client's own call instead.
@@ -136,6 +137,13 @@ def tls_router(certs: CertPaths) -> Iterator[ServiceProcess]:
         if router is not None:
             router.stop()
         replica.stop()
+
+
+@pytest.fixture(scope="module")
+def tls_router(certs: CertPaths) -> Iterator[ServiceProcess]:
+    """The router's front door with TLS, in front of a synthetic token source (fake replica)."""
+    with tls_router_over_a_fake_replica(certs) as router:
+        yield router
 
 
 def test_router_front_door_serves_tls_clients_and_refuses_plaintext(
@@ -186,28 +194,13 @@ def test_the_openai_front_of_a_tls_router_is_https_and_refuses_plaintext(
 
 
 def test_the_openai_front_of_an_mtls_router_needs_a_client_certificate(certs: CertPaths) -> None:
-    replica = ServiceProcess("services.synthetic", ["--log-level", "WARNING"])
-    router: ServiceProcess | None = None
-    try:
-        replica.start(timeout=120)
-        router = ServiceProcess(
-            "services.router",
-            [
-                "--replicas", replica.address, "--probe-interval-s", "0", "--log-level", "WARNING",
-                "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
-                "--tls-client-ca", str(certs.ca),
-            ],
-        ).start(wait_serving=False, timeout=120)  # fmt: skip
+    with tls_router_over_a_fake_replica(certs, "--tls-client-ca", str(certs.ca)) as router:
         url = f"https://localhost:{https_port(router)}/v1/models"
         with_certificate = ssl.create_default_context(cafile=str(certs.ca))
         with_certificate.load_cert_chain(str(certs.client_cert), str(certs.client_key))
         assert httpx.get(url, verify=with_certificate, timeout=10).status_code == 200
         with pytest.raises(httpx.HTTPError):  # the handshake (or the first read) fails without one
             httpx.get(url, verify=ssl.create_default_context(cafile=str(certs.ca)), timeout=5)
-    finally:
-        if router is not None:
-            router.stop()
-        replica.stop()
 
 
 def test_the_cli_reaches_a_tls_router_with_its_ca_and_says_tls_without_it(

@@ -75,7 +75,7 @@ async def cache_lookup(
             with tracing.stage("exact cache lookup"):
                 hit = await s.exact_cache.get(tenant, key)
         except Exception as exc:  # a cache that fails degrades the turn, never fails it
-            state.degraded.append(f"exact cache: {_lookup_why(exc)}")
+            state.degraded.append(f"exact cache: {_why(exc, 'lookup')}")
         else:
             if hit is not None:
                 return hit, router_pb2.CACHE_LAYER_EXACT
@@ -91,7 +91,7 @@ async def cache_lookup(
                 tenant, semantic.prompt, model, semantic.fingerprint, threshold
             )
         except Exception as exc:  # any refusal too (INTERNAL reached the client before)
-            state.degraded.append(f"semantic cache: {_lookup_why(exc)}")
+            state.degraded.append(f"semantic cache: {_why(exc, 'lookup')}")
         else:
             if hit is not None and await serve_or_learn(s, tenant, semantic, hit, state):
                 return hit, router_pb2.CACHE_LAYER_SEMANTIC
@@ -147,26 +147,17 @@ async def cache_fill(
             state.degraded.append(f"semantic cache: {_why(exc)}")
 
 
-def _lookup_why(exc: Exception) -> str:
-    """A cache lookup's failure as a degradation note: an outage's own message, else its status."""
+def _why(exc: Exception, step: str = "store") -> str:
+    """A cache ``step``'s (store, lookup) failure as a degradation note: an outage's own message,
+    else its status."""
     if isinstance(exc, errors.DependencyUnavailable):
         return str(exc)
+    missed = "not stored" if step == "store" else "not looked up"
     if isinstance(exc, grpc.aio.AioRpcError):
-        log.warning("cache lookup refused: %s: %s", exc.code().name, exc.details())
-        return f"not looked up ({exc.code().name}: {exc.details()})"
-    log.warning("cache lookup failed", exc_info=exc)
-    return f"not looked up ({type(exc).__name__})"
-
-
-def _why(exc: Exception) -> str:
-    """A cache store's failure as a degradation note: an outage's own message, else its status."""
-    if isinstance(exc, errors.DependencyUnavailable):
-        return str(exc)
-    if isinstance(exc, grpc.aio.AioRpcError):
-        log.warning("cache store refused: %s: %s", exc.code().name, exc.details())
-        return f"not stored ({exc.code().name}: {exc.details()})"
-    log.warning("cache store failed", exc_info=exc)
-    return f"not stored ({type(exc).__name__})"
+        log.warning("cache %s refused: %s: %s", step, exc.code().name, exc.details())
+        return f"{missed} ({exc.code().name}: {exc.details()})"
+    log.warning("cache %s failed", step, exc_info=exc)
+    return f"{missed} ({type(exc).__name__})"
 
 
 async def fallback_answer(s: TurnServices, tenant: str, key: str | None) -> tuple[CachedAnswer, int]:
