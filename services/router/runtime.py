@@ -129,9 +129,11 @@ class RouterSettings:
             raise ValueError("--replicas, --replicas-dns or --replicas-file: at least one is required")
         if self.health_interval_s <= 0:
             raise ValueError("--health-interval-s must be > 0")
-        if not -1.0 <= self.semantic_cache_threshold <= 1.0:
+        if not 0.0 < self.semantic_cache_threshold <= 1.0:
+            # As a request's own cache.semantic_threshold (router.proto): a cosine of 0 or less
+            # would send every stored question to the verifier as a candidate. NaN fails this too.
             raise ValueError(
-                f"--semantic-cache-threshold must be in [-1, 1], got {self.semantic_cache_threshold}"
+                f"--semantic-cache-threshold must be in (0, 1], got {self.semantic_cache_threshold}"
             )
         self.prefix_settings()  # its flags are checked at start, whichever policy runs
         for peer, address, tls in (
