@@ -294,7 +294,7 @@ class TurnPipeline:
             s.on_session_served(outcome.replica, tenant, request.session_id, start.cache_salt)
         # The pin and the token charge change nothing in the TurnEnd: they are written while it goes
         # out, and the turn (so the call) ends only once they landed.
-        usage = turn_usage(outcome.finished, len(outcome.token_ids))
+        usage = turn_usage(outcome.finished, len(outcome.token_ids), outcome.prompt_tokens)
         bookkeeping = self._bookkeeping(principal, request, outcome, usage, pinned)
         answer = "".join(outcome.text_parts)
         finished = outcome.finished

@@ -75,7 +75,9 @@ def token_message(
     return response
 
 
-def turn_usage(finished: inference_pb2.GenerationFinished | None, completion_tokens: int) -> common_pb2.Usage:
+def turn_usage(
+    finished: inference_pb2.GenerationFinished | None, completion_tokens: int, prompt_tokens: int = 0
+) -> common_pb2.Usage:
     """A turn's usage: what the client received, the prompt once.
 
     ``completion_tokens`` is every answer token the client got, across failovers (a replica
@@ -86,7 +88,7 @@ def turn_usage(finished: inference_pb2.GenerationFinished | None, completion_tok
     from an attempt's first chunk (``RelayOutcome.prompt_tokens``; 0 before any token came:
     unknown, never guessed).
     """
-    usage = common_pb2.Usage(completion_tokens=completion_tokens)
+    usage = common_pb2.Usage(completion_tokens=completion_tokens, prompt_tokens=prompt_tokens)
     if finished is not None:
         usage.prompt_tokens = finished.usage.prompt_tokens
         usage.cached_prompt_tokens = min(finished.usage.cached_prompt_tokens, usage.prompt_tokens)
@@ -129,7 +131,7 @@ def turn_end(
         request,
         outcome,
         reason=reason,
-        usage=turn_usage(finished, len(outcome.token_ids)),
+        usage=turn_usage(finished, len(outcome.token_ids), outcome.prompt_tokens),
         timings=timings,
         replica=replica,
         version=version,
@@ -155,7 +157,7 @@ def stopped_end(
         request,
         outcome,
         reason=reason,
-        usage=common_pb2.Usage(prompt_tokens=outcome.prompt_tokens, completion_tokens=state.streamed),
+        usage=turn_usage(None, state.streamed, outcome.prompt_tokens),
         timings=timings,
         replica=state.streamed_by,
         error=error,
