@@ -56,7 +56,9 @@ def unopenable_file(tmp_path: Path) -> Path:
         path.unlink()
         path.symlink_to("/proc/sys/vm/drop_caches")
         if not path.is_file() or os.access(path, os.R_OK):
-            pytest.skip("no file here that this user cannot read")
+            pytest.skip(
+                "not Linux: no procfs file (/proc/sys/vm/drop_caches) that even root cannot open for reading"
+            )
     return path
 
 
@@ -65,14 +67,18 @@ def unreadable_file(tmp_path: Path) -> Path:
     path = tmp_path / "mem.md"
     path.symlink_to("/proc/self/mem")
     if not path.is_file():
-        pytest.skip("no /proc/self/mem here")
+        pytest.skip("not Linux: no /proc/self/mem, the file that opens but fails to read (EIO)")
     return path
 
 
-@pytest.mark.parametrize(
+#: The two ways a file fails to be read: at open() (EACCES) and at read() (EIO); both clients.
+UNREADABLE_FILES = pytest.mark.parametrize(
     ("make", "error_type", "code"),
     [(unopenable_file, PermissionError, errno.EACCES), (unreadable_file, OSError, errno.EIO)],
 )
+
+
+@UNREADABLE_FILES
 async def test_an_unreadable_file_raises_its_os_error_naming_it_from_the_async_client(
     fake_router: tuple[str, IngestOnly],
     tmp_path: Path,
@@ -93,10 +99,7 @@ async def test_an_unreadable_file_raises_its_os_error_naming_it_from_the_async_c
     assert summary.document_id == "good.md" and ("good.md", len("# fine\n")) in servicer.documents
 
 
-@pytest.mark.parametrize(
-    ("make", "error_type", "code"),
-    [(unopenable_file, PermissionError, errno.EACCES), (unreadable_file, OSError, errno.EIO)],
-)
+@UNREADABLE_FILES
 def test_an_unreadable_file_raises_its_os_error_naming_it_from_the_sync_client(
     fake_router: tuple[str, IngestOnly],
     tmp_path: Path,
