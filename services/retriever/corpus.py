@@ -23,6 +23,7 @@ from services.common.errors import InvalidArgument, NotFound
 from services.retriever.chunking import Chunk, TokenChunker
 from services.retriever.document_locks import DocumentLocks, LocalLocks
 from services.retriever.embedder import Vectors
+from services.retriever.embedding_input import InputBudget, fitted_text
 from services.retriever.parsing import (
     DEFAULT_MAX_PARSE_SECONDS,
     DOCX,
@@ -87,9 +88,10 @@ def check_document_id(document_id: str, field_name: str = "document_id") -> None
         raise InvalidArgument(field_name, "must not contain control characters")
 
 
-def embedding_text(title: str, chunk: Chunk) -> str:
-    """What gets embedded and keyword-indexed: the chunk under its title and heading path."""
-    return contextual_text(title, chunk.heading_path or (chunk.heading,), chunk.text)
+def embedding_text(title: str, chunk: Chunk, budget: InputBudget | None = None) -> str:
+    """What gets embedded: the chunk under its title and heading path, cut to the model's input
+    from the context's side (``embedding_input``) so none of the chunk's own words are dropped."""
+    return fitted_text(title, chunk.heading_path or (chunk.heading,), chunk.text, budget)
 
 
 def search_text(title: str, chunk: Chunk) -> str:
@@ -136,6 +138,7 @@ class Corpus:
         self._max_parse_seconds = max_parse_seconds
         self._searcher = Searcher(store, embedder, reranker, reranker_unavailable)
         self._embedder = embedder
+        self._input_budget = InputBudget.of(embedder)
         self._chunker = chunker
         self._clock = clock
         # One writer per document: in this process, or (Redis leases) across replicas.
@@ -182,7 +185,7 @@ class Corpus:
             )
             if not chunks:
                 raise InvalidArgument("data", "document has no text to index")
-            contexts = [embedding_text(title, c) for c in chunks]
+            contexts = [embedding_text(title, c, self._input_budget) for c in chunks]
             vectors = self._embedder.embed(contexts)
 
             version = current.last_version + 1 if current is not None else 1

@@ -646,6 +646,39 @@ def test_long_headings_never_push_a_chunks_own_words_out_of_the_keyword_index(st
     assert [h.text for h in hits] == ["The zebrafish regenerates its heart."]
 
 
+class TruncatingFakeEmbedder(BagOfWordsFakeEmbedder):
+    """Reads only its first ``max_tokens`` words, as a real embedding model drops what is past its input."""
+
+    max_tokens = 12
+    special_tokens = 0
+
+    def token_spans(self, text: str) -> list[tuple[int, int]]:
+        return whitespace_token_spans(text)
+
+    def embed(self, texts: Sequence[str]) -> Vectors:
+        return super().embed([" ".join(t.split()[: self.max_tokens]) for t in texts])
+
+
+def test_a_long_title_never_pushes_a_chunks_own_words_out_of_its_vector(store: ObservedStore) -> None:
+    # Title, heading path and text were embedded as one, and the model dropped what was past
+    # its input: chunks under one long title differing in their last words had one vector.
+    corpus = Corpus(
+        store,
+        TruncatingFakeEmbedder(),
+        TokenChunker(whitespace_token_spans, ChunkingPolicy(max_tokens=10, overlap_tokens=0)),
+    )
+    tenant = "long-title"
+    title = "Annual report of the regional water authority for the year"  # 11 words
+    endings = {"pumps": "rust", "meters": "leak", "valves": "stick"}
+    for document_id, ending in endings.items():
+        text = f"minutes of the board meeting noted that {document_id} {ending}"
+        corpus.ingest(tenant, DocumentUpload(document_id, text.encode(), "text/plain", title=title))
+    for document_id, ending in endings.items():
+        hits = corpus.search(tenant, SearchQuery(f"{document_id} {ending}", mode=SearchMode.DENSE.value))
+        assert hits[0].document_id == document_id, [h.document_id for h in hits]
+        assert hits[0].score > hits[1].score
+
+
 def test_a_charset_declared_for_json_and_json_lines_is_honoured(corpus: Corpus, store: ObservedStore) -> None:
     # Only text/* kept its charset: JSON in Windows-1252 was read as UTF-8 and refused with
     # advice to declare the charset it had declared.
