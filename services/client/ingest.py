@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -124,7 +125,7 @@ def plan(paths: list[Path], id_prefix: str = "") -> tuple[list[PlannedDocument],
         elif root.is_file():
             pairs = [(root, root.name)]
         else:
-            skipped.append((str(root), "no such file or folder"))
+            skipped.append((str(root), _not_a_document(root)))
             continue
         for path, relative in pairs:
             try:
@@ -139,6 +140,21 @@ def plan(paths: list[Path], id_prefix: str = "") -> tuple[list[PlannedDocument],
             else:
                 planned.append(PlannedDocument(path, id_prefix + relative))
     return planned, skipped
+
+
+def _not_a_document(path: Path) -> str:
+    """Why a path given on the command line is neither a file nor a folder to read."""
+    if path.is_symlink() and not path.exists():
+        return "broken symbolic link"
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "no such file or folder"
+    except OSError as exc:  # a folder on the way that cannot be searched, a name too long
+        return exc.strerror or type(exc).__name__
+    # A FIFO or a device was "no such file or folder", which sent users looking for a typo.
+    kind = "a named pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+    return f"not a regular file or folder ({kind})"
 
 
 class UsageError(Exception):

@@ -51,6 +51,19 @@ def test_folders_become_relative_ids_and_unsupported_files_are_skipped_with_a_re
     ]
 
 
+def test_a_path_that_is_there_but_not_a_file_or_folder_says_what_it_is(tmp_path: Path) -> None:
+    # A named pipe was "no such file or folder", which sent users looking for a typo.
+    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(fifo)
+    dangling = tmp_path / "gone.md"
+    dangling.symlink_to(tmp_path / "deleted.md")
+    _, skipped = plan([fifo, dangling])
+    assert [(Path(path).name, reason) for path, reason in skipped] == [
+        ("pipe.txt", "not a regular file or folder (a named pipe)"),
+        ("gone.md", "broken symbolic link"),
+    ]
+
+
 def test_metadata_pairs_need_a_key_and_an_equals_sign() -> None:
     assert parse_metadata(["team=docs", "note=a=b"]) == {"team": "docs", "note": "a=b"}
     with pytest.raises(UsageError, match="KEY=VALUE"):
