@@ -385,6 +385,28 @@ def test_x_request_id_names_the_request_and_comes_back(mesh: Mesh) -> None:
     assert reused_response.value.body["param"] == "x-request-id"  # type: ignore[index]
 
 
+# -- the retriever's embedding model in /v1/models
+
+
+def test_the_retrievers_embedding_model_is_listed_and_retrievable(mesh: Mesh) -> None:
+    """OpenAI lists its embedding models with the others; the model /v1/embeddings serves was in
+    no list, so a client choosing from ``models.list()`` could not find it (nor ``retrieve`` it)."""
+    client = mesh.client()
+    listed = list(client.models.list())
+    # The chat model first (clients that take the first entry still chat with it), then the
+    # retriever's model under the name its embeddings answer with.
+    assert len(listed) == 2 and listed[0].id == mesh.model, listed
+    embedder = listed[1]
+    assert (embedder.object, embedder.owned_by) == ("model", "llm-mesh")
+    assert client.embeddings.create(model=embedder.id, input="a lighthouse").model == embedder.id
+    assert client.models.retrieve(embedder.id).id == embedder.id
+    # Over HTTP with the name's slash as is, too (the SDK quotes it).
+    got = httpx.get(
+        f"{mesh.bases[1]}/v1/models/{embedder.id}", headers={"authorization": f"Bearer {KEY}"}, timeout=30
+    )
+    assert got.status_code == 200 and got.json()["id"] == embedder.id, got.text
+
+
 # -- traces
 
 

@@ -366,3 +366,127 @@ def test_embeddings_hold_an_in_flight_place_like_turns() -> None:
     finally:
         router.stop()
         replica.stop()
+
+
+# -- one trailing slash: the route itself, never a redirect
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("POST", "/v1/chat/completions/", {**BODY, "max_tokens": 1, "stream": False}),
+        ("POST", "/v1/chat/completions/", {**BODY, "max_tokens": 1}),
+        ("POST", "/v1/completions/", {"model": "synthetic", "prompt": "hi", "max_tokens": 1}),
+        ("POST", "/v1/responses/", {"model": "synthetic", "input": "hi", "max_output_tokens": 1}),
+        ("GET", "/v1/models/", None),
+        ("GET", "/v1/models/gpt-4o-mini/", None),
+        ("GET", "/health/", None),
+    ],
+)
+def test_a_path_with_one_trailing_slash_is_answered_by_its_route(
+    base: str, method: str, path: str, body: dict[str, Any] | None
+) -> None:
+    """A POST to ``/v1/chat/completions/`` was a 307 to the path without the slash, with an empty
+    body, which clients that do not follow redirects (httpx's default, curl's) read as nothing, and
+    ``/v1/models/`` a 404 for the model ''."""
+    response = httpx.request(method, f"{base}{path}", json=body, timeout=30, follow_redirects=False)
+    assert response.status_code == 200, (response.status_code, response.headers, response.text)
+    if response.headers["content-type"].startswith("text/event-stream"):
+        assert load_tool_texts(response.content) and response.text.endswith("data: [DONE]\n\n")
+        return
+    answer = response.json()
+    if path.startswith("/v1/models/"):
+        # The slash-less answers: the list, the one model.
+        assert answer == httpx.get(f"{base}{path[:-1]}", timeout=10).json()
+    elif path == "/health/":
+        assert answer["status"] == "ok"
+    else:
+        assert answer.get("usage"), answer
+
+
+def test_the_sdk_reaches_a_route_through_a_trailing_slash(base: str) -> None:
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused-on-an-open-router", max_retries=0)
+    chat = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    # The SDK's own client follows a 307 by resending the body, but never has to now.
+    raw = client.chat.completions.with_raw_response.create(**chat)  # type: ignore[call-overload]
+    slashed = client.post("/chat/completions/", body=chat, cast_to=openai.types.chat.ChatCompletion)
+    assert slashed.usage is not None and slashed.usage.completion_tokens == 1
+    assert slashed.model == raw.parse().model == "synthetic"
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/v1/chat/completions//"),  # one slash more is the route; two are not (was a 307)
+        ("POST", "/v1/chat/completion/"),
+        ("GET", "/v1/"),
+        ("GET", "/"),
+    ],
+)
+def test_an_unknown_path_is_a_404_in_openai_shape_naming_it(base: str, method: str, path: str) -> None:
+    response = httpx.request(method, f"{base}{path}", json={}, timeout=10, follow_redirects=False)
+    error = _error(response, 404, None, "unknown_url")
+    assert error["message"] == f"{method} {path}: Not Found"
+
+
+# -- stream_options.continuous_usage_stats (vLLM's): the usage so far in every chunk
+
+
+CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chat_chunk(base: str) -> None:
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused-on-an-open-router", max_retries=0)
+    chunks = list(client.chat.completions.create(**BODY, stream_options=CONTINUOUS))  # type: ignore[call-overload]
+    final = chunks[-1]
+    assert final.choices == [] and final.usage is not None and final.usage.completion_tokens == 3
+    tokens = 0
+    for chunk in chunks[:-1]:
+        # Was null in all but the last chunk: the role chunk, each token's, the finishing one.
+        assert chunk.usage is not None, chunk
+        if chunk.choices[0].delta.content:
+            tokens += 1  # the synthetic replica sends one token a chunk
+            # The prompt's count from the first token on, as vLLM: the replica sends it with it.
+            assert chunk.usage.prompt_tokens == final.usage.prompt_tokens > 0, chunk
+        assert chunk.usage.completion_tokens == tokens
+        assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + chunk.usage.completion_tokens
+    finishing = chunks[-2]
+    assert finishing.choices[0].finish_reason == "length"
+    assert (finishing.usage.prompt_tokens, finishing.usage.total_tokens) == (  # type: ignore[union-attr]
+        final.usage.prompt_tokens,
+        final.usage.total_tokens,
+    )
+
+
+def test_continuous_usage_stats_counts_the_whole_request_with_n_choices(base: str) -> None:
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused-on-an-open-router", max_retries=0)
+    chunks = list(
+        client.completions.create(
+            model="synthetic",
+            prompt="hi there",
+            max_tokens=2,
+            n=2,
+            stream=True,
+            stream_options=CONTINUOUS,  # type: ignore[arg-type]
+        )
+    )
+    final = chunks[-1].usage
+    assert final is not None and final.completion_tokens == 4  # 2 choices × 2 tokens
+    running = [c.usage for c in chunks[:-1]]
+    assert all(u is not None for u in running), chunks
+    completions = [u.completion_tokens for u in running if u is not None]
+    # Both choices' tokens, in the order they arrived: each chunk counts one more.
+    assert completions == sorted(completions) and completions[-1] == 4 and completions[0] >= 1
+    last = running[-1]
+    assert last is not None and (last.prompt_tokens, last.total_tokens) == (
+        final.prompt_tokens,
+        final.total_tokens,
+    )
+
+
+@pytest.mark.parametrize("value", ["true", 1, {}])
+def test_a_continuous_usage_stats_that_is_no_boolean_is_a_400_naming_it(base: str, value: object) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": value}
+    for path, body in (("/v1/chat/completions", BODY), ("/v1/completions", {"prompt": "hi", "stream": True})):
+        response = httpx.post(f"{base}{path}", json={**body, "stream_options": options}, timeout=10)
+        _error(response, 400, "stream_options.continuous_usage_stats", "invalid_value")

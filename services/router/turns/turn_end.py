@@ -66,12 +66,14 @@ def token_message(
         delta.logprobs.extend(first.logprobs)
         delta.prompt_logprobs.extend(first.prompt_logprobs)
         delta.prompt_text = first.prompt_text
+        delta.prompt_tokens = first.prompt_tokens
         return response
     delta.index, delta.text = merge(batch, delta.token_ids)
     for chunk in batch:  # one per token id, in the same order (empty unless asked for)
         delta.logprobs.extend(chunk.logprobs)
         delta.prompt_logprobs.extend(chunk.prompt_logprobs)  # the first chunk's, if asked for
         delta.prompt_text += chunk.prompt_text  # likewise
+        delta.prompt_tokens = max(delta.prompt_tokens, chunk.prompt_tokens)  # likewise
     return response
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Match, Route
 
 from services.common import errors
 from services.gen.llmmesh.v1 import retriever_pb2, router_pb2
@@ -54,6 +55,15 @@ REQUEST_TIMEOUT = "x-request-timeout"
 SDK_TIMEOUT = "x-stainless-timeout"
 OWNER = "llm-mesh"
 CLIENT_GONE = object()
+# The router is told its retriever's embedding model only in an Embed reply (``EmbedResponse.model``,
+# what /v1/embeddings answers with): /v1/models embeds this one word to learn it, and keeps the name
+# this long (every /v1/embeddings reply renews it), so a retriever restarted on another model shows.
+EMBEDDING_PROBE_TEXT = "llm-mesh"
+EMBEDDING_NAME_TTL_S = 60.0
+# A retriever that did not answer is asked again after this long, each ask bounded by the timeout:
+# a retriever that is down must not hold every model list for long.
+EMBEDDING_RETRY_S = 5.0
+EMBEDDING_PROBE_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -105,6 +115,10 @@ class OpenAiFront:
         self._clock = clock
         # Resumable streams whose client has gone, still generating into the replay buffer.
         self._detached: set[ChoiceStreams] = set()
+        # The retriever's embedding model as last learned (None: unknown), when, and the ask in flight.
+        self._embedding_name: str | None = None
+        self._embedding_at = -math.inf
+        self._embedding_ask: asyncio.Future[str | None] | None = None
 
     def app(self) -> Any:
         routes = [
@@ -122,7 +136,11 @@ class OpenAiFront:
             ),
         ]
         app = Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
-        return HttpMetrics(app)
+        # No 307 to the path without its trailing slash (OneTrailingSlash answers that in place): a
+        # path that is still unknown is a 404 in OpenAI's shape, never an empty redirect.
+        app.router.redirect_slashes = False
+        # Outside the metrics: a route's requests count under its label with or without the slash.
+        return OneTrailingSlash(HttpMetrics(app), routes)
 
     def _endpoint(self, handler: Callable[[Request], Awaitable[Any]]) -> Callable[[Request], Awaitable[Any]]:
         """Every failure leaves as an OpenAI-shaped error with the table's status, never a traceback."""
@@ -151,13 +169,21 @@ class OpenAiFront:
         return JSONResponse({"status": "ok", "models": models})
 
     async def list_models(self, request: Request) -> Response:
-        self._principal(request)
-        return JSONResponse({"object": "list", "data": [self._model(m) for m in sorted(self._listed())]})
+        principal = self._principal(request)
+        listed = sorted(self._listed())
+        # After the chat models: clients that take the list's first entry as the model to chat with
+        # (some do) still get one.
+        embedding = await self._embedding_model(principal)
+        if embedding is not None and embedding not in listed:
+            listed.append(embedding)
+        return JSONResponse({"object": "list", "data": [self._model(m) for m in listed]})
 
     async def get_model(self, request: Request) -> Response:
-        self._principal(request)
+        principal = self._principal(request)
         name = request.path_params["model"]
         known = self._listed()
+        if name not in known and (embedding := await self._embedding_model(principal)) is not None:
+            known.add(embedding)  # asked only for a name no chat model has
         if name not in known:
             served = ", ".join(sorted(known)) or "none yet"
             raise ApiError(
@@ -200,6 +226,7 @@ class OpenAiFront:
                 )
         except grpc.aio.AioRpcError as exc:
             raise input_error(api_error(exc, request.url.path)) from None
+        self._learned_embedding_model(reply.model or None)
         check_model(wanted.model, reply.model)
         return JSONResponse(embedding_body(wanted, reply))
 
@@ -306,6 +333,7 @@ class OpenAiFront:
             seen,
             with_extras,
             with_ids=generation.extras.resumable or seen is not None,
+            continuous_usage=generation.continuous_usage,
         )
         return SseResponse(body_iter, lambda: on_gone(streams), headers)
 
@@ -482,6 +510,43 @@ class OpenAiFront:
     def _known(self) -> set[str]:
         return self.pipeline.s.pool.models()
 
+    async def _embedding_model(self, principal: Principal) -> str | None:
+        """The retriever's embedding model as /v1/embeddings names it (OpenAI lists embedding models
+        with the others); None without a retriever, or while it does not answer, as a chat model is
+        listed only while a replica serves it."""
+        stub = self._retriever()
+        if stub is None:
+            return None
+        kept_for = EMBEDDING_NAME_TTL_S if self._embedding_name is not None else EMBEDDING_RETRY_S
+        if self._clock() - self._embedding_at < kept_for:
+            return self._embedding_name
+        if self._embedding_ask is None or self._embedding_ask.done():
+            # One ask at a time, whoever lists the models meanwhile waits for the same answer.
+            self._embedding_ask = asyncio.ensure_future(self._ask_embedding_model(stub, principal))
+        # Shielded: a client that leaves does not cancel the answer other callers wait for.
+        return await asyncio.shield(self._embedding_ask)
+
+    async def _ask_embedding_model(self, stub: Any, principal: Principal) -> str | None:
+        try:
+            reply = await stub.Embed(
+                retriever_pb2.EmbedRequest(texts=[EMBEDDING_PROBE_TEXT]),
+                metadata=downstream_metadata(principal),
+                timeout=EMBEDDING_PROBE_TIMEOUT_S,
+            )
+            name: str | None = reply.model or None
+        except grpc.aio.AioRpcError as exc:
+            log.warning(
+                "the retriever did not name its embedding model (%s: %s); /v1/models leaves it out",
+                exc.code().name,
+                exc.details(),
+            )
+            name = None
+        self._learned_embedding_model(name)
+        return name
+
+    def _learned_embedding_model(self, name: str | None) -> None:
+        self._embedding_name, self._embedding_at = name, self._clock()
+
     def _listed(self) -> set[str]:
         """The served models and every ``--model-aliases`` name a served model answers, as vLLM lists
         each served name: model pickers (Open WebUI) offer only what the list holds, and
@@ -546,6 +611,32 @@ async def _unless_gone(work: Awaitable[Any], request: Request) -> Any:
     if not task.done() or task.cancelled():
         return CLIENT_GONE  # nobody reads it; counted as 499, as nginx names a client that left
     return task.result()
+
+
+class OneTrailingSlash:
+    """ASGI middleware: a path that is a route's with one slash more (``/v1/chat/completions/``) is
+    answered as that route, in place.
+
+    Starlette answered it with a 307 to the path without the slash and an empty body: clients that
+    follow a redirect of a POST may resend it without its body, and those that do not follow saw an
+    empty answer. vLLM and OpenAI take the path either way. A path unknown either way keeps its
+    slash, so its 404 names the path as the client sent it.
+    """
+
+    def __init__(self, app: Any, routes: Sequence[BaseRoute]) -> None:
+        self.app = app
+        self.routes = routes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            trimmed = {**scope, "path": path[:-1]}
+            if any(route.matches(trimmed)[0] != Match.NONE for route in self.routes):
+                raw = scope.get("raw_path")
+                if isinstance(raw, bytes) and raw.endswith(b"/"):
+                    trimmed["raw_path"] = raw[:-1]
+                scope = trimmed
+        await self.app(scope, receive, send)
 
 
 def error_response(error: ApiError) -> JSONResponse:

@@ -79,6 +79,60 @@ def total_usage(usages: Mapping[int, common_pb2.Usage], per_prompt: int = 1) -> 
     return usage_body(sum(p for p, _ in prompts.values()), completion, sum(c for _, c in prompts.values()))
 
 
+#: How a chunk framed for ``include_usage`` ends (``Framer._chunk``, and so every delta template).
+_NULL_USAGE_END = ',"usage":null}'
+
+
+class RunningUsage:
+    """``stream_options.continuous_usage_stats``: the whole request's token counts so far, which
+    every chunk of its stream carries (vLLM's extension).
+
+    Counted as the final usage is (``total_usage``): completion tokens summed over the choices,
+    each prompt once however many choices share it. A choice's completion tokens are the ids its
+    deltas brought, then its TurnEnd's count. Its prompt's count comes with its first tokens
+    (``TokenDelta.prompt_tokens``, the replica's count), then its TurnEnd's. A cached answer's
+    deltas carry none, nor those of a replica older than the field: there the prompt counts 0
+    until the choice ends (docs/openai.md says so).
+    """
+
+    def __init__(self, choices: int, per_prompt: int = 1, score_only: bool = False) -> None:
+        self._prompt = [0] * choices
+        self._completion = [0] * choices
+        self._per_prompt = max(1, per_prompt)
+        #: Echo with max_tokens 0: the replica's one drawn token is no answer, never counted.
+        self._score_only = score_only
+
+    def add_delta(self, index: int, delta: router_pb2.TokenDelta) -> None:
+        # The replica's count, in an attempt's first delta; or one prompt logprob per prompt token.
+        self._prompt[index] = max(self._prompt[index], delta.prompt_tokens, len(delta.prompt_logprobs))
+        if not self._score_only:
+            self._completion[index] += len(delta.token_ids)
+
+    def add_end(self, index: int, usage: common_pb2.Usage) -> None:
+        """The choice's final counts (a cached answer's deltas may carry no ids: its end says)."""
+        self._prompt[index] = usage.prompt_tokens or self._prompt[index]
+        self._completion[index] = 0 if self._score_only else usage.completion_tokens
+
+    def body(self) -> dict[str, int]:
+        prompts: dict[int, int] = {}
+        for index, count in enumerate(self._prompt):
+            k = index // self._per_prompt
+            prompts[k] = max(prompts.get(k, 0), count)
+        prompt, completion = sum(prompts.values()), sum(self._completion)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def with_running_usage(payload: dict[str, Any] | str, usage: Mapping[str, int]) -> dict[str, Any] | str:
+    """A chunk framed with ``"usage": null`` (a body, or ``Framer.delta_json``'s text) carrying
+    ``usage`` instead."""
+    if isinstance(payload, str):
+        # Filled in the JSON text, so the per-token template path stays a template.
+        assert payload.endswith(_NULL_USAGE_END), "a chunk framed for include_usage"
+        return payload[: -len("null}")] + dumps(usage) + "}"
+    payload["usage"] = usage
+    return payload
+
+
 @dataclass(frozen=True)
 class Framer:
     """Builds one request's bodies: ``chat.completion`` (chat) or ``text_completion`` (text)."""

@@ -125,6 +125,9 @@ class Generation:
     include_usage: bool
     #: n: the choices of each prompt, consecutive in ``turns``.
     per_prompt: int = 1
+    #: ``stream_options.continuous_usage_stats`` (vLLM's) with ``include_usage``: every chunk
+    #: carries the request's usage so far, not ``null``.
+    continuous_usage: bool = False
     #: llm-mesh's own fields (session, RAG, cache policy, resumable), already applied to ``turns``.
     extras: Extras = field(default_factory=Extras)
     #: Chat with tools: every answer is a call (its arguments constrained to the tool's schema).
@@ -293,6 +296,8 @@ def turns_generation(
         if options and options.get(option) is not None and not isinstance(options[option], bool):
             raise bad_request(f"stream_options.{option}", f"stream_options.{option}: must be true or false")
     include_usage = bool(options and options.get("include_usage"))
+    # vLLM's rule: continuous_usage_stats alone changes nothing; it needs include_usage.
+    continuous_usage = include_usage and bool(options and options.get("continuous_usage_stats"))
     wanted = extras(body, len(conversations) * n)
     turns: list[router_pb2.ChatRequest] = []
     for conversation in conversations:
@@ -313,7 +318,9 @@ def turns_generation(
             )
             wanted.apply(turn)
             turns.append(turn)
-    return Generation(model or "", tuple(turns), stream, include_usage, n, wanted)
+    return Generation(
+        model or "", tuple(turns), stream, include_usage, n, continuous_usage=continuous_usage, extras=wanted
+    )
 
 
 def turn_request_id(request_id: str, index: int, choices: int) -> str:

@@ -10,7 +10,15 @@ from services.gen.llmmesh.v1 import common_pb2
 from services.router.api.openai.choices import ChoiceEvent, ChoiceStreams, check_end
 from services.router.api.openai.errors import bad_request
 from services.router.api.openai.extras import response_extras
-from services.router.api.openai.framing import DONE, KEEPALIVE, KEEPALIVE_WITH_IDS, Framer, sse
+from services.router.api.openai.framing import (
+    DONE,
+    KEEPALIVE,
+    KEEPALIVE_WITH_IDS,
+    Framer,
+    RunningUsage,
+    sse,
+    with_running_usage,
+)
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
@@ -71,11 +79,18 @@ def sse_body(
     seen: Sequence[int] | None = None,
     with_extras: bool = False,
     with_ids: bool = False,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[bytes]:
     """``_events`` without the events a resuming client already has (a stream not resumed has
     none to drop, and takes no extra generator per event). ``with_ids``: each event carries its
-    id (a resumable or resumed stream)."""
-    events = _events(streams, framer, first, include_usage, keepalive_s, seen, with_extras, with_ids)
+    id (a resumable or resumed stream). ``continuous_usage`` (with ``include_usage``): every
+    chunk carries the request's usage so far."""
+    running = (
+        RunningUsage(streams.count, framer.per_prompt, framer.score_only)
+        if include_usage and continuous_usage
+        else None
+    )
+    events = _events(streams, framer, first, include_usage, keepalive_s, seen, with_extras, with_ids, running)
     return events if seen is None else _unseen(events)
 
 
@@ -94,22 +109,31 @@ async def _events(
     seen: Sequence[int] | None,
     with_extras: bool,
     with_ids: bool,
+    running: RunningUsage | None = None,
 ) -> AsyncIterator[bytes]:
     """The whole event stream of one request: every choice's chunks, usage if asked, then [DONE].
 
     ``seen``: events per choice the client already has (from its ``Last-Event-ID``): the
     messages are replayed from the start, and each choice's events are made again exactly
     as they were, but sent only after that count. The usage chunk counts as choice 0's.
+
+    ``running``: every choice chunk carries the request's usage so far (``continuous_usage_stats``),
+    its counts taken before the chunk is made, so a delta's own tokens are in its usage. The
+    counts come from the messages alone, so a resumed stream remakes them exactly.
     """
     choices = streams.count
     counts = [0] * choices
     had = list(seen) if seen is not None else [0] * choices
     keepalive = KEEPALIVE_WITH_IDS if with_ids else KEEPALIVE
 
-    def event(index: int, payload: Any) -> bytes:
+    def event(index: int, payload: Any, counted: bool = True) -> bytes:
+        """``counted``: a choice's chunk, which carries the running usage when asked for (not an
+        in-band error, nor the last chunk with the final usage)."""
         counts[index] += 1
         if counts[index] <= had[index]:
             return b""  # the client had this one before it reconnected
+        if counted and running is not None:
+            payload = with_running_usage(payload, running.body())
         if not with_ids:
             return sse(None, payload)
         return sse(
@@ -139,7 +163,7 @@ async def _events(
                 continue
             except Exception as exc:
                 # The status line is long gone: the error goes in-band, as OpenAI's own streams send it.
-                yield event(streams.last_index, framer.error(exc, "stream").body())
+                yield event(streams.last_index, framer.error(exc, "stream").body(), counted=False)
                 yield DONE
                 return
         if item is None:
@@ -150,6 +174,8 @@ async def _events(
             if (opening := framer.opening(index, include_usage)) is not None:
                 yield event(index, opening)
         if response.HasField("delta"):
+            if running is not None:
+                running.add_delta(index, response.delta)
             if framer.tool is not None:
                 # A call is sent whole once it ended: its name may come last (``required``).
                 calls[index] = calls.get(index, "") + response.delta.text
@@ -170,10 +196,12 @@ async def _events(
         try:
             check_end(end)
         except Exception as exc:
-            yield event(index, framer.error(exc, "stream").body())
+            yield event(index, framer.error(exc, "stream").body(), counted=False)
             yield DONE
             return
         usages[index] = end.usage
+        if running is not None:
+            running.add_end(index, end.usage)
         call = None
         if framer.tool is not None:
             held = calls.get(index, "")
@@ -189,7 +217,7 @@ async def _events(
             finish["llm_mesh"] = response_extras(end)
         yield event(index, finish)
     if include_usage:
-        yield event(0, framer.usage(usages))
+        yield event(0, framer.usage(usages), counted=False)
     yield DONE
 
 
