@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, TypeVar
 
+from services.common.tls_files import check_server_files
+
 T = TypeVar("T")
 
 #: The ports each service listens on by default (DESIGN.md); `llm-mesh up` uses the same.
@@ -183,9 +185,15 @@ def server_options(
     service: str, args: argparse.Namespace, parser: argparse.ArgumentParser | None = None
 ) -> ServerOptions:
     """The server flags as options; with ``parser``, a bad combination is its usage error (one
-    line naming the flags, exit 2), not a traceback."""
+    line naming the flags, exit 2), not a traceback.
+
+    The TLS files are read and checked here too (a swapped, mismatched or non-PEM certificate or
+    key was a traceback at the bind, "Failed to bind to address"); ``ServerOptions`` itself only
+    checks the flags, so code and tests can build it without files."""
     try:
-        return from_flags(ServerOptions, args, service=service)
+        options = from_flags(ServerOptions, args, service=service)
+        check_server_files(options.tls_cert, options.tls_key, options.tls_client_ca)
+        return options
     except ValueError as exc:
         if parser is None:
             raise

@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> None:
         given = [getattr(args, f"{peer}_tls_{part}") for part in ("ca", "cert", "key")]
         if any(given) and not getattr(args, f"{peer}_addr"):
             parser.error(f"--{peer}-tls-* without --{peer}-addr: nothing to dial with them")
+    # Its own --tls-cert/--tls-key read and checked before anything is built: the gRPC port and the
+    # HTTP front serve with them.
+    options = server_options("router", args, parser)
     try:
         settings = from_flags(
             RouterSettings,
@@ -149,4 +152,4 @@ def main(argv: list[str] | None = None) -> None:
         runtime = RouterRuntime(settings)
     except ValueError as exc:
         parser.error(str(exc))
-    run(server_options("router", args, parser), runtime)
+    run(options, runtime)

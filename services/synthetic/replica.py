@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import random
+import sys
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
@@ -253,7 +254,13 @@ class SyntheticRuntime:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    run(server_options("synthetic-replica", args), SyntheticRuntime(config_from_args(args)))
+    try:
+        options = server_options("synthetic-replica", args)
+    except ValueError as exc:
+        # One line and exit 2, as argparse's own usage errors (a bad --tls-cert was a traceback).
+        print(f"python -m services.synthetic: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    run(options, SyntheticRuntime(config_from_args(args)))
 
 
 if __name__ == "__main__":

@@ -173,3 +173,49 @@ async def test_a_turn_read_from_a_deleted_session_is_not_saved_into_its_successo
         ("user", "I am Bob."),
         ("assistant", "Hello Bob."),
     ]
+
+
+async def test_a_turn_saved_after_another_of_its_conversation_is_kept_after_it(
+    context: tuple[ConversationContext, retriever_pb2_grpc.RetrieverStub],
+) -> None:
+    """Two turns of one conversation at once (two tabs, parallel agent calls): both answers
+    reached their clients, so both are in the history. The later save was dropped with only a
+    `history not saved` note."""
+    from types import SimpleNamespace
+
+    from services.router.turns import sources
+    from services.router.turns.turn_end import TurnState
+
+    ctx, _ = context
+    services = SimpleNamespace(context=ctx)
+    await ctx.save_turn("acme", "conv-two-tabs", [("user", "I am Ada.")], "Hello Ada.", 0)
+    request = router_pb2.ChatRequest(session_id="conv-two-tabs")
+    states = [TurnState(f"tab-{i}", 0.0) for i in range(2)]
+    for state in states:  # both read version 1
+        state.session = await sources.history(services, "acme", request, state)  # type: ignore[arg-type]
+    first = await sources.save_turn(services, "acme", request, [("user", "Weather?")], "Sunny.", states[0])  # type: ignore[arg-type]
+    second = await sources.save_turn(services, "acme", request, [("user", "Time?")], "Noon.", states[1])  # type: ignore[arg-type]
+    assert (first, second) == (2, 3) and states[1].degraded == []
+    assert (await ctx.load_history("acme", "conv-two-tabs", token_budget=1000)).turns == [
+        ("user", "I am Ada."),
+        ("assistant", "Hello Ada."),
+        ("user", "Weather?"),
+        ("assistant", "Sunny."),
+        ("user", "Time?"),
+        ("assistant", "Noon."),
+    ]
+    # A conversation deleted and begun again under its id meanwhile is still not written into.
+    late = TurnState("late", 0.0)
+    late.session = await sources.history(services, "acme", request, late)  # type: ignore[arg-type]
+    assert ctx.session is not None
+    tenant = ((TENANT_KEY, "acme"),)
+    await ctx.session.DeleteSession(
+        session_pb2.DeleteSessionRequest(session_id="conv-two-tabs"), metadata=tenant
+    )
+    for turn in range(4):  # past the version the late turn read
+        await ctx.save_turn("acme", "conv-two-tabs", [("user", f"Bob {turn}")], "Hi Bob.", turn)
+    assert await sources.save_turn(services, "acme", request, [("user", "And me?")], "Ada.", late) == 0  # type: ignore[arg-type]
+    assert late.degraded and "created again" in late.degraded[0]
+    assert ("user", "And me?") not in (
+        await ctx.load_history("acme", "conv-two-tabs", token_budget=1000)
+    ).turns

@@ -1,7 +1,17 @@
-"""Circuit breaker per dependency, so an outage costs one fast failure instead of a timeout per request."""
+"""Circuit breaker per dependency, so an outage costs one fast failure instead of a timeout per request.
+
+A timeout is not like the other outages. A refused connection or an INTERNAL says the dependency
+failed; a call that ran past the router's own per-call deadline may only have been expensive (a
+reranked search with a large top_k), and counting those made one tenant's heavy searches open the
+retriever's breaker, turning RAG off for every tenant. So a timeout counts toward the threshold only
+when nothing shows the dependency is up: no call to it was answered since the timed-out one began
+and, where the caller gives one, a cheap liveness probe is not answered either (docs/reliability.md).
+A dependency that answers nothing (hung, blackholed) still opens the breaker after the threshold.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import time
@@ -44,6 +54,13 @@ class BreakerState(enum.IntEnum):
     OPEN = 2
 
 
+def is_timeout(exc: BaseException) -> bool:
+    """True when ``exc`` says the call ran out of time: slow, which need not mean down."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    return isinstance(exc, errors.DeadlineExceeded | TimeoutError | redis.exceptions.TimeoutError)
+
+
 def is_outage(exc: BaseException) -> bool:
     """True when ``exc`` says the dependency could not answer (as opposed to answering no)."""
     if isinstance(exc, grpc.aio.AioRpcError):
@@ -61,7 +78,10 @@ def is_outage(exc: BaseException) -> bool:
 
 
 class CircuitBreaker:
-    """Opens after ``failure_threshold`` consecutive outages; probes again after ``reset_timeout_s``."""
+    """Opens after ``failure_threshold`` consecutive outages; probes again after ``reset_timeout_s``.
+
+    A timeout is an outage only while the dependency shows no sign of life (the module's docstring).
+    """
 
     def __init__(
         self,
@@ -82,6 +102,13 @@ class CircuitBreaker:
         self._failures = 0
         self._opened_at = 0.0
         self._probe_in_flight = False
+        # Answers (successes and real refusals) so far: a timed-out call that began before the
+        # latest answer was slow while the dependency answered others, so it does not count.
+        # A count, not a time: two calls in the same clock tick still order.
+        self._answers = 0
+        # The liveness probe in flight, shared by every timeout that needs one (a burst of heavy
+        # calls timing out together sends one probe, not one each).
+        self._liveness: asyncio.Future[bool] | None = None
         BREAKER_STATE.labels(name).set(0)
 
     @property
@@ -108,6 +135,7 @@ class CircuitBreaker:
         return False
 
     def record_success(self) -> None:
+        self._answers += 1
         self._failures = 0
         self._probe_in_flight = False
         if self._state is not BreakerState.CLOSED:
@@ -124,16 +152,35 @@ class CircuitBreaker:
             self._opened_at = self._clock()
             self._set(BreakerState.OPEN)
 
-    async def call(self, coro_factory: Callable[[], Awaitable[T]]) -> T:
-        """Run one call through the breaker; outages become ``DependencyUnavailable``."""
+    async def call(
+        self,
+        coro_factory: Callable[[], Awaitable[T]],
+        liveness_probe: Callable[[], Awaitable[object]] | None = None,
+    ) -> T:
+        """Run one call through the breaker; outages become ``DependencyUnavailable``.
+
+        ``liveness_probe`` makes a cheap call to the same dependency (the cheapest request of the
+        same kind, under the caller's own deadline): run when this call timed out and no other call
+        was answered meanwhile, its answer shows the timeout was this call's cost, not an outage.
+        """
         if not self.allow():
             raise errors.DependencyUnavailable(
                 f"{self.name} unavailable (circuit open, next try in {self.retry_after_s:.1f}s)"
             )
+        answers_before = self._answers
         try:
             result = await coro_factory()
         except BaseException as exc:
             if is_outage(exc):
+                if is_timeout(exc) and await self._alive_since(answers_before, liveness_probe):
+                    # Slow, not down: this turn goes without the dependency (the caller degrades),
+                    # the others keep it. In half-open the dependency just proved it answers: the
+                    # probe answered (record_success), so the breaker is closed now.
+                    self._probe_in_flight = False
+                    raise errors.DependencyUnavailable(
+                        f"{self.name} unavailable: {_describe(exc)}"
+                        " (slow for this call; it answers others: not counted as an outage)"
+                    ) from exc
                 self.record_failure()
                 raise errors.DependencyUnavailable(f"{self.name} unavailable: {_describe(exc)}") from exc
             # Cancellation or a real answer ("not found"): the dependency is not to blame.
@@ -143,6 +190,33 @@ class CircuitBreaker:
             raise
         self.record_success()
         return result
+
+    async def _alive_since(
+        self, answers_before: int, liveness_probe: Callable[[], Awaitable[object]] | None
+    ) -> bool:
+        """Whether the dependency answered anything since ``answers_before`` was read, asking it
+        with ``liveness_probe`` when nothing else did."""
+        if self._answers > answers_before:
+            return True
+        if liveness_probe is None:
+            return False
+        liveness = self._liveness
+        # A new probe unless one is in flight (on this loop: a breaker may outlive a loop in tests).
+        if liveness is None or liveness.done() or liveness.get_loop() is not asyncio.get_running_loop():
+            liveness = self._liveness = asyncio.ensure_future(self._probe_liveness(liveness_probe))
+        # Shielded: a caller that goes away (its turn cancelled) must not cancel the probe that
+        # other timed-out calls are waiting on. Another call answered while the probe ran is as good.
+        return await asyncio.shield(liveness) or self._answers > answers_before
+
+    async def _probe_liveness(self, liveness_probe: Callable[[], Awaitable[object]]) -> bool:
+        try:
+            await liveness_probe()
+        except Exception as exc:
+            if is_outage(exc):
+                return False
+            # A real refusal ("not found") is an answer too: the dependency is up.
+        self.record_success()
+        return True
 
     def _set(self, state: BreakerState) -> None:
         self._state = state

@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import redis.exceptions
 import yaml
 
 from services.router.admission.auth import (
@@ -112,11 +113,64 @@ def revoke_key(path: Path, key_id: str) -> ApiKeyRecord:
     raise ValueError(f"--id: no key {key_id!r} in {path}")
 
 
+#: How long one connection attempt or reply may take: a Redis behind a dropped route (packets
+#: vanish, nothing refuses) is reported after this instead of the command hanging for good.
+REDIS_TIMEOUT_S = 5.0
+
+
+class RedisUnreachable(Exception):
+    """Redis at ``--redis-url`` could not be reached or refused the command (exit status 1)."""
+
+
 def _client(url: str, cluster: bool) -> Any:
     import redis.asyncio as aioredis
     from redis.asyncio.cluster import RedisCluster
 
-    return RedisCluster.from_url(url) if cluster else aioredis.from_url(url)
+    options = {"socket_connect_timeout": REDIS_TIMEOUT_S, "socket_timeout": REDIS_TIMEOUT_S}
+    try:
+        return RedisCluster.from_url(url, **options) if cluster else aioredis.from_url(url, **options)
+    except ValueError as exc:  # a malformed URL: the caller's usage error (exit 2)
+        raise ValueError(f"--redis-url {_safe_url(url)}: {exc}") from None
+
+
+def _safe_url(url: str) -> str:
+    """``url`` with any password masked: the error line is printed and ends up in logs."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return url
+    if not password:
+        return url
+    userinfo, _, hostinfo = parts.netloc.rpartition("@")
+    user = userinfo.split(":", 1)[0]
+    return parts._replace(netloc=f"{user}:***@{hostinfo}").geturl()
+
+
+def _in_redis(url: str, work: Any) -> Any:
+    """Run the coroutine ``work`` against Redis; a Redis that cannot be had is ``RedisUnreachable``
+    naming the URL (it was a traceback: a connection error out of ``asyncio.run``)."""
+    try:
+        return asyncio.run(work)
+    except (
+        redis.exceptions.ConnectionError,
+        redis.exceptions.TimeoutError,
+        # --redis-cluster: no node answered (not a RedisError subclass).
+        redis.exceptions.RedisClusterException,
+        OSError,
+    ) as exc:
+        raise RedisUnreachable(
+            f"cannot reach Redis at --redis-url {_safe_url(url)}: {_one_line(exc)}"
+        ) from None
+    except redis.exceptions.RedisError as exc:  # reached, but it refused (a read-only replica, …)
+        raise RedisUnreachable(f"Redis at --redis-url {_safe_url(url)} refused: {_one_line(exc)}") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
 
 
 # Adds the record unless a record in the hash already has its id, in one step: two `keys add
@@ -237,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
                     False,
                     limits,
                 )
-                asyncio.run(_store_in_redis(args.redis_url, args.redis_cluster, record))
+                _in_redis(args.redis_url, _store_in_redis(args.redis_url, args.redis_cluster, record))
             # The key itself is shown exactly once; only its hash is kept.
             print(key)
             print(f"created key id={record.key_id} tenant={record.tenant} at {_now()}", file=sys.stderr)
@@ -245,20 +299,26 @@ def run(args: argparse.Namespace) -> int:
             if args.file is not None:
                 revoked = [revoke_key(args.file, args.key_id)]
             else:
-                revoked = asyncio.run(_revoke_in_redis(args.redis_url, args.redis_cluster, args.key_id))
+                revoked = _in_redis(
+                    args.redis_url, _revoke_in_redis(args.redis_url, args.redis_cluster, args.key_id)
+                )
             for record in revoked:
                 print(f"revoked {record.key_id} (tenant {record.tenant})")
         else:
             records = (
                 load_key_records(args.file)
                 if args.file is not None
-                else asyncio.run(_list_redis(args.redis_url, args.redis_cluster))
+                else _in_redis(args.redis_url, _list_redis(args.redis_url, args.redis_cluster))
             )
             for r in records:
                 print(json.dumps({k: v for k, v in r.to_dict().items() if k != "sha256"}))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except RedisUnreachable as exc:
+        # As the terminal clients do: 2 for what the caller must change, 1 for a service not there.
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 
 from services.common import errors
-from services.common.metadata import TENANT_KEY
+from services.common.metadata import SESSION_VERSION_KEY, TENANT_KEY
 from services.gen.llmmesh.v1 import retriever_pb2, router_pb2, session_pb2
 from services.router.admission.breaker import CircuitBreaker
 
@@ -164,6 +164,14 @@ def cited_documents(chunks: Sequence[retriever_pb2.RetrievedChunk]) -> list[tupl
 #: The longest query the retriever takes (its ``MAX_QUERY_CHARS``).
 MAX_RAG_QUERY_CHARS = 8192
 
+#: The cheapest search there is, which the retriever's breaker sends after a search timed out with no
+#: other search answered meanwhile: one short query, one dense hit, no reranker, no filter. It goes
+#: through the same path as a real search (embedder and Milvus), so a retriever whose searches hang
+#: does not answer it, where the gRPC health check (SERVING whatever Milvus does) would.
+LIVENESS_SEARCH = retriever_pb2.SearchRequest(
+    query="liveness", top_k=1, mode=retriever_pb2.SEARCH_MODE_DENSE, rerank=False
+)
+
 
 class ConversationContext:
     """Talks to the session and retriever services for the router, each behind its own breaker.
@@ -249,7 +257,13 @@ class ConversationContext:
         )
         try:
             response = await self.retriever_breaker.call(
-                lambda: retriever.Search(request, metadata=_md(tenant), timeout=self.timeout_s)
+                lambda: retriever.Search(request, metadata=_md(tenant), timeout=self.timeout_s),
+                # A search that timed out may just be heavy (rerank, a large top_k, a long query):
+                # the breaker asks the cheapest search before it counts the timeout as an outage,
+                # so one tenant's heavy searches cannot turn RAG off for every tenant.
+                liveness_probe=lambda: retriever.Search(
+                    LIVENESS_SEARCH, metadata=_md(tenant), timeout=self.timeout_s
+                ),
             )
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -341,7 +355,9 @@ def _session_error(exc: grpc.aio.AioRpcError, session_id: str) -> Exception:
         ),
         grpc.StatusCode.INVALID_ARGUMENT: lambda: errors.InvalidArgument("session_id", detail),
         grpc.StatusCode.ABORTED: lambda: errors.Conflict(
-            f"session {session_id!r} changed meanwhile: {detail}"
+            f"session {session_id!r} changed meanwhile: {detail}",
+            # The version it is at, which a save may append after (sources.save_turn).
+            trailing=_session_version(exc),
         ),
         grpc.StatusCode.NOT_FOUND: lambda: errors.NotFound(f"session_id: {session_id!r} not found"),
         # A request id the session stored with other turns (docs/session.md, Retries).
@@ -353,3 +369,14 @@ def _session_error(exc: grpc.aio.AioRpcError, session_id: str) -> Exception:
     }
     make = table.get(code)
     return make() if make is not None else errors.DependencyUnavailable(f"session: {code.name}: {detail}")
+
+
+def _session_version(exc: grpc.aio.AioRpcError) -> tuple[tuple[str, str], ...]:
+    """The ``x-llmmesh-session-version`` trailer of a refused append (the version it is at now)."""
+    found: list[tuple[str, str]] = []
+    # grpc.aio's Metadata: (key, value) pairs (the stubs type them as the sync API's objects).
+    trailing: Any = exc.trailing_metadata() or ()
+    for key, value in trailing:
+        if key == SESSION_VERSION_KEY:
+            found.append((key, value.decode() if isinstance(value, bytes) else str(value)))
+    return tuple(found)

@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import Sequence
 
 from services.common import errors
+from services.common.metadata import SESSION_VERSION_KEY
 from services.gen.llmmesh.v1 import retriever_pb2, router_pb2
 from services.router.turns.context import ConversationContext, SessionHistory, citations_for, cited_documents
 from services.router.turns.dependencies import TurnServices
@@ -21,6 +22,8 @@ HISTORY_TOKEN_BUDGET = 2048
 #: best-ranked chunks that fit, at least the first (cut to it). Up to 20 chunks of up to
 #: ~6 KB each went into the prompt whole, past an 8,192-token model's context.
 RAG_CONTEXT_CHARS = 8192
+#: Tries to save a turn after other turns of its session were saved since it read it.
+SAVE_ATTEMPTS = 3
 
 
 async def lookups(
@@ -165,16 +168,30 @@ async def save_turn(
     if state.session is None or s.context is None:
         return 0
     expected = state.session.version if state.session.exists else 0
+    created_at_ms = state.session.created_at_ms if state.session.exists else 0
     try:
-        return await s.context.save_turn(
-            tenant,
-            request.session_id,
-            new_messages,
-            answer,
-            expected,
-            request_id=state.request_id,
-            created_at_ms=state.session.created_at_ms if state.session.exists else 0,
-        )
+        for attempt in range(1, SAVE_ATTEMPTS + 1):
+            try:
+                return await s.context.save_turn(
+                    tenant,
+                    request.session_id,
+                    new_messages,
+                    answer,
+                    expected,
+                    request_id=state.request_id,
+                    created_at_ms=created_at_ms,
+                )
+            except errors.Conflict as conflict:
+                # Another turn of this conversation was saved since this one read it (two tabs,
+                # parallel agent calls). Both answers reached their clients, so both are kept:
+                # this turn goes after the other. It was dropped before, with only a note.
+                # The conversation read must still be the one there: with its creation time
+                # kept, a session deleted and created again under its id refuses every try.
+                moved_to = _version_now(conflict)
+                if attempt == SAVE_ATTEMPTS or moved_to is None or moved_to <= expected:
+                    raise
+                expected = moved_to
+        raise AssertionError("unreachable")  # the loop returns or raises
     except (errors.DependencyUnavailable, errors.Conflict) as exc:
         # The answer already reached the client; losing the save is reported, not fatal.
         # session_must_exist implies session_required (router.proto), at save time as at read.
@@ -183,3 +200,11 @@ async def save_turn(
             raise
         state.degraded.append(f"history not saved: {exc}")
         return 0
+
+
+def _version_now(conflict: errors.Conflict) -> int | None:
+    """The version the session service said the session is at, when it said one."""
+    for key, value in conflict.trailing:
+        if key == SESSION_VERSION_KEY and value.isdigit():
+            return int(value)
+    return None

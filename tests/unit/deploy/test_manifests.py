@@ -239,6 +239,11 @@ def test_redis_and_milvus_come_from_their_charts_not_from_here() -> None:
         values = (K8S / "third-party" / f"{chart}.values.yaml").read_text()
         assert "helm install" in values
         yaml.safe_load(values)
+    # Bitnami's chart pins image tags that docker.io/bitnami no longer serves (Aug 2025): the
+    # values must name an image that pulls, for Redis and for any sidecar they enable.
+    redis = yaml.safe_load((K8S / "third-party" / "redis.values.yaml").read_text())
+    assert redis["image"].get("tag") or redis["image"].get("digest")
+    assert not redis["metrics"]["enabled"] or redis["metrics"].get("image", {}).get("repository")
 
 
 def flag(args: list[str], name: str) -> str:
