@@ -66,7 +66,7 @@ KV_EVENT_LAG = Gauge(
 )
 KV_RESYNCS = Counter(
     "llmmesh_router_kv_resyncs_total",
-    "KV event streams restarted from a snapshot: gap, stream broken or ended.",
+    "KV event streams restarted from a snapshot: gap, stream broken or ended, overflow (more blocks than the replica holds) or invalid (a message the index cannot take).",
     ["reason"],
 )
 PLACEMENTS = Counter(

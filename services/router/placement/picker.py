@@ -79,6 +79,12 @@ class ReplicaPicker(Generic[R]):
         takes back what it noted of it."""
         self.policy.withdrawn(chosen, request)
 
+    def prefilled(self, chosen: R, request: PlacementRequest) -> None:
+        """The attempt ``place`` sent to ``chosen`` got its first token: its prompt is prefilled
+        there, and the policy stops counting it as work on its way (the relay calls this once
+        per attempt, as it calls ``withdraw`` for one that ended before its first token)."""
+        self.policy.prefilled(chosen, request)
+
     def _pinned(self, candidates: Sequence[R], request: PlacementRequest) -> R | None:
         if request.pinned is None:
             return None

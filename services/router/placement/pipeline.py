@@ -64,6 +64,11 @@ class BalancingPolicy(Protocol):
         queued): what ``placed`` noted of it is taken back."""
         ...
 
+    def prefilled(self, chosen: Candidate, request: PlacementRequest) -> None:
+        """``request`` got its first token on ``chosen``: its prompt is prefilled there, so what
+        ``placed`` noted as on its way is not any more."""
+        ...
+
     def choose(self, candidates: Sequence[C], session_key: str | None = None) -> C | None:
         """``select`` for a request known only by its session key."""
         ...
@@ -90,6 +95,9 @@ class Policy:
         return None
 
     def withdrawn(self, chosen: Candidate, request: PlacementRequest) -> None:
+        return None
+
+    def prefilled(self, chosen: Candidate, request: PlacementRequest) -> None:
         return None
 
 
@@ -192,3 +200,6 @@ class SessionFirst(Policy):
 
     def withdrawn(self, chosen: Candidate, request: PlacementRequest) -> None:
         self.fallback.withdrawn(chosen, request)
+
+    def prefilled(self, chosen: Candidate, request: PlacementRequest) -> None:
+        self.fallback.prefilled(chosen, request)

@@ -215,6 +215,9 @@ class PrefixPolicy(Pipeline):
     def withdrawn(self, chosen: Candidate, request: PlacementRequest) -> None:
         self.index.withdraw_sent(chosen.address, request.block_size, request.prefix_hashes)
 
+    def prefilled(self, chosen: Candidate, request: PlacementRequest) -> None:
+        self.index.prefilled(chosen.address, request.block_size, request.prefix_hashes)
+
 
 def make_policy(
     name: str,

@@ -139,9 +139,14 @@ class Relay:
             outcome.replicas_used.append(replica.address)
             tried.add(replica.address)
             attempt = self._attempt(replica, start, outcome, deadline)
-            tokens_before, finished = len(outcome.token_ids), False
+            tokens_before, finished, prefilled = len(outcome.token_ids), False, False
             try:
                 async for batch in attempt:
+                    if not prefilled:
+                        # Its first tokens: the prompt is in that replica's cache now, no longer
+                        # work on its way there (what the prefix policy counts as queued prefill).
+                        prefilled = True
+                        self.picker.prefilled(replica, placing)
                     yield batch
                 finished = True
                 return

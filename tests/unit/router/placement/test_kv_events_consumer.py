@@ -48,12 +48,24 @@ class FakeIndex:
         self.forgotten: list[str] = []
 
     def apply_snapshot(
-        self, replica: str, incarnation: str, sequence: int, block_size: int, block_hashes: Iterable[int]
+        self,
+        replica: str,
+        incarnation: str,
+        sequence: int,
+        block_size: int,
+        block_hashes: Iterable[int],
+        capacity: int = 0,
     ) -> None:
         self.entries[replica] = (incarnation, sequence, set(block_hashes))
 
     def apply_delta(
-        self, replica: str, incarnation: str, sequence: int, stored: Sequence[int], evicted: Sequence[int]
+        self,
+        replica: str,
+        incarnation: str,
+        sequence: int,
+        stored: Sequence[int],
+        evicted: Sequence[int],
+        capacity: int = 0,
     ) -> bool:
         entry = self.entries.get(replica)
         if entry is None or entry[0] != incarnation or sequence != entry[1] + 1:

@@ -96,7 +96,7 @@ def test_a_hot_prefix_sent_again_and_again_is_kept_once_per_block() -> None:
         index.record_sent("r1", 16, CHAIN)  # never stored: it stays pending
         index.record_sent("r2", 16, CHAIN)  # no events from r2: its approximate entry
         clock.now += 0.005
-    pending, approximate = index._precise["r1"].pending, index._approximate["r2"]
+    pending, approximate = index._precise["r1"].pending, index._approximate["r2"][16]
     assert pending is not None
     assert len(pending.expires) == len(approximate.expires) == len(CHAIN)
     assert vars(pending).keys() == {"block_size", "expires"}  # nothing else grows with the sends

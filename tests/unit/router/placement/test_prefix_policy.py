@@ -90,10 +90,12 @@ def test_a_replica_over_its_bound_is_skipped_even_with_the_best_prefix() -> None
     replicas[0].reported_load = 5  # the cap is now ⌈1.5 · 8 / 3⌉ = 4 … and 5 is not under it
     assert place(pick, request(prompt)) in {"b", "c"}
     replicas[0].reported_load = 3
-    # What went to b and c is pending there (sent, not yet stored): their events, sent now,
-    # say they kept none of it.
-    index.apply_snapshot("b", "i", 2, BLOCK, [])
-    index.apply_snapshot("c", "i", 2, BLOCK, [])
+    # What went to b and c is pending there (sent, not yet stored): their events say they
+    # prefilled it and have evicted it since. (A snapshot alone would not say so: it keeps
+    # what was sent there and is not cached, which may still be queued.)
+    for r in ("b", "c"):
+        assert index.apply_delta(r, "i", 2, stored=prompt, evicted=[])
+        assert index.apply_delta(r, "i", 3, stored=[], evicted=prompt)
     assert place(pick, request(prompt)) == "holder"
 
 
