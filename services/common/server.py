@@ -117,6 +117,12 @@ async def abort_for(exc: BaseException, context: grpc.aio.ServicerContext[Any, A
         trailing = rich_status_trailers(code, message, exc.retry_after_s)
     elif isinstance(exc, errors.Conflict):
         trailing = exc.trailing
+    if code == grpc.StatusCode.UNAVAILABLE and not isinstance(exc, errors.MeshError):
+        # A Redis, Milvus or socket client's own error: its text names internal addresses
+        # ("Error 111 connecting to 10.0.0.5:6379"), which reached every tenant's client and,
+        # through the router, its TurnEnd's degraded reasons. The detail is the operators'.
+        log.warning("%s: %s: %s", method, type(exc).__name__, exc)
+        message = f"{_dependency_of(exc)} is unavailable; try again"
     if code == grpc.StatusCode.INTERNAL:
         # Logged once, here; the client only sees a short message.
         log.error("%s failed", method, exc_info=exc)
@@ -126,6 +132,16 @@ async def abort_for(exc: BaseException, context: grpc.aio.ServicerContext[Any, A
         # and escaped): the client would get RESOURCE_EXHAUSTED instead of this status.
         message = message[:MAX_STATUS_MESSAGE_CHARS] + "… (message cut)"
     await context.abort(code, message, trailing_metadata=trailing)
+
+
+def _dependency_of(exc: BaseException) -> str:
+    """What a raw client error is the outage of, in a word a caller can act on."""
+    module = type(exc).__module__
+    if module.startswith("redis"):
+        return "Redis"
+    if module.startswith("pymilvus"):
+        return "Milvus"
+    return "a dependency"
 
 
 def _code_name(context: grpc.aio.ServicerContext[Any, Any], default: str) -> str:

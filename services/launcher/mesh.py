@@ -131,15 +131,16 @@ class MeshConfig:
             str(memory_mib),
         )
 
-    def session_command(self, redis_url: str) -> list[str]:
-        return self.service_command("services.session", self.port(SESSION_PORT), "--redis-url", redis_url)
+    def session_command(self) -> list[str]:
+        """Its Redis comes by environment (``redis_env``), as the router's does."""
+        return self.service_command("services.session", self.port(SESSION_PORT))
 
     def retriever_command(self) -> list[str]:
         return self.service_command(
             "services.retriever", self.port(RETRIEVER_PORT), "--milvus-uri", self.milvus
         )
 
-    def router_command(self, replicas: list[str], session: str, retriever: str, redis_url: str) -> list[str]:
+    def router_command(self, replicas: list[str], session: str, retriever: str) -> list[str]:
         """The one service on ``--host``: every client, and every API-key check, comes through it."""
         return self.service_command(
             "services.router",
@@ -150,8 +151,6 @@ class MeshConfig:
             session,
             "--retriever-addr",
             retriever,
-            "--redis-url",
-            redis_url,
             # The replicas' model: the router hashes prompts with its tokenizer (prefix placement).
             "--tokenizer",
             str(self.model),
@@ -179,6 +178,13 @@ class MeshConfig:
             "0",
             *flags,
         ]
+
+    @staticmethod
+    def redis_env(redis_url: str) -> dict[str, str]:
+        """Redis for the session service and the router, as ``--redis-url``'s environment default:
+        a password in the URL given on their command line was shown to every local user by
+        ``ps``."""
+        return {"LLMMESH_REDIS_URL": redis_url}
 
     def child_env(self) -> dict[str, str]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **self.extra_env}
@@ -214,9 +220,9 @@ class LocalMesh:
         self.router: ChildProcess | None = None
         self.gateway: ChildProcess | None = None
 
-    def _spawn(self, name: str, command: list[str]) -> ChildProcess:
+    def _spawn(self, name: str, command: list[str], env: dict[str, str] | None = None) -> ChildProcess:
         log = self.config.data_dir / "logs" / f"{name}.log"
-        child = ChildProcess(name, command, log, self.config.child_env()).start()
+        child = ChildProcess(name, command, log, {**self.config.child_env(), **(env or {})}).start()
         self.started.append(child)
         return child
 
@@ -226,7 +232,8 @@ class LocalMesh:
         if self.redis_url is None:
             self._start_redis(deadline)
         assert self.redis_url is not None
-        self.session = self._spawn("session", cfg.session_command(self.redis_url))
+        redis_env = cfg.redis_env(self.redis_url)
+        self.session = self._spawn("session", cfg.session_command(), redis_env)
         self.retriever = self._spawn("retriever", cfg.retriever_command())
         limit, share = cfg.memory_plan()
         self.say(
@@ -242,11 +249,9 @@ class LocalMesh:
         self.router = self._spawn(
             "router",
             cfg.router_command(
-                [r.address for r in self.replicas],
-                self.session.address,
-                self.retriever.address,
-                self.redis_url,
+                [r.address for r in self.replicas], self.session.address, self.retriever.address
             ),
+            redis_env,
         )
         self.router.wait_serving(deadline)
         if cfg.gateway:

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import FrameType
 
 from services.common.model_names import served_model_name
+from services.common.redact import masked_url
 from services.common.settings import ROUTER_HTTP_PORT, ROUTER_PORT
 from services.launcher.children import ChildFailed
 from services.launcher.gateway import attach, find_router
@@ -150,7 +151,7 @@ def ready_block(mesh: LocalMesh, config: MeshConfig) -> str:
         if name == "gateway":
             extra = f"   REST: curl http://{address}/healthz"
         lines.append(f"  {name:<12} {address}{extra}")
-    lines.append(f"  {'redis':<12} {mesh.redis_url}" if mesh.redis is None else "")
+    lines.append(f"  {'redis':<12} {masked_url(mesh.redis_url or '')}" if mesh.redis is None else "")
     if (base := openai_base_url(mesh)) is not None:
         lines.append(f"  {'openai':<12} {base}   (OPENAI_BASE_URL for the OpenAI SDKs)")
     lines.append(f"  {'milvus':<12} {config.milvus}")

@@ -13,6 +13,7 @@ import grpc
 import redis.exceptions
 
 from services.common.generate_many.client import ReplicaMultiplexer
+from services.common.redact import masked_url
 from services.common.server import HealthReporter
 from services.common.settings import flag
 from services.gen.llmmesh.v1 import retriever_pb2_grpc, router_pb2_grpc, session_pb2_grpc
@@ -225,12 +226,14 @@ class RouterRuntime:
         self._tasks: set[asyncio.Task[None]] = set()  # held: the loop keeps only weak references
         self.mover: SessionMover | None = None
         self.http: HttpListener | None = None
+        self._health_reporter: HealthReporter | None = None  # the server's, once started
         if settings.http is not None:
             front = OpenAiFront(
                 self.pipeline,
                 self.authenticator,
                 settings.http.limits,
                 retriever=lambda: self.servicer.retriever,
+                draining=lambda: self._health_reporter is not None and self._health_reporter.stopping,
             )
             self.http = HttpListener(front, settings.http)
 
@@ -254,6 +257,7 @@ class RouterRuntime:
         router_pb2_grpc.add_RouterServicer_to_server(self.servicer, server)
 
     async def start(self, health: HealthReporter) -> None:
+        self._health_reporter = health
         s = self.settings
         session = retriever = None
         if s.session_addr:
@@ -292,7 +296,7 @@ class RouterRuntime:
                 await self.tasks.start()
             except (OSError, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
                 raise RuntimeError(
-                    f"Redis at {self.settings.redis_url} is unreachable ({exc}): start it, or fix "
+                    f"Redis at {masked_url(self.settings.redis_url or '')} is unreachable ({exc}): start it, or fix "
                     "--redis-url (LLMMESH_REDIS_URL)"
                 ) from None
         if self.http is not None:

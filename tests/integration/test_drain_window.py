@@ -63,3 +63,44 @@ def test_a_session_service_stays_not_serving_through_its_drain_window(tmp_path: 
     finally:
         session.stop()
         redis.kill()
+
+
+def test_the_routers_http_health_says_503_when_no_replica_serves_and_while_it_drains() -> None:
+    """What an HTTP load balancer reads: /health said "ok" with its only replica dead (its model
+    stayed known) and through the whole drain window, while gRPC health said NOT_SERVING."""
+    import httpx
+
+    from tests.support.openai_front import http_base
+    from tests.support.router_mesh import synthetic_replica
+
+    replica = synthetic_replica().start()
+    router = ServiceProcess(
+        "services.router",
+        [
+            "--replicas",
+            replica.address,
+            "--http-port",
+            "0",
+            "--health-interval-s",
+            "0.2",
+            "--drain-seconds",
+            "3",
+        ],
+    )
+    try:
+        router.start()
+        base = http_base(router)
+        assert httpx.get(f"{base}/health", timeout=5).json() == {"status": "ok", "models": ["synthetic"]}
+        replica.stop()  # the only replica gone: no turn can be placed
+        deadline = time.monotonic() + 10
+        while (answer := httpx.get(f"{base}/health", timeout=5)).status_code == 200:
+            assert time.monotonic() < deadline, answer.text
+            time.sleep(0.1)
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "no_replica"
+        router.signal(signal.SIGTERM)
+        time.sleep(0.5)
+        draining = httpx.get(f"{base}/health", timeout=5)  # in its drain window: still answering
+        assert draining.status_code == 503 and draining.json()["error"]["code"] == "draining"
+    finally:
+        router.stop()
+        replica.stop()

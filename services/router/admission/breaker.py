@@ -142,13 +142,15 @@ class CircuitBreaker:
             log.info("circuit %s closed: dependency answered again", self.name)
         self._set(BreakerState.CLOSED)
 
-    def record_failure(self) -> None:
+    def record_failure(self, cause: BaseException | None = None) -> None:
         self._probe_in_flight = False
         self._failures += 1
         # A failed probe reopens at once; a closed breaker waits for the threshold.
         if self._state is BreakerState.HALF_OPEN or self._failures >= self.failure_threshold:
             if self._state is not BreakerState.OPEN:
-                log.warning("circuit %s open after %d failures", self.name, self._failures)
+                # The whole cause, for operators (callers are told only its kind: ``_describe``).
+                last = f"; last: {type(cause).__name__}: {cause}" if cause is not None else ""
+                log.warning("circuit %s open after %d failures%s", self.name, self._failures, last)
             self._opened_at = self._clock()
             self._set(BreakerState.OPEN)
 
@@ -181,7 +183,7 @@ class CircuitBreaker:
                         f"{self.name} unavailable: {_describe(exc)}"
                         " (slow for this call; it answers others: not counted as an outage)"
                     ) from exc
-                self.record_failure()
+                self.record_failure(exc)
                 raise errors.DependencyUnavailable(f"{self.name} unavailable: {_describe(exc)}") from exc
             # Cancellation or a real answer ("not found"): the dependency is not to blame.
             self._probe_in_flight = False
@@ -224,6 +226,12 @@ class CircuitBreaker:
 
 
 def _describe(exc: BaseException) -> str:
+    """The outage as the caller is told it (its message reaches clients: degraded reasons,
+    statuses). A gRPC peer's status is its own, already fit for them; a Redis or socket
+    client's text names internal addresses ("Error 111 connecting to 10.0.0.5:6379"), so only
+    its kind is said, and the whole of it logged."""
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{exc.code().name}: {exc.details()}"
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if str(exc):
+        log.debug("outage: %s: %s", type(exc).__name__, exc)
+    return type(exc).__name__

@@ -23,6 +23,7 @@ from typing import Any
 import redis.exceptions
 import yaml
 
+from services.common.redact import masked_url
 from services.router.admission.auth import (
     REDIS_KEYS_HASH,
     ApiKeyRecord,
@@ -130,23 +131,7 @@ def _client(url: str, cluster: bool) -> Any:
     try:
         return RedisCluster.from_url(url, **options) if cluster else aioredis.from_url(url, **options)
     except ValueError as exc:  # a malformed URL: the caller's usage error (exit 2)
-        raise ValueError(f"--redis-url {_safe_url(url)}: {exc}") from None
-
-
-def _safe_url(url: str) -> str:
-    """``url`` with any password masked: the error line is printed and ends up in logs."""
-    from urllib.parse import urlsplit
-
-    try:
-        parts = urlsplit(url)
-        password = parts.password
-    except ValueError:
-        return url
-    if not password:
-        return url
-    userinfo, _, hostinfo = parts.netloc.rpartition("@")
-    user = userinfo.split(":", 1)[0]
-    return parts._replace(netloc=f"{user}:***@{hostinfo}").geturl()
+        raise ValueError(f"--redis-url {masked_url(url)}: {exc}") from None
 
 
 def _in_redis(url: str, work: Any) -> Any:
@@ -162,10 +147,10 @@ def _in_redis(url: str, work: Any) -> Any:
         OSError,
     ) as exc:
         raise RedisUnreachable(
-            f"cannot reach Redis at --redis-url {_safe_url(url)}: {_one_line(exc)}"
+            f"cannot reach Redis at --redis-url {masked_url(url)}: {_one_line(exc)}"
         ) from None
     except redis.exceptions.RedisError as exc:  # reached, but it refused (a read-only replica, …)
-        raise RedisUnreachable(f"Redis at --redis-url {_safe_url(url)} refused: {_one_line(exc)}") from None
+        raise RedisUnreachable(f"Redis at --redis-url {masked_url(url)} refused: {_one_line(exc)}") from None
 
 
 def _one_line(exc: BaseException) -> str:

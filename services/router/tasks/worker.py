@@ -30,6 +30,8 @@ from services.router.turns.checkpoints import OnAdmitted, OnCheckpoint, OnStoppe
 
 log = logging.getLogger("llmmesh.router.tasks")
 
+#: The longest wait between two tries of the task loop while Redis does not answer.
+OUTAGE_RETRY_MAX_S = 5.0
 QUEUED_OR_RUNNING = frozenset({router_pb2.TASK_STATE_QUEUED, router_pb2.TASK_STATE_RUNNING})
 
 
@@ -109,7 +111,15 @@ class TaskWorker:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await run
 
+    @staticmethod
+    def _answered(failures: int) -> int:
+        """Redis answered a whole pass: an outage the worker had said is over (it says so)."""
+        if failures:
+            log.info("task worker: Redis answers again after %d failed tries", failures)
+        return 0
+
     async def _work(self) -> None:
+        failures = 0  # passes that failed in a row (Redis away)
         loop = asyncio.get_running_loop()
         next_reclaim = 0.0
         next_heartbeat = loop.time() + self.settings.visibility_timeout_s / 3
@@ -133,6 +143,7 @@ class TaskWorker:
                     next_reclaim = now + min(5.0, self.settings.visibility_timeout_s / 2)
                     free = self.settings.concurrency - len(self._running)
                 if free <= 0:
+                    failures = self._answered(failures)
                     await asyncio.wait(
                         list(self._running.values()), timeout=1.0, return_when=asyncio.FIRST_COMPLETED
                     )
@@ -142,11 +153,16 @@ class TaskWorker:
                     if self._stopping:
                         break  # left pending: reclaimed by another router once idle
                     self._launch(entry_id, task_id)
+                failures = self._answered(failures)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis away: keep the loop alive and try again shortly
-                log.warning("task worker: %s: %s", type(exc).__name__, exc)
-                await asyncio.sleep(1.0)
+                # Said once an outage (a WARNING a second per router flooded the logs while
+                # Redis was down), then tried again ever less often, up to every 5 s.
+                failures += 1
+                level = logging.WARNING if failures == 1 else logging.DEBUG
+                log.log(level, "task worker: %s: %s (retrying until Redis answers)", type(exc).__name__, exc)
+                await asyncio.sleep(min(OUTAGE_RETRY_MAX_S, 0.5 * 2 ** min(failures - 1, 8)))
 
     def _stand_down(self, entry_id: str) -> None:
         """Another router took this entry's task over: this run stops, writing nothing more."""

@@ -66,3 +66,26 @@ def test_every_queried_metric_is_exported_by_a_service() -> None:
     assert "llmmesh_requests_total" in queried and "llmmesh_queue_depth" in queried
     missing = sorted(queried - exported)
     assert not missing, f"dashboard queries metrics no service defines: {missing}"
+
+
+def test_golden_signals_count_work_not_health_probes() -> None:
+    """The inference row counted the router's Check and GetLoad polls (292 each against one
+    GenerateMany stream that carries every generation): its traffic and latency were the health
+    polling's. RPC panels now leave probes out, and the inference row reads generations."""
+    panels = dashboard()["panels"]
+    rows = [i for i, p in enumerate(panels) if p["type"] == "row"]
+    for service in ("router", "inference", "retriever", "session"):
+        start = next(i for i in rows if panels[i]["title"].startswith(service))
+        for panel in panels[start + 1 : start + 4]:
+            for target in panel["targets"]:
+                for series in re.findall(
+                    r"llmmesh_request(?:s_total|_duration_seconds_bucket)\{[^}]*\}", target["expr"]
+                ):
+                    assert 'method!~"Check|Watch|ServerReflectionInfo|GetLoad|WatchKvEvents"' in series, (
+                        series
+                    )
+    start = next(i for i in rows if panels[i]["title"].startswith("inference"))
+    traffic, errors, latency = panels[start + 1 : start + 4]
+    assert "llmmesh_inference_requests_total" in traffic["targets"][0]["expr"]
+    assert 'finish_reason="error"' in errors["targets"][0]["expr"]
+    assert all("llmmesh_e2e_request_latency_seconds_bucket" in t["expr"] for t in latency["targets"])

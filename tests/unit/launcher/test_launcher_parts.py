@@ -40,12 +40,12 @@ def test_only_the_router_listens_on_host_everything_behind_it_on_loopback(tmp_pa
     # would take any caller's word for its tenant (no API key is checked behind the router).
     config = MeshConfig(data_dir=tmp_path, host="0.0.0.0")
     behind = {
-        "session": config.session_command("redis://127.0.0.1:6379/0"),
+        "session": config.session_command(),
         "retriever": config.retriever_command(),
         "inference": config.replica_command(0, 1024),
     }
     assert {name: listen_host(c) for name, c in behind.items()} == dict.fromkeys(behind, "127.0.0.1")
-    router = config.router_command(["127.0.0.1:50052"], "127.0.0.1:50054", "127.0.0.1:50053", "redis://x:1/0")
+    router = config.router_command(["127.0.0.1:50052"], "127.0.0.1:50054", "127.0.0.1:50053")
     assert listen_host(router) == "0.0.0.0"
     assert router[router.index("--retriever-addr") + 1] == "127.0.0.1:50053"
     # The router hashes prompt prefixes with the replicas' own tokenizer.
@@ -53,7 +53,7 @@ def test_only_the_router_listens_on_host_everything_behind_it_on_loopback(tmp_pa
 
 
 def test_the_router_serves_openai_http_on_8000_a_free_port_or_not_at_all(tmp_path: Path) -> None:
-    args = (["127.0.0.1:50052"], "127.0.0.1:50054", "127.0.0.1:50053", "redis://x:1/0")
+    args = (["127.0.0.1:50052"], "127.0.0.1:50054", "127.0.0.1:50053")
 
     def http_flags(config: MeshConfig) -> list[str]:
         command = config.router_command(*args)

@@ -16,7 +16,7 @@ from services.launcher.up import ready_block
 from services.router.admission import keys
 from services.router.admission.auth import Authenticator
 
-ROUTER_ARGS = (["127.0.0.1:50052"], "127.0.0.1:50054", "127.0.0.1:50053", "redis://x:1/0")
+ROUTER_ARGS = (["127.0.0.1:50052"], "127.0.0.1:50054", "127.0.0.1:50053")
 
 
 @dataclass
@@ -83,6 +83,19 @@ def test_the_ready_block_shows_keyed_examples_only_when_keys_are_on(tmp_path: Pa
         # As the shell would split it: one header argument, the key taken from the environment.
         assert "authorization: Bearer $LLMMESH_API_KEY" in shlex.split(line)
     assert f"llm-mesh keys add --file {file} --tenant NAME" in keyed_block
+
+
+def test_a_redis_password_is_never_printed_nor_on_a_command_line(tmp_path: Path) -> None:
+    # REDIS_URL with a password was printed in the ready block and given to the session service
+    # and the router as --redis-url, where `ps` showed it to every local user.
+    url = "redis://:S3cretPassw0rd@10.0.0.5:6379/0"
+    block = ready_block(FakeMesh(redis_url=url), MeshConfig(data_dir=tmp_path))  # type: ignore[arg-type]
+    assert "S3cretPassw0rd" not in block and "redis://:***@10.0.0.5:6379/0" in block
+    config = MeshConfig(data_dir=tmp_path)
+    for command in (config.session_command(), config.router_command(*ROUTER_ARGS)):
+        assert "--redis-url" not in command and not any("S3cret" in part for part in command)
+    # The URL reaches them by environment, which --redis-url defaults to (LLMMESH_REDIS_URL).
+    assert config.redis_env(url) == {"LLMMESH_REDIS_URL": url}
 
 
 def test_up_takes_a_gguf_model_and_refuses_a_missing_one_saying_so(

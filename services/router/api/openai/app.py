@@ -106,8 +106,11 @@ class OpenAiFront:
         limits: FrontLimits = FrontLimits(),
         clock: Callable[[], float] = time.monotonic,
         retriever: Callable[[], Any] = lambda: None,
+        draining: Callable[[], bool] = lambda: False,
     ) -> None:
         self.pipeline = pipeline
+        #: The router is shutting down (its gRPC health says NOT_SERVING): /health says so too.
+        self._draining = draining
         self.authenticator = authenticator
         # Looked up per request: the router dials the retriever only once it has started.
         self._retriever = retriever
@@ -163,7 +166,15 @@ class OpenAiFront:
     # -- endpoints
 
     async def health(self, request: Request) -> Response:
-        models = sorted(self.pipeline.s.pool.models())
+        """200 while a turn can be placed; 503 while none can, or the router is draining.
+
+        What an HTTP load balancer or probe reads. It said "ok" while the only replica was dead
+        (its model stays known) and through the whole drain window, so a balancer checking it
+        kept sending turns that failed, and never saw the drain coming.
+        """
+        if self._draining():
+            raise ApiError(503, "the router is shutting down", "service_unavailable_error", "draining")
+        models = sorted({r.model for r in self.pipeline.s.pool.replicas.values() if r.model and r.eligible})
         if not models:
             raise ApiError(503, "no inference replica is serving", "service_unavailable_error", "no_replica")
         return JSONResponse({"status": "ok", "models": models})

@@ -23,7 +23,14 @@ HTTP_SECONDS = Histogram(
     ["route"],
     buckets=LATENCY_BUCKETS,
 )
-ROUTES = ("/health", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+ROUTES = (
+    "/health",
+    "/v1/models",
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",  # counted under `other`, with the 404s, until 2026-12-07
+)
 
 
 def route_label(path: str) -> str:
@@ -32,6 +39,8 @@ def route_label(path: str) -> str:
         return path
     if path.startswith("/v1/models/"):
         return "/v1/models/{model}"
+    if path.startswith("/v1/responses/"):
+        return "/v1/responses/{id}"
     return "other"
 
 

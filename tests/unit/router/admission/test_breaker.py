@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import grpc
 import pytest
@@ -172,3 +173,21 @@ async def test_other_outages_count_whatever_the_probe_says() -> None:
     with pytest.raises(errors.DependencyUnavailable):
         await breaker.call(_fail, liveness_probe=_ok)
     assert breaker.state is BreakerState.OPEN
+
+
+async def test_an_outage_is_told_to_callers_by_its_kind_and_to_operators_in_full(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The Redis client's text ("Error 111 connecting to 10.0.0.5:6379") reached clients in the
+    # status and in TurnEnd.degraded_reasons: the mesh's internal addresses, for every tenant.
+    import redis.exceptions
+
+    async def refused() -> None:
+        raise redis.exceptions.ConnectionError("Error 111 connecting to 10.0.0.5:6379. Connection refused.")
+
+    breaker = CircuitBreaker("redis", failure_threshold=1, clock=FakeClock())
+    caplog.set_level(logging.WARNING, logger="llmmesh.router.breaker")
+    with pytest.raises(errors.DependencyUnavailable) as told:
+        await breaker.call(refused)
+    assert str(told.value) == "redis unavailable: ConnectionError"
+    assert "10.0.0.5:6379" in caplog.text and "circuit redis open" in caplog.text
