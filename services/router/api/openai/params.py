@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -328,6 +329,11 @@ def turn_request_id(request_id: str, index: int, choices: int) -> str:
     return f"{request_id}-{index}" if choices > 1 else request_id
 
 
+def _as_float32(value: float) -> float:
+    """``value`` as a proto ``float`` field stores it."""
+    return float(struct.unpack("f", struct.pack("f", value))[0])
+
+
 def sampling_params(body: Mapping[str, Any], max_tokens: int | None) -> common_pb2.SamplingParams:
     """``max_tokens`` None (chat, responses): the answer may take all the context leaves, as
     OpenAI's and vLLM's do; the engine's own default (256) cut SDK and LangChain answers,
@@ -340,7 +346,10 @@ def sampling_params(body: Mapping[str, Any], max_tokens: int | None) -> common_p
     if (temperature := _number(body, "temperature", 0.0, 2.0)) is not None:
         sampling.temperature = temperature
     if (top_p := _number(body, "top_p", 0.0, 1.0)) is not None:
-        if top_p > 0:
+        # Compared as the float32 the field holds: 1e-46 passed a float64 check, rounded to 0.0
+        # on the wire, and the replica refused "top_p: must be in (0, 1], got 0.0", a value the
+        # client never sent. Below float32's range it is 0, as OpenAI's [0, 1] allows.
+        if _as_float32(top_p) > 0:
             sampling.top_p = top_p
         else:
             # OpenAI takes 0 (its range is [0, 1]): the nucleus shrinks to the likeliest token.

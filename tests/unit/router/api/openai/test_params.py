@@ -542,6 +542,16 @@ def test_openais_signed_seed_and_zero_top_p_are_taken_as_openai_takes_them() -> 
     assert nucleus_of_one.sampling.top_k == 1 and not nucleus_of_one.sampling.HasField("top_p")
 
 
+@pytest.mark.parametrize("top_p", [1e-46, 1e-300, 5e-324])
+def test_a_top_p_below_float32s_range_is_zero_not_a_refusal_of_a_value_never_sent(top_p: float) -> None:
+    # It passed the front's check as a float64 > 0, became 0.0 in the proto's float32, and the
+    # replica refused it: "top_p: must be in (0, 1], got 0.0".
+    (turn,) = chat_generation({"messages": USER, "top_p": top_p, "temperature": 1}, "r").turns
+    assert turn.sampling.top_k == 1 and not turn.sampling.HasField("top_p")
+    (smallest,) = chat_generation({"messages": USER, "top_p": 1e-45, "temperature": 1}, "r").turns
+    assert smallest.sampling.top_p > 0 and not smallest.sampling.top_k  # still a float32 > 0: kept
+
+
 def test_the_neutral_reasoning_verbosity_and_search_values_are_taken_on_chat_as_on_responses() -> None:
     body = {"messages": USER, "reasoning_effort": "none", "verbosity": "medium", "web_search_options": {}}
     (turn,) = chat_generation(body, "r").turns
