@@ -41,6 +41,36 @@ def count_placement(decision: Decision[Replica], request: PlacementRequest) -> N
         metrics.PREFIX_PROMPT_TOKENS.inc(request.prompt_tokens)
 
 
+#: How much longer than the replica's learned prefill cost a prompt may take to its first token
+#: (the cost is an average; queueing and a longer-than-usual prompt's attention add to it).
+PREFILL_MARGIN = 2.0
+#: Without the router's tokenizer, a prompt's tokens from its UTF-8 size: SmolLM2's tokenizer
+#: took 2.1-3.9 bytes a token across prose, code and JSON; fewer bytes a token errs long.
+PROMPT_BYTES_PER_TOKEN = 2
+
+
+def estimated_prompt_tokens(start: inference_pb2.GenerateStart) -> int:
+    """The prompt's tokens when the router does not know them: its token ids, or its text's size."""
+    if start.prompt_token_ids:
+        return len(start.prompt_token_ids)
+    size = len(start.prompt.encode()) + sum(len(m.content.encode()) for m in start.messages)
+    return size // PROMPT_BYTES_PER_TOKEN
+
+
+def ttft_limit(base_s: float, prefill_s_per_token: float | None, prompt_tokens: int) -> float:
+    """How long an attempt may wait for its first token: ``--ttft-timeout-s`` plus twice what its
+    prompt is expected to take to prefill on that replica (its learned cost per token).
+
+    A fixed limit failed valid long prompts where prefill is slow: on a 2-core CPU an
+    8,181-token prompt took over 60 s to its first token, so it was refused (503) after trying
+    every replica, and each try counted towards ejecting a healthy replica. Before a replica has
+    finished a generation its cost is unknown, and the base alone applies.
+    """
+    if not prefill_s_per_token or prompt_tokens <= 0:
+        return base_s
+    return base_s + PREFILL_MARGIN * prompt_tokens * prefill_s_per_token
+
+
 @dataclass(frozen=True)
 class RelayConfig:
     """Retry, failover and stall-detection settings."""
@@ -48,7 +78,8 @@ class RelayConfig:
     max_attempts: int = 3
     backoff_base_s: float = 0.05
     backoff_max_s: float = 1.0
-    #: No first token within this long: the attempt counts as failed (TTFT timeout).
+    #: No first token within this long, plus the prompt's expected prefill (``ttft_limit``): the
+    #: attempt counts as failed (TTFT timeout).
     ttft_timeout_s: float = 60.0
     #: No token for this long once tokens flowed: an inter-token stall.
     stall_timeout_s: float = 15.0
@@ -138,7 +169,7 @@ class Relay:
             outcome.replica, outcome.model = replica.address, model
             outcome.replicas_used.append(replica.address)
             tried.add(replica.address)
-            attempt = self._attempt(replica, start, outcome, deadline)
+            attempt = self._attempt(replica, start, outcome, deadline, placing.prompt_tokens)
             tokens_before, finished, prefilled = len(outcome.token_ids), False, False
             try:
                 async for batch in attempt:
@@ -205,6 +236,7 @@ class Relay:
         start: inference_pb2.GenerateStart,
         outcome: RelayOutcome,
         deadline: float | None,
+        prompt_tokens: int = 0,
     ) -> AsyncGenerator[list[inference_pb2.TokenChunk], None]:
         request = start
         if outcome.token_ids:
@@ -216,7 +248,11 @@ class Relay:
         constrained = request.sampling.WhichOneof("constraint") is not None
         watchdog = Watchdog(
             generation,
-            self.config.ttft_timeout_s,
+            ttft_limit(
+                self.config.ttft_timeout_s,
+                replica.prefill_s_per_token,
+                (prompt_tokens or estimated_prompt_tokens(start)) + len(outcome.token_ids),
+            ),
             self.config.stall_timeout_s,
             self._clock,
             ttft_blames_replica=not constrained,
