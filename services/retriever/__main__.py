@@ -25,8 +25,10 @@ def main(argv: list[str] | None = None) -> None:
     add_flags(parser, RetrieverConfig)
     args = parser.parse_args(argv)
     try:
-        # An empty LLMMESH_REDIS_URL means none.
-        config = from_flags(RetrieverConfig, args, redis_url=args.redis_url or None)
+        # An empty LLMMESH_REDIS_URL (or LLMMESH_MILVUS_TOKEN) means none.
+        config = from_flags(
+            RetrieverConfig, args, redis_url=args.redis_url or None, milvus_token=args.milvus_token or None
+        )
     except ValueError as exc:
         parser.error(str(exc))
     run(server_options("retriever", args, parser), RetrieverRuntime(config))

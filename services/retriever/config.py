@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from services.common.settings import flag
-from services.retriever.connection import check_milvus_uri
+from services.retriever.connection import check_milvus_uri, has_credentials, masked_milvus_uri
 from services.retriever.document_locks import DEFAULT_LEASE_SECONDS, DEFAULT_WAIT_SECONDS
 from services.retriever.embedder import DEFAULT_EMBEDDING_MODEL
 from services.retriever.parsing import DEFAULT_MAX_PARSE_SECONDS
@@ -16,6 +16,13 @@ from services.retriever.semantic_cache import DEFAULT_THRESHOLD, DEFAULT_TTL_SEC
 @dataclass(frozen=True)
 class RetrieverConfig:
     milvus_uri: str = flag("data/milvus.db", help="a *.db path (Milvus Lite) or http://host:port")
+    # Keeps a password out of the URI (which is easily printed) and, set from the environment
+    # (a Kubernetes Secret), out of argv too. Never printed; see docs/retriever.md.
+    milvus_token: str | None = flag(
+        None,
+        help="credentials for a Milvus with auth on: 'user:password' or an API key "
+        "(set it in the environment: a flag's value is visible in ps)",
+    )
     embedding_model: str = flag(DEFAULT_EMBEDDING_MODEL, help="sentence-transformers name or path")
     # None keeps the model's own dimension; smaller truncates the vectors.
     embedding_dimension: int | None = flag(None, type=int, help="truncate vectors to this size")
@@ -34,6 +41,9 @@ class RetrieverConfig:
     cache_threshold: float = flag(DEFAULT_THRESHOLD, help="semantic-cache cosine similarity")
     cache_ttl_seconds: int = flag(DEFAULT_TTL_SECONDS, help="default semantic-cache entry lifetime")
     milvus_timeout_seconds: float = flag(10.0, help="bound on each Milvus call")
+    milvus_check_seconds: float = flag(
+        5.0, help="how often health checks Milvus once serving (NOT_SERVING while unreachable)"
+    )
     search_ef: int = flag(64, help="HNSW search breadth (recall vs speed)")
     # docs/retriever.md: what each choice does and why "context" is the default.
     rerank_model: str = flag(
@@ -54,8 +64,21 @@ class RetrieverConfig:
         DEFAULT_WAIT_SECONDS, help="how long a write waits for another replica's; beyond it ABORTED"
     )
 
+    def __repr__(self) -> str:
+        # The dataclass's own would print the token and the URI's password.
+        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        shown["milvus_uri"] = masked_milvus_uri(self.milvus_uri)
+        if self.milvus_token:
+            shown["milvus_token"] = "***"
+        return f"RetrieverConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
+
     def __post_init__(self) -> None:
         check_milvus_uri(self.milvus_uri)
+        if self.milvus_token and has_credentials(self.milvus_uri):
+            raise ValueError(
+                "--milvus-token and credentials in --milvus-uri (user:password@): give them once, "
+                "as --milvus-token (or LLMMESH_MILVUS_TOKEN), and leave them out of the URI"
+            )
         if not self.collection_prefix.replace("_", "").isalnum() or not self.collection_prefix[0].isalpha():
             raise ValueError(
                 f"--collection-prefix must be letters, digits and '_', got {self.collection_prefix!r}"
@@ -74,6 +97,8 @@ class RetrieverConfig:
             )
         if self.milvus_timeout_seconds <= 0:
             raise ValueError(f"--milvus-timeout-seconds must be > 0, got {self.milvus_timeout_seconds}")
+        if not self.milvus_check_seconds > 0:  # NaN too
+            raise ValueError(f"--milvus-check-seconds must be > 0, got {self.milvus_check_seconds}")
         if self.document_lease_seconds <= 0:
             raise ValueError(f"--document-lease-seconds must be > 0, got {self.document_lease_seconds}")
         if self.document_lock_wait_seconds < 0:

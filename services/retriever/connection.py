@@ -7,15 +7,19 @@ search issued after an ingest returned sees that ingest's chunks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import grpc
 from pymilvus import MilvusClient
+from pymilvus.client.types import LoadState
 from pymilvus.exceptions import MilvusException
 
 from services.common.errors import DependencyUnavailable, FailedPrecondition
@@ -45,13 +49,85 @@ def is_lite_uri(uri: str) -> bool:
     return uri.endswith(".db")
 
 
+def has_credentials(uri: str) -> bool:
+    """Whether ``uri`` may carry credentials: a server URL with an ``@`` (``user:password@``,
+    or a token alone as ``token@``). A ``*.db`` path is a file name, never a secret."""
+    return "@" in uri and not is_lite_uri(uri)
+
+
+def masked_milvus_uri(uri: str) -> str:
+    """``uri`` fit to print: ``http://root:***@host:19530``, or ``http://***@host:19530``.
+
+    pymilvus reads ``user:password`` from the URI's userinfo, and a user alone as a token (an
+    API key): either is a secret. Unmasked, the URI reached logs and, through the router,
+    every tenant's error messages. A URL with an ``@`` elsewhere (a password with an unescaped
+    ``/``) is shown as ``***`` whole. (``services.common.redact.masked_url`` masks a password
+    only: to pymilvus a user without one is a token, so it is masked here too.)
+    """
+    if not has_credentials(uri):
+        return uri
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return "***"
+    if "@" not in parts.netloc:
+        return "***"
+    userinfo, _, hostinfo = parts.netloc.rpartition("@")
+    user, colon, _ = userinfo.partition(":")
+    shown = f"{user}:***" if colon and user else "***"
+    return parts._replace(netloc=f"{shown}@{hostinfo}").geturl()
+
+
 def check_milvus_uri(uri: str) -> str:
     """The URI if usable: a ``*.db`` path (Milvus Lite) or an http(s)/tcp/unix URL."""
     if is_lite_uri(uri) or uri.startswith(("http://", "https://", "tcp://", "unix:")):
         return uri
     raise ValueError(
-        f"--milvus-uri must be a path ending in .db (Milvus Lite) or http(s)://host:port, got {uri!r}"
+        "--milvus-uri must be a path ending in .db (Milvus Lite) or http(s)://host:port, "
+        f"got {masked_milvus_uri(uri)!r}"
     )
+
+
+# pymilvus logs every failed call itself (an ERROR with two tracebacks, and a WARNING for each
+# reconnect); the health check's calls fail every few seconds while Milvus is away, and say so
+# in one line of ours per change instead. Only the check's own thread is quieted.
+_QUIET = threading.local()
+_PYMILVUS_LOGGERS = (
+    "pymilvus.decorators",
+    "pymilvus.client.connection_manager",
+    "pymilvus.client.grpc_handler",
+)
+
+
+class _QuietThread(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(_QUIET, "on", False)
+
+
+_QUIET_FILTER = _QuietThread()
+
+
+@contextlib.contextmanager
+def _pymilvus_quiet() -> Iterator[None]:
+    for name in _PYMILVUS_LOGGERS:
+        logging.getLogger(name).addFilter(_QUIET_FILTER)  # once: a filter already there is kept
+    _QUIET.on = True
+    try:
+        yield
+    finally:
+        _QUIET.on = False
+
+
+def _secrets_of(uri: str, token: str) -> tuple[str, ...]:
+    """The strings that must never be printed: the URI itself when it has userinfo, its
+    password (or its user, when that alone is the token), and the token; longest first."""
+    found = {token} if token else set()
+    if has_credentials(uri):
+        found.add(uri)
+        with contextlib.suppress(ValueError):
+            parts = urlsplit(uri)
+            found.add(parts.password or parts.username or "")
+    return tuple(sorted((s for s in found if s), key=len, reverse=True))
 
 
 class MilvusCollections:
@@ -68,7 +144,10 @@ class MilvusCollections:
         names: CollectionNames | None = None,
         timeout_s: float = 10.0,
         search_ef: int = 64,
+        token: str = "",
     ) -> None:
+        """``token``: ``user:password`` or an API key for a Milvus with auth on (it wins over
+        credentials in ``uri``); never printed, nor is the userinfo of ``uri``."""
         check_milvus_uri(uri)
         if search_ef < 1:
             raise ValueError(f"--search-ef must be >= 1, got {search_ef}")
@@ -78,13 +157,16 @@ class MilvusCollections:
             uri = str(Path(uri).expanduser())
             Path(uri).resolve().parent.mkdir(parents=True, exist_ok=True)
         self.uri = uri
+        #: What messages and logs name: the URI without its credentials.
+        self.shown_uri = masked_milvus_uri(uri)
+        self._secrets = _secrets_of(uri, token)
         self.model_name = model_name
         self.dimension = dimension
         self.names = names or CollectionNames.with_prefix("llmmesh")
         self._timeout = timeout_s
         # Set when existing collections were built by another model: vector calls are refused.
         self.mismatch: str | None = None
-        self._client = self._call(lambda: MilvusClient(uri=uri, timeout=timeout_s))
+        self._client = self._call(lambda: MilvusClient(uri=uri, token=token, timeout=timeout_s))
         try:
             self._call(self._ensure_collections)
         except BaseException:
@@ -184,16 +266,61 @@ class MilvusCollections:
 
     # -- error mapping ---------------------------------------------------
 
+    def ping(self) -> None:
+        """The health check: Milvus answers and the three collections are loaded (one cheap
+        round trip each).
+
+        Raises DependencyUnavailable when Milvus cannot be reached or a collection cannot be
+        searched yet. pymilvus reconnects by itself after an outage; a Milvus that came back
+        without the collections loaded (Milvus Lite's server forgets it on a restart, and every
+        search then failed "call load() before search") gets them loaded again here.
+        """
+        loaded = []
+        with _pymilvus_quiet():
+            for name in (self.names.chunks, self.names.documents, self.names.cache):
+                found = self._call(
+                    functools.partial(self._client.get_load_state, name, timeout=self._timeout)
+                )
+                state = found["state"]
+                if state == LoadState.Loaded:
+                    continue
+                if state != LoadState.NotLoad:  # Loading (a large collection after a restart), NotExist
+                    raise DependencyUnavailable(
+                        f"Milvus at {self.shown_uri}: collection {name} is {state.name}"
+                    )
+                self._call(functools.partial(self._client.load_collection, name, timeout=self._timeout))
+                loaded.append(name)
+        if loaded:
+            log.warning("loaded %s again: Milvus had them unloaded (restarted?)", ", ".join(loaded))
+
     def _call(self, fn: Callable[[], T]) -> T:
-        """Runs one Milvus call, turning "cannot reach Milvus" into UNAVAILABLE."""
+        """Runs one Milvus call, turning "cannot reach Milvus" into UNAVAILABLE.
+
+        Every message names the URI without its credentials (``shown_uri``): the router hands
+        these messages to tenants, and the retriever logs them.
+        """
         try:
             return fn()
         except MilvusException as exc:
-            if exc.code in _UNREACHABLE_CODES or "connect" in str(exc.message).lower():
-                raise DependencyUnavailable(f"Milvus at {self.uri} is unreachable: {exc.message}") from exc
+            reason = self._scrub(str(exc.message))
+            # A message that quoted a credential (pymilvus's "uri: … is illegal") must not reach
+            # a log through the exception chain either.
+            cause = exc if reason == str(exc.message) else None
+            if exc.code in _UNREACHABLE_CODES or "connect" in reason.lower():
+                raise DependencyUnavailable(f"Milvus at {self.shown_uri} is unreachable: {reason}") from cause
+            if cause is None:
+                raise MilvusException(code=exc.code, message=reason) from None
             raise
         except grpc.RpcError as exc:
-            raise DependencyUnavailable(f"Milvus at {self.uri} is unreachable: {exc}") from exc
+            reason = self._scrub(str(exc))
+            cause = exc if reason == str(exc) else None
+            raise DependencyUnavailable(f"Milvus at {self.shown_uri} is unreachable: {reason}") from cause
+
+    def _scrub(self, text: str) -> str:
+        """``text`` with every credential this connection holds shown as ``***``."""
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
 
     def require_model(self) -> None:
         """Raises FAILED_PRECONDITION when the collections were built by another embedding model."""

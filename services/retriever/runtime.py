@@ -18,6 +18,7 @@ from services.retriever.config import RetrieverConfig
 from services.retriever.corpus import Corpus
 from services.retriever.document_locks import DocumentLocks, LocalLocks, RedisLocks
 from services.retriever.embedder import Embedder
+from services.retriever.milvus_health import MilvusHealthWatcher
 from services.retriever.rerank import load_reranker
 from services.retriever.schema import CollectionNames
 from services.retriever.semantic_cache import SemanticCache
@@ -39,6 +40,7 @@ class RetrieverRuntime:
         self.servicer = RetrieverServicer(config.max_document_bytes, config.ingest_workers)
         self._store: MilvusStore | None = None
         self._lock_client: Any = None  # Redis for document write leases, when configured
+        self._watcher: MilvusHealthWatcher | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
         retriever_pb2_grpc.add_RetrieverServicer_to_server(self.servicer, server)
@@ -78,6 +80,11 @@ class RetrieverRuntime:
             )
         )
         await health.set_serving(True)
+        # From now on health follows Milvus: NOT_SERVING while it cannot be reached.
+        self._watcher = MilvusHealthWatcher(
+            self._store.ping, health, config.milvus_check_seconds, config.milvus_timeout_seconds
+        )
+        self._watcher.start()
 
     def _document_locks(self) -> DocumentLocks:
         config = self.config
@@ -106,6 +113,7 @@ class RetrieverRuntime:
                     names,
                     self.config.milvus_timeout_seconds,
                     self.config.search_ef,
+                    token=self.config.milvus_token or "",
                 )
             except DependencyUnavailable as exc:
                 # Keep trying (NOT_SERVING); calls meanwhile get UNAVAILABLE with this reason.
@@ -116,9 +124,19 @@ class RetrieverRuntime:
                 await asyncio.sleep(delay)
 
     async def drain(self) -> None:
-        """Nothing to refuse early: in-flight RPCs finish within the server's grace period."""
+        """Nothing to refuse early: in-flight RPCs finish within the server's grace period.
+
+        The Milvus check stops here: health stays NOT_SERVING from SIGTERM on anyway.
+        """
+        if self._watcher is not None:
+            await self._watcher.stop()
 
     async def close(self) -> None:
+        if self._watcher is not None:
+            # A check still on its thread finishes (bounded by the Milvus timeout) before the
+            # client it uses is closed.
+            await self._watcher.stop(wait_s=self.config.milvus_timeout_seconds)
+            self._watcher = None
         self.servicer.close()
         if self._store is not None:
             await asyncio.to_thread(self._store.close)

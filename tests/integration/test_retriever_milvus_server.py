@@ -115,3 +115,96 @@ def test_health_waits_for_milvus_and_an_outage_is_unavailable_not_a_hang(milvus:
             assert time.monotonic() - started < 20
     finally:
         retriever.stop()
+
+
+PASSWORD = "MilvusPW123"
+
+
+def _search_error(stub: retriever_pb2_grpc.RetrieverStub) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Search(pb.SearchRequest(query="When are spring tides?"), metadata=META, timeout=60)
+    return caught.value
+
+
+def test_credentials_in_the_uri_never_reach_a_caller_or_the_log(milvus: MilvusServerProcess) -> None:
+    """pymilvus takes user:password from the URI, and "Milvus at <URI> is unreachable" is what the
+    router hands to tenants (SearchDocuments, RAG turns' degraded reasons, /v1/embeddings) and what
+    start-up logs every few seconds: the password must be in neither."""
+    uri = f"http://root:{PASSWORD}@127.0.0.1:{milvus.port}"
+    retriever = ServiceProcess("services.retriever", ["--milvus-uri", uri, "--milvus-timeout-seconds", "2"])
+    try:
+        retriever.start(wait_serving=False)
+        deadline = time.monotonic() + 120
+        while sum("unreachable" in line for line in retriever.lines) < 2:  # two retries logged
+            assert time.monotonic() < deadline, retriever.output()
+            time.sleep(0.2)
+        with grpc.insecure_channel(retriever.address) as channel:
+            error = _search_error(retriever_pb2_grpc.RetrieverStub(channel))
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        details = error.details() or ""
+        assert f"Milvus at http://root:***@127.0.0.1:{milvus.port} is unreachable" in details
+        assert PASSWORD not in details
+        # Masking changes only what is printed: pymilvus still gets the credentials.
+        milvus.start()
+        retriever.wait_serving(60)
+        assert retriever.stop() == 0, retriever.output()
+        assert PASSWORD not in "\n".join(retriever.lines)
+    finally:
+        retriever.stop()
+
+
+def test_health_follows_milvus_after_start_up(milvus: MilvusServerProcess) -> None:
+    """Once SERVING, a retriever whose Milvus goes away says NOT_SERVING (readiness takes it out
+    of the Service; docs/operations.md, "Draining") and SERVING again when Milvus is back, with one
+    log line each way. The token comes from the environment, as a Kubernetes Secret gives it."""
+    milvus.start()
+    retriever = ServiceProcess(
+        "services.retriever",
+        [
+            "--milvus-uri", f"http://127.0.0.1:{milvus.port}",
+            "--milvus-timeout-seconds", "2",
+            "--milvus-check-seconds", "0.5",
+        ],
+        env={"LLMMESH_MILVUS_TOKEN": f"root:{PASSWORD}"},
+    )  # fmt: skip
+    try:
+        retriever.start()
+        with grpc.insecure_channel(retriever.address) as channel:
+            stub = retriever_pb2_grpc.RetrieverStub(channel)
+            header = pb.DocumentHeader(document_id="tides.txt", mime_type="text/plain")
+            data = b"Spring tides happen at new and full moon, when the sun and moon pull together."
+            stub.Ingest(
+                iter([pb.IngestRequest(header=header), pb.IngestRequest(data=data)]),
+                metadata=META,
+                timeout=60,
+            )
+
+            milvus.kill()
+            deadline = time.monotonic() + 20
+            while retriever.health() != health_pb2.HealthCheckResponse.NOT_SERVING:
+                assert time.monotonic() < deadline, "still SERVING without Milvus:\n" + retriever.output()
+                time.sleep(0.2)
+            assert retriever.health("llmmesh.v1.Retriever") == health_pb2.HealthCheckResponse.NOT_SERVING
+            # Six more failed checks while Milvus stays away: health holds, and nothing more is logged.
+            quiet_from = len(retriever.lines)
+            time.sleep(3)
+            assert retriever.health() == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert retriever.lines[quiet_from:] == []
+            assert _search_error(stub).code() == grpc.StatusCode.UNAVAILABLE
+
+            milvus.start()
+            deadline = time.monotonic() + 60
+            while retriever.health() != health_pb2.HealthCheckResponse.SERVING:
+                assert time.monotonic() < deadline, "not SERVING with Milvus back:\n" + retriever.output()
+                time.sleep(0.2)
+            hits = stub.Search(
+                pb.SearchRequest(query="When are spring tides?"), metadata=META, timeout=30
+            ).chunks
+            assert [c.document_id for c in hits] == ["tides.txt"]
+        assert retriever.stop() == 0, "SIGTERM must stop the watcher and exit cleanly:\n" + retriever.output()
+        output = "\n".join(retriever.lines)
+        assert sum("reporting NOT_SERVING" in line for line in retriever.lines) == 1, output
+        assert sum("reporting SERVING" in line for line in retriever.lines) == 1, output
+        assert PASSWORD not in output
+    finally:
+        retriever.stop()

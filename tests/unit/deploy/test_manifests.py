@@ -174,6 +174,16 @@ def test_retriever_replicas_sharing_milvus_take_document_write_leases_in_redis()
     assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "redis", "key": "redis-password"}
 
 
+def test_retriever_takes_milvus_credentials_from_an_optional_secret_not_the_uri() -> None:
+    objects = rendered("cpu")
+    env = {e["name"]: e for e in container(find(objects, "Deployment", "retriever"))["env"]}
+    token = env["LLMMESH_MILVUS_TOKEN"]["valueFrom"]["secretKeyRef"]
+    # Optional: the chart's Milvus runs without auth, and then no Secret exists.
+    assert token == {"name": "milvus-token", "key": "token", "optional": True}
+    config = find(objects, "ConfigMap", "llm-mesh-config")["data"]
+    assert "@" not in config["LLMMESH_MILVUS_URI"], "credentials belong in the Secret, not the ConfigMap"
+
+
 def test_autoscaling_inference_on_queue_depth_and_router_on_cpu() -> None:
     objects = rendered("cpu")
     inference = find(objects, "HorizontalPodAutoscaler", "inference")
