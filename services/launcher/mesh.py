@@ -136,9 +136,8 @@ class MeshConfig:
         return self.service_command("services.session", self.port(SESSION_PORT))
 
     def retriever_command(self) -> list[str]:
-        return self.service_command(
-            "services.retriever", self.port(RETRIEVER_PORT), "--milvus-uri", self.milvus
-        )
+        """Its Milvus comes by environment (``milvus_env``): a server's URI may carry a password."""
+        return self.service_command("services.retriever", self.port(RETRIEVER_PORT))
 
     def router_command(self, replicas: list[str], session: str, retriever: str) -> list[str]:
         """The one service on ``--host``: every client, and every API-key check, comes through it."""
@@ -185,6 +184,10 @@ class MeshConfig:
         a password in the URL given on their command line was shown to every local user by
         ``ps``."""
         return {"LLMMESH_REDIS_URL": redis_url}
+
+    def milvus_env(self) -> dict[str, str]:
+        """Milvus for the retriever, as ``--milvus-uri``'s environment default (see ``redis_env``)."""
+        return {"LLMMESH_MILVUS_URI": self.milvus}
 
     def child_env(self) -> dict[str, str]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **self.extra_env}
@@ -234,7 +237,7 @@ class LocalMesh:
         assert self.redis_url is not None
         redis_env = cfg.redis_env(self.redis_url)
         self.session = self._spawn("session", cfg.session_command(), redis_env)
-        self.retriever = self._spawn("retriever", cfg.retriever_command())
+        self.retriever = self._spawn("retriever", cfg.retriever_command(), cfg.milvus_env())
         limit, share = cfg.memory_plan()
         self.say(
             f"  memory: {limit.bytes >> 20} MiB ({limit.source}), {SHARED_SERVICES_MIB} MiB kept for "

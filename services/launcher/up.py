@@ -154,7 +154,7 @@ def ready_block(mesh: LocalMesh, config: MeshConfig) -> str:
     lines.append(f"  {'redis':<12} {masked_url(mesh.redis_url or '')}" if mesh.redis is None else "")
     if (base := openai_base_url(mesh)) is not None:
         lines.append(f"  {'openai':<12} {base}   (OPENAI_BASE_URL for the OpenAI SDKs)")
-    lines.append(f"  {'milvus':<12} {config.milvus}")
+    lines.append(f"  {'milvus':<12} {masked_url(config.milvus)}")
     lines.append(f"  {'logs':<12} {config.data_dir / 'logs'}")
     # Name addresses only where they differ from the clients' defaults.
     to_router = "" if router == DEFAULT_ROUTER else f" --router {router}"

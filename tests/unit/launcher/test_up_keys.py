@@ -96,6 +96,12 @@ def test_a_redis_password_is_never_printed_nor_on_a_command_line(tmp_path: Path)
         assert "--redis-url" not in command and not any("S3cret" in part for part in command)
     # The URL reaches them by environment, which --redis-url defaults to (LLMMESH_REDIS_URL).
     assert config.redis_env(url) == {"LLMMESH_REDIS_URL": url}
+    # The same for a Milvus server's URI (MILVUS_URI), which pymilvus takes credentials from.
+    milvus = "http://root:MilvusPW123@milvus.internal:19530"
+    server = MeshConfig(data_dir=tmp_path, milvus_uri=milvus)
+    assert "MilvusPW123" not in ready_block(FakeMesh(), server)  # type: ignore[arg-type]
+    assert "--milvus-uri" not in server.retriever_command()
+    assert server.milvus_env() == {"LLMMESH_MILVUS_URI": milvus}
 
 
 def test_up_takes_a_gguf_model_and_refuses_a_missing_one_saying_so(
