@@ -1,19 +1,46 @@
 """Lua scripts that make each session operation atomic inside Redis.
 
-Every script touches the keys of one hash tag only (a session's meta and turns, or one
+Every script touches the keys of one hash tag only (the keys of one session id, or one
 owner's index), so each runs unchanged on a single Redis and on Redis Cluster. Replies
 start with a status word the store turns into a domain error.
 """
 
 from __future__ import annotations
 
-# Shared prologue: the session must exist and belong to ARGV[1].
-_ACCESS = """
+# Every session script gets KEYS: the caller's meta, turns and requests of the session id, then
+# the id's meta, turns and requests in the layout from before sessions were keyed by owner
+# (keys.script_keys); ARGV[1] is the caller (its owner). All six share the id's hash tag.
+#
+# Upgrade prologue: a session stored in the old layout becomes its owner's on the owner's first
+# use of it, moved (TTLs and all) into the owner's keys in the same script as the use, so a
+# racing call sees it either there or here, never in both or in neither. Another owner's old
+# session under the id is left alone and changes nothing this caller sees: the caller has its
+# own namespace (keys.py), where the id is simply free or its own.
+_ADOPT = """
+if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('HGET', KEYS[4], 'owner') == ARGV[1] then
+  redis.call('RENAME', KEYS[4], KEYS[1])
+  for i = 2, 3 do
+    if redis.call('EXISTS', KEYS[i + 3]) == 1 then
+      redis.call('RENAME', KEYS[i + 3], KEYS[i])
+    else
+      redis.call('DEL', KEYS[i])
+    end
+  end
+end
+"""
+
+# Shared prologue: the session must exist in the caller's namespace. Its stored owner is still
+# compared: under the caller's keys it can only differ if two owners' 128-bit key digests
+# collided ('collision', never served), not because another tenant uses the id.
+_ACCESS = (
+    _ADOPT
+    + """
 local owner = redis.call('HGET', KEYS[1], 'owner')
 if not owner then return {'missing'} end
-if owner ~= ARGV[1] then return {'denied'} end
+if owner ~= ARGV[1] then return {'collision'} end
 local ttl = redis.call('HGET', KEYS[1], 'ttl')
 """
+)
 
 # Sliding TTL: every read and write restarts the clock on all three keys.
 _REFRESH = """
@@ -22,11 +49,12 @@ redis.call('EXPIRE', KEYS[2], ttl)
 redis.call('EXPIRE', KEYS[3], ttl)
 """
 
-# Every session script gets KEYS: meta, turns, requests (keys.py).
-
 # ARGV: owner, system_prompt, metadata_json, ttl, now_ms. A new session under an expired or
-# deleted one's id starts with no turns and no request ids.
-CREATE = """
+# deleted one's id starts with no turns and no request ids. 'exists' only for the caller's own
+# session (an old-layout one included, moved first): another owner's is in another namespace.
+CREATE = (
+    _ADOPT
+    + """
 if redis.call('EXISTS', KEYS[1]) == 1 then return {'exists'} end
 redis.call('DEL', KEYS[2], KEYS[3])
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'system_prompt', ARGV[2], 'metadata', ARGV[3],
@@ -34,6 +62,7 @@ redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'system_prompt', ARGV[2], 'metadat
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 return {'ok', redis.call('HGETALL', KEYS[1]), 0}
 """
+)
 
 # ARGV: owner, max_turns (0 = all), before_request_id ('' = none). Reads the newest max_turns
 # turns, or with a request id this session stored, the max_turns before its first turn, and

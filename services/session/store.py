@@ -1,11 +1,16 @@
 """SessionStore: sessions in Redis (single node or Cluster) through atomic Lua scripts.
 
+Every session is keyed by its owner and its id (keys.py): each tenant has its own namespace of
+ids, and nothing a tenant is told depends on the ids other tenants use. A session stored before
+that (keyed by its id alone) is still its owner's: the first script its owner runs on it moves
+it into the owner's keys (scripts._ADOPT), and listing reads it where it is.
+
 Consistency across slots: a session's own keys share a hash tag, so every operation on one
 session is one atomic script. The owner's index (for ListSessions and the per-owner limit)
 lives in another slot and is updated by a separate call: a slot is reserved in the index
 *before* the session is created and released *after* it is deleted, so the index is always a
-superset of the owner's live sessions. Entries whose session has expired, failed to be
-created or belongs to someone else are skipped by listing and pruned lazily.
+superset of the owner's live sessions. Entries whose session has expired or failed to be
+created are skipped by listing and pruned lazily.
 """
 
 from __future__ import annotations
@@ -203,14 +208,24 @@ class SessionStore:
         finally:
             REDIS_LATENCY.labels(op).observe(time.perf_counter() - started)
 
-    async def _session_script(self, op: str, script: AsyncScript, session_id: str, *args: Any) -> list[Any]:
-        keys_ = [keys.meta_key(session_id), keys.turns_key(session_id), keys.requests_key(session_id)]
-        reply: list[Any] = await self._redis(op, lambda: script(keys=keys_, args=list(args)))
+    async def _session_script(
+        self, op: str, script: AsyncScript, owner: str, session_id: str, *args: Any
+    ) -> list[Any]:
+        """Runs a per-session script on ``owner``'s session ``session_id`` (ARGV[1] is the owner).
+
+        Never PERMISSION_DENIED: another tenant's session under the id lives under other keys
+        and is not this caller's to know of, so all the caller can be told is about its own.
+        """
+        keys_ = keys.script_keys(owner, session_id)
+        reply: list[Any] = await self._redis(op, lambda: script(keys=keys_, args=[owner, *args]))
         status = reply[0]
         if status == "missing":
             raise errors.NotFound(f"session {session_id!r} not found (never created, deleted or expired)")
-        if status == "denied":
-            raise errors.PermissionDenied(f"session {session_id!r} belongs to another owner")
+        if status == "collision":
+            # Two owners whose 128-bit key digests collide: not served, and loud.
+            raise errors.MeshError(
+                f"session {session_id!r}: the stored session's owner does not match its keys"
+            )
         return reply
 
     async def ping(self) -> None:
@@ -226,15 +241,16 @@ class SessionStore:
         reply = await self._session_script(
             "create",
             self._create,
-            new.session_id,
             new.owner,
+            new.session_id,
             new.system_prompt,
             json.dumps(dict(new.metadata), ensure_ascii=False),
             new.ttl_seconds,
             self._now_ms(),
         )
         if reply[0] == "exists":
-            await self._release_if_foreign(new.owner, new.session_id)
+            # The caller's own session (another owner's is in another namespace), so the index
+            # entry the reservation found or made is rightly there: nothing to undo.
             raise errors.AlreadyExists(f"session {new.session_id!r} already exists")
         header = decode_header(new.session_id, _pairs(reply[1]), reply[2])
         # The entry as of this creation: one an expired session under the id left keeps its old
@@ -253,7 +269,7 @@ class SessionStore:
         With ``before_request_id`` that the session stored, the turns are the newest before that
         request's own, which come apart (``SessionRead.request_turns``).
         """
-        reply = await self._session_script("get", self._get, session_id, owner, max_turns, before_request_id)
+        reply = await self._session_script("get", self._get, owner, session_id, max_turns, before_request_id)
         header = decode_header(session_id, _pairs(reply[1]), reply[2])
         return SessionRead(
             header,
@@ -287,8 +303,8 @@ class SessionStore:
         reply = await self._session_script(
             "append",
             self._append,
-            session_id,
             owner,
+            session_id,
             expected,
             now,
             self._limits.max_turns_per_session,
@@ -323,11 +339,11 @@ class SessionStore:
         return decode_header(session_id, _pairs(reply[1]), reply[2]), False
 
     async def touch(self, owner: str, session_id: str) -> SessionHeader:
-        reply = await self._session_script("touch", self._touch, session_id, owner)
+        reply = await self._session_script("touch", self._touch, owner, session_id)
         return decode_header(session_id, _pairs(reply[1]), reply[2])
 
     async def delete(self, owner: str, session_id: str) -> None:
-        reply = await self._session_script("delete", self._delete, session_id, owner)
+        reply = await self._session_script("delete", self._delete, owner, session_id)
         await self._release_index(owner, session_id, reply[1])
 
     async def _release_index(self, owner: str, session_id: str, created_at_ms: str) -> None:
@@ -349,12 +365,12 @@ class SessionStore:
         )
         rows = list(zip(flat[0::2], flat[1::2], strict=True))
         page, more = rows[:page_size], len(rows) > page_size
-        headers = await self._headers([session_id for session_id, _ in page])
+        headers = await self._headers(owner, [session_id for session_id, _ in page])
         live: list[SessionHeader] = []
         stale: list[str] = []
         cutoff = self._now_ms() - PRUNE_GRACE_MS
         for (session_id, score), header in zip(page, headers, strict=True):
-            if header is not None and header.owner == owner:
+            if header is not None:
                 live.append(header)
             elif float(score) < cutoff:
                 stale.append(session_id)
@@ -363,23 +379,66 @@ class SessionStore:
         token = encode_page_token(page[-1][1], page[-1][0]) if more else ""
         return SessionPage(tuple(live), token)
 
-    async def _headers(self, session_ids: Sequence[str]) -> list[SessionHeader | None]:
-        """Headers of many sessions (any slots) in one pipelined round trip; None where gone."""
-        if not session_ids:
+    async def _headers(self, owner: str, session_ids: Sequence[str]) -> list[SessionHeader | None]:
+        """Headers of ``owner``'s sessions (any slots), pipelined; None where it has none (gone).
+
+        A session still in the layout from before owners had keys of their own is read where it
+        is, if it is the owner's (listing is not use: it moves nothing); one more round trip,
+        for the ids not found under the owner's keys only.
+        """
+        found = await self._fetch_headers(
+            "headers",
+            [
+                [(session_id, keys.meta_key(owner, session_id), keys.turns_key(owner, session_id))]
+                for session_id in session_ids
+            ],
+        )
+        missing = [i for i, header in enumerate(found) if header is None]
+        if missing:
+            # The old layout first, then the owner's keys again: a call moving the session over
+            # meanwhile (scripts._ADOPT, atomic) cannot hide it from both reads, and a live
+            # session that both missed would be pruned from the index as gone.
+            again = await self._fetch_headers(
+                "legacy_headers",
+                [
+                    [
+                        (sid, keys.legacy_meta_key(sid), keys.legacy_turns_key(sid)),
+                        (sid, keys.meta_key(owner, sid), keys.turns_key(owner, sid)),
+                    ]
+                    for sid in (session_ids[i] for i in missing)
+                ],
+            )
+            for i, header in zip(missing, again, strict=True):
+                found[i] = header
+        # Under the owner's keys the owner always matches (but for a digest collision); an
+        # old-layout session under the id may be anyone's.
+        return [header if header is not None and header.owner == owner else None for header in found]
+
+    async def _fetch_headers(
+        self, op: str, places: Sequence[Sequence[tuple[str, str, str]]]
+    ) -> list[SessionHeader | None]:
+        """One header per entry of ``places`` in one pipelined round trip: each entry's
+        (session id, meta key, turns key) are read in order and the last one found wins."""
+        rows = [row for entry in places for row in entry]
+        if not rows:
             return []
 
         async def fetch() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
-            for session_id in session_ids:
-                pipe.hgetall(keys.meta_key(session_id))
-                pipe.llen(keys.turns_key(session_id))
+            for _, meta, turns in rows:
+                pipe.hgetall(meta)
+                pipe.llen(turns)
             return list(await pipe.execute())
 
-        replies = await self._redis("headers", fetch)
+        replies = iter(await self._redis(op, fetch))
         headers: list[SessionHeader | None] = []
-        for i, session_id in enumerate(session_ids):
-            fields, count = replies[2 * i], replies[2 * i + 1]
-            headers.append(decode_header(session_id, fields, count) if fields else None)
+        for entry in places:
+            header: SessionHeader | None = None
+            for session_id, _, _ in entry:
+                fields, count = next(replies), next(replies)
+                if fields:
+                    header = decode_header(session_id, fields, count)
+            headers.append(header)
         return headers
 
     async def _reserve_index_slot(self, owner: str, session_id: str) -> None:
@@ -404,21 +463,10 @@ class SessionStore:
         )
         cutoff = self._now_ms() - PRUNE_GRACE_MS
         old = [session_id for session_id, score in rows if score < cutoff]
-        headers = await self._headers(old)
-        stale = [
-            sid for sid, header in zip(old, headers, strict=True) if header is None or header.owner != owner
-        ]
+        headers = await self._headers(owner, old)
+        stale = [sid for sid, header in zip(old, headers, strict=True) if header is None]
         if stale:
             await self._redis("index_prune", lambda: self._client.zrem(index, *stale))
-
-    async def _release_if_foreign(self, owner: str, session_id: str) -> None:
-        """Undo a reservation made for an id that turned out to be another owner's."""
-        stored_owner = await self._redis(
-            "owner_check", lambda: self._client.hget(keys.meta_key(session_id), "owner")
-        )
-        if stored_owner != owner:
-            index = keys.owner_index_key(owner)
-            await self._redis("index_release", lambda: self._client.zrem(index, session_id))
 
     async def close(self) -> None:
         await self._client.aclose()

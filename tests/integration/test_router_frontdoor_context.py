@@ -82,8 +82,12 @@ async def test_turns_are_saved_and_come_back_as_history_for_the_tenant_only(
     assert history.version == v2
     with pytest.raises(errors.Conflict):
         await ctx.save_turn("acme", "conv-1", [("user", "late writer")], "x", v1)
-    with pytest.raises(errors.PermissionDenied, match="belongs to another tenant"):
-        await ctx.load_history("globex", "conv-1")
+    # Another tenant's "conv-1" is its own (docs/session.md, Tenants): new and empty, never a
+    # refusal that says acme uses the id (PERMISSION_DENIED until 2026-12-07).
+    theirs = await ctx.load_history("globex", "conv-1")
+    assert (theirs.exists, theirs.turns, theirs.version) == (False, [], 0)
+    assert await ctx.save_turn("globex", "conv-1", [("user", "Hi.")], "Hello.", 0) == 1
+    assert (await ctx.load_history("acme", "conv-1")).version == v2
 
 
 async def test_retrieved_chunks_become_numbered_sources_for_the_tenant_only(

@@ -224,7 +224,7 @@ def test_a_full_session_is_refused_429_before_any_answer(mesh: Mesh) -> None:
         assert held.info.turn_count == 999 and held.info.max_turns == 1000
 
 
-def test_session_id_keeps_the_conversation_and_another_tenant_is_refused_403(mesh: Mesh) -> None:
+def test_session_id_keeps_the_conversation_and_another_tenants_id_is_its_own(mesh: Mesh) -> None:
     client = mesh.client()
     first = client.chat.completions.create(
         model=mesh.model,
@@ -252,15 +252,17 @@ def test_session_id_keeps_the_conversation_and_another_tenant_is_refused_403(mes
     assert first.usage and second.usage and alone.usage
     # The router put the first exchange before the second question: the prompt is longer by it.
     assert second.usage.prompt_tokens > alone.usage.prompt_tokens + 5
-    with pytest.raises(openai.PermissionDeniedError) as refused:
-        mesh.client(key=OTHER).chat.completions.create(
-            model=mesh.model,
-            messages=[{"role": "user", "content": "Hello?"}],
-            max_tokens=2,
-            extra_body={"session_id": "sdk-session-1"},
-        )
-    assert refused.value.status_code == 403
-    assert refused.value.body["type"] == "permission_error"  # type: ignore[index]
+    # Another tenant's "sdk-session-1" is its own (docs/session.md, Tenants): a new conversation,
+    # without the first exchange in its prompt. Until 2026-12-07 it was refused, 403.
+    other = mesh.client(key=OTHER).chat.completions.create(
+        model=mesh.model,
+        messages=[{"role": "user", "content": "What is my name?"}],
+        max_tokens=4,
+        temperature=0,
+        extra_body={"session_id": "sdk-session-1"},
+    )
+    assert other.model_extra is not None and other.model_extra["llm_mesh"]["session_version"] == 1
+    assert other.usage and other.usage.prompt_tokens == alone.usage.prompt_tokens
     # The Responses API continues the same conversation, streamed too; its end says so.
     third = client.responses.create(
         model=mesh.model,

@@ -245,23 +245,80 @@ async def test_a_version_read_from_a_deleted_session_does_not_append_to_its_succ
     assert current.version == 2
 
 
-async def test_another_owners_session_is_permission_denied(channel: grpc.aio.Channel) -> None:
-    owner, intruder = SessionClient(channel, new_owner()), SessionClient(channel, new_owner())
-    await owner.create("private", system_prompt="secret")
+async def test_the_same_id_in_two_tenants_is_two_independent_sessions(channel: grpc.aio.Channel) -> None:
+    """Session ids were one namespace for all tenants: once globex had used "demo", acme was
+    PERMISSION_DENIED on it for good (a 403 through the router). Each tenant has its own now."""
+    globex, acme = SessionClient(channel, new_owner()), SessionClient(channel, new_owner())
+    await globex.create("demo", system_prompt="You are Globex's bot.", metadata={"app": "g"})
+    await globex.append("demo", [turn("globex secret: 42"), turn("noted", "assistant")], 0, "req-1")
+
+    # acme has no "demo" of its own: not found, however it asks, and nothing of globex's leaks.
     for call in (
-        intruder.get("private"),
-        intruder.touch("private"),
-        intruder.append("private", [turn("hijack")]),
-        intruder.delete("private"),
+        lambda: acme.get("demo"),
+        lambda: acme.touch("demo"),
+        lambda: acme.append("demo", [turn("hi")]),
+        lambda: acme.delete("demo"),
     ):
-        error = await rpc_error(call)
-        assert error.code() == grpc.StatusCode.PERMISSION_DENIED and "another owner" in (
-            error.details() or ""
-        )
-    assert (await rpc_error(intruder.create("private"))).code() == grpc.StatusCode.ALREADY_EXISTS
-    assert list((await intruder.list()).sessions) == []  # the failed create left nothing in its index
-    state = await owner.get("private")
-    assert state.info.version == 0 and list(state.turns) == []
+        error = await rpc_error(call())
+        assert error.code() == grpc.StatusCode.NOT_FOUND, error
+        assert str(globex.owner) not in (error.details() or "") and "42" not in (error.details() or "")
+    assert list((await acme.list()).sessions) == []
+
+    # acme's "demo" is a new session, at version 0, with none of globex's state.
+    mine = await acme.create("demo", system_prompt="You are Acme's bot.")
+    assert (mine.owner, mine.version, mine.turn_count, dict(mine.metadata)) == (acme.owner, 0, 0, {})
+    assert mine.system_prompt == "You are Acme's bot."
+    # The same request id, with other turns, is acme's own first request: not a reuse of globex's.
+    first = await acme.append("demo", [turn("acme question"), turn("acme answer", "assistant")], 0, "req-1")
+    assert (first.version, first.duplicate, first.info.turn_count) == (1, False, 2)
+    assert (await rpc_error(acme.create("demo"))).code() == grpc.StatusCode.ALREADY_EXISTS  # acme's own
+
+    theirs, ours = await globex.get("demo"), await acme.get("demo")
+    assert [t.content for t in theirs.turns] == ["globex secret: 42", "noted"]
+    assert theirs.info.system_prompt == "You are Globex's bot." and theirs.info.version == 1
+    assert [t.content for t in ours.turns] == ["acme question", "acme answer"]
+    assert ours.info.owner == acme.owner and ours.info.version == 1
+    # Versions move apart: a write to one is no conflict for the other.
+    await globex.append("demo", [turn("globex again")], 1)
+    assert (await acme.append("demo", [turn("acme again")], 1)).version == 2
+    assert [s.session_id for s in (await acme.list()).sessions] == ["demo"]
+    assert [(s.session_id, s.turn_count) for s in (await globex.list()).sessions] == [("demo", 3)]
+
+    # Deleting one leaves the other; the id is free again in acme's namespace only.
+    assert (await acme.delete("demo")).deleted
+    assert (await rpc_error(acme.get("demo"))).code() == grpc.StatusCode.NOT_FOUND
+    assert [t.content for t in (await globex.get("demo")).turns][-1] == "globex again"
+    assert (await acme.create("demo")).version == 0
+    assert (await rpc_error(globex.create("demo"))).code() == grpc.StatusCode.ALREADY_EXISTS
+
+
+async def test_what_a_tenant_is_told_never_depends_on_another_tenants_ids(channel: grpc.aio.Channel) -> None:
+    """With PERMISSION_DENIED for a taken id and NOT_FOUND for a free one, any tenant could probe
+    which ids the others used (the router's session_must_exist asks exactly that)."""
+    other = SessionClient(channel, new_owner())
+    await other.create("used-elsewhere")
+    await other.append("used-elsewhere", [turn("x")])
+    prober = SessionClient(channel, new_owner())
+
+    async def answers(session_id: str) -> list[tuple[grpc.StatusCode, str]]:
+        seen = []
+        for call in (
+            lambda: prober.get(session_id),
+            lambda: prober.touch(session_id),
+            lambda: prober.append(session_id, [turn("probe")], 0),
+            lambda: prober.delete(session_id),
+        ):
+            error = await rpc_error(call())
+            seen.append((error.code(), (error.details() or "").replace(session_id, "ID")))
+        return seen
+
+    used, unused = await answers("used-elsewhere"), await answers("never-used-by-anyone")
+    assert used == unused and {code for code, _ in used} == {grpc.StatusCode.NOT_FOUND}
+    # Taking either id is the same too, and the other tenant's session is untouched by it.
+    for session_id in ("used-elsewhere", "never-used-by-anyone"):
+        created = await prober.create(session_id)
+        assert (created.version, created.turn_count, created.owner) == (0, 0, prober.owner)
+    assert [t.content for t in (await other.get("used-elsewhere")).turns] == ["x"]
 
 
 @pytest.mark.parametrize(

@@ -43,9 +43,9 @@ def new(session_id: str, owner: str = "acme") -> NewSession:
     return NewSession(session_id=session_id, owner=owner, system_prompt="", metadata={}, ttl_seconds=600)
 
 
-async def vanish(store: SessionStore, session_id: str) -> None:
+async def vanish(store: SessionStore, session_id: str, owner: str = "acme") -> None:
     """What expiry does: the session's keys disappear while its index entry stays."""
-    await store._client.delete(keys.meta_key(session_id), keys.turns_key(session_id))
+    await store._client.delete(keys.meta_key(owner, session_id), keys.turns_key(owner, session_id))
 
 
 async def test_an_expired_session_frees_its_owners_place_once_past_the_grace(
@@ -63,14 +63,14 @@ async def test_an_expired_session_frees_its_owners_place_once_past_the_grace(
     assert [h.session_id for h in page.sessions] == ["b", "c"]
 
 
-async def test_listing_skips_and_prunes_entries_whose_session_is_gone_or_not_the_owners(
+async def test_listing_skips_and_prunes_entries_whose_session_is_gone_even_if_another_owner_uses_its_id(
     store_and_clock: tuple[SessionStore, SteppedClock],
 ) -> None:
     store, clock = store_and_clock
     await store.create(new("mine"))
     await store.create(new("reused"))
     await vanish(store, "reused")
-    await store.create(new("reused", owner="other"))  # same id, now someone else's
+    await store.create(new("reused", owner="other"))  # same id, another owner's own session
     clock.now_s += PRUNE_GRACE_MS / 1000 + 1
     page = await store.list_owned("acme", page_size=10, page_token="")
     assert [h.session_id for h in page.sessions] == ["mine"]
@@ -101,9 +101,9 @@ async def test_request_ids_expire_with_their_session_and_go_with_its_deletion(
         header, duplicate = await store.append("acme", "kept", [TurnRecord("user", "hi")], None, "req-1")
         assert (header.version, duplicate) == (1, False)
         # Left without a TTL, a session's request ids would outlive it in Redis forever.
-        assert 0 < await client.ttl(keys.requests_key("kept")) <= 600
+        assert 0 < await client.ttl(keys.requests_key("acme", "kept")) <= 600
         await store.delete("acme", "kept")
-        assert not await client.exists(keys.requests_key("kept"))
+        assert not await client.exists(keys.requests_key("acme", "kept"))
     finally:
         await store.close()
 
@@ -209,5 +209,27 @@ async def test_redis_py_s_own_out_of_memory_error_is_unavailable_too(redis_serve
     try:
         with pytest.raises(errors.DependencyUnavailable, match="unavailable during append: OOM"):
             await store._redis("append", refused)
+    finally:
+        await store.close()
+
+
+async def test_a_session_under_the_callers_keys_with_another_owner_is_never_served(
+    redis_server: RedisServer,
+) -> None:
+    """Only two owners whose 128-bit key digests collide could get there (keys.py): refused as
+    INTERNAL, never PERMISSION_DENIED (which no tenant's session gives any more) nor served."""
+    client = connect(redis_server.url, cluster=False, timeout_s=1.0, max_connections=8)
+    store = SessionStore(client, SessionLimits(), timeout_s=1.0)
+    try:
+        await store.create(new("s", owner="globex"))
+        await client.rename(keys.meta_key("globex", "s"), keys.meta_key("acme", "s"))
+        for call in (store.get("acme", "s"), store.touch("acme", "s"), store.delete("acme", "s")):
+            with pytest.raises(errors.MeshError) as refused:
+                await call
+            assert refused.value.code == errors.Code.INTERNAL and "does not match" in str(refused.value)
+        with pytest.raises(errors.MeshError) as refused:
+            await store.append("acme", "s", [TurnRecord("user", "hi")], None)
+        assert refused.value.code == errors.Code.INTERNAL
+        assert await client.exists(keys.meta_key("acme", "s"))  # and nothing deleted
     finally:
         await store.close()
