@@ -476,8 +476,8 @@ def test_echo_scores_the_prompt_as_an_evaluation_harness_reads_it(
     refused = front.post("/v1/completions", {"model": front.model, "prompt": "x", "max_tokens": 0})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
     # Characters whose bytes span tokens (most CJK ones and emoji in this vocabulary): the echo
-    # is the ids decoded as one text, as vLLM's is, while each token's own text (logprobs' tokens)
-    # stands for its part of a character.
+    # is the ids decoded as one text, as vLLM's is, while each token (logprobs' tokens) is its own
+    # text, or, a part of a character, its bytes as OpenAI names them ("bytes:\\xe4\\xbc").
     wide = tokenizer.encode("会话状态保存在 Redis 中 🌍")
     assert "".join(tokenizer.decode([i]) for i in wide) != tokenizer.decode(wide)  # split characters
     for streamed in (False, True):
@@ -489,7 +489,7 @@ def test_echo_scores_the_prompt_as_an_evaluation_harness_reads_it(
         tokens = [
             t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens
         ]
-        assert tokens == [tokenizer.decode([i]) for i in wide]
+        assert tokens == [_openai_token_name(tokenizer, i) for i in wide]
     # Streamed, the prompt comes first, with the first token, in one event (the SDK reads it).
     chunks = list(
         front.client().completions.create(
@@ -507,6 +507,92 @@ def test_echo_scores_the_prompt_as_an_evaluation_harness_reads_it(
     assert first.token_logprobs[1:] == pytest.approx(
         whole["logprobs"]["token_logprobs"][1 : len(first.token_logprobs)]
     )
+
+
+def _openai_token_name(tokenizer: Any, token_id: int) -> str:
+    """A token as OpenAI's legacy completions name it: its text, or, if its bytes are no whole
+    UTF-8 characters, ``bytes:`` and each byte as ``\\xNN`` (its bytes from GPT-2's alphabet)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = {char: byte for byte, char in bytes_to_unicode().items()}
+    raw = bytes(alphabet[char] for char in tokenizer.convert_ids_to_tokens(token_id))
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def _joined_bytes(content: Any) -> bytes:
+    return b"".join(bytes(t.bytes or []) for t in content)
+
+
+def test_logprobs_bytes_of_an_emoji_and_cjk_answer_join_into_its_utf8(front: Front) -> None:
+    # Characters whose bytes span tokens: each such token's text is U+FFFD, and its `bytes` were
+    # U+FFFD's too ([239, 191, 189]), so joining them gave "������", not the answer (what OpenAI
+    # says the field is for). They are the token's own bytes now, whole and streamed: the model
+    # repeats the emoji and CJK (17 tokens end on a whole character), or a choice forces them.
+    ask: dict[str, Any] = {
+        "model": front.model,
+        "messages": [{"role": "user", "content": "Repeat exactly: 🌊🌊 水色"}],
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    for extra, max_tokens, expected in (
+        ({}, 17, "Repeat exactly: 🌊🌊 水色\n\n"),
+        ({"guided_choice": ["🌊🌊 水色"]}, 32, "🌊🌊 水色"),
+    ):
+        whole = front.client().chat.completions.create(**ask, max_tokens=max_tokens, extra_body=extra)
+        (choice,) = whole.choices
+        assert choice.message.content == expected
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        content = choice.logprobs.content
+        assert _joined_bytes(content) == expected.encode("utf-8")
+        assert sum(t.token == "\ufffd" for t in content) >= 6  # text fields as they were
+        assert all(t.bytes != [239, 191, 189] for t in content)
+        for t in content:  # each alternative's bytes are its own too: decodable ones are its text
+            for alt in t.top_logprobs:
+                raw = bytes(alt.bytes or [])
+                assert raw.decode("utf-8", "replace") == alt.token
+            assert t.top_logprobs[0].bytes == t.bytes  # greedy: the best alternative is the token
+        streamed = front.client().chat.completions.create(
+            **ask, max_tokens=max_tokens, extra_body=extra, stream=True
+        )
+        tokens = [
+            t
+            for c in streamed
+            if c.choices and c.choices[0].logprobs
+            for t in c.choices[0].logprobs.content or []
+        ]
+        assert _joined_bytes(tokens) == expected.encode("utf-8")
+
+
+def test_legacy_top_logprobs_keep_each_byte_token_under_openais_bytes_name(front: Front) -> None:
+    # `top_logprobs` is a dict keyed by the token: every piece of a split character had the key
+    # "\ufffd", so logprobs 5 gave 1 alternative. Such a token is named by its bytes, as OpenAI
+    # names it ("bytes:\\xf0\\x9f"), in `tokens` and in the keys alike.
+    body = {
+        "model": front.model,
+        "prompt": "🌊🌊",
+        "max_tokens": 3,
+        "temperature": 0,
+        "logprobs": 5,
+        "echo": True,
+    }
+    answer = front.post("/v1/completions", body)
+    assert answer.status_code == 200, answer.text
+    logprobs = answer.json()["choices"][0]["logprobs"]
+    tokens, tops = logprobs["tokens"], logprobs["top_logprobs"]
+    assert tokens[:6] == ["bytes:\\xf0\\x9f", "bytes:\\x8c", "bytes:\\x8a"] * 2
+    for position in range(1, len(tokens)):
+        top = tops[position]
+        assert 5 <= len(top) <= 6, (position, top)  # the 5 asked for, and the chosen one if not among them
+        assert top[tokens[position]] == logprobs["token_logprobs"][position], position
+    spelled = b"".join(
+        bytes.fromhex(t.removeprefix("bytes:").replace("\\x", "")) if t.startswith("bytes:") else t.encode()
+        for t in tokens[:6]
+    )
+    assert spelled == "🌊🌊".encode()
 
 
 LM_EVAL_TASKS = {

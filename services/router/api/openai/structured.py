@@ -153,24 +153,49 @@ def _count(value: Any, where: str) -> int:
 def chat_logprobs(tokens: Sequence[common_pb2.TokenLogprobs]) -> dict[str, Any]:
     """A chat choice's ``logprobs``: ``{"content": [...]}`` in OpenAI's shape."""
     return {
-        "content": [_entry(t.text, t.logprob, [_entry(a.text, a.logprob) for a in t.top]) for t in tokens]
+        "content": [
+            _entry(
+                t.text, t.token_bytes, t.logprob, [_entry(a.text, a.token_bytes, a.logprob) for a in t.top]
+            )
+            for t in tokens
+        ]
     }
+
+
+def legacy_token(text: str, raw: bytes) -> str:
+    """A token as the legacy completions name it (``tokens``, and the keys of ``top_logprobs``):
+    its bytes decoded (its text, for a byte-level vocabulary such as SmolLM2's; a SentencePiece
+    token keeps the leading space its text drops); a token whose bytes are no whole UTF-8
+    characters (a piece of a character split across tokens) by its bytes in OpenAI's spelling,
+    ``bytes:\\xe6\\xb0``, since every such piece's text is the same U+FFFD and the dict of
+    alternatives merged them. Without bytes (a replica older than ``token_bytes``, the synthetic
+    one) its text, as before."""
+    if not raw:
+        return text
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 def text_logprobs(tokens: Sequence[common_pb2.TokenLogprobs], offset: int = 0) -> dict[str, Any]:
     """A legacy completion's ``logprobs``: parallel lists, alternatives as {token: logprob}. Each
     token's alternatives include the token itself, as OpenAI's and vLLM's do (up to logprobs + 1
-    entries; ``logprobs: 0`` gives just it), where clients read the chosen token's entry."""
+    entries; ``logprobs: 0`` gives just it), where clients read the chosen token's entry (keyed as
+    its ``tokens`` entry is: ``legacy_token``). Two alternatives that still share a key (tokens
+    of the very same bytes) keep the likelier one's logprob."""
     offsets = []
     tops = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t.text)
-        top = {a.text: _finite(a.logprob) for a in t.top}
-        top.setdefault(t.text, _finite(t.logprob))
+        top: dict[str, float] = {}
+        for a in t.top:
+            top.setdefault(legacy_token(a.text, a.token_bytes), _finite(a.logprob))
+        top.setdefault(legacy_token(t.text, t.token_bytes), _finite(t.logprob))
         tops.append(top)
     return {
-        "tokens": [t.text for t in tokens],
+        "tokens": [legacy_token(t.text, t.token_bytes) for t in tokens],
         "token_logprobs": [_finite(t.logprob) for t in tokens],
         "top_logprobs": tops,
         "text_offset": offsets,
@@ -190,8 +215,11 @@ def echo_logprobs(
     return body
 
 
-def _entry(text: str, logprob: float, top: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    entry: dict[str, Any] = {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
+def _entry(text: str, raw: bytes, logprob: float, top: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    # ``bytes`` are the token's own (``token_bytes``): a piece of a character split across tokens
+    # is its raw bytes, so joining an answer's tokens' bytes gives its UTF-8; its text's would be
+    # U+FFFD's. A replica older than the field sends none: then the text's, as before.
+    entry: dict[str, Any] = {"token": text, "logprob": _finite(logprob), "bytes": list(raw or text.encode())}
     if top is not None:
         entry["top_logprobs"] = top
     return entry
