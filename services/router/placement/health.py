@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -124,7 +125,9 @@ class ActiveHealthChecker:
         """
         replica.last_probe = time.monotonic()
         start = inference_pb2.GenerateStart(
-            request_id=f"probe-{replica.address}",
+            # Unique: the replica refuses a second live generation under one id (ALREADY_EXISTS),
+            # and two routers probing one replica at once counted that as its failure.
+            request_id=f"probe-{uuid.uuid4().hex}",
             prompt="ping",
             sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0),
         )

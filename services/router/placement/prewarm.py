@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
@@ -111,7 +112,7 @@ class SessionMover:
         if not messages:
             return False
         start = inference_pb2.GenerateStart(
-            request_id=f"prewarm-{session_id}",
+            request_id=f"prewarm-{uuid.uuid4().hex}",  # unique, as the probes' (health.py)
             messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
             sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0),
             cache_salt=cache_salt,
