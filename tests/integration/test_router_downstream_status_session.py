@@ -78,7 +78,7 @@ class FakeSession(session_pb2_grpc.SessionServicer):
 FAULT_MESSAGES = {
     grpc.StatusCode.INVALID_ARGUMENT: "session_id: fake session: {method} says INVALID_ARGUMENT",
     grpc.StatusCode.NOT_FOUND: f"session_id: {SESSION!r} not found",
-    grpc.StatusCode.PERMISSION_DENIED: f"session_id: {SESSION!r} belongs to another tenant",
+    grpc.StatusCode.PERMISSION_DENIED: f"session_id: {SESSION!r}: fake session: {{method}} says PERMISSION_DENIED",
     grpc.StatusCode.RESOURCE_EXHAUSTED: f"session {SESSION!r}: fake session: {{method}} says RESOURCE_EXHAUSTED",
 }
 

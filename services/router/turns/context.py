@@ -351,7 +351,9 @@ def _session_error(exc: grpc.aio.AioRpcError, session_id: str) -> Exception:
     code = exc.code()
     table: dict[grpc.StatusCode, Any] = {
         grpc.StatusCode.PERMISSION_DENIED: lambda: errors.PermissionDenied(
-            f"session_id: {session_id!r} belongs to another tenant"
+            # Not "another tenant's": ids are per tenant since 2026-12-07, so it is an older
+            # session service's word for that, or an mTLS refusal; its own message says which.
+            f"session_id: {session_id!r}: {detail}"
         ),
         grpc.StatusCode.INVALID_ARGUMENT: lambda: errors.InvalidArgument("session_id", detail),
         grpc.StatusCode.ABORTED: lambda: errors.Conflict(

@@ -173,7 +173,8 @@ async def test_another_tenants_session_is_permission_denied(
 ) -> None:
     session_service, _, context = services
     session_service.sessions["s2"] = FakeStoredSession(owner="globex", system_prompt="secret")
-    with pytest.raises(errors.PermissionDenied, match="session_id: 's2' belongs to another tenant"):
+    # An older session service's refusal (ids are per tenant now): its own words, naming the field.
+    with pytest.raises(errors.PermissionDenied, match="session_id: 's2': another tenant's session"):
         await context.history("acme", "s2")
 
 
