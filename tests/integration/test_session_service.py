@@ -7,7 +7,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import grpc
@@ -18,7 +17,7 @@ from services.gen.llmmesh.v1 import session_pb2 as pb
 from tests.support.processes import ROOT, ServiceProcess
 from tests.support.redis import RedisServer
 from tests.support.redis_cluster import RedisClusterServers
-from tests.support.session_client import SessionClient, turn
+from tests.support.session_client import SessionClient, new_owner, rpc_error, turn
 
 MAX_TURNS = 60
 MAX_TURN_BYTES = 2048
@@ -65,16 +64,6 @@ def session_service(
 async def channel(session_service: ServiceProcess) -> AsyncIterator[grpc.aio.Channel]:
     async with grpc.aio.insecure_channel(session_service.address) as ch:
         yield ch
-
-
-def new_owner() -> str:
-    return f"tenant-{uuid.uuid4().hex[:8]}"
-
-
-async def rpc_error(call: object) -> grpc.aio.AioRpcError:
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await call  # type: ignore[misc]
-    return info.value
 
 
 async def test_create_get_append_list_delete_round_trip(channel: grpc.aio.Channel) -> None:

@@ -24,7 +24,7 @@ from services.session.model import TurnRecord, request_digest
 from tests.support.processes import ServiceProcess
 from tests.support.redis import RedisServer
 from tests.support.redis_cluster import RedisClusterServers
-from tests.support.session_client import SessionClient, turn
+from tests.support.session_client import SessionClient, new_owner, rpc_error, turn
 
 MAX_SESSIONS = 4
 
@@ -77,16 +77,6 @@ def backend(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 async def channel(backend: Backend) -> AsyncIterator[grpc.aio.Channel]:
     async with grpc.aio.insecure_channel(backend.service.address) as ch:
         yield ch
-
-
-def new_owner() -> str:
-    return f"tenant-{uuid.uuid4().hex[:8]}"
-
-
-async def rpc_error(call: object) -> grpc.aio.AioRpcError:
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await call  # type: ignore[misc]
-    return info.value
 
 
 def store_legacy(

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import grpc
+import pytest
 
 from services.common.metadata import TENANT_KEY
 from services.gen.llmmesh.v1 import session_pb2 as pb
@@ -53,3 +55,15 @@ class SessionClient:
 
 def turn(content: str, role: str = "user", **fields: Any) -> pb.Turn:
     return pb.Turn(role=role, content=content, **fields)
+
+
+def new_owner() -> str:
+    """A tenant of its own: tests sharing one service keep out of each other's sessions."""
+    return f"tenant-{uuid.uuid4().hex[:8]}"
+
+
+async def rpc_error(call: object) -> grpc.aio.AioRpcError:
+    """The status ``call`` (an RPC's awaitable) fails with; the test fails if it succeeds."""
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call  # type: ignore[misc]
+    return info.value
