@@ -124,9 +124,14 @@ async def abort_for(exc: BaseException, context: grpc.aio.ServicerContext[Any, A
         log.warning("%s: %s: %s", method, type(exc).__name__, exc)
         message = f"{_dependency_of(exc)} is unavailable; try again"
     if code == grpc.StatusCode.INTERNAL:
-        # Logged once, here; the client only sees a short message.
+        # Logged once, here, with its traceback. A bug's own text (a KeyError's key, a path, a
+        # value from another request) is the operators', as the HTTP front keeps it: the client
+        # sees its type. The mesh's own INTERNAL (RequestFault) says what failed, in its words.
         log.error("%s failed", method, exc_info=exc)
-        message = f"internal error: {type(exc).__name__}: {exc}"
+        if isinstance(exc, errors.MeshError):
+            message = f"internal error: {type(exc).__name__}: {exc}"
+        else:
+            message = f"internal error: {type(exc).__name__}"
     if len(message) > MAX_STATUS_MESSAGE_CHARS:
         # A message echoing a huge input would overflow gRPC's metadata limit (8 KiB by default,
         # and escaped): the client would get RESOURCE_EXHAUSTED instead of this status.

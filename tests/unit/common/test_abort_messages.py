@@ -60,3 +60,19 @@ async def test_the_meshs_own_unavailable_keeps_its_message() -> None:
         grpc.StatusCode.UNAVAILABLE,
         "session service not configured (--session-addr)",
     )
+
+
+async def test_a_bugs_own_text_stays_in_the_log_and_the_caller_gets_its_type(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # "internal error: KeyError: 'tenant-b:session-9'": a bug's text can hold anything, another
+    # request's data included. The HTTP front already showed the type alone.
+    context = AbortedContext()
+    await abort_for(KeyError("tenant-b:session-9"), context, "/llmmesh.v1.Router/Chat")  # type: ignore[arg-type]
+    assert (context.code, context.message) == (grpc.StatusCode.INTERNAL, "internal error: KeyError")
+    assert "tenant-b:session-9" in caplog.text  # logged once, with its traceback
+    fault = errors.RequestFault("the engine failed on this request's rows: NaN in the logits")
+    await abort_for(fault, context, "/llmmesh.v1.Inference/Generate")  # type: ignore[arg-type]
+    assert context.message == (
+        "internal error: RequestFault: the engine failed on this request's rows: NaN in the logits"
+    )
