@@ -17,7 +17,12 @@ class FaultProxy:
     """Forwards 127.0.0.1:<port> to an upstream address, with injectable faults.
 
     - ``delay_s``: added before forwarding each chunk upstream→client (a slow replica).
-    - ``blackhole``: accept connections and swallow bytes without answering.
+    - ``blackhole``: accept connections and hold every byte, both ways, until it is lifted, as
+      TCP holds a partition's data (its retransmissions deliver it once the path is back): calls
+      stall, nothing is answered meanwhile, and nothing is lost. Dropping the bytes instead
+      broke the streams themselves (an HTTP/2 peer that missed a header block cannot decode the
+      next one): after the "outage" every call on the connection failed INTERNAL for good,
+      which no real partition does.
     Runs its own event loop in a daemon thread so sync and async tests can use it.
     """
 
@@ -54,8 +59,8 @@ class FaultProxy:
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delayed: bool) -> None:
         try:
             while data := await reader.read(65536):
-                if self.blackhole:
-                    continue
+                while self.blackhole:  # held, not read further: the sender's buffers fill, as in a partition
+                    await asyncio.sleep(0.02)
                 if delayed and self.delay_s > 0:
                     await asyncio.sleep(self.delay_s)
                 writer.write(data)
